@@ -1,0 +1,20 @@
+"""cpattn: context-parallel attention for LLM inference in PyTorch.
+
+Pure functions: tensors, a plan and a communication group go in, tensors
+come out. See README.md and DESIGN.md.
+
+>>> from cpattn import pcp_prefill, pcp_plan, simulate
+"""
+
+from cpattn.comm import Group, simulate
+from cpattn.layout.pcp import PCPPlan, pcp_plan, pcp_shard, pcp_unshard
+from cpattn.ops import attention_with_lse, merge_attn_states
+from cpattn.pcp import Context, pcp_prefill
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Group", "simulate",
+    "PCPPlan", "pcp_plan", "pcp_shard", "pcp_unshard", "pcp_prefill", "Context",
+    "attention_with_lse", "merge_attn_states",
+]

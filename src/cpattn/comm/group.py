@@ -1,0 +1,162 @@
+"""``Group``: the one communication interface every cpattn primitive takes.
+
+All collectives are functional: a tensor goes in, a new tensor comes out, and
+the input is never modified. Two implementations share this base class:
+:class:`cpattn.comm.sim.SimGroup` (threads in one process, for tests and
+notebooks) and :class:`cpattn.comm.dist.DistGroup` (torch.distributed
+functional collectives: gloo, NCCL, HCCL).
+
+Each group counts the logical bytes a rank sends and receives per collective
+kind (what a ring or pairwise algorithm moves; the same formula for both
+implementations), in ``group.stats``. Counting happens in eager code only;
+inside a torch.compile trace it is skipped, since a trace runs once.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CommStats:
+    """Per collective kind: number of calls and logical bytes sent / received by this rank."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_recv: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, sent: int, recv: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + int(sent)
+        self.bytes_recv[kind] = self.bytes_recv.get(kind, 0) + int(recv)
+
+    def total_sent(self) -> int:
+        return sum(self.bytes_sent.values())
+
+    def total_recv(self) -> int:
+        return sum(self.bytes_recv.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes_sent.clear()
+        self.bytes_recv.clear()
+
+    def as_dict(self) -> dict:
+        return {"calls": dict(self.calls), "bytes_sent": dict(self.bytes_sent), "bytes_recv": dict(self.bytes_recv)}
+
+
+class Pending:
+    """A ring exchange in flight; ``wait()`` returns the received tensor."""
+
+    def __init__(self, finish):
+        self._finish = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+
+class Group(abc.ABC):
+    """A communication group of ``size`` ranks; this object is rank ``rank``.
+
+    Collectives (all functional, equal shapes on every rank unless stated):
+
+    - ``all_gather(x, dim)``: [..., n, ...] -> [..., size*n, ...], rank order.
+    - ``reduce_scatter(x, dim)``: sum over ranks, rank r keeps chunk r of
+      ``dim`` (``x.shape[dim] % size == 0``).
+    - ``all_to_all(x, dim)``: chunk j of ``dim`` goes to rank j; the result is
+      the chunks received from ranks 0..size-1, concatenated along ``dim``.
+    - ``all_reduce(x)``: elementwise sum over ranks.
+    - ``ring_exchange(x, recv_shape, shift=1)``: send x to ``rank+shift`` and
+      receive a tensor of ``recv_shape`` from ``rank-shift``; returns a
+      :class:`Pending` so compute can overlap the transfer.
+
+    Example
+    -------
+    >>> import torch, cpattn
+    >>> cpattn.simulate(2, lambda g: g.all_gather(torch.tensor([g.rank]))[1].item())
+    [1, 1]
+    """
+
+    rank: int
+    size: int
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+
+    # -- what subclasses implement (dim 0, contiguous input) -------------------
+    @abc.abstractmethod
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _ring_start(self, x: torch.Tensor, recv: torch.Tensor, shift: int) -> Pending: ...
+
+    # -- the public, dim-aware, counted interface ------------------------------
+    def _count(self, kind: str, sent: float, recv: float) -> None:
+        if not torch.compiler.is_compiling():
+            self.stats.add(kind, int(sent), int(recv))
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        n = self.size
+        self._count("all_gather", x.nbytes * (n - 1), x.nbytes * (n - 1))
+        if n == 1:
+            return x.clone()
+        out = self._all_gather(x.movedim(dim, 0).contiguous())
+        return out.movedim(0, dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        n = self.size
+        if x.shape[dim] % n:
+            raise ValueError(
+                f"reduce_scatter: x.shape[{dim}] = {x.shape[dim]} is not divisible by the group size {n}; pad it"
+            )
+        self._count("reduce_scatter", x.nbytes * (n - 1) / n, x.nbytes * (n - 1) / n)
+        if n == 1:
+            return x.clone()
+        return self._reduce_scatter(x.movedim(dim, 0).contiguous()).movedim(0, dim)
+
+    def all_to_all(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        n = self.size
+        if x.shape[dim] % n:
+            raise ValueError(
+                f"all_to_all: x.shape[{dim}] = {x.shape[dim]} is not divisible by the group size {n}; pad it"
+            )
+        self._count("all_to_all", x.nbytes * (n - 1) / n, x.nbytes * (n - 1) / n)
+        if n == 1:
+            return x.clone()
+        return self._all_to_all(x.movedim(dim, 0).contiguous()).movedim(0, dim)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.size
+        self._count("all_reduce", 2 * x.nbytes * (n - 1) / n, 2 * x.nbytes * (n - 1) / n)
+        if n == 1:
+            return x.clone()
+        return self._all_reduce(x.contiguous())
+
+    def ring_exchange(
+        self, x: torch.Tensor, recv_shape: tuple[int, ...] | torch.Size, shift: int = 1
+    ) -> Pending:
+        """Send ``x`` to rank ``(rank+shift) % size``, receive ``recv_shape`` from ``(rank-shift) % size``."""
+        recv = x.new_empty(tuple(recv_shape))
+        self._count("ring", x.nbytes, recv.nbytes)
+        if self.size == 1 or shift % self.size == 0:
+            same = x.clone()
+            return Pending(lambda: same)
+        return self._ring_start(x.contiguous(), recv, shift)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

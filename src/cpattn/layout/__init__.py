@@ -1,0 +1,1 @@
+"""Layouts: which rank holds which token (host-side plans and index maps)."""

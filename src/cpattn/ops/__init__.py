@@ -1,0 +1,31 @@
+"""cpattn's op registry: every kernel defined once (``torch.ops.cpattn.*``).
+
+Public wrappers validate their arguments and call the registered op, so the
+same entry point serves eager code and captured graphs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cpattn.ops import registry
+from cpattn.ops.attention import attention_with_lse
+from cpattn.ops.merge import merge_attn_states
+
+
+def enable_npu() -> None:
+    """Import torch_npu and register the Ascend (``PrivateUse1``) kernels.
+
+    torch_npu is an optional extra (``pip install cpattn[npu]``) and is never
+    imported unless asked for; installing it without Ascend's CANN toolkit
+    breaks ``import torch``. Untested on hardware.
+    """
+    from cpattn.ops import npu
+
+    npu.register()
+
+
+if "torch_npu" in sys.modules:  # the user already imported it: register now
+    enable_npu()
+
+__all__ = ["attention_with_lse", "merge_attn_states", "registry", "enable_npu"]

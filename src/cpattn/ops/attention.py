@@ -1,0 +1,204 @@
+"""``attention_with_lse``: packed variable-length attention returning the LSE.
+
+Causal masks are bottom-right aligned. With ``Lq = 3`` new queries after
+``Lk - Lq = 2`` earlier keys (1 = visible)::
+
+        keys  0 1 2 3 4
+    q0        1 1 1 0 0
+    q1        1 1 1 1 0
+    q2        1 1 1 1 1
+
+Every kernel splits a causal request into an unmasked prefix block (keys
+``0 .. Lk-Lq-1``) and a causal diagonal block (the last ``Lq`` keys), and
+merges the two by LSE; queries that precede every key (``Lq > Lk``) see
+nothing and get ``(0, -inf)``. The dense block is the device's fused kernel
+(aten's CPU flash attention) or the plain reference of :mod:`cpattn.ops.ref`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from cpattn.ops import ref, registry
+
+Block = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+@registry.define("attention_with_lse")
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    raise registry.no_kernel("attention_with_lse", q)
+
+
+@registry.fake("attention_with_lse")
+def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
+    t, hq, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(t, hq, v.shape[-1]), q.new_empty(t, hq, dtype=lse_dtype)
+
+
+def _flash_cpu_block(q, k, v, causal, scale):
+    """Dense block on aten's CPU flash kernel. q [Hq,Lq,D], k/v [Hkv,Lk,D*] -> ([Hq,Lq,Dv], [Hq,Lq])."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:  # the kernel wants one head dim: pad values (MLA: 512 -> 576)
+        v = torch.nn.functional.pad(v, (0, dqk - dv))
+    elif dv > dqk:  # pad q and k with zeros: scores unchanged
+        q = torch.nn.functional.pad(q, (0, dv - dqk))
+        k = torch.nn.functional.pad(k, (0, dv - dqk))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], 0.0, causal, scale=scale
+    )
+    return out[0, ..., :dv], lse[0]
+
+
+def varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+    block: Block,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed varlen attention on top of a dense ``block`` kernel (see module doc).
+
+    q: [Tq, Hq, Dqk]; k: [Tk, Hkv, Dqk]; v: [Tk, Hkv, Dv];
+    cu_seqlens_q / cu_seqlens_k: [B+1]. Returns out [Tq, Hq, Dv] (q's dtype)
+    and lse [Tq, Hq] (float32; float64 for float64 inputs).
+    """
+    tq, hq, _ = q.shape
+    out = q.new_zeros(tq, hq, v.shape[-1])
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.full((tq, hq), float("-inf"), dtype=lse_dtype, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq)} entries, cu_seqlens_k has {len(ck)}; both must be [B+1]")
+    if cq[-1] > tq or ck[-1] > k.shape[0]:
+        raise ValueError(
+            f"cu_seqlens end at q={cq[-1]}, k={ck[-1]} but q has {tq} tokens and k has {k.shape[0]}"
+        )
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        lq, lk = q1 - q0, k1 - k0
+        if lq < 0 or lk < 0:
+            raise ValueError(f"cu_seqlens must be non-decreasing; request {b} has q_len={lq}, k_len={lk}")
+        hidden = max(lq - lk, 0) if causal else 0  # rows that precede every key
+        if lq - hidden == 0 or lk == 0:
+            continue
+        qb = q[q0 + hidden : q1].transpose(0, 1)  # [Hq, Lq', D]
+        kb, vb = k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1)  # [Hkv, Lk, D]
+        if not causal:
+            o, l = block(qb, kb, vb, False, scale)
+        else:
+            prefix = lk - qb.shape[1]  # keys every row sees
+            o, l = block(qb, kb[:, prefix:], vb[:, prefix:], True, scale)
+            if prefix > 0:
+                op, lp = block(qb, kb[:, :prefix], vb[:, :prefix], False, scale)
+                o, l = ref.merge(torch.stack([o, op]), torch.stack([l, lp]).to(lse_dtype))
+        out[q0 + hidden : q1] = o.transpose(0, 1).to(out.dtype)
+        lse[q0 + hidden : q1] = l.transpose(0, 1).to(lse_dtype)
+    return out, lse
+
+
+@registry.kernel("attention_with_lse", "cpu")
+def _attention_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
+    # float64 runs the plain reference; other dtypes the fused flash kernel
+    block = ref.dense_block if q.dtype == torch.float64 else _flash_cpu_block
+    return varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, block)
+
+
+if torch.cuda.is_available():  # pragma: no cover - needs a GPU
+
+    @registry.kernel("attention_with_lse", "cuda")
+    def _attention_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
+        # cuBLAS matmuls in fp32 with an explicit mask; a fused varlen kernel
+        # (flash-attn's varlen API) is the obvious next step.
+        return varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, ref.dense_block)
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed variable-length attention that also returns the log-sum-exp.
+
+    Arguments
+    ---------
+    q: [Tq, Hq, Dqk] -- queries of B requests, packed token-major.
+    k: [Tk, Hkv, Dqk] -- keys; ``Hq % Hkv == 0``, query head h reads kv head
+        ``h // (Hq // Hkv)`` (GQA/MQA).
+    v: [Tk, Hkv, Dv] -- values; Dv may differ from Dqk (MLA: 576 vs 512).
+    cu_seqlens_q, cu_seqlens_k: [B+1] int32/int64 -- request b owns
+        ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` and the matching keys.
+    causal: bottom-right aligned mask (query i of Lq sees keys 0 .. Lk-Lq+i).
+    softmax_scale: defaults to ``Dqk ** -0.5``.
+
+    Returns
+    -------
+    out: [Tq, Hq, Dv] in q's dtype; lse: [Tq, Hq] natural log, float32
+    (float64 for float64 inputs). A row with no visible key gets out 0 and
+    lse -inf.
+
+    Example
+    -------
+    >>> import torch
+    >>> from cpattn.ops import attention_with_lse
+    >>> q, k, v = torch.randn(5, 4, 16), torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+    >>> cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 3, 7])
+    >>> out, lse = attention_with_lse(q, k, v, cu_q, cu_k, causal=True)
+    >>> out.shape, lse.shape
+    (torch.Size([5, 4, 16]), torch.Size([5, 4]))
+    """
+    check_qkv(q, k, v)
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q has shape {tuple(cu_seqlens_q.shape)} but cu_seqlens_k has "
+            f"{tuple(cu_seqlens_k.shape)}; both must be [B+1] for the same B requests"
+        )
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return torch.ops.cpattn.attention_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Validate packed q [Tq,Hq,Dqk], k [Tk,Hkv,Dqk], v [Tk,Hkv,Dv]; raise ValueError naming the problem."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be packed [tokens, heads, head_dim]; got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on [tokens, kv_heads]")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q head_dim {q.shape[-1]} != k head_dim {k.shape[-1]}; they must match")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]}) for GQA"
+        )
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor) -> None:
+    """Validate a ``[B+1]`` integer cumulative-length tensor."""
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D [B+1]; got shape {tuple(cu.shape)}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64; got {cu.dtype}")
