@@ -17,6 +17,10 @@ import torch.distributed._functional_collectives as funcol
 
 from cpattn.comm.group import Group, Pending
 
+# newer torch names these *_single; older releases only have *_tensor
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
 
 class DistGroup(Group):
     """A torch.distributed process group seen as a cpattn ``Group``.
@@ -42,17 +46,19 @@ class DistGroup(Group):
         self.rank = dist.get_rank(self.pg)
         self.size = dist.get_world_size(self.pg)
 
+    # Results are waited on at once (``wait_tensor`` is traceable), so callers
+    # always get a plain tensor, in eager code and in graphs alike.
     def _all_gather(self, x):
-        return funcol.all_gather_tensor(x, 0, self.pg)
+        return funcol.wait_tensor(_ALL_GATHER(x, 0, self.pg))
 
     def _reduce_scatter(self, x):
-        return funcol.reduce_scatter_tensor(x, "sum", 0, self.pg)
+        return funcol.wait_tensor(_REDUCE_SCATTER(x, "sum", 0, self.pg))
 
     def _all_to_all(self, x):
-        return funcol.all_to_all_single(x, None, None, self.pg)
+        return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, self.pg))
 
     def _all_reduce(self, x):
-        return funcol.all_reduce(x, "sum", self.pg)
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.pg))
 
     def _ring_start(self, x, recv, shift):
         to = dist.get_global_rank(self.pg, (self.rank + shift) % self.size)
