@@ -30,6 +30,7 @@ from cpattn.comm.group import Group
 from cpattn.layout.pcp import PCPPlan
 from cpattn.ops import attention_with_lse, merge_attn_states
 from cpattn.ops.attention import check_qkv
+from cpattn.ops.ref import acc_dtype
 
 METHODS = ("ring", "allgather")
 
@@ -53,17 +54,18 @@ class Context:
 
 
 class _Acc:
-    """Running LSE merge of partial results in float32 over rows [T, H, Dv]."""
+    """Running LSE merge of partial results over rows [T, H, Dv], in float32 (float64 for float64 input)."""
 
-    def __init__(self, t, h, dv, device):
-        self.out = torch.zeros(t, h, dv, dtype=torch.float32, device=device)
-        self.lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=device)
+    def __init__(self, t, h, dv, like: torch.Tensor):
+        dtype = acc_dtype(like.dtype)
+        self.out = torch.zeros(t, h, dv, dtype=dtype, device=like.device)
+        self.lse = torch.full((t, h), float("-inf"), dtype=dtype, device=like.device)
 
     def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         if out.shape[0] == 0:
             return
         o, l = merge_attn_states(
-            torch.stack([self.out[rows], out.float()]), torch.stack([self.lse[rows], lse.float()])
+            torch.stack([self.out[rows], out.to(self.out.dtype)]), torch.stack([self.lse[rows], lse.to(self.lse.dtype)])
         )
         self.out[rows], self.lse[rows] = o, l
 
@@ -96,7 +98,8 @@ def pcp_prefill(
     Returns
     -------
     out: [T_r, Hq, Dv] in q's dtype, this rank's tokens (``pcp_unshard``
-    restores request order); with ``return_lse`` also lse [T_r, Hq] float32.
+    restores request order); with ``return_lse`` also lse [T_r, Hq] float32
+    (float64 for float64 inputs).
 
     Example
     -------
@@ -123,7 +126,7 @@ def pcp_prefill(
             "pass pcp_shard(x, plan, group.rank)"
         )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    acc = _Acc(q.shape[0], q.shape[1], v.shape[-1], q.device)
+    acc = _Acc(q.shape[0], q.shape[1], v.shape[-1], q)
     na = plan.num_a(r)
     rows_a, rows_b = slice(0, na), slice(na, q.shape[0])
     q_a, q_b = q[rows_a], q[rows_b]

@@ -1,0 +1,134 @@
+"""attention_with_lse against the float64 oracle: varlen, GQA, MLA dims, bottom-right causal."""
+
+import pytest
+import torch
+
+from cpattn.ops import attention_with_lse, registry
+from oracle import attention as oracle
+from oracle import plain_error
+
+CASES = [
+    # (q lens, k lens, Hq, Hkv, Dqk, Dv, causal)
+    ([5], [5], 4, 4, 16, 16, True),
+    ([3, 0, 7], [3, 0, 7], 8, 2, 32, 32, True),  # GQA, empty request
+    ([2, 4], [9, 4], 4, 1, 16, 16, True),  # new tokens after cached context (bottom-right)
+    ([6, 1], [3, 1], 4, 2, 16, 16, True),  # more queries than keys: first rows see nothing
+    ([4, 5], [6, 2], 4, 2, 16, 8, False),  # non-causal, Dv < Dqk
+    ([3, 5], [7, 5], 8, 1, 72, 64, True),  # MLA-like: one KV head, Dqk > Dv
+    ([3], [4], 2, 2, 8, 12, True),  # Dv > Dqk
+]
+
+
+def _cu(lens):
+    return torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+
+
+def _inputs(lq, lk, hq, hkv, dqk, dv, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lq), hq, dqk, generator=g).to(dtype)
+    k = torch.randn(sum(lk), hkv, dqk, generator=g).to(dtype)
+    v = torch.randn(sum(lk), hkv, dv, generator=g).to(dtype)
+    q_req = torch.cat([torch.full((n,), i) for i, n in enumerate(lq)])
+    k_req = torch.cat([torch.full((n,), i) for i, n in enumerate(lk)])
+    # bottom-right: query j of request i sits at position lk - lq + j
+    q_pos = torch.cat([torch.arange(n) + lk[i] - n for i, n in enumerate(lq)])
+    k_pos = torch.cat([torch.arange(n) for n in lk])
+    return q, k, v, q_req, k_req, q_pos, k_pos
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_oracle(case, dtype):
+    lq, lk, hq, hkv, dqk, dv, causal = case
+    q, k, v, q_req, k_req, q_pos, k_pos = _inputs(lq, lk, hq, hkv, dqk, dv, dtype)
+    out, lse = attention_with_lse(q, k, v, _cu(lq), _cu(lk), causal=causal)
+    ref_out, ref_lse = oracle(q, k, v, q_req, k_req, q_pos, k_pos, causal=causal)
+    assert out.dtype == dtype and out.shape == (sum(lq), hq, dv)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol * 10)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows with no visible key must have lse -inf"
+    torch.testing.assert_close(lse.double()[seen], ref_lse[seen], atol=tol * 10, rtol=tol * 10)
+    assert not torch.isnan(out).any() and (out[~seen] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_twice_plain_torch(dtype):
+    lq, lk = [40, 17], [60, 17]
+    q, k, v, q_req, k_req, q_pos, k_pos = _inputs(lq, lk, 8, 2, 64, 64, torch.float32, seed=1)
+    out, _ = attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk))
+    ref_out, _ = oracle(q.to(dtype), k.to(dtype), v.to(dtype), q_req, k_req, q_pos, k_pos)
+    err = (out.double() - ref_out).abs().max().item()
+    base = plain_error(q.to(dtype), k.to(dtype), v.to(dtype), q_req, k_req, q_pos, k_pos, dtype)
+    assert err <= 2 * base, (err, base)
+
+
+def test_custom_scale_and_default_scale():
+    q, k, v, q_req, k_req, q_pos, k_pos = _inputs([4], [6], 2, 2, 16, 16)
+    out, lse = attention_with_lse(q, k, v, _cu([4]), _cu([6]), softmax_scale=0.3)
+    ref_out, ref_lse = oracle(q, k, v, q_req, k_req, q_pos, k_pos, scale=0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=1e-5)
+
+
+def test_nan_outside_the_requests_is_never_read():
+    """Tokens past cu_seqlens[-1] (padding) hold NaN; results stay exact."""
+    lq, lk = [3, 4], [5, 4]
+    q, k, v, q_req, k_req, q_pos, k_pos = _inputs(lq, lk, 4, 2, 16, 16)
+    pad = lambda x: torch.cat([x, torch.full((3, *x.shape[1:]), float("nan"))])  # noqa: E731
+    out, lse = attention_with_lse(pad(q), pad(k), pad(v), _cu(lq), _cu(lk))
+    ref_out, _ = oracle(q, k, v, q_req, k_req, q_pos, k_pos)
+    torch.testing.assert_close(out[:7].double(), ref_out, atol=2e-6, rtol=1e-5)
+    assert (lse[7:] == float("-inf")).all() and (out[7:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(q=torch.randn(4, 3, 8)), "multiple of kv heads"),
+        (dict(k=torch.randn(4, 2, 4)), "head_dim"),
+        (dict(v=torch.randn(3, 2, 8)), "must agree"),
+        (dict(q=torch.randn(4, 8)), "packed"),
+        (dict(cu_seqlens_q=torch.tensor([0.0, 4.0])), "int32 or int64"),
+        (dict(cu_seqlens_k=torch.tensor([0, 2, 4])), "same B"),
+    ],
+)
+def test_bad_input_is_named(bad, match):
+    args = dict(q=torch.randn(4, 4, 8), k=torch.randn(4, 2, 8), v=torch.randn(4, 2, 8),
+                cu_seqlens_q=torch.tensor([0, 4]), cu_seqlens_k=torch.tensor([0, 4]))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        attention_with_lse(**args)
+
+
+def test_no_kernel_error_lists_devices():
+    op = torch.ops.cpattn.attention_with_lse
+    x = torch.randn(2, 2, 4, device="meta")
+    cu = torch.tensor([0, 2], device="meta")
+    err = registry.no_kernel("attention_with_lse", x)
+    assert "cpu" in str(err) and "meta" in str(err)
+    assert "cpu" in registry.kernels("attention_with_lse")
+    # meta tensors go through the fake impl, not an error
+    out, lse = op(x, x, x, cu, cu, True, 0.5)
+    assert out.shape == (2, 2, 4) and lse.dtype == torch.float32
+
+
+def test_opcheck():
+    q, k, v, *_ = _inputs([3, 4], [5, 4], 4, 2, 16, 8)
+    torch.library.opcheck(torch.ops.cpattn.attention_with_lse, (q, k, v, _cu([3, 4]), _cu([5, 4]), True, 0.25))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiles_fullgraph(backend):
+    q, k, v, *_ = _inputs([3, 4], [5, 4], 4, 2, 16, 16)
+    cq, ck = _cu([3, 4]), _cu([5, 4])
+
+    def f(q, k, v):
+        out, lse = attention_with_lse(q, k, v, cq, ck, causal=True)
+        return out * 2, lse
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=backend, fullgraph=True)(q, k, v)
+    want = f(q, k, v)
+    torch.testing.assert_close(got, want)

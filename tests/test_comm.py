@@ -1,0 +1,96 @@
+"""Group collectives on the simulated mesh and on real gloo processes: same results, same byte counts."""
+
+import pytest
+import torch
+
+import cpattn
+from cpattn.comm import CollectiveMismatch, CommTimeout
+from cpattn.comm.launch import SpawnError, spawn
+
+from gloo_cases import collectives, hang_rank1
+
+
+def expected(n):
+    out = []
+    for r in range(n):
+        x = lambda j: torch.arange(3.0) + 10 * j  # noqa: E731
+        gathered = torch.cat([x(j) for j in range(n)])
+        rs = sum(torch.arange(2.0 * n) * (j + 1) for j in range(n))[2 * r : 2 * r + 2]
+        a2a = torch.tensor([float(r) + 100 * j for j in range(n)])
+        out.append(dict(all_gather=gathered, all_gather_dim1=gathered[None], reduce_scatter=rs,
+                        all_to_all=a2a, all_reduce=sum(x(j) for j in range(n)), ring=x((r - 1) % n)))
+    return out
+
+
+def check(results, n):
+    for r, (got, want) in enumerate(zip(results, expected(n))):
+        for key, val in want.items():
+            assert torch.equal(got[key], val), (r, key, got[key], val)
+        st = got["stats"]
+        assert st["bytes_sent"]["all_gather"] == 12 * (n - 1) * 2  # two all_gathers of 12 bytes
+        assert st["bytes_sent"]["ring"] == (12 if n > 1 else 12)
+        assert st["calls"]["all_to_all"] == 1
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_simulated_collectives(n):
+    check(cpattn.simulate(n, collectives), n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gloo_collectives_match(n):
+    check(spawn(n, collectives), n)
+
+
+def test_inputs_are_not_modified_and_outputs_are_new():
+    def f(g):
+        x = torch.ones(4)
+        y = g.all_reduce(x)
+        y.add_(1)
+        return x
+    assert all(torch.equal(x, torch.ones(4)) for x in cpattn.simulate(3, f))
+
+
+def test_mismatched_collectives_fail_clearly():
+    def f(g):
+        return g.all_gather(torch.ones(2)) if g.rank == 0 else g.all_reduce(torch.ones(2))
+    with pytest.raises(RuntimeError, match="same collectives"):
+        cpattn.simulate(2, f)
+
+
+def test_mismatched_shapes_fail_clearly():
+    def f(g):
+        return g.all_gather(torch.ones(2 + g.rank))
+    with pytest.raises(RuntimeError, match="equal shapes"):
+        cpattn.simulate(2, f)
+
+
+def test_missing_peer_times_out():
+    def f(g):
+        if g.rank == 0:
+            g.all_reduce(torch.ones(1))
+    with pytest.raises(RuntimeError, match="waited"):
+        cpattn.simulate(2, f, timeout_s=0.5)
+
+
+def test_error_on_one_rank_is_reraised_not_hung():
+    def f(g):
+        if g.rank == 1:
+            raise ValueError("boom")
+        return g.all_reduce(torch.ones(1))
+    with pytest.raises(RuntimeError, match="rank 1 .*boom"):
+        cpattn.simulate(3, f, timeout_s=30)
+
+
+def test_gloo_dead_peer_is_an_error_not_a_hang():
+    with pytest.raises(SpawnError, match="rank 0"):
+        spawn(2, hang_rank1, timeout_s=5)
+
+
+def test_reduce_scatter_needs_divisible_dim():
+    with pytest.raises(RuntimeError, match="divisible"):
+        cpattn.simulate(2, lambda g: g.reduce_scatter(torch.ones(3)))
+
+
+def test_exceptions_types_exported():
+    assert issubclass(CommTimeout, TimeoutError) and issubclass(CollectiveMismatch, RuntimeError)

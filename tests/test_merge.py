@@ -1,0 +1,87 @@
+"""merge_attn_states: exact against a float64 logsumexp, overflow-safe, empty partials."""
+
+import pytest
+import torch
+
+from cpattn.ops import attention_with_lse, merge_attn_states
+
+from oracle import attention as oracle
+
+
+def test_merging_key_splits_equals_full_attention():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(6, 4, 16, generator=g), torch.randn(30, 2, 16, generator=g), torch.randn(30, 2, 16, generator=g)
+    cuts = [0, 7, 8, 21, 30]  # uneven key sets, one of a single key
+    outs, lses = [], []
+    for a, b in zip(cuts, cuts[1:]):
+        o, l = attention_with_lse(q, k[a:b], v[a:b], torch.tensor([0, 6]), torch.tensor([0, b - a]), causal=False)
+        outs.append(o)
+        lses.append(l)
+    out, lse = merge_attn_states(outs, lses)
+    zeros6, zeros30 = torch.zeros(6, dtype=torch.long), torch.zeros(30, dtype=torch.long)
+    ref_out, ref_lse = oracle(q, k, v, zeros6, zeros30, causal=False)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gap", [0.0, 30.0, 300.0, 3000.0])
+def test_large_lse_gaps_are_exact(gap):
+    o = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    l = torch.randn(2, 5, 3, dtype=torch.float64)
+    l[1] += gap
+    out, lse = merge_attn_states(o.float(), l.float())
+    want_lse = torch.logsumexp(l, 0)
+    w = torch.exp(l - want_lse)  # float64 weights
+    want_out = (w[..., None] * o).sum(0)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-6)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+
+
+def test_all_empty_gives_zero_and_minus_inf():
+    o = torch.full((3, 2, 2, 4), float("nan"))  # empty partials may hold garbage
+    l = torch.full((3, 2, 2), float("-inf"))
+    out, lse = merge_attn_states(o, l)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+def test_nan_and_inf_lse_count_as_empty():
+    o = torch.randn(3, 4, 2, 8)
+    l = torch.randn(3, 4, 2)
+    o_bad, l_bad = o.clone(), l.clone()
+    l_bad[1, 0] = float("nan")
+    l_bad[2, 1] = float("inf")
+    o_bad[1, 0] = float("nan")
+    keep = torch.ones(3, 4, 2, dtype=torch.bool)
+    keep[1, 0] = False
+    keep[2, 1] = False
+    out, lse = merge_attn_states(o_bad, l_bad)
+    l_ref = torch.where(keep, l, float("-inf")).double()
+    want_lse = torch.logsumexp(l_ref, 0)
+    want_out = (torch.exp(l_ref - want_lse)[..., None] * torch.where(keep[..., None], o, 0).double()).sum(0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_partials_keep_dtype_and_merge_in_fp32():
+    o = torch.randn(4, 3, 2, 8).bfloat16()
+    l = torch.randn(4, 3, 2)
+    out, lse = merge_attn_states(o, l)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want = (torch.softmax(l.double(), 0)[..., None] * o.double()).sum(0)
+    assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match="outs"):
+        merge_attn_states(torch.randn(2, 3, 4), torch.randn(2, 3))
+    with pytest.raises(ValueError, match="N >= 1"):
+        merge_attn_states(torch.randn(0, 3, 4, 2), torch.randn(0, 3, 4))
+
+
+def test_opcheck_and_compile():
+    o, l = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2)
+    torch.library.opcheck(torch.ops.cpattn.merge_attn_states, (o, l))
+    torch._dynamo.reset()
+    got = torch.compile(merge_attn_states, backend="aot_eager", fullgraph=True)(o, l)
+    torch.testing.assert_close(got, merge_attn_states(o, l))
