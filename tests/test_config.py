@@ -1,0 +1,171 @@
+"""ParallelConfig: every attention rule of the CP guide, valid and invalid, table-driven.
+
+Each invalid row names the parameter the error must blame and a phrase of the
+rule; every error must also carry the values seen and a fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from cpattn.config import ParallelConfig
+
+PD = dict(kv_transfer="pd")
+
+# (id, kwargs, None for valid | (param blamed, phrase of the message))
+CASES = [
+    # defaults and sizes
+    ("defaults", {}, None),
+    ("tp0", dict(tp_size=0), ("tp_size", "positive int")),
+    ("pcp_negative", dict(pcp_size=-2), ("pcp_size", "positive int")),
+    ("dcp_bool", dict(dcp_size=True), ("dcp_size", "positive int")),
+    ("block_float", dict(block_size=128.0), ("block_size", "positive int")),
+    ("kv_heads_zero", dict(num_kv_heads=0), ("num_kv_heads", "positive int")),
+    ("spec_tokens_negative", dict(num_speculative_tokens=-1), ("num_speculative_tokens", ">= 0")),
+    ("attention_unknown", dict(attention="mha"), ("attention", "one of")),
+    ("graph_unknown", dict(graph_mode="EAGER"), ("graph_mode", "one of")),
+    ("kv_transfer_unknown", dict(kv_transfer="rdma"), ("kv_transfer", "one of")),
+    ("kv_role_unknown", dict(kv_role="prefill", **PD), ("kv_role", "one of")),
+    ("draft_sampling_empty", dict(draft_sampling=""), ("draft_sampling", "non-empty")),
+    ("world_not_multiple", dict(tp_size=4, world_size=6), ("world_size", "multiple of tp_size")),
+    ("world_multiple", dict(tp_size=4, world_size=8), None),
+    ("case_insensitive", dict(attention="MLA", graph_mode="full_decode_only", pcp_size=2), None),
+    # DCP with MLA / DSA: tp >= dcp and tp % dcp == 0
+    ("mla_dcp_eq_tp", dict(attention="mla", tp_size=8, dcp_size=8), None),
+    ("mla_dcp_divides", dict(attention="mla", tp_size=8, dcp_size=2), None),
+    ("mla_dcp_gt_tp", dict(attention="mla", tp_size=4, dcp_size=8), ("dcp_size", "tp_size >= dcp_size")),
+    ("mla_dcp_not_divisor", dict(attention="mla", tp_size=6, dcp_size=4), ("dcp_size", "tp_size % dcp_size == 0")),
+    ("dsa_dcp_ok", dict(attention="dsa", tp_size=16, dcp_size=4), None),
+    ("dsa_dcp_not_divisor", dict(attention="dsa", tp_size=8, dcp_size=3), ("dcp_size", "MLA/DSA")),
+    ("mla_ignores_kv_heads", dict(attention="mla", tp_size=8, dcp_size=8, num_kv_heads=128), None),
+    # DCP with GQA: (tp // kv_heads) >= dcp and (tp // kv_heads) % dcp == 0
+    ("gqa_dcp_ok", dict(tp_size=8, dcp_size=2, num_kv_heads=4), None),
+    ("gqa_dcp_max", dict(tp_size=16, dcp_size=4, num_kv_heads=4), None),
+    ("gqa_dcp_too_big", dict(tp_size=8, dcp_size=4, num_kv_heads=4), ("dcp_size", "(tp_size // num_kv_heads) >= dcp_size")),
+    ("gqa_dcp_not_divisor", dict(tp_size=12, dcp_size=2, num_kv_heads=4), ("dcp_size", "% dcp_size == 0")),
+    ("gqa_tp_below_heads", dict(tp_size=4, dcp_size=2, num_kv_heads=8), ("dcp_size", "tp_size // num_kv_heads = 0")),
+    ("gqa_dcp_needs_heads", dict(tp_size=8, dcp_size=2), ("num_kv_heads", "KV head count")),
+    ("gqa_no_dcp_no_heads", dict(tp_size=8), None),
+    # PCP and DCP not both on, unless opted in
+    ("pcp_and_dcp", dict(attention="mla", tp_size=2, pcp_size=2, dcp_size=2), ("pcp_size", "cannot both be enabled")),
+    ("pcp_and_dcp_opt_in", dict(attention="mla", tp_size=2, pcp_size=2, dcp_size=2, allow_pcp_with_dcp=True), None),
+    ("pcp_alone", dict(tp_size=2, pcp_size=4), None),
+    # DSA-CP
+    ("dsa_cp", dict(attention="dsa", tp_size=8, enable_dsa_cp=True), None),
+    ("dsa_cp_with_pcp", dict(attention="dsa", tp_size=8, pcp_size=2, enable_dsa_cp=True), ("enable_dsa_cp", "PCP and DSA-CP")),
+    ("dsa_cp_on_gqa", dict(attention="gqa", enable_dsa_cp=True), ("enable_dsa_cp", "DSA (sparse) attention only")),
+    ("dsa_pcp_without_dsa_cp", dict(attention="dsa", tp_size=1, pcp_size=8), None),
+    # interleave size
+    ("interleave_divides", dict(block_size=128, cp_kv_cache_interleave_size=16, tp_size=2, dcp_size=2, attention="mla"), None),
+    ("interleave_not_divisor", dict(block_size=128, cp_kv_cache_interleave_size=48), ("cp_kv_cache_interleave_size", "block_size % cp_kv_cache_interleave_size == 0")),
+    ("interleave_gt_block", dict(block_size=64, cp_kv_cache_interleave_size=128), ("cp_kv_cache_interleave_size", "% cp_kv_cache_interleave_size")),
+    ("transfer_interleave_eq_block", dict(attention="mla", tp_size=2, dcp_size=2, cp_kv_cache_interleave_size=128, kv_transfer="pool"), None),
+    ("transfer_interleave_ne_block", dict(attention="mla", tp_size=2, dcp_size=2, kv_transfer="pool"), ("cp_kv_cache_interleave_size", "KV transfer")),
+    ("transfer_pd_dcp_interleave", dict(attention="mla", tp_size=2, dcp_size=2, block_size=64, cp_kv_cache_interleave_size=32, kv_role="kv_consumer", **PD), ("cp_kv_cache_interleave_size", "set cp_kv_cache_interleave_size=64")),
+    ("transfer_pcp_interleave", dict(pcp_size=2, kv_role="kv_producer", **PD), ("cp_kv_cache_interleave_size", "== block_size")),
+    ("transfer_without_cp", dict(kv_role="kv_consumer", **PD), None),
+    # P/D roles
+    ("pd_producer_pcp", dict(pcp_size=2, kv_role="kv_producer", cp_kv_cache_interleave_size=128, **PD), None),
+    ("pd_consumer_pcp", dict(pcp_size=2, kv_role="kv_consumer", cp_kv_cache_interleave_size=128, **PD), ("pcp_size", "decode (kv_consumer) engine")),
+    ("pd_both_pcp", dict(pcp_size=2, kv_role="kv_both", cp_kv_cache_interleave_size=128, **PD), ("pcp_size", "only the prefill (kv_producer)")),
+    ("pd_consumer_dcp", dict(attention="mla", tp_size=4, dcp_size=4, kv_role="kv_consumer", cp_kv_cache_interleave_size=128, **PD), None),
+    ("pd_needs_role", dict(kv_transfer="pd"), ("kv_role", "has a role")),
+    ("role_without_pd", dict(kv_role="kv_producer"), ("kv_role", 'kv_transfer="pd"')),
+    ("role_with_pool", dict(kv_role="kv_producer", kv_transfer="pool"), ("kv_role", 'kv_transfer="pd"')),
+    # KV pooling with PCP: non-layerwise connector only
+    ("pool_pcp", dict(pcp_size=2, kv_transfer="pool", cp_kv_cache_interleave_size=128), None),
+    ("pool_pcp_layerwise", dict(pcp_size=2, kv_transfer="pool", kv_pool_layerwise=True, cp_kv_cache_interleave_size=128), ("kv_pool_layerwise", "not layerwise")),
+    ("pool_layerwise_no_pcp", dict(kv_transfer="pool", kv_pool_layerwise=True), None),
+    # graph mode with PCP
+    ("pcp_eager", dict(pcp_size=2, graph_mode="NONE"), None),
+    ("pcp_full_decode_only", dict(pcp_size=2, graph_mode="FULL_DECODE_ONLY"), None),
+    ("pcp_piecewise", dict(pcp_size=2, graph_mode="PIECEWISE"), ("graph_mode", "FULL_DECODE_ONLY")),
+    ("pcp_full", dict(pcp_size=2, graph_mode="FULL"), ("graph_mode", "FULL_DECODE_ONLY")),
+    ("pcp_full_and_piecewise", dict(pcp_size=2, graph_mode="FULL_AND_PIECEWISE"), ("graph_mode", "FULL_DECODE_ONLY")),
+    ("no_pcp_piecewise", dict(graph_mode="PIECEWISE"), None),
+    # speculative decoding with PCP
+    ("spec_tokens_without_method", dict(num_speculative_tokens=3), ("num_speculative_tokens", "need a speculative method")),
+    ("spec_method_without_tokens", dict(speculative_method="mtp", attention="mla"), ("num_speculative_tokens", "at least one")),
+    ("pcp_mla_mtp", dict(attention="mla", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3), None),
+    ("pcp_dsa_mtp", dict(attention="dsa", pcp_size=2, speculative_method="mtp", num_speculative_tokens=1), None),
+    ("pcp_dsa_dspark", dict(attention="dsa", pcp_size=2, speculative_method="dspark", num_speculative_tokens=2), None),
+    ("pcp_gqa_eagle3", dict(attention="gqa", pcp_size=2, speculative_method="eagle3", num_speculative_tokens=3), None),
+    ("pcp_gqa_mtp", dict(attention="gqa", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3), ("speculative_method", "Eagle3 for GQA")),
+    ("pcp_mla_eagle3", dict(attention="mla", pcp_size=2, speculative_method="eagle3", num_speculative_tokens=3), ("speculative_method", "MTP for MLA")),
+    ("pcp_mla_ngram", dict(attention="mla", pcp_size=2, speculative_method="ngram", num_speculative_tokens=3), ("speculative_method", "['mtp']")),
+    ("no_pcp_any_method", dict(attention="mla", speculative_method="ngram", num_speculative_tokens=3, draft_sampling="random"), None),
+    ("pcp_draft_random", dict(attention="mla", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3, draft_sampling="random"), ("draft_sampling", "must be greedy")),
+    ("pcp_draft_sfa", dict(attention="dsa", pcp_size=2, speculative_method="mtp", num_speculative_tokens=1, draft_attention="sfa"), ("draft_attention", "SFA draft attention")),
+    ("no_pcp_draft_sfa", dict(attention="dsa", speculative_method="mtp", num_speculative_tokens=1, draft_attention="sfa"), None),
+    ("pcp_adaptive", dict(attention="mla", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3, adaptive_verification=True), ("adaptive_verification", "adaptive verification")),
+    ("no_pcp_adaptive", dict(attention="mla", speculative_method="mtp", num_speculative_tokens=3, adaptive_verification=True), None),
+    # the guide's own example commands
+    ("guide_mla_mtp", dict(attention="mla", tp_size=2, pcp_size=2, speculative_method="mtp", num_speculative_tokens=3, graph_mode="FULL_DECODE_ONLY"), None),
+    ("guide_dcp_glm", dict(attention="dsa", tp_size=8, pcp_size=1, dcp_size=8, block_size=128, cp_kv_cache_interleave_size=128), None),
+    ("guide_dcp_pd", dict(attention="mla", tp_size=2, dcp_size=2, cp_kv_cache_interleave_size=128, kv_role="kv_consumer", **PD), None),
+]
+
+
+@pytest.mark.parametrize("kwargs, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_rules(kwargs, expected):
+    if expected is None:
+        cfg = ParallelConfig(**kwargs)
+        assert cfg.problems() == []
+        return
+    param, phrase = expected
+    with pytest.raises(ValueError) as info:
+        ParallelConfig(**kwargs)
+    msg = str(info.value)
+    lines = [line for line in msg.splitlines() if line.startswith(f"  - {param}: ")]
+    assert lines, f"no problem blames {param!r} in:\n{msg}"
+    assert any(phrase in line for line in lines), f"{phrase!r} not in:\n{msg}"
+    for line in msg.splitlines()[1:]:  # every problem: param, values seen, rule, fix
+        assert re.match(r"  - \w+: saw .+; rule: .+; fix: .+", line), line
+
+
+def test_every_problem_reported_at_once():
+    with pytest.raises(ValueError) as info:
+        ParallelConfig(attention="mla", tp_size=2, pcp_size=2, dcp_size=2, graph_mode="FULL",
+                       speculative_method="eagle3", num_speculative_tokens=1, draft_sampling="random")
+    msg = str(info.value)
+    assert msg.startswith("invalid ParallelConfig (4 problems):")
+    for param in ("pcp_size", "graph_mode", "speculative_method", "draft_sampling"):
+        assert f"  - {param}: " in msg
+
+
+def test_fix_is_actionable():
+    # applying the suggested dcp sizes gives valid configs
+    with pytest.raises(ValueError, match=r"use dcp_size in \[1, 2\]"):
+        ParallelConfig(tp_size=8, dcp_size=4, num_kv_heads=4)
+    for dcp in (1, 2):
+        ParallelConfig(tp_size=8, dcp_size=dcp, num_kv_heads=4)
+    with pytest.raises(ValueError, match=r"use dcp_size in \[1, 2, 3, 6\]"):
+        ParallelConfig(tp_size=6, dcp_size=4, attention="mla")
+
+
+@pytest.mark.parametrize("tp, pcp, world, expected", [(1, 1, None, 1), (2, 2, None, 4), (4, 2, 8, 16), (8, 1, 16, 16)])
+def test_world_size_with_pcp(tp, pcp, world, expected):
+    cfg = ParallelConfig(tp_size=tp, pcp_size=pcp, world_size=world)
+    assert cfg.world_size_with_pcp == expected == pcp * cfg.original_world_size
+
+
+def test_dcp_adds_no_ranks():
+    cfg = ParallelConfig(tp_size=8, dcp_size=8, attention="mla")
+    assert cfg.world_size_with_pcp == 8
+
+
+def test_frozen_and_replace_revalidates():
+    cfg = ParallelConfig(tp_size=2, attention="mla")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tp_size = 4  # type: ignore[misc]
+    assert cfg.replace(tp_size=4, dcp_size=4).world_size_with_pcp == 4  # world_size follows tp_size
+    with pytest.raises(ValueError, match="dcp_size"):
+        cfg.replace(dcp_size=4)
+
+
+def test_normalised_names():
+    cfg = ParallelConfig(attention="GQA", graph_mode="full_decode_only", kv_transfer="PD", kv_role="KV_Producer")
+    assert (cfg.attention, cfg.graph_mode, cfg.kv_transfer, cfg.kv_role) == ("gqa", "FULL_DECODE_ONLY", "pd", "kv_producer")
