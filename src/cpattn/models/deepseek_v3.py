@@ -1,0 +1,303 @@
+"""DeepSeek-V3 (MLA attention, DeepSeek MoE) as a pure function.
+
+MLA runs in the absorbed ("MQA") form for prefill and decode alike: the
+cache holds one row per token, ``[c | k_rope]`` (``kv_lora_rank +
+qk_rope_head_dim`` dims, 576 in DeepSeek-V3), which is the single key head;
+values are its first ``kv_lora_rank`` dims. Per head h, ``W_UK[h]`` is
+folded into the query and ``W_UV[h]`` applied after attention::
+
+    q_lat[t,h]  = q_nope[t,h] @ W_UK[h]          # [kv_lora_rank]
+    score[t,s]  = (q_lat[t,h] . c[s] + q_rope[t,h] . k_rope[s]) * scale
+    out[t,h]    = (softmax(score) @ c) @ W_UV[h]^T   # [v_head_dim]
+
+which equals the reference's expanded form (per-head keys and values built
+from the latent). ``scale = qk_head_dim**-0.5``, times ``mscale**2`` under
+YaRN with ``mscale_all_dim`` (DeepSeek-V3's released config).
+
+Supported: q LoRA (``q_lora_rank``) or a plain ``q_proj``; interleaved or
+half-split RoPE (``rope_interleave``); RoPE ``default`` and ``yarn``; dense
+layers below ``first_k_dense_replace`` and MoE above, computed exactly
+(sigmoid router with ``e_score_correction_bias``, group-limited top-k,
+shared experts; one expert at a time). Not supported: FP8 checkpoints,
+the multi-token-prediction layer (ignored), ``attention_bias``.
+
+Example
+-------
+>>> import torch
+>>> from cpattn.models import deepseek_v3 as ds
+>>> cfg = ds.DeepseekV3Config.tiny()
+>>> params = ds.init_params(cfg, seed=0)
+>>> step = ds.empty_cache(cfg, batch=1, max_len=8).step([4])
+>>> ds.forward(params, cfg, torch.tensor([1, 2, 3, 4]), step).shape
+torch.Size([4, 64])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cpattn.models.cache import DenseKVCache
+from cpattn.models.common import (
+    Attention,
+    config_dict,
+    moe_experts,
+    moe_route,
+    rms_norm,
+    rope_cos_sin,
+    rope_half,
+    rope_interleaved,
+    rope_inv_freq,
+    rope_parameters,
+    swiglu,
+    yarn_mscale,
+)
+from cpattn.models.qwen3 import lm_head
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    """The DeepSeek-V3 hyper-parameters the forward pass reads (names as in config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    mlp_layer_types: tuple[str, ...]  # "dense" or "sparse" per layer
+    rms_norm_eps: float = 1e-6
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, config: Any) -> DeepseekV3Config:
+        """From a transformers config (DeepSeek-V3 or -V3.2), a config.json dict, or a checkpoint path."""
+        d = config_dict(config)
+        if d.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported by cpattn.models.deepseek_v3")
+        n = d["num_hidden_layers"]
+        types = d.get("mlp_layer_types")
+        if not types:
+            k = min(d.get("first_k_dense_replace") or 0, n)
+            types = ["dense"] * k + ["sparse"] * (n - k)
+            if not d.get("n_routed_experts"):
+                types = ["dense"] * n
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
+            num_hidden_layers=n,
+            num_attention_heads=d["num_attention_heads"],
+            kv_lora_rank=d["kv_lora_rank"],
+            q_lora_rank=d.get("q_lora_rank"),
+            qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"],
+            v_head_dim=d["v_head_dim"],
+            n_routed_experts=d.get("n_routed_experts") or 0,
+            n_shared_experts=d.get("n_shared_experts") or 0,
+            num_experts_per_tok=d.get("num_experts_per_tok") or 0,
+            n_group=d.get("n_group") or 1,
+            topk_group=d.get("topk_group") or 1,
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            mlp_layer_types=tuple(types),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope=rope_parameters(d),
+            rope_interleave=bool(d.get("rope_interleave", True)),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def tiny(cls, **over) -> DeepseekV3Config:
+        """A tiny test/demo configuration (2 layers, hidden 64, 4 experts, vocab 64)."""
+        base = dict(
+            vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, mlp_layer_types=("dense", "sparse"),
+        )
+        base.update(over)
+        return cls(**base)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``qk_head_dim**-0.5``, times ``mscale(factor, mscale_all_dim)**2`` under YaRN."""
+        scale = self.qk_head_dim**-0.5
+        if self.rope.get("rope_type", "default") != "default" and self.rope.get("mscale_all_dim"):
+            m = yarn_mscale(self.rope["factor"], self.rope["mscale_all_dim"])
+            scale = scale * m * m
+        return scale
+
+    @property
+    def kv_dims(self) -> tuple[int, int, int, bool]:
+        """(kv heads, key dim, value dim, values-share-keys) of one latent cache row."""
+        return 1, self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank, True
+
+
+def empty_cache(cfg: DeepseekV3Config, *, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> DenseKVCache:
+    """A dense single-device latent cache ([B, max_len, 1, kv_lora_rank + rope] per layer)."""
+    h, dk, dv, shared = cfg.kv_dims
+    return DenseKVCache.empty(num_layers=cfg.num_hidden_layers, batch=batch, max_len=max_len, kv_heads=h,
+                              dk=dk, dv=dv, shared_v=shared, dtype=dtype, device=device)
+
+
+def mla_project(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """MLA projections of one layer in absorbed form.
+
+    x: [T, H] (after input_layernorm); cos, sin: [T, rope/2].
+    Returns (q [T, Hq, r + rope], kv [T, 1, r + rope], q_lora [T, q_lora_rank] or None)
+    with r = kv_lora_rank; q_lora is the normalized query latent (the DSA
+    indexer reads it).
+    """
+    t, nh = x.shape[0], cfg.num_attention_heads
+    nope, rope_d, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q_lora = None
+    if cfg.q_lora_rank is None:
+        q = F.linear(x, p[pre + "q_proj.weight"])
+    else:
+        q_lora = rms_norm(F.linear(x, p[pre + "q_a_proj.weight"]), p[pre + "q_a_layernorm.weight"], cfg.rms_norm_eps)
+        q = F.linear(q_lora, p[pre + "q_b_proj.weight"])
+    q = q.view(t, nh, nope + rope_d)  # [T, Hq, nope + rope]
+    q_nope, q_rope = q[..., :nope], q[..., nope:]
+    ckv = F.linear(x, p[pre + "kv_a_proj_with_mqa.weight"])  # [T, r + rope]
+    c = rms_norm(ckv[:, :r], p[pre + "kv_a_layernorm.weight"], cfg.rms_norm_eps)  # [T, r]
+    k_rope = ckv[:, None, r:]  # [T, 1, rope]
+    rot = rope_interleaved if cfg.rope_interleave else rope_half
+    q_rope, k_rope = rot(q_rope, cos, sin), rot(k_rope, cos, sin)
+    w_uk = p[pre + "kv_b_proj.weight"].view(nh, nope + cfg.v_head_dim, r)[:, :nope]  # [Hq, nope, r]
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hq, r]
+    q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, Hq, r + rope]
+    kv = torch.cat([c[:, None], k_rope], dim=-1)  # [T, 1, r + rope]
+    return q_full, kv, q_lora
+
+
+def mla_output(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, o_lat: torch.Tensor) -> torch.Tensor:
+    """Latent attention output [T, Hq, r] -> o_proj output [T, H] via W_UV."""
+    nh, nope, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    w_uv = p[pre + "kv_b_proj.weight"].view(nh, nope + cfg.v_head_dim, r)[:, nope:]  # [Hq, v, r]
+    o = torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, Hq, v]
+    return F.linear(o.reshape(o.shape[0], -1), p[pre + "o_proj.weight"])
+
+
+def mlp(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """The layer's dense SwiGLU MLP or its MoE block (routed experts + shared experts). x: [T, H] -> [T, H]."""
+    pre = f"model.layers.{layer}.mlp."
+    if cfg.mlp_layer_types[layer] == "dense":
+        return swiglu(x, p[pre + "gate_proj.weight"], p[pre + "up_proj.weight"], p[pre + "down_proj.weight"])
+    weights, experts = moe_route(
+        x, p[pre + "gate.weight"], p[pre + "gate.e_score_correction_bias"], top_k=cfg.num_experts_per_tok,
+        n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+    y = moe_experts(x, weights, experts, p[pre + "experts.gate_up_proj"], p[pre + "experts.down_proj"])
+    if cfg.n_shared_experts:
+        s = pre + "shared_experts."
+        y = y + swiglu(x, p[s + "gate_proj.weight"], p[s + "up_proj.weight"], p[s + "down_proj.weight"])
+    return y
+
+
+def forward(
+    params: dict[str, torch.Tensor],
+    cfg: DeepseekV3Config,
+    tokens: torch.Tensor,
+    attn: Attention,
+    *,
+    logits_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits of one step's packed tokens.
+
+    Arguments
+    ---------
+    params: Hugging Face names -> tensors (routed experts stacked, see
+        :func:`cpattn.models.common.normalize_params`).
+    tokens: [T] int64; attn: the step of a latent KV cache (``attn.positions``
+        [T] give RoPE positions); logits_index: optional [T'] rows to project.
+
+    Returns
+    -------
+    logits: [T or T', vocab_size].
+    """
+    p, eps = params, cfg.rms_norm_eps
+    h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
+    inv_freq, att_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
+    cos, sin = rope_cos_sin(attn.positions, inv_freq, att_factor, h.dtype)  # [T, rope/2]
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}.self_attn."
+        x = rms_norm(h, p[f"model.layers.{i}.input_layernorm.weight"], eps)
+        q, kv, _ = mla_project(p, cfg, pre, x, cos, sin)
+        o_lat = attn(i, q, kv, None, cfg.softmax_scale)  # [T, Hq, r]
+        h = h + mla_output(p, cfg, pre, o_lat)
+        x = rms_norm(h, p[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
+        h = h + mlp(p, cfg, i, x)
+    h = rms_norm(h, p["model.norm.weight"], eps)
+    if logits_index is not None:
+        h = h[logits_index]
+    return F.linear(h, lm_head(p, cfg))
+
+
+def init_params(cfg: DeepseekV3Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Random parameters with the Hugging Face names (normal(0, std); norms at 1). For demos and tests."""
+    g = torch.Generator().manual_seed(seed)
+    hs, nh, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype)
+
+    p = {"model.embed_tokens.weight": rnd(cfg.vocab_size, hs), "model.norm.weight": ones(hs)}
+    if not cfg.tie_word_embeddings:
+        p["lm_head.weight"] = rnd(cfg.vocab_size, hs)
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        p[f"model.layers.{i}.input_layernorm.weight"] = ones(hs)
+        p[f"model.layers.{i}.post_attention_layernorm.weight"] = ones(hs)
+        if cfg.q_lora_rank is None:
+            p[a + "q_proj.weight"] = rnd(nh * cfg.qk_head_dim, hs)
+        else:
+            p[a + "q_a_proj.weight"] = rnd(cfg.q_lora_rank, hs)
+            p[a + "q_a_layernorm.weight"] = ones(cfg.q_lora_rank)
+            p[a + "q_b_proj.weight"] = rnd(nh * cfg.qk_head_dim, cfg.q_lora_rank)
+        p[a + "kv_a_proj_with_mqa.weight"] = rnd(r + cfg.qk_rope_head_dim, hs)
+        p[a + "kv_a_layernorm.weight"] = ones(r)
+        p[a + "kv_b_proj.weight"] = rnd(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r)
+        p[a + "o_proj.weight"] = rnd(hs, nh * cfg.v_head_dim)
+        if cfg.mlp_layer_types[i] == "dense":
+            im = cfg.intermediate_size
+            p.update({m + "gate_proj.weight": rnd(im, hs), m + "up_proj.weight": rnd(im, hs), m + "down_proj.weight": rnd(hs, im)})
+        else:
+            e, im = cfg.n_routed_experts, cfg.moe_intermediate_size
+            p[m + "gate.weight"] = rnd(e, hs).float()
+            p[m + "gate.e_score_correction_bias"] = torch.zeros(e)
+            p[m + "experts.gate_up_proj"] = rnd(e, 2 * im, hs)
+            p[m + "experts.down_proj"] = rnd(e, hs, im)
+            if cfg.n_shared_experts:
+                sm = im * cfg.n_shared_experts
+                p.update({m + "shared_experts.gate_proj.weight": rnd(sm, hs), m + "shared_experts.up_proj.weight": rnd(sm, hs),
+                          m + "shared_experts.down_proj.weight": rnd(hs, sm)})
+    return p
