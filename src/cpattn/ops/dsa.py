@@ -1,0 +1,419 @@
+"""DeepSeek Sparse Attention ops: lightning indexer, exact top-k, sparse MLA (DESIGN.md §4.4).
+
+Three ops, each defined once in the registry (schema + fake + CPU kernel;
+the plain references live in :mod:`cpattn.ops.dsa_ref`):
+
+- ``indexer_scores``: ``I[t, s] = sum_h w[t,h] * relu(q_I[t,h] . k_I[key_start[t] + s])``
+  in float32 for ``s < visible[t]``, ``-inf`` elsewhere. Packed varlen
+  batches describe each query's keys by where its request's keys start in
+  ``k_I`` and how many of them it sees (causal: ``pos + 1``); see
+  :func:`causal_key_ranges`. DeepSeek-V3.2 folds ``H_I**-0.5 * D_I**-0.5``
+  into ``w``; positive constants never change the selection.
+- ``topk_indices``: the k best columns per row in one strict total order,
+  score descending then column ascending, so ties are broken the same way
+  on every device and every shard; ``-1`` pads rows with fewer than k
+  visible keys.
+- ``sparse_mla_attention_with_lse``: absorbed MLA ("MQA" form, one latent KV
+  head) over the selected cache rows only: keys are the ``Dqk = 576`` dim
+  ``[latent 512 | rope 64]`` entries, values their first ``value_dim = 512``
+  dims; ``-1`` indices are ignored; returns the fp32 LSE for merging.
+
+The softmax scale is always explicit and is the model's:
+``qk_head_dim**-0.5 * mscale**2`` (DeepSeek-V3.2: ``qk_head_dim = 128 + 64 =
+192``; with YaRN ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``), never
+``576**-0.5``; :func:`mla_softmax_scale` computes it.
+
+Optional FP8: ``indexer_scores(..., fp8=True)`` simulates the e4m3 indexer of
+the reference design (per-token key scales, per-token-per-head query scales,
+folded into ``w``); :func:`selection_mismatch` reports how often the selected
+set differs from the fp32 one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cpattn.ops import dsa_ref, registry
+
+# elements of one fp32 work buffer in the chunked CPU kernels (64 MiB)
+_CHUNK_ELEMS = 1 << 24
+
+
+# --------------------------------------------------------------------------- indexer_scores
+@registry.define("indexer_scores")
+def _indexer_op(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, key_start: torch.Tensor, visible: torch.Tensor, max_keys: int
+) -> torch.Tensor:
+    raise registry.no_kernel("indexer_scores", q)
+
+
+@registry.fake("indexer_scores")
+def _indexer_fake(q, w, k, key_start, visible, max_keys):
+    return q.new_empty(q.shape[0], max_keys, dtype=dsa_ref.acc_dtype(q, w, k))
+
+
+def _runs(key_start: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs [t0, t1) of consecutive queries sharing one key_start (one request)."""
+    runs, t0 = [], 0
+    for t in range(1, len(key_start) + 1):
+        if t == len(key_start) or key_start[t] != key_start[t0]:
+            runs.append((t0, t))
+            t0 = t
+    return runs
+
+
+@registry.kernel("indexer_scores", "cpu")
+def _indexer_cpu(q, w, k, key_start, visible, max_keys):
+    acc = dsa_ref.acc_dtype(q, w, k)
+    t_all, h, d = q.shape
+    out = torch.full((t_all, max_keys), float("-inf"), dtype=acc, device=q.device)
+    starts, vis = key_start.tolist(), visible.tolist()
+    _check_ranges(starts, vis, k.shape[0], max_keys)
+    for t0, t1 in _runs(starts):
+        n_keys = max(vis[t0:t1])
+        if n_keys == 0:
+            continue
+        kk = k[starts[t0] : starts[t0] + n_keys].to(acc)  # [L, D]
+        step = max(1, _CHUNK_ELEMS // (h * n_keys))
+        for a in range(t0, t1, step):
+            b = min(a + step, t1)
+            logits = (q[a:b].to(acc).reshape(-1, d) @ kk.T).view(b - a, h, n_keys).relu_()  # [n, H, L]
+            s = torch.bmm(w[a:b].to(acc)[:, None, :], logits)[:, 0]  # [n, L]
+            cols = torch.arange(n_keys, device=q.device)
+            s.masked_fill_(cols[None, :] >= visible[a:b, None], float("-inf"))
+            out[a:b, :n_keys] = s
+    return out
+
+
+def _check_ranges(starts: list[int], vis: list[int], num_keys: int, max_keys: int) -> None:
+    for t, (s, v) in enumerate(zip(starts, vis)):
+        if s < 0 or v < 0 or s + v > num_keys or v > max_keys:
+            raise ValueError(
+                f"query {t}: key_start={s}, visible={v} must satisfy 0 <= key_start, 0 <= visible <= "
+                f"max_keys={max_keys} and key_start + visible <= {num_keys} (rows of k); fix the key map"
+            )
+
+
+# --------------------------------------------------------------------------- topk_indices
+@registry.define("topk_indices")
+def _topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
+    raise registry.no_kernel("topk_indices", scores)
+
+
+@registry.fake("topk_indices")
+def _topk_fake(scores, k):
+    return scores.new_empty(scores.shape[0], k, dtype=torch.int32)
+
+
+@registry.kernel("topk_indices", "cpu")
+def _topk_cpu(scores, k):
+    t, n = scores.shape
+    kk = min(k, n)
+    out = torch.full((t, k), -1, dtype=torch.int32, device=scores.device)
+    if kk == 0 or t == 0:
+        return out
+    s = scores.masked_fill(scores.isnan(), float("-inf"))  # [T, S]
+    thr = torch.topk(s, kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # [T, 1] k-th best
+    above = s > thr
+    tied = s == thr
+    need = kk - above.sum(-1, keepdim=True)  # ties to take, lowest column first
+    take = above | (tied & (tied.cumsum(-1) <= need))  # exactly kk per row
+    idx = take.nonzero()[:, 1].view(t, kk)  # [T, kk] ascending column
+    vals = s.gather(1, idx)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True)  # score desc, column asc
+    idx = idx.gather(1, order.indices)
+    out[:, :kk] = torch.where(order.values == float("-inf"), -1, idx).to(torch.int32)
+    return out
+
+
+# --------------------------------------------------------------------------- sparse MLA
+@registry.define("sparse_mla_attention_with_lse")
+def _sparse_op(
+    q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, softmax_scale: float, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    raise registry.no_kernel("sparse_mla_attention_with_lse", q)
+
+
+@registry.fake("sparse_mla_attention_with_lse")
+def _sparse_fake(q, latent, indices, softmax_scale, value_dim):
+    t, h, _ = q.shape
+    return q.new_empty(t, h, value_dim), q.new_empty(t, h, dtype=dsa_ref.acc_dtype(q, latent))
+
+
+@registry.kernel("sparse_mla_attention_with_lse", "cpu")
+def _sparse_cpu(q, latent, indices, softmax_scale, value_dim):
+    acc = dsa_ref.acc_dtype(q, latent)
+    t_all, h, d = q.shape
+    kk = indices.shape[1]
+    out = q.new_zeros(t_all, h, value_dim)
+    lse = torch.full((t_all, h), float("-inf"), dtype=acc, device=q.device)
+    if t_all == 0 or kk == 0 or latent.shape[0] == 0:
+        return out, lse
+    step = max(1, _CHUNK_ELEMS // (kk * max(d, h)))
+    for a in range(0, t_all, step):
+        b = min(a + step, t_all)
+        idx = indices[a:b].long()  # [n, K]
+        valid = idx >= 0
+        kv = latent.index_select(0, idx.clamp(min=0).flatten()).view(b - a, kk, d).to(acc)  # [n, K, D]
+        kv = torch.where(valid[..., None], kv, 0.0)  # unselected rows may hold NaN
+        s = torch.bmm(q[a:b].to(acc), kv.transpose(1, 2)) * softmax_scale  # [n, H, K]
+        s.masked_fill_(~valid[:, None, :], float("-inf"))
+        m = torch.logsumexp(s, dim=-1)  # [n, H]
+        live = torch.isfinite(m)
+        p = torch.exp(s - torch.where(live, m, 0.0)[..., None])  # [n, H, K]
+        o = torch.bmm(p, kv[..., :value_dim])  # [n, H, Dv]
+        out[a:b] = torch.where(live[..., None], o, 0.0).to(q.dtype)
+        lse[a:b] = torch.where(live, m, float("-inf"))
+    return out, lse
+
+
+if torch.cuda.is_available():  # pragma: no cover - needs a GPU
+
+    @registry.kernel("indexer_scores", "cuda")
+    def _indexer_cuda(q, w, k, key_start, visible, max_keys):
+        return dsa_ref.indexer_scores(q, w, k, key_start, visible, max_keys)
+
+    @registry.kernel("topk_indices", "cuda")
+    def _topk_cuda(scores, k):
+        return dsa_ref.topk_indices(scores, k)
+
+    @registry.kernel("sparse_mla_attention_with_lse", "cuda")
+    def _sparse_cuda(q, latent, indices, softmax_scale, value_dim):
+        return dsa_ref.sparse_mla_attention_with_lse(q, latent, indices, softmax_scale, value_dim)
+
+
+# --------------------------------------------------------------------------- public wrappers
+def indexer_scores(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    key_start: torch.Tensor,
+    visible: torch.Tensor,
+    max_keys: int | None = None,
+    *,
+    fp8: bool = False,
+) -> torch.Tensor:
+    """Lightning-indexer scores of packed queries against their requests' keys.
+
+    Arguments
+    ---------
+    q: [T, H_I, D_I] -- indexer queries (RoPE applied, NeoX half-split style).
+    w: [T, H_I] -- per-query head weights (any positive constant folded in).
+    k: [S, D_I] -- indexer keys of every request, one row per token.
+    key_start: [T] int -- row of ``k`` holding key 0 of query t's request.
+    visible: [T] int -- keys query t sees: ``k[key_start[t] : key_start[t] + visible[t]]``
+        (causal: ``pos_t + 1``, capped by the request's key count).
+    max_keys: width of the result (>= max(visible)); given by the plan so
+        shapes are static; ``None`` reads ``visible.max()`` (host sync).
+    fp8: quantize q (per token and head) and k (per token) to float8 e4m3
+        and dequantize before scoring, as the reference FP8 indexer does.
+
+    Returns
+    -------
+    scores: [T, max_keys] float32 (float64 for float64 inputs); column s is
+    the request-local key index; ``-inf`` where ``s >= visible[t]``.
+
+    Example
+    -------
+    >>> import torch
+    >>> from cpattn.ops.dsa import indexer_scores, causal_key_ranges
+    >>> q, w, k = torch.randn(5, 4, 16), torch.rand(5, 4), torch.randn(5, 16)
+    >>> start, vis = causal_key_ranges([0, 2, 5], [0, 2, 5])
+    >>> indexer_scores(q, w, k, start, vis).shape
+    torch.Size([5, 3])
+    """
+    _check_indexer(q, w, k, key_start, visible)
+    if max_keys is None:
+        max_keys = int(visible.max()) if visible.numel() else 0
+    if fp8:
+        q8, q_scale = fp8_quantize(q)  # [T, H, D], [T, H]
+        k8, k_scale = fp8_quantize(k)  # [S, D], [S]
+        q = q8.float()
+        w = w.float() * q_scale  # relu(a x) = a relu(x) for a > 0
+        k = k8.float() * k_scale[:, None]
+    return torch.ops.cpattn.indexer_scores(q, w, k, key_start, visible, int(max_keys))
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best columns of each row: score descending, then column ascending.
+
+    Arguments
+    ---------
+    scores: [T, S] -- ``-inf`` marks an invisible key (NaN counts as -inf).
+    k: number of keys to keep (``index_topk``, 2048 in DeepSeek-V3.2).
+
+    Returns
+    -------
+    indices: [T, k] int32, in the strict order above; ``-1`` fills the tail
+    of rows with fewer than k visible keys. The order is total, so the
+    result is the same on every device and equals a re-selection from any
+    superset of candidates (what the key-sharded top-k relies on).
+
+    Example
+    -------
+    >>> import torch
+    >>> from cpattn.ops.dsa import topk_indices
+    >>> topk_indices(torch.tensor([[1.0, 3.0, 3.0, float("-inf")]]), 4).tolist()
+    [[1, 2, 0, -1]]
+    """
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating [T, S] tensor; got {scores.dtype} {tuple(scores.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1; got {k}")
+    return torch.ops.cpattn.topk_indices(scores, int(k))
+
+
+def sparse_mla_attention_with_lse(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    softmax_scale: float,
+    value_dim: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention over the top-k selected cache rows only.
+
+    Arguments
+    ---------
+    q: [T, H, Dqk] -- absorbed queries ``[q_nope @ W_UK | q_rope]`` (Dqk = 576).
+    latent_cache: [S, Dqk], [S, 1, Dqk] or paged [num_blocks, block_size, (1,) Dqk]
+        -- one latent KV head; row s is ``[latent 512 | rope key 64]`` and its
+        value is ``row[:value_dim]``. A paged cache is indexed by slot
+        (``block_id * block_size + offset``).
+    indices: [T, K] int -- cache rows each query attends; ``-1`` is ignored.
+        Rows of one query must be distinct.
+    softmax_scale: the model's scale (``qk_head_dim**-0.5 * mscale**2``, see
+        :func:`mla_softmax_scale`), never ``Dqk**-0.5``. Required.
+    value_dim: value width (512 for DeepSeek).
+
+    Returns
+    -------
+    out: [T, H, value_dim] in q's dtype; lse: [T, H] float32 (float64 for
+    float64 inputs). A query without any index gets out 0, lse -inf. Rows of
+    the cache nobody selected are never read (they may hold NaN).
+
+    Example
+    -------
+    >>> import torch
+    >>> from cpattn.ops.dsa import sparse_mla_attention_with_lse
+    >>> q, cache = torch.randn(3, 4, 48), torch.randn(10, 48)
+    >>> idx = torch.tensor([[0, 5, -1], [1, 2, 3], [-1, -1, -1]])
+    >>> out, lse = sparse_mla_attention_with_lse(q, cache, idx, softmax_scale=0.1, value_dim=32)
+    >>> out.shape, lse[2].tolist()
+    (torch.Size([3, 4, 32]), [-inf, -inf, -inf, -inf])
+    """
+    if q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"q must be a floating [T, H, Dqk] tensor; got {q.dtype} {tuple(q.shape)}")
+    d = q.shape[-1]
+    if latent_cache.shape[-1] != d:
+        raise ValueError(
+            f"latent_cache rows have {latent_cache.shape[-1]} dims but q has {d}; both must be the "
+            "absorbed [latent | rope] width (576 for DeepSeek)"
+        )
+    if latent_cache.dim() not in (2, 3, 4) or (latent_cache.dim() == 4 and latent_cache.shape[2] != 1):
+        raise ValueError(
+            f"latent_cache must be [S, Dqk], [S, 1, Dqk], [num_blocks, block_size, Dqk] or "
+            f"[num_blocks, block_size, 1, Dqk] (one latent head); got shape {tuple(latent_cache.shape)}"
+        )
+    cache = latent_cache.reshape(-1, d)  # [S, Dqk]: flat rows / slots
+    if indices.dim() != 2 or indices.shape[0] != q.shape[0] or indices.is_floating_point():
+        raise ValueError(f"indices must be an integer [T={q.shape[0]}, K] tensor; got {indices.dtype} {tuple(indices.shape)}")
+    if not 0 < value_dim <= d:
+        raise ValueError(f"value_dim must be in 1..{d}; got {value_dim}")
+    if softmax_scale is None or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be the model's positive scale; got {softmax_scale}")
+    return torch.ops.cpattn.sparse_mla_attention_with_lse(q, cache, indices, float(softmax_scale), int(value_dim))
+
+
+# --------------------------------------------------------------------------- helpers
+def causal_key_ranges(
+    cu_seqlens_q: torch.Tensor | list[int], cu_seqlens_k: torch.Tensor | list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key map of a packed causal batch (bottom-right aligned, as attention_with_lse).
+
+    Request b's queries ``q[cu_q[b]:cu_q[b+1]]`` have keys
+    ``k[cu_k[b]:cu_k[b+1]]``; query i of ``Lq`` sees keys ``0 .. Lk - Lq + i``.
+
+    Returns key_start [T] and visible [T] (int64) for :func:`indexer_scores`.
+
+    Example
+    -------
+    >>> from cpattn.ops.dsa import causal_key_ranges
+    >>> [x.tolist() for x in causal_key_ranges([0, 2], [0, 5])]
+    [[0, 0], [4, 5]]
+    """
+    cq = [int(c) for c in cu_seqlens_q]
+    ck = [int(c) for c in cu_seqlens_k]
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq)} entries, cu_seqlens_k {len(ck)}; both must be [B+1]")
+    start, vis = [], []
+    for b in range(len(cq) - 1):
+        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        for i in range(lq):
+            start.append(ck[b])
+            vis.append(min(max(lk - lq + i + 1, 0), lk))
+    return torch.tensor(start, dtype=torch.int64), torch.tensor(vis, dtype=torch.int64)
+
+
+def mla_softmax_scale(qk_head_dim: int, rope_factor: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """The MLA/DSA softmax scale: ``qk_head_dim**-0.5``, times ``mscale**2`` under YaRN.
+
+    ``mscale = 0.1 * mscale_all_dim * ln(rope_factor) + 1`` when
+    ``rope_factor > 1`` and ``mscale_all_dim`` is set. DeepSeek-V3.2:
+    ``qk_head_dim = 192`` (128 nope + 64 rope), factor 40, mscale_all_dim 1.0.
+    Never ``576**-0.5``: the absorbed width is not the model's head dim.
+
+    Example
+    -------
+    >>> from cpattn.ops.dsa import mla_softmax_scale
+    >>> round(mla_softmax_scale(192, 40, 1.0), 6)
+    0.135234
+    """
+    scale = qk_head_dim**-0.5
+    if rope_factor is not None and rope_factor > 1 and mscale_all_dim:
+        m = 0.1 * mscale_all_dim * math.log(rope_factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric float8 e4m3 quantization with one scale per row of the last dim.
+
+    x: [..., D] -> (x8 [..., D] float8_e4m3fn, scale [...] float32) with
+    ``x ~= x8.float() * scale[..., None]`` (scale = amax / 448).
+    """
+    amax = x.float().abs().amax(-1).clamp(min=1e-12)  # [...]
+    scale = amax / 448.0
+    x8 = (x.float() / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
+def selection_mismatch(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How two top-k selections ``[T, k]`` (``-1`` padded) differ, ignoring order.
+
+    Returns ``{"rows_differ": fraction of rows whose sets differ,
+    "recall": mean |a & b| / |b| over rows with a non-empty b}``.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"selections differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+    sa, sb = a.long().sort(-1).values, b.long().sort(-1).values
+    differ = (sa != sb).any(-1)
+    hits = ((a.long()[:, :, None] == b.long()[:, None, :]) & (b.long()[:, None, :] >= 0)).any(-1).sum(-1)
+    n_b = (b >= 0).sum(-1)
+    live = n_b > 0
+    recall = (hits[live].double() / n_b[live].double()).mean().item() if live.any() else 1.0
+    return {"rows_differ": differ.double().mean().item() if a.shape[0] else 0.0, "recall": recall}
+
+
+def _check_indexer(q, w, k, key_start, visible) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H_I, D_I]; got shape {tuple(q.shape)}")
+    if w.shape != q.shape[:2]:
+        raise ValueError(f"w must be [T, H_I] = {tuple(q.shape[:2])}; got {tuple(w.shape)}")
+    if k.dim() != 2 or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must be [S, D_I={q.shape[-1]}] (one indexer key per token); got {tuple(k.shape)}")
+    for name, x in (("key_start", key_start), ("visible", visible)):
+        if x.shape != (q.shape[0],) or x.is_floating_point():
+            raise ValueError(f"{name} must be an integer [T={q.shape[0]}] tensor; got {x.dtype} {tuple(x.shape)}")

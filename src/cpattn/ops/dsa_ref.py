@@ -1,0 +1,81 @@
+"""Plain reference math of the DSA ops (lightning indexer, top-k, sparse MLA).
+
+Slow and obvious, computed in float64 for float64 inputs and float32
+otherwise: every query is scored against every key row, masks are built
+explicitly, top-k is a stable sort. The fast CPU kernels in
+:mod:`cpattn.ops.dsa` must agree with these; the CUDA registration uses
+them as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def indexer_scores(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, key_start: torch.Tensor, visible: torch.Tensor, max_keys: int
+) -> torch.Tensor:
+    """``I[t, s] = sum_h w[t,h] * relu(q[t,h] . k[key_start[t] + s])`` for ``s < visible[t]``, else -inf.
+
+    q: [T, H, D]; w: [T, H]; k: [S, D]; key_start, visible: [T] int.
+    Returns [T, max_keys] float32 (float64 for float64 inputs).
+    """
+    acc = acc_dtype(q, w, k)
+    t = q.shape[0]
+    cols = torch.arange(max_keys, device=q.device)  # [M]
+    rows = key_start.long()[:, None] + cols[None, :]  # [T, M] row of k for (t, s)
+    seen = cols[None, :] < visible.long()[:, None]  # [T, M]
+    kk = k.to(acc)[rows.clamp(0, max(k.shape[0] - 1, 0))] if k.shape[0] else k.new_zeros(t, max_keys, k.shape[-1]).to(acc)
+    logits = torch.einsum("thd,tsd->ths", q.to(acc), kk).relu()  # [T, H, M]
+    scores = torch.einsum("th,ths->ts", w.to(acc), logits)  # [T, M]
+    return scores.masked_fill(~seen, float("-inf"))
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k columns per row in the strict order (score desc, column asc); -1 pads.
+
+    scores: [T, S] (-inf marks an invisible key, NaN counts as -inf).
+    Returns [T, k] int32.
+    """
+    s = scores.double().masked_fill(scores.isnan(), float("-inf"))
+    order = torch.sort(s, dim=-1, descending=True, stable=True)  # ties keep ascending column
+    kk = min(k, s.shape[-1])
+    idx = order.indices[:, :kk]
+    idx = torch.where(order.values[:, :kk] == float("-inf"), -1, idx)
+    out = torch.full((s.shape[0], k), -1, dtype=torch.int32, device=s.device)
+    out[:, :kk] = idx.to(torch.int32)
+    return out
+
+
+def sparse_mla_attention_with_lse(
+    q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, softmax_scale: float, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over the cache rows ``indices[t]`` (``-1`` ignored).
+
+    q: [T, H, Dqk]; latent: [S, Dqk] (values are ``latent[:, :value_dim]``);
+    indices: [T, K]. Returns out [T, H, value_dim] in q's dtype and lse
+    [T, H] (float32; float64 for float64 inputs); a row without any index
+    gets out 0 and lse -inf.
+    """
+    acc = acc_dtype(q, latent)
+    t, h, _ = q.shape
+    # dense mask over every cache row, then softmax over all of them
+    sel = torch.zeros(t, latent.shape[0] + 1, dtype=torch.bool, device=q.device)  # [T, S + 1]
+    idx = torch.where(indices >= 0, indices.long(), latent.shape[0])  # -1 -> spare column
+    sel.scatter_(1, idx, True)
+    sel = sel[:, :-1]  # [T, S]
+    kv = torch.where(sel.any(0)[:, None], latent.to(acc), 0.0)  # rows nobody reads may hold NaN
+    s = torch.einsum("thd,sd->ths", q.to(acc), kv) * softmax_scale  # [T, H, S]
+    s = s.masked_fill(~sel[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [T, H]
+    live = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(live, lse, 0.0)[..., None])  # [T, H, S]
+    out = torch.einsum("ths,sd->thd", p, kv[:, :value_dim])
+    out = torch.where(live[..., None], out, 0.0)
+    lse = torch.where(live, lse, float("-inf"))
+    return out.to(q.dtype), lse
