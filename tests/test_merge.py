@@ -85,3 +85,36 @@ def test_opcheck_and_compile():
     torch._dynamo.reset()
     got = torch.compile(merge_attn_states, backend="aot_eager", fullgraph=True)(o, l)
     torch.testing.assert_close(got, merge_attn_states(o, l))
+
+
+@pytest.mark.parametrize("gap", [0.0, 500.0])
+def test_merge_into_equals_float64_logsumexp(gap):
+    from cpattn.ops.merge import merge_into
+
+    o = torch.randn(3, 6, 2, 8, dtype=torch.float64)
+    l = torch.randn(3, 6, 2, dtype=torch.float64)
+    l[2] -= gap
+    l[:, 0] = float("-inf")  # a row empty in every partial
+    l[1, 1] = float("nan")  # NaN counts as empty
+    o[1, 1] = float("nan")
+    acc, acc_lse = torch.zeros(6, 2, 8), torch.full((6, 2), float("-inf"))
+    for i in range(3):
+        merge_into(acc, acc_lse, o[i].float(), l[i].float())
+    lref = torch.where(torch.isnan(l), float("-inf"), l)
+    want_lse = torch.logsumexp(lref, 0)
+    w = torch.nan_to_num(torch.exp(lref - want_lse), nan=0.0)
+    want = (w[..., None] * torch.nan_to_num(o, nan=0.0)).sum(0)
+    assert (acc[0] == 0).all() and (acc_lse[0] == float("-inf")).all()
+    torch.testing.assert_close(acc_lse[1:].double(), want_lse[1:], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(acc[1:].double(), want[1:], atol=1e-5, rtol=1e-5)
+
+
+def test_merge_into_checks_and_opcheck():
+    from cpattn.ops.merge import merge_into
+
+    with pytest.raises(ValueError, match="float32 or float64"):
+        merge_into(torch.zeros(2, 1, 3).bfloat16(), torch.zeros(2, 1).bfloat16(), torch.zeros(2, 1, 3), torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="equal shapes"):
+        merge_into(torch.zeros(2, 1, 3), torch.zeros(2, 1), torch.zeros(3, 1, 3), torch.zeros(3, 1))
+    args = (torch.randn(4, 2, 3), torch.randn(4, 2), torch.randn(4, 2, 3), torch.randn(4, 2))
+    torch.library.opcheck(torch.ops.cpattn.merge_into, args)

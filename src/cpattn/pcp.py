@@ -28,7 +28,8 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.layout.pcp import PCPPlan
-from cpattn.ops import attention_with_lse, merge_attn_states
+from cpattn.ops import attention_with_lse
+from cpattn.ops.merge import merge_into
 from cpattn.ops.attention import check_qkv
 from cpattn.ops.ref import acc_dtype
 
@@ -54,20 +55,28 @@ class Context:
 
 
 class _Acc:
-    """Running LSE merge of partial results over rows [T, H, Dv], in float32 (float64 for float64 input)."""
+    """Running LSE merge of partials over rows [T, H, Dv], in float32 (float64 for float64 input).
+
+    The first partial of a row range is copied in; later ones are merged in
+    place (``merge_into``).
+    """
 
     def __init__(self, t, h, dv, like: torch.Tensor):
         dtype = acc_dtype(like.dtype)
         self.out = torch.zeros(t, h, dv, dtype=dtype, device=like.device)
         self.lse = torch.full((t, h), float("-inf"), dtype=dtype, device=like.device)
+        self.filled: set[tuple[int, int]] = set()
 
     def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         if out.shape[0] == 0:
             return
-        o, l = merge_attn_states(
-            torch.stack([self.out[rows], out.to(self.out.dtype)]), torch.stack([self.lse[rows], lse.to(self.lse.dtype)])
-        )
-        self.out[rows], self.lse[rows] = o, l
+        key = (rows.start, rows.stop)
+        if key in self.filled:
+            merge_into(self.out[rows], self.lse[rows], out, lse)
+        else:
+            self.out[rows] = out
+            self.lse[rows] = lse
+            self.filled.add(key)
 
 
 def pcp_prefill(

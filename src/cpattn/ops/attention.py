@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from cpattn.ops import ref, registry
+from cpattn.ops.merge import merge_into
 
 Block = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
 
@@ -104,7 +105,8 @@ def varlen(
             o, l = block(qb, kb[:, prefix:], vb[:, prefix:], True, scale)
             if prefix > 0:
                 op, lp = block(qb, kb[:, :prefix], vb[:, :prefix], False, scale)
-                o, l = ref.merge(torch.stack([o, op]), torch.stack([l, lp]).to(lse_dtype))
+                o, l = o.to(ref.acc_dtype(o.dtype)), l.to(ref.acc_dtype(o.dtype))
+                merge_into(o, l, op, lp)
         out[q0 + hidden : q1] = o.transpose(0, 1).to(out.dtype)
         lse[q0 + hidden : q1] = l.transpose(0, 1).to(lse_dtype)
     return out, lse

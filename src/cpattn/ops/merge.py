@@ -69,3 +69,56 @@ def merge_attn_states(
     if outs.shape[0] == 0:
         raise ValueError("merge_attn_states needs at least one partial (N >= 1); got N = 0")
     return torch.ops.cpattn.merge_attn_states(outs, lses)
+
+
+@registry.define("merge_into", mutates_args=("out_acc", "lse_acc"))
+def _merge_into_op(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    # two-way update, in place: L = logaddexp(L_acc, L_new); O = w_acc O_acc + w_new O_new
+    l_new = torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse).to(lse_acc.dtype)
+    m = torch.maximum(lse_acc, l_new)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    a, b = torch.exp(lse_acc - m), torch.exp(l_new - m)  # [T, H]
+    total = a + b
+    live = total > 0
+    inv = 1.0 / torch.where(live, total, 1.0)
+    out_acc.mul_((a * inv)[..., None]).addcmul_(torch.where((b > 0)[..., None], out, 0.0), (b * inv)[..., None])
+    lse_acc.copy_(torch.where(live, m + torch.log(torch.where(live, total, 1.0)), float("-inf")))
+
+
+registry.generic("merge_into")
+
+
+def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge one more partial ``(out, lse)`` into an accumulator, in place.
+
+    Arguments
+    ---------
+    out_acc: [T, H, D] float32/float64 accumulator, updated in place.
+    lse_acc: [T, H] its LSE (same dtype), updated in place; start from
+        ``(0, -inf)`` for an empty accumulator.
+    out: [T, H, D] (any float dtype); lse: [T, H] -- the new partial.
+
+    The two-way special case of :func:`merge_attn_states`, with no stacking
+    and two passes over ``out_acc``: the running merge of ring attention.
+
+    Example
+    -------
+    >>> import torch
+    >>> from cpattn.ops.merge import merge_into
+    >>> acc, acc_lse = torch.zeros(3, 2, 4), torch.full((3, 2), float("-inf"))
+    >>> o, l = torch.randn(3, 2, 4), torch.randn(3, 2)
+    >>> merge_into(acc, acc_lse, o, l)
+    >>> torch.equal(acc_lse, l)
+    True
+    """
+    if out_acc.shape != out.shape or lse_acc.shape != lse.shape or out_acc.shape[:2] != lse_acc.shape:
+        raise ValueError(
+            f"merge_into wants out_acc/out [T, H, D] and lse_acc/lse [T, H] of equal shapes; got "
+            f"{tuple(out_acc.shape)}, {tuple(lse_acc.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}"
+        )
+    if out_acc.dtype not in (torch.float32, torch.float64) or lse_acc.dtype != out_acc.dtype:
+        raise ValueError(
+            f"merge_into accumulates in float32 or float64 (out_acc and lse_acc alike); got "
+            f"{out_acc.dtype} and {lse_acc.dtype}"
+        )
+    torch.ops.cpattn.merge_into(out_acc, lse_acc, out, lse)

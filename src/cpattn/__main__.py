@@ -1,0 +1,5 @@
+import sys
+
+from cpattn.cli import main
+
+sys.exit(main())

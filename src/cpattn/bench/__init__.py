@@ -1,0 +1,1 @@
+"""Benchmarks and the main job. Each module has a ``main``-style entry used by ``cpattn``."""

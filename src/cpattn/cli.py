@@ -1,0 +1,50 @@
+"""``cpattn``: the command line. ``cpattn prefill`` is the main job; ``cpattn bench NAME`` runs a benchmark.
+
+Commands are looked up in a table and imported lazily, so ``cpattn --help``
+is instant and a benchmark's imports cost nothing until it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "prefill": ("cpattn.bench.pcp:prefill_main", "PCP prefill on P gloo ranks, checked against one rank (main job)"),
+}
+BENCHMARKS = {
+    "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),
+}
+
+
+def _load(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _usage() -> str:
+    lines = ["usage: cpattn COMMAND [options]   (cpattn COMMAND --help for options)", "", "commands:"]
+    lines += [f"  {name:<12} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += [f"  bench {name:<6} {doc}" for name, (_, doc) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCHMARKS:
+            print(f"cpattn bench: choose one of {sorted(BENCHMARKS)}\n\n{_usage()}", file=sys.stderr)
+            return 2
+        return int(_load(BENCHMARKS[rest[0]][0])(rest[1:]) or 0)
+    if cmd not in COMMANDS:
+        print(f"cpattn: unknown command {cmd!r}; valid: {sorted(COMMANDS) + ['bench']}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return int(_load(COMMANDS[cmd][0])(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
