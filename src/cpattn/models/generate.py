@@ -152,6 +152,7 @@ def generate(
     pcp_method: str = "ring",
     block_size: int = 4,
     interleave_size: int = 1,
+    dcp_merge: str = "ag_rs",
 ) -> Generation:
     """Greedy generation of ``max_new_tokens`` tokens for each prompt.
 
@@ -162,7 +163,8 @@ def generate(
     prompts: B token sequences (lists or 1-D tensors), any lengths >= 1.
     pcp_size: PCP ranks for prefill; dcp_size: DCP ranks for decode
         (both on the simulated mesh). pcp_method: "ring" or "allgather".
-    block_size, interleave_size: the paged cache layout for DCP decode.
+    block_size, interleave_size: the paged cache layout for DCP decode;
+        dcp_merge: "ag_rs" or "a2a" (see :func:`cpattn.dcp.dcp_decode`).
 
     Returns
     -------
@@ -181,7 +183,7 @@ def generate(
         from cpattn.models.dcp_cache import decode_dcp
 
         toks, logits = decode_dcp(model, params, cfg, pre, first, max_new_tokens - 1, dcp_size=dcp_size,
-                                  block_size=block_size, interleave_size=interleave_size)
+                                  block_size=block_size, interleave_size=interleave_size, merge=dcp_merge)
     all_toks = torch.cat([first[:, None], toks], 1)
     all_logits = torch.cat([first_logits[:, None], logits], 1) if logits.numel() else first_logits[:, None]
     return Generation(all_toks, all_logits, pre.logits)
