@@ -7,6 +7,7 @@ come out. See README.md and DESIGN.md.
 """
 
 from cpattn.comm import Group, simulate
+from cpattn.config import ParallelConfig
 from cpattn.layout.pcp import PCPPlan, pcp_plan, pcp_shard, pcp_unshard
 from cpattn.ops import attention_with_lse, merge_attn_states
 from cpattn.pcp import Context, pcp_prefill
@@ -14,7 +15,7 @@ from cpattn.pcp import Context, pcp_prefill
 __version__ = "0.1.0"
 
 __all__ = [
-    "Group", "simulate",
+    "Group", "simulate", "ParallelConfig",
     "PCPPlan", "pcp_plan", "pcp_shard", "pcp_unshard", "pcp_prefill", "Context",
     "attention_with_lse", "merge_attn_states",
 ]

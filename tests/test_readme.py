@@ -1,0 +1,26 @@
+"""The README's usage example runs and means what it says; the CLI answers --help."""
+
+import pathlib
+import re
+
+import torch
+
+from cpattn.cli import main
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_example_runs_and_is_exact(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "README has no python example"
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), scope)  # noqa: S102
+    assert torch.allclose(scope["out"], scope["ref"], atol=1e-5)
+
+
+def test_cli_help_lists_commands(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "prefill" in text and "bench" in text
+    assert main(["nope"]) == 2
