@@ -1,0 +1,425 @@
+"""Decode context parallel: ``dcp_plan`` + ``dcp_decode`` over a DCP-sharded paged cache (DESIGN.md §4.3).
+
+Each of the N ranks of the DCP group stores 1/N of every sequence (tokens
+dealt in runs of ``interleave_size``, see :mod:`cpattn.layout.dcp`) and its
+own TP slice of the query heads. A decode step::
+
+    q [T, Hl, D] --all_gather(heads)--> [T, N*Hl, D]
+       --paged_attention_with_lse(local shard)--> partial (O_r, L_r) for all N*Hl heads
+       --merge--> [T, Hl, Dv], each rank its own heads again
+
+Merges: ``"ag_rs"`` all-gathers the LSEs [T, N*Hl], rescales the local
+output by ``exp(L_r - L)`` and reduce-scatters it over heads; ``"a2a"`` sends
+``[O | L]`` of head slice j to rank j in one all-to-all and merges the N
+partials there. Both move O(T * H * D) per rank, independent of context length.
+
+Plan / run split (for graph capture): :func:`dcp_plan` does the host work
+(validation, the token count) once per batch and returns a :class:`DCPMeta`
+of device tensors; :func:`plan_tensors` builds those tensors from
+``seq_lens`` / ``query_lens`` / ``block_table`` with tensor ops only, so a
+captured program can refresh them. :func:`dcp_decode` itself touches only
+device tensors of static shape: no ``.item()``, no ``.tolist()``, no
+data-dependent shapes (the CPU attention kernel does host work *inside* its
+op, which a graph treats as one opaque call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
+from cpattn.ops import merge_attn_states
+from cpattn.ops.paged import paged_attention_with_lse
+
+MERGES = ("ag_rs", "a2a")
+
+
+@dataclass(frozen=True)
+class DCPMeta:
+    """Device tensors describing one DCP batch (the same object serves every rank).
+
+    Static (Python ints, fixed per captured graph): ``dcp_size`` (N),
+    ``interleave_size`` (I), ``block_size``, and the shapes: T =
+    ``num_tokens`` query rows (padding included), B requests, ``max_blocks``.
+
+    Tensors (refreshable in place, see :func:`plan_tensors`):
+
+    - ``block_table``: [B, max_blocks] -- shared by every DCP rank.
+    - ``seq_lens``: [B] tokens per request *including* this step's new ones;
+      ``query_lens``: [B]; ``cu_seqlens_q``: [B+1].
+    - ``req_indices``: [T] int64 request of each query row, -1 for padding.
+    - ``positions``: [T] int64 absolute position of each query row, -1 for padding.
+    - ``kv_lens``: [N, T] int32 -- local keys row t sees on rank r:
+      ``local_len(positions[t] + 1, r)`` (0 for padding).
+    - ``slot_mapping``: [N, T] int64 -- where rank r writes each new token's
+      KV (-1: not its token); pass ``meta.slot_mapping[rank]`` to ``write_kv``.
+    """
+
+    dcp_size: int
+    interleave_size: int
+    block_size: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    req_indices: torch.Tensor
+    positions: torch.Tensor
+    kv_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the static number of query rows (padding included)."""
+        return self.req_indices.shape[0]
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def plan_tensors(
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_tokens: int,
+    dcp_size: int,
+    interleave_size: int,
+    block_size: int,
+) -> dict[str, torch.Tensor]:
+    """The tensors of a :class:`DCPMeta`, by tensor ops only (no host sync; capturable).
+
+    seq_lens, query_lens: [B] int (B >= 1); block_table: [B, max_blocks];
+    num_tokens: T >= sum(query_lens) (rows past the sum are padding).
+    Returns a dict with ``cu_seqlens_q`` [B+1], ``req_indices`` [T],
+    ``positions`` [T], ``kv_lens`` [N, T], ``slot_mapping`` [N, T].
+
+    Example
+    -------
+    >>> import torch
+    >>> t = plan_tensors(torch.tensor([5, 3]), torch.tensor([1, 2]), torch.zeros(2, 4, dtype=torch.long),
+    ...                  num_tokens=4, dcp_size=2, interleave_size=1, block_size=4)
+    >>> t["positions"].tolist(), t["kv_lens"].tolist()
+    ([4, 1, 2, -1], [[3, 1, 2, 0], [2, 1, 1, 0]])
+    """
+    dev = block_table.device
+    b = seq_lens.shape[0]
+    seq = seq_lens.to(dev, torch.int64)
+    ql = query_lens.to(dev, torch.int64)
+    cu = torch.zeros(b + 1, dtype=torch.int64, device=dev)
+    cu[1:] = torch.cumsum(ql, 0)  # [B+1]
+    rows = torch.arange(num_tokens, device=dev)  # [T]
+    req = torch.searchsorted(cu[1:], rows, right=True)  # [T]: b with cu[b] <= row < cu[b+1]; B past the end
+    valid = req < b
+    rc = req.clamp(max=b - 1)
+    pos = seq[rc] - ql[rc] + (rows - cu[rc])  # [T]: queries are the last q_len tokens
+    pos = torch.where(valid, pos, -1)
+    req = torch.where(valid, req, -1)
+    kv_lens = dcp_local_lens(pos + 1, dcp_size, interleave_size).T.to(torch.int32)  # [N, T]; pos -1 -> 0
+    slots = torch.stack([
+        dcp_slot_mapping(pos, req, block_table, dcp_rank=r, dcp_size=dcp_size,
+                         interleave_size=interleave_size, block_size=block_size)
+        for r in range(dcp_size)
+    ])  # [N, T]
+    return {"cu_seqlens_q": cu, "req_indices": req, "positions": pos, "kv_lens": kv_lens, "slot_mapping": slots}
+
+
+def _as_tensor(name, x, device):
+    t = torch.as_tensor(x, device=device)
+    if t.dim() != 1 or t.is_floating_point():
+        raise ValueError(f"{name} must be a 1-D int tensor or list [B]; got {t.dtype} {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+def dcp_plan(
+    seq_lens: torch.Tensor | list[int],
+    query_lens: torch.Tensor | list[int],
+    block_table: torch.Tensor,
+    *,
+    dcp_size: int,
+    interleave_size: int,
+    block_size: int,
+    num_tokens: int | None = None,
+    check: bool = True,
+) -> DCPMeta:
+    """Plan a DCP decode (or mixed decode + chunked-prefill) step.
+
+    Arguments
+    ---------
+    seq_lens: [B] tokens of each request after this step (cached + new).
+    query_lens: [B] new (query) tokens of each request: 1 for plain decode,
+        1 + k with k speculative tokens, more for a prefill chunk, 0 for an
+        idle request. The queries are the last ``query_lens[b]`` positions.
+    block_table: [B, max_blocks] int, shared by every DCP rank.
+    dcp_size: N; interleave_size: I (``block_size % I == 0``); block_size: cache block size.
+    num_tokens: T, the static row count (pad a captured batch up to its
+        bucket size); default ``sum(query_lens)`` (one host sync).
+    check: validate lengths against the block table on the host (syncs).
+
+    Returns
+    -------
+    A :class:`DCPMeta` (identical on every rank).
+
+    Example
+    -------
+    >>> import torch
+    >>> meta = dcp_plan([5, 3], [1, 2], torch.zeros(2, 4, dtype=torch.long),
+    ...                 dcp_size=2, interleave_size=1, block_size=4)
+    >>> meta.num_tokens, meta.kv_lens[0].tolist()
+    (3, [3, 1, 2])
+    """
+    if block_table.dim() != 2 or block_table.is_floating_point():
+        raise ValueError(f"block_table must be an int [B, max_blocks] tensor; got {block_table.dtype} {tuple(block_table.shape)}")
+    dev = block_table.device
+    seq, ql = _as_tensor("seq_lens", seq_lens, dev), _as_tensor("query_lens", query_lens, dev)
+    b = block_table.shape[0]
+    if seq.shape != (b,) or ql.shape != (b,) or b < 1:
+        raise ValueError(
+            f"seq_lens {tuple(seq.shape)} and query_lens {tuple(ql.shape)} must both be [B] with B = "
+            f"block_table rows = {b} >= 1 (pad an empty batch with one idle request)"
+        )
+    if block_size < 1 or interleave_size < 1 or block_size % interleave_size:
+        raise ValueError(
+            f"block_size ({block_size}) must be a positive multiple of interleave_size ({interleave_size})"
+        )
+    if num_tokens is None:
+        num_tokens = int(ql.sum())
+    if check:
+        if bool((ql < 0).any()) or bool((ql > seq).any()):
+            raise ValueError(
+                f"need 0 <= query_lens <= seq_lens per request; got query_lens {ql.tolist()}, seq_lens {seq.tolist()}"
+            )
+        if int(ql.sum()) > num_tokens:
+            raise ValueError(f"num_tokens = {num_tokens} is below sum(query_lens) = {int(ql.sum())}")
+        need = int(dcp_local_lens(seq, dcp_size, interleave_size).max()) if b else 0
+        if need > block_table.shape[1] * block_size:
+            raise ValueError(
+                f"a rank holds up to {need} tokens of one request but block_table addresses "
+                f"{block_table.shape[1]} blocks x {block_size}; widen the block table"
+            )
+    t = plan_tensors(seq, ql, block_table, num_tokens=num_tokens, dcp_size=dcp_size,
+                     interleave_size=interleave_size, block_size=block_size)
+    return DCPMeta(dcp_size=dcp_size, interleave_size=interleave_size, block_size=block_size,
+                   block_table=block_table, seq_lens=seq, query_lens=ql, **t)
+
+
+def _lse_merge(lses: torch.Tensor) -> torch.Tensor:
+    """logsumexp over dim 0 of [N, ...] with -inf rows kept -inf (never NaN)."""
+    m = lses.amax(dim=0)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    total = torch.exp(lses - m).sum(dim=0)
+    return torch.where(total > 0, m + torch.log(torch.where(total > 0, total, 1.0)), float("-inf"))
+
+
+def dcp_attend_heads(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    group: Group,
+    merge: str,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DCP core: gather query heads, attend the local shard, merge partials back to own heads.
+
+    q: [T, Hl, Dk] (this rank's heads; every rank holds the same T rows);
+    k_cache / v_cache: this rank's shard [num_blocks, block_size, Hkv, D*];
+    req_indices, kv_lens: [T] (this rank's visible local lengths).
+    Returns out [T, Hl, Dv] and lse [T, Hl], both float32 (float64 for float64 q).
+    """
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}; got {merge!r}")
+    n, r, hl = group.size, group.rank, q.shape[1]
+    hkv = k_cache.shape[2]
+    if (n * hl) % hkv:
+        raise ValueError(
+            f"{n} DCP ranks x {hl} query heads = {n * hl} gathered heads is not a multiple of the cache's "
+            f"{hkv} kv heads; ranks of one DCP group must hold the same kv heads (GQA: tp // num_kv_heads "
+            "must be a multiple of dcp_size)"
+        )
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_all = group.all_gather(q, dim=1)  # [T, N*Hl, Dk], head h of rank j at j*Hl + h
+    o, l = paged_attention_with_lse(q_all, k_cache, v_cache, block_table, req_indices, kv_lens,
+                                    softmax_scale=softmax_scale)  # [T, N*Hl, Dv], [T, N*Hl]
+    t, dv = o.shape[0], o.shape[-1]
+    l = l.to(acc)
+    if merge == "ag_rs":
+        lses = group.all_gather(l[None], dim=0)  # [N, T, N*Hl]
+        total = _lse_merge(lses)  # [T, N*Hl]
+        w = torch.where(torch.isfinite(total) & (l > float("-inf")), torch.exp(l - total), 0.0)  # [T, N*Hl]
+        out = group.reduce_scatter(o.to(acc) * w[..., None], dim=1)  # [T, Hl, Dv]
+        lse = total[:, r * hl : (r + 1) * hl]  # [T, Hl]
+        return out, lse
+    buf = torch.cat([o.to(acc), l[..., None]], dim=-1)  # [T, N*Hl, Dv+1]
+    got = group.all_to_all(buf, dim=1)  # [T, N*Hl, Dv+1]: slice j = rank j's partial of my heads
+    got = got.view(t, n, hl, dv + 1).movedim(1, 0)  # [N, T, Hl, Dv+1]
+    out, lse = merge_attn_states(got[..., :dv], got[..., dv])
+    return out, lse
+
+
+def _split_cache(kv_cache, v_head_dim):
+    if isinstance(kv_cache, torch.Tensor):  # MLA: one latent cache, values are its first dims
+        return kv_cache, kv_cache[..., :v_head_dim]
+    if len(kv_cache) != 2:
+        raise ValueError("kv_cache must be (k_cache, v_cache) or one MLA latent cache tensor")
+    return kv_cache[0], kv_cache[1]
+
+
+def dcp_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    meta: DCPMeta,
+    *,
+    group: Group,
+    merge: str = "ag_rs",
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    v_head_dim: int = 512,
+):
+    """Attention of this step's query tokens over a DCP-sharded paged KV cache.
+
+    Write the step's new KV first (``write_kv(k_cache, v_cache, k, v,
+    meta.slot_mapping[group.rank])``): each query then sees every earlier
+    token and itself, so decode, speculative decoding (1 + k queries) and
+    chunked-prefill requests can share one batch.
+
+    Arguments
+    ---------
+    q: [T, Hl, Dk] -- this rank's TP query heads for the T rows of ``meta``
+        (padding rows included; their output is 0).
+    kv_cache: ``(k_cache, v_cache)`` with k_cache [num_blocks, block_size, Hkv, Dk],
+        v_cache [.., .., Hkv, Dv] -- this rank's shard. GQA: all N*Hl gathered
+        heads share the cache's Hkv heads (gathered head h reads kv head
+        ``h // (N*Hl // Hkv)``), so ranks of a DCP group must hold the same
+        kv heads. MLA: pass the latent cache [num_blocks, block_size, 1, 576]
+        alone; its first ``v_head_dim`` (512) dims are the values, and q is
+        the absorbed query [T, Hl, 576].
+    meta: from :func:`dcp_plan` with ``dcp_size == group.size``.
+    group: the DCP group (simulated or torch.distributed).
+    merge: "ag_rs" (all-gather LSE + reduce-scatter) or "a2a" (one all-to-all).
+    softmax_scale: defaults to ``Dk ** -0.5``; MLA passes the model's scale.
+
+    Returns
+    -------
+    out: [T, Hl, Dv] in q's dtype; with ``return_lse`` also lse [T, Hl] float32.
+
+    Example
+    -------
+    >>> import torch, cpattn
+    >>> from cpattn.dcp import dcp_plan, dcp_decode
+    >>> meta = dcp_plan([40], [1], torch.tensor([[0, 1]]), dcp_size=2, interleave_size=1, block_size=16)
+    >>> kc, vc = torch.randn(2, 16, 1, 32), torch.randn(2, 16, 1, 32)
+    >>> q = torch.randn(1, 4, 32)
+    >>> outs = cpattn.simulate(2, lambda g: dcp_decode(q[:, 2 * g.rank:2 * g.rank + 2], (kc, vc), meta, group=g))
+    >>> outs[0].shape
+    torch.Size([1, 2, 32])
+    """
+    k_cache, v_cache = _split_cache(kv_cache, v_head_dim)
+    if group.size != meta.dcp_size:
+        raise ValueError(f"meta was planned for dcp_size={meta.dcp_size} but the group has {group.size} ranks")
+    if q.dim() != 3 or q.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"q must be [T={meta.num_tokens}, Hl, Dk] (T from the plan, padding included); got {tuple(q.shape)}"
+        )
+    if k_cache.shape[1] != meta.block_size:
+        raise ValueError(f"cache block_size {k_cache.shape[1]} differs from the plan's {meta.block_size}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = dcp_attend_heads(
+        q, k_cache, v_cache, meta.block_table, meta.req_indices, meta.kv_lens[group.rank],
+        group=group, merge=merge, softmax_scale=scale,
+    )
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class DCPContext:
+    """A DCP-sharded paged cache of earlier tokens, usable as ``pcp_prefill(context=...)``.
+
+    Every new token of request b sees all ``context_lens[b]`` cached tokens
+    (non-causally); rank r holds its DCP share of them.
+
+    Fields
+    ------
+    k_cache: [num_blocks, block_size, Hkv, Dk]; v_cache: [.., .., Hkv, Dv]
+        (MLA: the latent cache and ``latent[..., :512]``) -- this rank's shard.
+    block_table: [B, max_blocks]; context_lens: [B] cached tokens per request.
+    interleave_size: I of the DCP layout.
+    group: the DCP group; None means the group ``attend`` is called with.
+    shard: how the query rows differ across the group --
+        "tokens": each rank holds different tokens with all heads (a PCP group
+        that is also the DCP group): queries are all-gathered by token, each
+        rank attends all of them against its shard, and an all-to-all brings
+        every rank its own tokens' N partials to merge;
+        "heads": every rank holds the same tokens and its own TP heads (as in
+        :func:`dcp_decode`).
+    merge: "ag_rs" or "a2a", for ``shard="heads"``.
+
+    Example
+    -------
+    >>> # ctx = DCPContext(kc, vc, block_table, context_lens, interleave_size=16)
+    >>> # out = pcp_prefill(q, k, v, plan, group=g, context=ctx)
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    interleave_size: int
+    group: Group | None = None
+    shard: str = "tokens"
+    merge: str = "a2a"
+
+    def attend(self, q: torch.Tensor, cu_q: torch.Tensor, scale: float, group: Group):
+        """Partial attention of q [Tq, Hq, Dk] (request b: rows cu_q[b]:cu_q[b+1]) over the cached context.
+
+        Returns out [Tq, Hq, Dv] float32 and lse [Tq, Hq] float32, merged over the DCP group.
+        """
+        g = self.group if self.group is not None else group
+        if self.shard not in ("tokens", "heads"):
+            raise ValueError(f"shard must be 'tokens' or 'heads'; got {self.shard!r}")
+        dev = q.device
+        cu = cu_q.to(dev, torch.int64)
+        ctx = self.context_lens.to(dev, torch.int64)
+        if cu.shape[0] != ctx.shape[0] + 1:
+            raise ValueError(f"cu_q has {cu.shape[0]} entries but context_lens covers {ctx.shape[0]} requests")
+        local = dcp_local_lens(ctx, g.size, self.interleave_size)[:, g.rank]  # [B] keys every new token sees here
+        if self.shard == "heads":
+            req = _rows_to_requests(cu, q.shape[0])
+            kv_lens = torch.where(req >= 0, local[req.clamp(min=0)], 0)
+            return dcp_attend_heads(q, self.k_cache, self.v_cache, self.block_table, req, kv_lens,
+                                    group=g, merge=self.merge, softmax_scale=scale)
+        return self._attend_tokens(q, cu, local, scale, g)
+
+    def _attend_tokens(self, q, cu, local, scale, g):
+        n, t = g.size, q.shape[0]
+        cus = g.all_gather(cu[None], dim=0)  # [N, B+1]: every rank's request boundaries
+        t_max = int(cus[:, -1].max())  # host sync: prefill runs eagerly
+        dv = self.v_cache.shape[-1]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if t_max == 0:
+            return q.new_zeros(t, q.shape[1], dv, dtype=acc), torch.full((t, q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+        q_pad = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, t_max - t))  # [t_max, Hq, Dk]
+        q_all = g.all_gather(q_pad, dim=0)  # [N*t_max, Hq, Dk]
+        req = torch.cat([_rows_to_requests(cus[j], t_max) for j in range(n)])  # [N*t_max]
+        kv_lens = torch.where(req >= 0, local[req.clamp(min=0)], 0)
+        o, l = paged_attention_with_lse(q_all, self.k_cache, self.v_cache, self.block_table, req, kv_lens,
+                                        softmax_scale=scale)  # [N*t_max, Hq, Dv], [N*t_max, Hq]
+        buf = torch.cat([o.to(acc), l.to(acc)[..., None]], dim=-1)  # [N*t_max, Hq, Dv+1]
+        got = g.all_to_all(buf, dim=0).view(n, t_max, q.shape[1], dv + 1)  # partials of my tokens from each rank
+        out, lse = merge_attn_states(got[..., :dv], got[..., dv])
+        return out[:t], lse[:t]
+
+
+def _rows_to_requests(cu: torch.Tensor, t: int) -> torch.Tensor:
+    """Request of each of t rows given cu [B+1]; -1 for rows past cu[-1]. -> [t] int64."""
+    b = cu.shape[0] - 1
+    rows = torch.arange(t, device=cu.device)
+    req = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    return torch.where(req < b, req, -1)

@@ -1,0 +1,221 @@
+"""DCP layout: which rank of the decode-context-parallel group holds which cached token.
+
+N = ``dcp_size``, I = ``interleave_size`` (``cp_kv_cache_interleave_size``),
+B = ``block_size`` with ``B % I == 0``. Tokens are dealt to ranks in runs of
+I (DESIGN.md §4.3)::
+
+    owner(t)       = (t // I) % N
+    local_index(t) = (t // (I*N)) * I + t % I
+
+For N = 2, I = 2 and 10 tokens::
+
+    token        0 1 2 3 4 5 6 7 8 9
+    owner        0 0 1 1 0 0 1 1 0 0
+    local index  0 1 0 1 2 3 2 3 4 5      local lens: rank 0 -> 6, rank 1 -> 4
+
+Every rank uses the same block ids (one block table for the group); each
+physical block of rank r holds rank r's share. Everything here is plain
+tensor arithmetic (no Python loop over tokens, no host sync), so it can run
+inside a captured graph. :func:`reshard_kv_blocks` moves whole blocks between
+an unsharded (prefill) cache and the DCP layout when ``I == B`` (§4.5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_sizes(dcp_size: int, interleave_size: int, block_size: int | None = None) -> None:
+    if dcp_size < 1:
+        raise ValueError(f"dcp_size must be >= 1; got {dcp_size}")
+    if interleave_size < 1:
+        raise ValueError(f"interleave_size must be >= 1; got {interleave_size}")
+    if block_size is not None and (block_size < 1 or block_size % interleave_size):
+        raise ValueError(
+            f"block_size ({block_size}) must be a positive multiple of interleave_size ({interleave_size}); "
+            "pick an interleave size that divides the block size"
+        )
+
+
+def dcp_owner(t: torch.Tensor, dcp_size: int, interleave_size: int) -> torch.Tensor:
+    """DCP rank holding token position ``t``: ``(t // I) % N``.
+
+    t: [...] int tensor of absolute positions (>= 0). Returns the same shape.
+
+    Example
+    -------
+    >>> import torch
+    >>> dcp_owner(torch.arange(8), 2, 2).tolist()
+    [0, 0, 1, 1, 0, 0, 1, 1]
+    """
+    _check_sizes(dcp_size, interleave_size)
+    return torch.div(t, interleave_size, rounding_mode="floor") % dcp_size
+
+
+def dcp_local_index(t: torch.Tensor, dcp_size: int, interleave_size: int) -> torch.Tensor:
+    """Index of token ``t`` in its owner's local sequence: ``(t // (I*N)) * I + t % I``.
+
+    t: [...] int tensor of absolute positions (>= 0). Returns the same shape.
+
+    Example
+    -------
+    >>> import torch
+    >>> dcp_local_index(torch.arange(8), 2, 2).tolist()
+    [0, 1, 0, 1, 2, 3, 2, 3]
+    """
+    _check_sizes(dcp_size, interleave_size)
+    period = interleave_size * dcp_size
+    return torch.div(t, period, rounding_mode="floor") * interleave_size + t % interleave_size
+
+
+def dcp_local_lens(seq_lens: torch.Tensor, dcp_size: int, interleave_size: int) -> torch.Tensor:
+    """Tokens of each sequence held by each rank: [B] -> [B, dcp_size].
+
+    ``base = (S // (I*N)) * I``; ``local_len[r] = base + clip(S - base*N - r*I, 0, I)``.
+    Row b sums to ``seq_lens[b]``. Also gives how many keys a query at
+    position p sees on rank r: ``dcp_local_lens(p + 1, ...)[:, r]``.
+
+    Example
+    -------
+    >>> import torch
+    >>> dcp_local_lens(torch.tensor([10, 3, 0]), 2, 2).tolist()
+    [[6, 4], [2, 1], [0, 0]]
+    """
+    _check_sizes(dcp_size, interleave_size)
+    s = seq_lens.long()[..., None]  # [B, 1]
+    base = torch.div(s, interleave_size * dcp_size, rounding_mode="floor") * interleave_size  # [B, 1]
+    ranks = torch.arange(dcp_size, device=seq_lens.device)  # [N]
+    extra = (s - base * dcp_size - ranks * interleave_size).clamp(0, interleave_size)  # [B, N]
+    return base + extra
+
+
+def dcp_slot_mapping(
+    positions: torch.Tensor,
+    req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    dcp_rank: int,
+    dcp_size: int,
+    interleave_size: int,
+    block_size: int,
+) -> torch.Tensor:
+    """Cache slot of each token on rank ``dcp_rank``; -1 where another rank owns it.
+
+    Arguments
+    ---------
+    positions: [T] absolute position of each token; < 0 marks a padding row.
+    req_indices: [T] request (row of ``block_table``) of each token; < 0 marks padding.
+    block_table: [B, max_blocks] physical block ids, shared by every DCP rank;
+        local index i lives in block ``block_table[b, i // block_size]`` at
+        offset ``i % block_size``. Entries < 0 mean "no block".
+
+    Returns
+    -------
+    slots: [T] int64, ``block * block_size + offset`` or -1 (not written
+    here: another rank's token, a padding row, or a missing block).
+
+    Example
+    -------
+    >>> import torch
+    >>> bt = torch.tensor([[3, 5]])
+    >>> dcp_slot_mapping(torch.arange(6), torch.zeros(6, dtype=torch.long), bt,
+    ...                  dcp_rank=1, dcp_size=2, interleave_size=1, block_size=2).tolist()
+    [-1, 6, -1, 7, -1, 10]
+    """
+    _check_sizes(dcp_size, interleave_size, block_size)
+    if not 0 <= dcp_rank < dcp_size:
+        raise ValueError(f"dcp_rank must be in [0, {dcp_size}); got {dcp_rank}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [B, max_blocks]; got shape {tuple(block_table.shape)}")
+    if positions.shape != req_indices.shape or positions.dim() != 1:
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and req_indices {tuple(req_indices.shape)} must both be [T]"
+        )
+    pos = positions.long()
+    req = req_indices.long()
+    owner = dcp_owner(pos.clamp(min=0), dcp_size, interleave_size)  # [T]
+    local = dcp_local_index(pos.clamp(min=0), dcp_size, interleave_size)  # [T]
+    nb, mb = block_table.shape
+    col = torch.div(local, block_size, rounding_mode="floor")  # [T]
+    inside = (pos >= 0) & (req >= 0) & (req < nb) & (col < mb)
+    block = block_table[req.clamp(0, max(nb - 1, 0)), col.clamp(0, max(mb - 1, 0))].long()  # [T]
+    slot = block * block_size + local % block_size
+    keep = inside & (owner == dcp_rank) & (block >= 0)
+    return torch.where(keep, slot, torch.full_like(slot, -1))
+
+
+def reshard_kv_blocks(
+    blocks: torch.Tensor, *, dcp_size: int, interleave_size: int, block_size: int
+) -> list[torch.Tensor]:
+    """Deal one request's unsharded KV blocks to N DCP ranks (P/D transfer, DESIGN.md §4.5).
+
+    With ``interleave_size == block_size`` every block of B consecutive
+    tokens belongs wholly to one rank: logical block k goes to rank
+    ``k % N`` as its local block ``k // N``, so whole blocks move.
+
+    Arguments
+    ---------
+    blocks: [num_blocks, block_size, ...] -- the request's blocks in logical
+        order, as a PCP prefill engine holds them (``cache[block_table[b, :n]]``).
+
+    Returns
+    -------
+    N tensors; rank r's is [ceil((num_blocks - r) / N), block_size, ...] in
+    local block order. Copy them into rank r's cache at its block ids.
+
+    Example
+    -------
+    >>> import torch
+    >>> parts = reshard_kv_blocks(torch.arange(5)[:, None], dcp_size=2, interleave_size=1, block_size=1)
+    >>> [p.flatten().tolist() for p in parts]
+    [[0, 2, 4], [1, 3]]
+    """
+    _check_transfer(dcp_size, interleave_size, block_size)
+    if blocks.dim() < 2 or blocks.shape[1] != block_size:
+        raise ValueError(
+            f"blocks must be [num_blocks, block_size={block_size}, ...]; got shape {tuple(blocks.shape)}"
+        )
+    return [blocks[r::dcp_size] for r in range(dcp_size)]
+
+
+def unshard_kv_blocks(
+    parts: list[torch.Tensor], *, dcp_size: int, interleave_size: int, block_size: int
+) -> torch.Tensor:
+    """Inverse of :func:`reshard_kv_blocks`: N ranks' local blocks -> [num_blocks, block_size, ...].
+
+    parts[r]: [n_r, block_size, ...] with ``n_0 >= n_1 >= ... >= n_0 - 1``
+    (the counts reshard_kv_blocks produces).
+
+    Example
+    -------
+    >>> import torch
+    >>> x = torch.arange(10.).view(5, 2)
+    >>> kw = dict(dcp_size=3, interleave_size=2, block_size=2)
+    >>> torch.equal(unshard_kv_blocks(reshard_kv_blocks(x, **kw), **kw), x)
+    True
+    """
+    _check_transfer(dcp_size, interleave_size, block_size)
+    if len(parts) != dcp_size:
+        raise ValueError(f"parts must hold one tensor per rank ({dcp_size}); got {len(parts)}")
+    total = sum(p.shape[0] for p in parts)
+    for r, p in enumerate(parts):
+        want = (total - r + dcp_size - 1) // dcp_size
+        if p.shape[0] != want or p.shape[1:] != parts[0].shape[1:]:
+            raise ValueError(
+                f"parts[{r}] has shape {tuple(p.shape)}; with {total} blocks over {dcp_size} ranks it "
+                f"must be [{want}, {', '.join(map(str, parts[0].shape[1:]))}]"
+            )
+    out = parts[0].new_empty(total, *parts[0].shape[1:])  # [num_blocks, block_size, ...]
+    for r, p in enumerate(parts):
+        out[r::dcp_size] = p
+    return out
+
+
+def _check_transfer(dcp_size: int, interleave_size: int, block_size: int) -> None:
+    _check_sizes(dcp_size, interleave_size, block_size)
+    if interleave_size != block_size:
+        raise ValueError(
+            f"whole-block KV transfer needs interleave_size == block_size; got interleave_size="
+            f"{interleave_size}, block_size={block_size}. With a smaller interleave each block mixes "
+            "tokens of several ranks; set cp_kv_cache_interleave_size = block_size for P/D and KV pooling"
+        )

@@ -1,0 +1,378 @@
+"""Paged KV-cache ops: ``write_kv``, ``write_kv_mla`` and ``paged_attention_with_lse``.
+
+Cache layout (DESIGN.md §3): ``[num_blocks, block_size, Hkv, D]``; a request's
+local token i lives in block ``block_table[b, i // block_size]`` at offset
+``i % block_size``; a slot is ``block * block_size + offset``.
+
+``paged_attention_with_lse`` takes, per query row t, its request
+``req_indices[t]`` and how many local keys it sees, ``kv_lens[t]``. That one
+form covers decode, speculative decoding and chunked prefill under DCP, where
+query j at absolute position p sees the local keys with index
+``< local_len(p + 1, rank)`` -- not a shifted causal mask::
+
+    N = 2, I = 1, q_len = 3 at positions 4, 5, 6 (rank 0 holds 0 2 4 6)
+    local key      0 1 2 3
+    q @ 4          1 1 1 0       local_len(5, 0) = 3
+    q @ 5          1 1 1 0       local_len(6, 0) = 3
+    q @ 6          1 1 1 1       local_len(7, 0) = 4
+
+All shapes are static (T rows, a fixed block table), so the op can sit in a
+captured graph. The CPU kernel walks each request's blocks in chunks of about
+a megabyte, gathers a chunk, runs aten's CPU flash kernel on it with the GQA
+query heads folded into the query dim (one pass over each KV head serves all
+its query heads), and merges the chunk partials by LSE in float32. float64
+inputs, and devices without a fused kernel, run the plain reference of
+:mod:`cpattn.ops.paged_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpattn.ops import ref, registry
+from cpattn.ops.paged_ref import paged_attention_ref
+
+# Elements of K gathered per chunk by the CPU kernel (~1 MiB in float32):
+# large enough to amortise the call, small enough to stay in cache.
+CHUNK_ELEMS = 1 << 18
+# Chunk partials are merged into the running state this many at a time.
+MERGE_EVERY = 32
+
+
+# ---------------------------------------------------------------------------- write_kv
+def _scatter_rows(flat: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
+    """flat[slots[i]] = src[i] for slots >= 0, without a host sync.
+
+    Rows with slot -1 are redirected to a harmless duplicate write: the first
+    valid row's (slot, value), or slot 0's current value when no row is valid.
+    Duplicate writes carry identical values, so their order cannot matter.
+    """
+    if slots.numel() == 0:
+        return
+    slots = slots.long()
+    valid = slots >= 0  # [T]
+    first = torch.argmax(valid.to(torch.int8))  # first valid row (0 if none)
+    anyv = valid.any()
+    src = src.to(flat.dtype)
+    tgt_slot = torch.where(anyv, slots[first], torch.zeros_like(slots[first]))
+    tgt_val = torch.where(anyv, src[first], flat[0])  # [H, D]
+    idx = torch.where(valid, slots, tgt_slot)  # [T]
+    val = torch.where(valid.view(-1, *([1] * (src.dim() - 1))), src, tgt_val)  # [T, H, D]
+    flat.index_copy_(0, idx, val)
+
+
+@registry.define("write_kv", mutates_args=("k_cache", "v_cache"))
+def _write_kv_op(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    _scatter_rows(k_cache.view(-1, *k_cache.shape[2:]), k, slot_mapping)
+    _scatter_rows(v_cache.view(-1, *v_cache.shape[2:]), v, slot_mapping)
+
+
+registry.generic("write_kv")
+
+
+@registry.fake("write_kv")
+def _write_kv_fake(k_cache, v_cache, k, v, slot_mapping):
+    return None
+
+
+@registry.define("write_kv_mla", mutates_args=("kv_cache",))
+def _write_kv_mla_op(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    latent = torch.cat([kv_c, k_pe], dim=-1)[:, None, :]  # [T, 1, Dc + Dr]
+    _scatter_rows(kv_cache.view(-1, *kv_cache.shape[2:]), latent, slot_mapping)
+
+
+registry.generic("write_kv_mla")
+
+
+@registry.fake("write_kv_mla")
+def _write_kv_mla_fake(kv_cache, kv_c, k_pe, slot_mapping):
+    return None
+
+
+def _check_cache(name: str, cache: torch.Tensor) -> None:
+    if cache.dim() != 4:
+        raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D]; got shape {tuple(cache.shape)}")
+    if not cache.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (it is written through a flat view); call .contiguous() once")
+
+
+def _check_slots(slot_mapping: torch.Tensor, t: int) -> None:
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slot_mapping must be int32/int64 [T={t}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new tokens' keys and values into a paged cache, in place.
+
+    Arguments
+    ---------
+    k_cache: [num_blocks, block_size, Hkv, Dk]; v_cache: [num_blocks, block_size, Hkv, Dv]
+        (contiguous; modified in place).
+    k: [T, Hkv, Dk]; v: [T, Hkv, Dv] -- cast to the cache dtype.
+    slot_mapping: [T] int -- ``block * block_size + offset``, or -1 to skip the
+        token (owned by another DCP rank, or a padding row). Valid slots must
+        be distinct.
+
+    Example
+    -------
+    >>> import torch
+    >>> kc, vc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    >>> write_kv(kc, vc, torch.ones(3, 1, 8), torch.ones(3, 1, 8), torch.tensor([5, -1, 0]))
+    >>> kc[1, 1, 0, 0].item(), kc[0, 1, 0, 0].item()
+    (1.0, 0.0)
+    """
+    _check_cache("k_cache", k_cache)
+    _check_cache("v_cache", v_cache)
+    if k.dim() != 3 or k.shape[1:] != k_cache.shape[2:] or v.shape != (k.shape[0], *v_cache.shape[2:]):
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [T, Hkv, D] matching the caches' "
+            f"[.., {', '.join(map(str, k_cache.shape[2:]))}] / [.., {', '.join(map(str, v_cache.shape[2:]))}]"
+        )
+    _check_slots(slot_mapping, k.shape[0])
+    torch.ops.cpattn.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write MLA latents into one latent cache, in place: ``cache[slot] = [kv_c | k_pe]``.
+
+    Arguments
+    ---------
+    kv_cache: [num_blocks, block_size, 1, Dc + Dr] (DeepSeek: 576 = 512 + 64), contiguous.
+    kv_c: [T, Dc] compressed latent (the values); k_pe: [T, Dr] rope key part.
+    slot_mapping: [T] int, -1 skips a token.
+
+    Example
+    -------
+    >>> import torch
+    >>> cache = torch.zeros(2, 4, 1, 576)
+    >>> write_kv_mla(cache, torch.ones(2, 512), torch.full((2, 64), 2.0), torch.tensor([-1, 6]))
+    >>> cache[1, 2, 0, 511].item(), cache[1, 2, 0, 512].item()
+    (1.0, 2.0)
+    """
+    _check_cache("kv_cache", kv_cache)
+    if kv_cache.shape[2] != 1:
+        raise ValueError(f"kv_cache must hold one latent head [.., .., 1, D]; got shape {tuple(kv_cache.shape)}")
+    if kv_c.dim() != 2 or k_pe.dim() != 2 or kv_c.shape[0] != k_pe.shape[0] or (
+        kv_c.shape[1] + k_pe.shape[1] != kv_cache.shape[3]
+    ):
+        raise ValueError(
+            f"kv_c {tuple(kv_c.shape)} and k_pe {tuple(k_pe.shape)} must be [T, Dc] and [T, Dr] with "
+            f"Dc + Dr = {kv_cache.shape[3]} (the cache's last dim)"
+        )
+    _check_slots(slot_mapping, kv_c.shape[0])
+    torch.ops.cpattn.write_kv_mla(kv_cache, kv_c, k_pe, slot_mapping)
+
+
+# ------------------------------------------------------------- paged_attention_with_lse
+@registry.define("paged_attention_with_lse")
+def _paged_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    raise registry.no_kernel("paged_attention_with_lse", q)
+
+
+@registry.fake("paged_attention_with_lse")
+def _paged_fake(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale):
+    t, hq, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(t, hq, v_cache.shape[-1]), q.new_empty(t, hq, dtype=lse_dtype)
+
+
+def _is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when v is k[..., :Dv] (the MLA latent cache): gather once, read values from it."""
+    return (
+        v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]
+        and v.shape[-1] <= k.shape[-1] and v.dtype == k.dtype
+    )
+
+
+def _runs(reqs: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal request ids: [(row_start, row_end, req)]."""
+    runs, start = [], 0
+    for i in range(1, len(reqs) + 1):
+        if i == len(reqs) or reqs[i] != reqs[start]:
+            runs.append((start, i, reqs[start]))
+            start = i
+    return runs
+
+
+def _flash(q, k, v, mask, scale):
+    """aten CPU flash attention on [1, H, L, D] views; mask [L_q, L_k] additive or None."""
+    attn_mask = None if mask is None else mask[None, None]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=attn_mask, scale=scale
+    )
+
+
+def _paged_request(q, k_cache, v_cache, blocks, row_lens, lmin, lmax, scale, shared_v):
+    """One request's rows: q [nq, Hq, Dk] over its blocks -> out [nq, Hq, Dv] fp32, lse [nq, Hq] fp32."""
+    nq, hq, dk = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    dv, g = v_cache.shape[-1], hq // hkv
+    # fold query heads of one kv head into the query dim: rows ordered (g, j)
+    qf = q.view(nq, hkv, g, dk).permute(1, 2, 0, 3).reshape(1, hkv, g * nq, dk)  # [1, Hkv, G*nq, Dk]
+    if dv > dk:  # the flash kernel wants one head dim: pad q and k (scores unchanged)
+        qf = torch.nn.functional.pad(qf, (0, dv - dk))
+    lens_f = row_lens.repeat(g)  # [G*nq], matches the (g, j) row order
+    chunk = max(bs, CHUNK_ELEMS // (hkv * dk) // bs * bs)
+    state_o = state_l = None
+    parts_o, parts_l = [], []
+    for c0 in range(0, lmax, chunk):
+        c1 = min(c0 + chunk, lmax)
+        ids = blocks[c0 // bs : (c1 + bs - 1) // bs]
+        kc = k_cache.index_select(0, ids).flatten(0, 1)[: c1 - c0]  # [Lc, Hkv, Dk]
+        if shared_v:
+            vc = kc  # MLA: the values are the first Dv dims of the latent
+        else:
+            vc = v_cache.index_select(0, ids).flatten(0, 1)[: c1 - c0]  # [Lc, Hkv, Dv]
+            if dv < dk:
+                vc = torch.nn.functional.pad(vc, (0, dk - dv))
+        if dv > dk:
+            kc = torch.nn.functional.pad(kc, (0, dv - dk))
+        k4, v4 = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, Hkv, Lc, D]
+        if c1 <= lmin:  # every row sees the whole chunk
+            o, l = _flash(qf, k4, v4, None, scale)
+        else:
+            key = torch.arange(c0, c1, device=q.device)  # [Lc]
+            seen = key[None, :] < lens_f[:, None]  # [G*nq, Lc]
+            zero = torch.zeros((), dtype=qf.dtype, device=q.device)
+            mask = torch.where(seen, zero, torch.full_like(zero, float("-inf")))
+            o, l = _flash(qf, k4, v4, mask, scale)
+            some = seen.any(dim=1)  # [G*nq]: a row that sees nothing here is an empty partial
+            l = torch.where(some, l, float("-inf"))
+            o = torch.where(some[:, None], o, 0.0)
+        parts_o.append(o[0, ..., :dv].float())  # [Hkv, G*nq, Dv]
+        parts_l.append(l[0].float())  # [Hkv, G*nq]
+        if len(parts_o) >= MERGE_EVERY:
+            state_o, state_l = _fold(state_o, state_l, parts_o, parts_l)
+    state_o, state_l = _fold(state_o, state_l, parts_o, parts_l)
+    out = state_o.view(hkv, g, nq, dv).permute(2, 0, 1, 3).reshape(nq, hq, dv)  # [nq, Hq, Dv]
+    lse = state_l.view(hkv, g, nq).permute(2, 0, 1).reshape(nq, hq)  # [nq, Hq]
+    return out, lse
+
+
+def _fold(state_o, state_l, parts_o, parts_l):
+    """Merge buffered chunk partials (and the running state) into a new state; empties the buffers."""
+    if state_o is not None:
+        parts_o.insert(0, state_o)
+        parts_l.insert(0, state_l)
+    o, l = ref.merge(torch.stack(parts_o), torch.stack(parts_l))
+    parts_o.clear()
+    parts_l.clear()
+    return o, l
+
+
+@registry.kernel("paged_attention_with_lse", "cpu")
+def _paged_cpu(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale):
+    if q.dtype == torch.float64:
+        return paged_attention_ref(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale)
+    t, hq, _ = q.shape
+    dv = v_cache.shape[-1]
+    out = q.new_zeros(t, hq, dv)
+    lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    shared_v = _is_prefix_view(v_cache, k_cache)
+    reqs, lens = req_indices.tolist(), kv_lens.tolist()  # host work is fine inside a CPU kernel
+    for r0, r1, b in _runs(reqs):
+        run_lens = lens[r0:r1]
+        lmax = max(run_lens)
+        if b < 0 or lmax <= 0:
+            continue  # padding rows / nothing visible: (0, -inf)
+        blocks = block_table[b].long()
+        if lmax > blocks.numel() * k_cache.shape[1]:
+            raise ValueError(
+                f"kv_lens asks for {lmax} keys of request {b} but its block_table row addresses only "
+                f"{blocks.numel()} blocks x {k_cache.shape[1]}; widen the block table"
+            )
+        o, l = _paged_request(
+            q[r0:r1], k_cache, v_cache, blocks, kv_lens[r0:r1].long(), max(min(run_lens), 0), lmax,
+            softmax_scale, shared_v,
+        )
+        out[r0:r1], lse[r0:r1] = o.to(out.dtype), l
+    return out, lse
+
+
+if torch.cuda.is_available():  # pragma: no cover - needs a GPU
+
+    @registry.kernel("paged_attention_with_lse", "cuda")
+    def _paged_cuda(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale):
+        # plain torch, no host sync (capturable); a fused paged kernel is the next step
+        return paged_attention_ref(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale)
+
+
+def paged_attention_with_lse(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of query rows over a paged KV cache, with the log-sum-exp.
+
+    Arguments
+    ---------
+    q: [T, Hq, Dk] -- query rows of any number of requests (several rows per
+        request for speculative decoding or chunked prefill).
+    k_cache: [num_blocks, block_size, Hkv, Dk]; v_cache: [num_blocks, block_size, Hkv, Dv]
+        -- ``Hq % Hkv == 0``, query head h reads kv head ``h // (Hq // Hkv)``.
+        For MLA pass the latent cache and its value view:
+        ``k_cache = latent [.., 1, 576]``, ``v_cache = latent[..., :512]``.
+    block_table: [B, max_blocks] int -- request b's local index i is in block
+        ``block_table[b, i // block_size]``.
+    req_indices: [T] int -- request of each row; < 0 marks a padding row.
+    kv_lens: [T] int -- row t sees local keys ``0 .. kv_lens[t]-1`` of its
+        request (under DCP: ``local_len(position + 1, rank)``).
+    softmax_scale: defaults to ``Dk ** -0.5`` (MLA callers pass the model's).
+
+    Returns
+    -------
+    out: [T, Hq, Dv] in q's dtype; lse: [T, Hq] natural log, float32 (float64
+    for float64 q). Rows that see no key get out 0, lse -inf. Cache slots past
+    ``kv_lens`` (other ranks' tokens, unused blocks) are never read into a result.
+
+    Example
+    -------
+    >>> import torch
+    >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
+    >>> q = torch.randn(3, 8, 64)
+    >>> bt = torch.tensor([[2, 0], [3, 1]])
+    >>> out, lse = paged_attention_with_lse(q, kc, vc, bt, torch.tensor([0, 0, 1]), torch.tensor([20, 21, 5]))
+    >>> out.shape, lse.shape
+    (torch.Size([3, 8, 64]), torch.Size([3, 8]))
+    """
+    if q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"q must be a floating [T, Hq, Dk] tensor; got {q.dtype} {tuple(q.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4:
+            raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D]; got shape {tuple(c.shape)}")
+        if c.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {c.dtype} differs from q's {q.dtype}; cast one of them")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share [blocks, block_size, Hkv]")
+    if q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"q head_dim {q.shape[-1]} != k_cache head_dim {k_cache.shape[-1]}; they must match")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k_cache.shape[2]}) for GQA")
+    if block_table.dim() != 2 or block_table.is_floating_point():
+        raise ValueError(f"block_table must be an int [B, max_blocks] tensor; got {block_table.dtype} {tuple(block_table.shape)}")
+    for name, x in (("req_indices", req_indices), ("kv_lens", kv_lens)):
+        if x.shape != (q.shape[0],) or x.is_floating_point():
+            raise ValueError(f"{name} must be an int [T={q.shape[0]}] tensor; got {x.dtype} {tuple(x.shape)}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return torch.ops.cpattn.paged_attention_with_lse(q, k_cache, v_cache, block_table, req_indices, kv_lens, scale)

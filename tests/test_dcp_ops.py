@@ -1,0 +1,215 @@
+"""Paged-cache ops: write_kv, write_kv_mla, paged_attention_with_lse.
+
+The attention oracle is written here plainly in float64: for each query row,
+collect its request's visible keys by walking the block table one local index
+at a time, then a dense softmax. Caches are poisoned with NaN everywhere no
+token was written.
+"""
+
+import pytest
+import torch
+
+from oracle import plain_error
+
+from cpattn.ops import paged
+from cpattn.ops.paged import paged_attention_with_lse, write_kv, write_kv_mla
+from cpattn.ops.paged_ref import paged_attention_ref, write_kv_ref
+
+
+def oracle(q, k_cache, v_cache, block_table, req, lens, scale):
+    """float64 out [T, Hq, Dv], lse [T, Hq] by a per-row loop over visible keys."""
+    t, hq, _ = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(t, hq, v_cache.shape[-1], dtype=torch.float64)
+    lse = torch.full((t, hq), float("-inf"), dtype=torch.float64)
+    for i in range(t):
+        b, n = int(req[i]), int(lens[i])
+        if b < 0 or n == 0:
+            continue
+        rows = [(int(block_table[b, j // bs]), j % bs) for j in range(n)]
+        k = torch.stack([k_cache[x, y] for x, y in rows]).double()  # [n, Hkv, Dk]
+        v = torch.stack([v_cache[x, y] for x, y in rows]).double()
+        for h in range(hq):
+            s = k[:, h // (hq // hkv)] @ q[i, h].double() * scale  # [n]
+            lse[i, h] = torch.logsumexp(s, 0)
+            out[i, h] = torch.softmax(s, 0) @ v[:, h // (hq // hkv)]
+    return out, lse
+
+
+def make_cache(gen, lens_per_req, bs, hkv, dk, dv, dtype, spare_blocks=3, mla=False):
+    """NaN-poisoned caches with each request's first lens keys written at shuffled blocks."""
+    mb = max(1, max(-(-n // bs) for n in lens_per_req)) + 1  # one unused column
+    nb = len(lens_per_req) * mb + spare_blocks
+    perm = torch.randperm(nb, generator=gen)
+    table = perm[: len(lens_per_req) * mb].view(len(lens_per_req), mb)
+    k_cache = torch.full((nb, bs, hkv, dk), float("nan"), dtype=dtype)
+    v_cache = k_cache[..., :dv] if mla else torch.full((nb, bs, hkv, dv), float("nan"), dtype=dtype)
+    for b, n in enumerate(lens_per_req):
+        for j in range(n):
+            blk, off = int(table[b, j // bs]), j % bs
+            k_cache[blk, off] = torch.randn(hkv, dk, generator=gen).to(dtype)
+            if not mla:
+                v_cache[blk, off] = torch.randn(hkv, dv, generator=gen).to(dtype)
+    return k_cache, v_cache, table
+
+
+CASES = [
+    # (kv lens per request, rows as (req, visible)), bs, hq, hkv, dk, dv
+    ([37, 5, 0], [(0, 30), (0, 31), (0, 37), (1, 5), (2, 0), (-1, 0)], 16, 4, 2, 32, 32),
+    ([130, 1], [(0, 128), (0, 129), (0, 129), (0, 130), (1, 1)], 128, 8, 8, 64, 64),
+    ([70], [(0, 70 - 40 + i // 2) for i in range(40)], 16, 2, 1, 16, 16),  # a prefill chunk of 40 rows
+    ([20, 9], [(0, 20), (1, 0), (1, 9), (0, 3)], 16, 6, 3, 16, 24),  # Dv > Dk, request runs interleaved
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("chunk_elems", [1 << 18, 512])  # one chunk vs many chunks per request
+def test_paged_attention_matches_oracle_fp32(case, chunk_elems, monkeypatch):
+    monkeypatch.setattr(paged, "CHUNK_ELEMS", chunk_elems)
+    kv_lens, rows, bs, hq, hkv, dk, dv = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    k_cache, v_cache, table = make_cache(gen, kv_lens, bs, hkv, dk, dv, torch.float32)
+    q = torch.randn(len(rows), hq, dk, generator=gen)
+    req = torch.tensor([r for r, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
+    for fn in (paged_attention_with_lse, None):
+        if fn is None:  # the plain reference, in float64
+            o, l = paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, req, lens, 0.3)
+        else:
+            o, l = fn(q, k_cache, v_cache, table, req, lens, softmax_scale=0.3)
+            assert o.dtype == torch.float32 and l.dtype == torch.float32
+        assert torch.isfinite(o).all()
+        torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(l.double(), want_l, rtol=1e-5, atol=2e-5)
+    empty = (req < 0) | (lens == 0)
+    assert (l[empty] == float("-inf")).all() and (o[empty] == 0).all()
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_paged_attention_bf16_within_twice_plain_torch(mla):
+    gen = torch.Generator().manual_seed(7)
+    dk, dv, hkv, hq = (576, 512, 1, 8) if mla else (64, 64, 2, 8)
+    kv_lens = [300, 77]
+    k_cache, v_cache, table = make_cache(gen, kv_lens, 16, hkv, dk, dv, torch.bfloat16, mla=mla)
+    rows = [(0, 298), (0, 299), (0, 300), (1, 77)]
+    q = torch.randn(len(rows), hq, dk, generator=gen).bfloat16()
+    req = torch.tensor([r for r, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    scale = 0.1 if mla else None
+    o, l = paged_attention_with_lse(q, k_cache, v_cache, table, req, lens, softmax_scale=scale)
+    assert o.dtype == torch.bfloat16 and l.dtype == torch.float32
+    s = scale or dk**-0.5
+    want, want_l = oracle(q, k_cache, v_cache, table, req, lens, s)
+    err = (o.double() - want).abs().max().item()
+    # plain torch in bf16 on the same keys: pack each row's visible keys as its own request
+    ks, vs, q_req, k_req, q_pos, k_pos = [], [], [], [], [], []
+    for i, (b, n) in enumerate(rows):
+        for j in range(n):
+            blk, off = int(table[b, j // 16]), j % 16
+            ks.append(k_cache[blk, off].double())
+            vs.append(v_cache[blk, off].double())
+            k_req.append(i)
+            k_pos.append(j)
+        q_req.append(i)
+        q_pos.append(n)
+    plain = plain_error(q.double(), torch.stack(ks), torch.stack(vs), torch.tensor(q_req), torch.tensor(k_req),
+                        torch.tensor(q_pos), torch.tensor(k_pos), torch.bfloat16, scale=s)
+    assert err <= 2 * plain + 1e-6, (err, plain)
+    torch.testing.assert_close(l.double(), want_l, rtol=0, atol=0.05)
+
+
+def test_mla_shared_view_gathers_once_and_matches_padded_values():
+    gen = torch.Generator().manual_seed(3)
+    latent, _, table = make_cache(gen, [50], 16, 1, 576, 512, torch.float32, mla=True)
+    q = torch.randn(2, 4, 576, generator=gen)
+    req, lens = torch.tensor([0, 0]), torch.tensor([49, 50])
+    shared = paged_attention_with_lse(q, latent, latent[..., :512], table, req, lens, softmax_scale=0.07)
+    copied = paged_attention_with_lse(q, latent, latent[..., :512].contiguous(), table, req, lens, softmax_scale=0.07)
+    torch.testing.assert_close(shared[0], copied[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared[1], copied[1], rtol=1e-5, atol=1e-5)
+    assert shared[0].shape == (2, 4, 512)
+
+
+def test_write_kv_matches_reference_and_skips_minus_one():
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 4, generator=gen)
+    slots = torch.tensor([-1, 5, 17, -1, 0, 30])
+    got_k, got_v = torch.full((4, 8, 2, 8), float("nan")), torch.full((4, 8, 2, 4), float("nan"))
+    ref_k, ref_v = got_k.clone(), got_v.clone()
+    write_kv(got_k, got_v, k, v, slots)
+    write_kv_ref(ref_k, ref_v, k, v, slots)
+    assert torch.equal(got_k.nan_to_num(9.0), ref_k.nan_to_num(9.0))
+    assert torch.equal(got_v.nan_to_num(9.0), ref_v.nan_to_num(9.0))
+    assert int(got_k.isnan().any(-1).any(-1).sum()) == 32 - 4  # exactly four slots written
+    # all slots -1: nothing changes (NaN stays NaN, including slot 0)
+    before = got_k.clone()
+    write_kv(got_k, got_v, k, v, torch.full((6,), -1))
+    assert torch.equal(got_k.nan_to_num(9.0), before.nan_to_num(9.0))
+    write_kv(got_k, got_v, k[:0], v[:0], slots[:0])  # zero tokens
+
+
+def test_write_kv_casts_to_cache_dtype_and_mla_variant():
+    kc, vc = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16), torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    write_kv(kc, vc, torch.full((1, 1, 8), 1.5), torch.full((1, 1, 8), 2.5), torch.tensor([7]))
+    assert kc[1, 3].float().eq(1.5).all() and vc[1, 3].float().eq(2.5).all()
+    cache = torch.full((3, 4, 1, 576), float("nan"))
+    c, pe = torch.randn(3, 512), torch.randn(3, 64)
+    write_kv_mla(cache, c, pe, torch.tensor([9, -1, 2]))
+    assert torch.equal(cache[2, 1, 0], torch.cat([c[0], pe[0]]))
+    assert torch.equal(cache[0, 2, 0], torch.cat([c[2], pe[2]]))
+    assert int((~cache.isnan().all(-1)).sum()) == 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda a: {**a, "q": a["q"][0]}, "q must be"),
+    (lambda a: {**a, "req_indices": a["req_indices"][:1]}, "req_indices must be"),
+    (lambda a: {**a, "kv_lens": a["kv_lens"].float()}, "kv_lens must be"),
+    (lambda a: {**a, "q": a["q"][..., :8]}, "head_dim"),
+    (lambda a: {**a, "k_cache": a["k_cache"].double()}, "dtype"),
+    (lambda a: {**a, "block_table": a["block_table"][0]}, "block_table"),
+])
+def test_bad_arguments_are_named(bad, match):
+    a = dict(q=torch.randn(2, 4, 16), k_cache=torch.randn(3, 4, 2, 16), v_cache=torch.randn(3, 4, 2, 16),
+             block_table=torch.tensor([[0, 1]]), req_indices=torch.tensor([0, 0]), kv_lens=torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match=match):
+        paged_attention_with_lse(**bad(a))
+    with pytest.raises(ValueError, match="widen the block table"):
+        paged_attention_with_lse(**{**a, "kv_lens": torch.tensor([3, 9])})
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(a["k_cache"], a["v_cache"], torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([0.0, 1.0]))
+
+
+def _op_args():
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache, table = make_cache(gen, [20, 3], 8, 2, 16, 16, torch.float32)
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)  # opcheck compares outputs
+    q = torch.randn(3, 4, 16, generator=gen)
+    return q, k_cache, v_cache, table, torch.tensor([0, 0, 1]), torch.tensor([19, 20, 3], dtype=torch.int32)
+
+
+def test_opcheck():
+    q, kc, vc, table, req, lens = _op_args()
+    torch.library.opcheck(torch.ops.cpattn.paged_attention_with_lse, (q, kc, vc, table, req, lens, 0.25))
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    torch.library.opcheck(torch.ops.cpattn.write_kv, (kc.clone(), vc.clone(), k, v, torch.tensor([3, -1, 40])))
+    torch.library.opcheck(torch.ops.cpattn.write_kv_mla,
+                          (torch.zeros(4, 8, 1, 24), torch.randn(3, 16), torch.randn(3, 8), torch.tensor([3, -1, 9])))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_write_then_attend_compiles_fullgraph(backend):
+    q, kc, vc, table, req, lens = _op_args()
+    k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    slots = torch.tensor([int(table[1, 0]) * 8 + 3, -1])  # request 1, local index 3
+
+    def step(q, kc, vc, k, v, slots, table, req, lens):
+        write_kv(kc, vc, k, v, slots)
+        return paged_attention_with_lse(q, kc, vc, table, req, lens + (req == 1).int(), softmax_scale=0.25)
+
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    want = step(q, kc1, vc1, k, v, slots, table, req, lens)
+    got = torch.compile(step, backend=backend, fullgraph=True)(q, kc2, vc2, k, v, slots, table, req, lens)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)  # the write happened inside the graph
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
