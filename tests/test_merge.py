@@ -79,11 +79,21 @@ def test_bad_shapes():
         merge_attn_states(torch.randn(0, 3, 4, 2), torch.randn(0, 3, 4))
 
 
-def test_opcheck_and_compile():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_opcheck_and_compile(backend):
+    from cpattn.ops.merge import merge_into
+
     o, l = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2)
     torch.library.opcheck(torch.ops.cpattn.merge_attn_states, (o, l))
+
+    def f(o, l):
+        out, lse = merge_attn_states(o[:2], l[:2])
+        acc, acc_lse = out.clone(), lse.clone()
+        merge_into(acc, acc_lse, o[2], l[2])
+        return acc, acc_lse
+
     torch._dynamo.reset()
-    got = torch.compile(merge_attn_states, backend="aot_eager", fullgraph=True)(o, l)
+    got = torch.compile(f, backend=backend, fullgraph=True)(o, l)
     torch.testing.assert_close(got, merge_attn_states(o, l))
 
 
