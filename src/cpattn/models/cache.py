@@ -53,12 +53,14 @@ class DenseKVCache:
     tokens stored per request (host ints). Rows past ``seq_lens`` are never
     read. The tensors are written in place by :class:`DenseStep` (the one
     side effect); the lengths only change through :meth:`DenseStep.finish`.
+    ``ik[l]``: [B, S_max, D_I], the DSA indexer keys (DeepSeek-V3.2 only).
     """
 
     k: tuple[torch.Tensor, ...]
     v: tuple[torch.Tensor | None, ...]
     seq_lens: tuple[int, ...]
     dv: int
+    ik: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def empty(
@@ -71,18 +73,25 @@ class DenseKVCache:
         dk: int,
         dv: int,
         shared_v: bool = False,
+        index_dim: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         poison: bool = True,
     ) -> DenseKVCache:
-        """An empty cache; unused rows hold NaN when ``poison`` (they must never be read)."""
+        """An empty cache; unused rows hold NaN when ``poison`` (they must never be read).
+
+        ``index_dim > 0`` adds a DSA indexer-key cache of that width.
+        """
         fill = float("nan") if poison else 0.0
         k = tuple(torch.full((batch, max_len, kv_heads, dk), fill, dtype=dtype, device=device) for _ in range(num_layers))
         v = tuple(
             None if shared_v else torch.full((batch, max_len, kv_heads, dv), fill, dtype=dtype, device=device)
             for _ in range(num_layers)
         )
-        return cls(k, v, (0,) * batch, dv)
+        ik = None
+        if index_dim:
+            ik = tuple(torch.full((batch, max_len, index_dim), fill, dtype=dtype, device=device) for _ in range(num_layers))
+        return cls(k, v, (0,) * batch, dv, ik)
 
     @classmethod
     def from_packed(
@@ -93,8 +102,12 @@ class DenseKVCache:
         *,
         max_len: int,
         dv: int,
+        ik: list[torch.Tensor] | None = None,
     ) -> DenseKVCache:
-        """A cache holding packed per-layer KV (k[l]: [T, Hkv, Dk], requests by ``cu_seqlens`` [B+1])."""
+        """A cache holding packed per-layer KV (k[l]: [T, Hkv, Dk], requests by ``cu_seqlens`` [B+1]).
+
+        ik[l]: [T, D_I] packed DSA indexer keys, when the model has them.
+        """
         cu = [int(c) for c in cu_seqlens]
         lens = [b - a for a, b in zip(cu, cu[1:])]
         if max(lens, default=0) > max_len:
@@ -102,13 +115,16 @@ class DenseKVCache:
         shared = v[0] is None
         cache = cls.empty(
             num_layers=len(k), batch=len(lens), max_len=max_len, kv_heads=k[0].shape[1], dk=k[0].shape[2],
-            dv=dv, shared_v=shared, dtype=k[0].dtype, device=k[0].device,
+            dv=dv, shared_v=shared, index_dim=0 if ik is None else ik[0].shape[-1], dtype=k[0].dtype,
+            device=k[0].device,
         )
         for layer in range(len(k)):
             for b, (s, e) in enumerate(zip(cu, cu[1:])):
                 cache.k[layer][b, : e - s] = k[layer][s:e]
                 if not shared:
                     cache.v[layer][b, : e - s] = v[layer][s:e]
+                if ik is not None:
+                    cache.ik[layer][b, : e - s] = ik[layer][s:e]
         return replace(cache, seq_lens=tuple(lens))
 
     @property
@@ -126,7 +142,7 @@ class DenseKVCache:
 
     def kv_bytes(self) -> int:
         """Bytes of cache storage (all layers, all rows)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *(self.ik or ())) if t is not None)
 
 
 @dataclass
@@ -162,6 +178,28 @@ class DenseStep:
         out, _ = attention_with_lse(q, kk, vv, self.cu_q, self.cu_k, causal=True, softmax_scale=scale)
         return out
 
+    def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
+            k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """DeepSeek sparse attention (:func:`cpattn.dsa.dsa_attention`) over the cache.
+
+        q: [T, H, Dqk] absorbed queries; kv: [T, 1, Dqk] latent rows;
+        q_index: [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I].
+        Stores kv and k_index, returns out [T, H, dv].
+        """
+        from cpattn.dsa import dsa_attention
+
+        c = self.cache
+        kc, ic = c.k[layer], c.ik[layer]
+        cq = self.cu_q.tolist()
+        lat, keys = [], []
+        for b, (start, n) in enumerate(zip(c.seq_lens, self.new_lens)):
+            kc[b, start : start + n] = kv[cq[b] : cq[b + 1]]  # the explicit cache writes
+            ic[b, start : start + n] = k_index[cq[b] : cq[b + 1]]
+            lat.append(kc[b, : start + n, 0])  # [S_b, Dqk]
+            keys.append(ic[b, : start + n])  # [S_b, D_I]
+        return dsa_attention(q, torch.cat(lat), q_index, w_index, torch.cat(keys), self.cu_q, self.cu_k,
+                             topk=topk, softmax_scale=scale, value_dim=c.dv)
+
     def finish(self) -> DenseKVCache:
         """The cache after this step (same tensors, longer ``seq_lens``)."""
         c = self.cache
@@ -173,8 +211,8 @@ class PCPStep:
     """Prefill attention over a PCP group: this rank's tokens of a head-tail split.
 
     ``positions``: [T_r] global positions from the plan (RoPE must use them).
-    After the forward, ``kv[l] = (k, v)`` holds this rank's keys/values of
-    layer l ([T_r, Hkv, D*]; v may be None), in the plan's local order;
+    After the forward, ``kv[l] = (k, v, None)`` holds this rank's keys/values
+    of layer l ([T_r, Hkv, D*]; v may be None), in the plan's local order;
     ``pcp_unshard`` restores request order.
     """
 
@@ -189,6 +227,39 @@ class PCPStep:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
         """q: [T_r, Hq, Dk], k: [T_r, Hkv, Dk], v: [T_r, Hkv, Dv] or None. Returns [T_r, Hq, Dv]."""
-        self.kv[layer] = (k, v)
+        self.kv[layer] = (k, v, None)
         vv = k[..., : self.dv] if v is None else v
         return pcp_prefill(q, k, vv, self.plan, group=self.group, method=self.method, softmax_scale=scale)
+
+
+@dataclass
+class DSACPStep:
+    """Prefill of a DSA model (DeepSeek-V3.2) with tokens split over a DSA-CP group.
+
+    ``plan`` from :func:`cpattn.dsa.dsa_cp_plan` (``split="balanced"``: the
+    PCP head-tail chunks; ``"contiguous"``: the guide's DSA-CP). Each rank
+    keeps all heads of its tokens; latents and indexer keys are all-gathered
+    into a replicated cache (:func:`cpattn.dsa.dsa_cp_attention`).
+    ``positions``: [T_r]; after the forward ``kv[l] = (latent [T_r, 1, Dqk],
+    None, k_index [T_r, D_I])`` of this rank's tokens.
+    """
+
+    group: Group
+    plan: object
+    dv: int
+    kv: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.positions = self.plan.positions[self.group.rank]
+
+    def __call__(self, layer, q, k, v, scale):
+        raise TypeError("DSACPStep serves DSA layers only; call step.dsa(...)")
+
+    def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
+            k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """As :meth:`DenseStep.dsa`, for this rank's tokens; returns out [T_r, H, dv]."""
+        from cpattn.dsa import dsa_cp_attention
+
+        self.kv[layer] = (kv, None, k_index)
+        return dsa_cp_attention(q, kv[:, 0], q_index, w_index, k_index, self.plan, group=self.group, topk=topk,
+                                softmax_scale=scale, value_dim=self.dv)

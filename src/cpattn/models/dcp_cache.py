@@ -44,7 +44,9 @@ class PagedShard:
 
     k[l]: [num_blocks, block_size, Hkv, Dk]; v[l]: [.., .., Hkv, Dv], or None
     for the MLA latent cache (values are ``k[l][..., :dv]``). ``block_table``:
-    [B, max_blocks], the same on every rank. Unwritten rows hold NaN.
+    [B, max_blocks], the same on every rank. ``ik[l]``: [num_blocks,
+    block_size, D_I] DSA indexer keys (DeepSeek-V3.2 only), same slots.
+    Unwritten rows hold NaN.
     """
 
     k: tuple[torch.Tensor, ...]
@@ -53,6 +55,7 @@ class PagedShard:
     dv: int
     block_size: int
     interleave_size: int
+    ik: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def empty(cls, cfg: Any, *, seq_lens: list[int], dcp_size: int, block_size: int, interleave_size: int,
@@ -68,10 +71,18 @@ class PagedShard:
                   for _ in range(cfg.num_hidden_layers))
         v = tuple(None if shared else torch.full((nb, block_size, hkv, dv), float("nan"), dtype=dtype, device=device)
                   for _ in range(cfg.num_hidden_layers))
-        return cls(k, v, table, dv, block_size, interleave_size)
+        di = getattr(cfg, "index_head_dim", 0) if hasattr(cfg, "index_topk") else 0
+        ik = tuple(torch.full((nb, block_size, di), float("nan"), dtype=dtype, device=device)
+                   for _ in range(cfg.num_hidden_layers)) if di else None
+        return cls(k, v, table, dv, block_size, interleave_size, ik)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor) -> None:
-        """Store k [T, Hkv, Dk] (and v) at ``slots`` [T] (-1: not this rank's token)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
+              k_index: torch.Tensor | None = None) -> None:
+        """Store k [T, Hkv, Dk] (and v, and DSA indexer keys [T, D_I]) at ``slots`` [T] (-1: not this rank's)."""
+        if k_index is not None:
+            keep = slots >= 0
+            flat = self.ik[layer].view(-1, k_index.shape[-1])  # [num_blocks * block_size, D_I]
+            flat.index_copy_(0, slots[keep], k_index[keep].to(flat.dtype))  # the explicit cache write
         if self.v[layer] is None:
             write_kv_mla(self.k[layer], k[:, 0, : self.dv], k[:, 0, self.dv :], slots)
         else:
@@ -83,7 +94,24 @@ class PagedShard:
 
     def kv_bytes(self) -> int:
         """Bytes of this rank's cache storage (all layers)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *(self.ik or ())) if t is not None)
+
+    def sharded_keys(self, meta: DCPMeta, rank: int, layer: int):
+        """This rank's DSA keys of layer ``layer`` as :class:`cpattn.dsa.ShardedKeys` (rows in local order)."""
+        from cpattn.dsa import ShardedKeys
+
+        n, i_sz, bs = meta.dcp_size, self.interleave_size, self.block_size
+        local = dcp_local_lens(meta.seq_lens, n, i_sz)[:, rank]  # [B]
+        slots, ids, cu = [], [], [0]
+        for b, m in enumerate(local.tolist()):
+            j = torch.arange(m)  # local indices
+            slots.append(self.block_table[b, j // bs] * bs + j % bs)
+            ids.append((j // i_sz) * (i_sz * n) + rank * i_sz + j % i_sz)  # global positions
+            cu.append(cu[-1] + m)
+        slots_t = torch.cat(slots).to(self.k[layer].device)
+        lat = self.k[layer].view(-1, self.k[layer].shape[-1])[slots_t]  # [S_r, Dqk]
+        keys = self.ik[layer].view(-1, self.ik[layer].shape[-1])[slots_t]  # [S_r, D_I]
+        return ShardedKeys(lat, keys, torch.cat(ids).to(lat.device), torch.tensor(cu, device=lat.device))
 
 
 @dataclass
@@ -115,9 +143,25 @@ class DCPStep:
                          softmax_scale=scale, v_head_dim=self.shard.dv)  # [T, Hl, Dv]
         return g.all_gather(out, dim=1)  # [T, Hq, Dv]: the heads back together, as TP would
 
+    def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
+            k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """DSA over the key-sharded cache (:func:`cpattn.dsa.dsa_dcp_attention`): exact global top-k.
 
-def fill_from_prefill(shard: PagedShard, rank: int, dcp_size: int, k: list[torch.Tensor], v: list, cu_seqlens: list[int]) -> None:
-    """Write packed prefill KV (k[l]: [T, Hkv, Dk], requests by ``cu_seqlens``) into this rank's shard."""
+        q: [T, H, Dqk] (all heads, the same on every rank); kv: [T, 1, Dqk];
+        q_index: [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I]. Returns [T, H, dv].
+        """
+        from cpattn.dsa import dsa_dcp_attention
+
+        g = self.group
+        self.shard.write(layer, kv, None, self.meta.slot_mapping[g.rank], k_index)
+        keys = self.shard.sharded_keys(self.meta, g.rank, layer)
+        return dsa_dcp_attention(q, q_index, w_index, self.meta.positions, self.meta.cu_seqlens_q, keys, group=g,
+                                 topk=topk, softmax_scale=scale, value_dim=self.shard.dv)
+
+
+def fill_from_prefill(shard: PagedShard, rank: int, dcp_size: int, k: list[torch.Tensor], v: list, cu_seqlens: list[int],
+                      ik: list[torch.Tensor] | None = None) -> None:
+    """Write packed prefill KV (k[l]: [T, Hkv, Dk], requests by ``cu_seqlens``; ik[l]: [T, D_I]) into this rank's shard."""
     cu = torch.tensor(cu_seqlens)
     lens = cu[1:] - cu[:-1]
     req = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [T]
@@ -125,7 +169,7 @@ def fill_from_prefill(shard: PagedShard, rank: int, dcp_size: int, k: list[torch
     slots = dcp_slot_mapping(pos, req, shard.block_table, dcp_rank=rank, dcp_size=dcp_size,
                              interleave_size=shard.interleave_size, block_size=shard.block_size)
     for layer in range(len(k)):
-        shard.write(layer, k[layer], v[layer], slots)
+        shard.write(layer, k[layer], v[layer], slots, None if ik is None else ik[layer])
 
 
 def decode_dcp(model: ModuleType, params: dict, cfg: Any, pre, first: torch.Tensor, steps: int, *, dcp_size: int,
@@ -144,7 +188,7 @@ def decode_dcp(model: ModuleType, params: dict, cfg: Any, pre, first: torch.Tens
     def rank_fn(group: Group):
         shard = PagedShard.empty(cfg, seq_lens=[n + steps for n in prompt], dcp_size=dcp_size, block_size=block_size,
                                  interleave_size=interleave_size, dtype=dtype, device=first.device)
-        fill_from_prefill(shard, group.rank, dcp_size, pre.k, pre.v, cu)
+        fill_from_prefill(shard, group.rank, dcp_size, pre.k, pre.v, cu, pre.ik)
         lens, tok, toks, logits = list(prompt), first, [], []
         for _ in range(steps):
             lens = [n + 1 for n in lens]

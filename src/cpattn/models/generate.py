@@ -39,7 +39,7 @@ import torch
 
 from cpattn.comm.sim import simulate
 from cpattn.layout.pcp import pcp_plan, pcp_shard, pcp_unshard
-from cpattn.models.cache import DenseKVCache, PCPStep
+from cpattn.models.cache import DenseKVCache, DSACPStep, PCPStep
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,17 @@ class Generation:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """prompt logits [T, V] and per-layer packed KV (k[l]: [T, Hkv, Dk]; v[l] or None) in request order."""
+    """Prompt logits [T, V] (float32) and per-layer packed KV in request order.
+
+    k[l]: [T, Hkv, Dk]; v[l]: [T, Hkv, Dv] or None (MLA latent rows);
+    ik[l]: [T, D_I] DSA indexer keys or None; cu_seqlens: [B+1].
+    """
 
     logits: torch.Tensor
     k: list[torch.Tensor]
     v: list[torch.Tensor | None]
     cu_seqlens: torch.Tensor
+    ik: list[torch.Tensor] | None = None
 
 
 def _packed(prompts) -> tuple[torch.Tensor, list[int]]:
@@ -76,36 +81,56 @@ def _packed(prompts) -> tuple[torch.Tensor, list[int]]:
     return torch.cat(seqs), cu
 
 
-def prefill(model: ModuleType, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int], *,
-            pcp_size: int = 1, pcp_method: str = "ring") -> PrefillResult:
-    """Run the prompts [T] (requests by ``cu_seqlens``) through ``model`` with PCP over ``pcp_size`` ranks.
+def uses_dsa(cfg: Any) -> bool:
+    """True for DeepSeek Sparse Attention models (configs with ``index_topk``)."""
+    return hasattr(cfg, "index_topk")
 
-    Returns a :class:`PrefillResult`; with ``pcp_size > 1`` the ranks run on
-    the simulated mesh and their results are unsharded.
+
+def prefill(model: ModuleType, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int], *,
+            pcp_size: int = 1, pcp_method: str = "ring", dsa_split: str = "balanced") -> PrefillResult:
+    """Run the prompts [T] (requests by ``cu_seqlens``) through ``model``, split over ``pcp_size`` ranks.
+
+    One rank: a dense cache and :func:`cpattn.ops.attention_with_lse` (or
+    :func:`cpattn.dsa.dsa_attention`). More: the simulated mesh, with
+    :func:`cpattn.pcp_prefill` over a head-tail split, or for DSA models
+    :func:`cpattn.dsa.dsa_cp_attention` with ``dsa_split`` ("balanced": the
+    PCP head-tail chunks; "contiguous": the guide's DSA-CP). Returns a
+    :class:`PrefillResult` in request order.
     """
     _, _, dv, _ = cfg.kv_dims
     n = cfg.num_hidden_layers
-    if pcp_size == 1:  # one device: a dense cache, attention_with_lse directly
+    cu_t = torch.tensor(cu_seqlens, dtype=torch.int32)
+    if pcp_size == 1:
         lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
         cache = model.empty_cache(cfg, batch=len(lens), max_len=max(lens), dtype=_dtype(params), device=tokens.device)
         step = cache.step(lens)
         logits = model.forward(params, cfg, tokens, step)  # [T, V]
-        k = [torch.cat([cache.k[l][b, :m] for b, m in enumerate(lens)]) for l in range(n)]
-        v = [None if cache.v[l] is None else torch.cat([cache.v[l][b, :m] for b, m in enumerate(lens)]) for l in range(n)]
-        return PrefillResult(logits.float(), k, v, torch.tensor(cu_seqlens, dtype=torch.int32))
-    plan = pcp_plan(cu_seqlens, pcp_size)
+
+        def packed(ts):
+            return None if ts is None or ts[0] is None else [torch.cat([t[b, :m] for b, m in enumerate(lens)]) for t in ts]
+
+        return PrefillResult(logits.float(), packed(cache.k), packed(cache.v) or [None] * n, cu_t, packed(cache.ik))
+    if uses_dsa(cfg):
+        from cpattn.dsa import dsa_cp_plan, dsa_cp_shard, dsa_cp_unshard
+
+        plan = dsa_cp_plan(cu_seqlens, pcp_size, split=dsa_split)
+        shard, unshard = dsa_cp_shard, dsa_cp_unshard
+    else:
+        plan = pcp_plan(cu_seqlens, pcp_size)
+        shard, unshard = pcp_shard, pcp_unshard
 
     def rank_fn(group):
-        step = PCPStep(group, plan, dv, method=pcp_method)
-        logits = model.forward(params, cfg, pcp_shard(tokens, plan, group.rank), step)  # [T_r, V]
-        return logits, [step.kv[l][0] for l in range(n)], [step.kv[l][1] for l in range(n)]
+        step = DSACPStep(group, plan, dv) if uses_dsa(cfg) else PCPStep(group, plan, dv, method=pcp_method)
+        logits = model.forward(params, cfg, shard(tokens, plan, group.rank), step)  # [T_r, V]
+        return logits, [step.kv[l] for l in range(n)]
 
     parts = simulate(pcp_size, rank_fn)
-    logits = pcp_unshard([r[0] for r in parts], plan)
-    k = [pcp_unshard([r[1][l] for r in parts], plan) for l in range(cfg.num_hidden_layers)]
-    v = [None if parts[0][2][l] is None else pcp_unshard([r[2][l] for r in parts], plan)
-         for l in range(cfg.num_hidden_layers)]
-    return PrefillResult(logits.float(), k, v, torch.tensor(cu_seqlens, dtype=torch.int32))
+
+    def gather(l, j):
+        return None if parts[0][1][l][j] is None else unshard([r[1][l][j] for r in parts], plan)
+
+    k, v, ik = ([gather(l, j) for l in range(n)] for j in range(3))
+    return PrefillResult(unshard([r[0] for r in parts], plan).float(), k, v, cu_t, None if ik[0] is None else ik)
 
 
 def decode_dense(model: ModuleType, params: dict, cfg: Any, pre: PrefillResult, first: torch.Tensor, steps: int,
@@ -118,7 +143,7 @@ def decode_dense(model: ModuleType, params: dict, cfg: Any, pre: PrefillResult, 
     cu = pre.cu_seqlens.tolist()
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     _, _, dv, _ = cfg.kv_dims
-    cache = DenseKVCache.from_packed(pre.k, pre.v, cu, max_len=longest + steps, dv=dv)
+    cache = DenseKVCache.from_packed(pre.k, pre.v, cu, max_len=longest + steps, dv=dv, ik=pre.ik)
     tok, toks, logits = first, [], []
     for _ in range(steps):
         step = cache.step([1] * tok.numel())
@@ -153,6 +178,7 @@ def generate(
     block_size: int = 4,
     interleave_size: int = 1,
     dcp_merge: str = "ag_rs",
+    dsa_split: str = "balanced",
 ) -> Generation:
     """Greedy generation of ``max_new_tokens`` tokens for each prompt.
 
@@ -165,6 +191,8 @@ def generate(
         (both on the simulated mesh). pcp_method: "ring" or "allgather".
     block_size, interleave_size: the paged cache layout for DCP decode;
         dcp_merge: "ag_rs" or "a2a" (see :func:`cpattn.dcp.dcp_decode`).
+    dsa_split: how a DSA model's prefill splits tokens over the ``pcp_size``
+        ranks: "balanced" (head-tail, as PCP) or "contiguous" (DSA-CP).
 
     Returns
     -------
@@ -173,7 +201,7 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     tokens, cu = _packed(prompts)
-    pre = prefill(model, params, cfg, tokens, cu, pcp_size=pcp_size, pcp_method=pcp_method)
+    pre = prefill(model, params, cfg, tokens, cu, pcp_size=pcp_size, pcp_method=pcp_method, dsa_split=dsa_split)
     last = torch.tensor(cu[1:]) - 1
     first_logits = pre.logits[last]  # [B, V]
     first = first_logits.argmax(-1)

@@ -1,0 +1,144 @@
+"""DeepSeek-V3.2 (MLA + DeepSeek Sparse Attention) as a pure function.
+
+DeepSeek-V3 (:mod:`cpattn.models.deepseek_v3`: absorbed MLA, exact MoE,
+YaRN) plus a lightning indexer in every layer. For token t the indexer
+scores every visible key s (``s <= pos_t``)::
+
+    q_I[t] = wq_b(q_lora[t])            # [H_I, D_I], RoPE (half-split) on the first rope dims
+    k_I[s] = LayerNorm(wk(x[s]))        # [D_I], RoPE likewise
+    w[t]   = weights_proj(x[t]) * H_I**-0.5 * D_I**-0.5
+    I[t,s] = sum_h w[t,h] * relu(q_I[t,h] . k_I[s])
+
+and attention runs over the ``index_topk`` best keys only
+(:func:`cpattn.dsa.dsa_attention`; ties go to the earlier key). The cache
+holds, per token, the latent row ``[c | k_rope]`` and the indexer key.
+The reference's Hadamard rotation and FP8 quantization of the indexer are
+precision tricks left out here, as the Hugging Face port also does.
+
+Supported: everything :mod:`cpattn.models.deepseek_v3` supports (always
+q LoRA, interleaved MLA RoPE), per-layer ``mlp_layer_types``. Not supported:
+GLM-5's cross-layer top-k sharing (``glm_moe_dsa``).
+
+Example
+-------
+>>> import torch
+>>> from cpattn.models import deepseek_v32 as ds
+>>> cfg = ds.DeepseekV32Config.tiny()
+>>> params = ds.init_params(cfg, seed=0)
+>>> step = ds.empty_cache(cfg, batch=1, max_len=8).step([4])
+>>> ds.forward(params, cfg, torch.tensor([1, 2, 3, 4]), step).shape
+torch.Size([4, 64])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cpattn.models import deepseek_v3 as v3
+from cpattn.models.cache import DenseKVCache
+from cpattn.models.common import config_dict, rms_norm, rope_cos_sin, rope_half, rope_inv_freq
+from cpattn.models.qwen3 import lm_head
+
+
+@dataclass(frozen=True)
+class DeepseekV32Config(v3.DeepseekV3Config):
+    """DeepSeek-V3 fields plus the indexer's: ``index_topk``, ``index_n_heads``, ``index_head_dim``."""
+
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+
+    @classmethod
+    def from_hf(cls, config: Any) -> DeepseekV32Config:
+        """From a transformers ``DeepseekV32Config``, a config.json dict, or a checkpoint path."""
+        d = config_dict(config)
+        base = v3.DeepseekV3Config.from_hf(d)
+        if base.q_lora_rank is None:
+            raise ValueError("DeepSeek-V3.2 needs q_lora_rank (the indexer reads the query latent); got None")
+        return cls(**{**dataclasses.asdict(base), "rope_interleave": True},
+                   index_topk=d["index_topk"], index_n_heads=d["index_n_heads"], index_head_dim=d["index_head_dim"])
+
+    @classmethod
+    def tiny(cls, **over) -> DeepseekV32Config:
+        """A tiny test/demo configuration (DeepSeek-V3's tiny one plus 4 indexer heads of 16 dims, top-4)."""
+        base = dataclasses.asdict(v3.DeepseekV3Config.tiny())
+        base.update(index_topk=4, index_n_heads=4, index_head_dim=16)
+        base.update(over)
+        return cls(**base)
+
+
+def empty_cache(cfg: DeepseekV32Config, *, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> DenseKVCache:
+    """A dense single-device cache: latent rows [B, max_len, 1, r + rope] and indexer keys [B, max_len, D_I]."""
+    h, dk, dv, shared = cfg.kv_dims
+    return DenseKVCache.empty(num_layers=cfg.num_hidden_layers, batch=batch, max_len=max_len, kv_heads=h, dk=dk,
+                              dv=dv, shared_v=shared, index_dim=cfg.index_head_dim, dtype=dtype, device=device)
+
+
+def indexer(p: dict[str, torch.Tensor], cfg: DeepseekV32Config, pre: str, x: torch.Tensor, q_lora: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lightning indexer's projections of one layer.
+
+    x: [T, H] (after input_layernorm); q_lora: [T, q_lora_rank]; cos, sin: [T, rope/2].
+    Returns q_index [T, H_I, D_I], w_index [T, H_I] (float32, constants folded in), k_index [T, D_I].
+    """
+    t, hi, di, rd = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    q = F.linear(q_lora, p[pre + "wq_b.weight"]).view(t, hi, di)  # [T, H_I, D_I]
+    k = F.layer_norm(F.linear(x, p[pre + "wk.weight"]), (di,), p[pre + "k_norm.weight"], p[pre + "k_norm.bias"], 1e-6)
+    q = torch.cat([rope_half(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)  # rope dims first
+    k = torch.cat([rope_half(k[:, None, :rd], cos, sin)[:, 0], k[:, rd:]], dim=-1)  # [T, D_I]
+    w = F.linear(x, p[pre + "weights_proj.weight"]).to(torch.promote_types(x.dtype, torch.float32))
+    w = w * (hi**-0.5 * di**-0.5)  # [T, H_I]
+    return q, w, k
+
+
+def forward(
+    params: dict[str, torch.Tensor],
+    cfg: DeepseekV32Config,
+    tokens: torch.Tensor,
+    attn: Any,
+    *,
+    logits_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits of one step's packed tokens (see :func:`cpattn.models.deepseek_v3.forward`).
+
+    ``attn`` must offer ``attn.dsa(layer, q, kv, q_index, w_index, k_index,
+    topk, scale)`` (every step of :mod:`cpattn.models.cache` and
+    :mod:`cpattn.models.dcp_cache` does). tokens: [T]; returns [T or T', V].
+    """
+    p, eps = params, cfg.rms_norm_eps
+    h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
+    inv_freq, att_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
+    cos, sin = rope_cos_sin(attn.positions, inv_freq, att_factor, h.dtype)  # [T, rope/2]
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}.self_attn."
+        x = rms_norm(h, p[f"model.layers.{i}.input_layernorm.weight"], eps)
+        q, kv, q_lora = v3.mla_project(p, cfg, pre, x, cos, sin)
+        qi, wi, ki = indexer(p, cfg, pre + "indexer.", x, q_lora, cos, sin)
+        o_lat = attn.dsa(i, q, kv, qi, wi, ki, cfg.index_topk, cfg.softmax_scale)  # [T, Hq, r]
+        h = h + v3.mla_output(p, cfg, pre, o_lat)
+        x = rms_norm(h, p[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
+        h = h + v3.mlp(p, cfg, i, x)
+    h = rms_norm(h, p["model.norm.weight"], eps)
+    if logits_index is not None:
+        h = h[logits_index]
+    return F.linear(h, lm_head(p, cfg))
+
+
+def init_params(cfg: DeepseekV32Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Random parameters with the Hugging Face names (DeepSeek-V3's plus the indexer's). For demos and tests."""
+    p = v3.init_params(cfg, seed=seed, std=std, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    hi, di, hs = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}.self_attn.indexer."
+        p[pre + "wq_b.weight"] = (torch.randn(hi * di, cfg.q_lora_rank, generator=g) * std).to(dtype)
+        p[pre + "wk.weight"] = (torch.randn(di, hs, generator=g) * std).to(dtype)
+        p[pre + "k_norm.weight"] = torch.ones(di, dtype=dtype)
+        p[pre + "k_norm.bias"] = torch.zeros(di, dtype=dtype)
+        p[pre + "weights_proj.weight"] = (torch.randn(hi, hs, generator=g) * std).to(dtype)
+    return p
