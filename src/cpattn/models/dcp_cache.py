@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.comm.sim import simulate
 from cpattn.dcp import DCPMeta, dcp_decode, dcp_plan
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.ops.paged import write_kv, write_kv_mla
@@ -172,38 +171,35 @@ def fill_from_prefill(shard: PagedShard, rank: int, dcp_size: int, k: list[torch
         shard.write(layer, k[layer], v[layer], slots, None if ik is None else ik[layer])
 
 
-def decode_dcp(model: ModuleType, params: dict, cfg: Any, pre, first: torch.Tensor, steps: int, *, dcp_size: int,
-               block_size: int = 4, interleave_size: int = 1, merge: str = "ag_rs") -> tuple[torch.Tensor, torch.Tensor]:
-    """``steps`` greedy decode steps on ``dcp_size`` simulated DCP ranks, from the prefill KV.
+def decode_dcp_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: Any, pre, first: torch.Tensor,
+                       steps: int, *, block_size: int = 4, interleave_size: int = 1,
+                       merge: str = "ag_rs") -> tuple[torch.Tensor, torch.Tensor]:
+    """``steps`` greedy decode steps with the KV cache sharded over the DCP ``group`` (run it on every rank).
 
-    pre: a :class:`cpattn.models.generate.PrefillResult`; first: [B] the token
-    chosen from the prefill logits. Returns (tokens [B, steps], logits
-    [B, steps, V] float32); every rank must agree on the tokens.
+    pre: a :class:`cpattn.models.generate.PrefillResult` (the whole prompt KV;
+    this rank keeps its share); first: [B] the token chosen from the prefill
+    logits. Returns (tokens [B, steps], logits [B, steps, V] float32), the
+    same on every rank.
     """
+    from cpattn.models.generate import resolve_model
+
+    model = resolve_model(model)
+    n = group.size
     cu = pre.cu_seqlens.tolist()
     prompt = [b - a for a, b in zip(cu, cu[1:])]
     nreq = len(prompt)
-    dtype = pre.k[0].dtype
-
-    def rank_fn(group: Group):
-        shard = PagedShard.empty(cfg, seq_lens=[n + steps for n in prompt], dcp_size=dcp_size, block_size=block_size,
-                                 interleave_size=interleave_size, dtype=dtype, device=first.device)
-        fill_from_prefill(shard, group.rank, dcp_size, pre.k, pre.v, cu, pre.ik)
-        lens, tok, toks, logits = list(prompt), first, [], []
-        for _ in range(steps):
-            lens = [n + 1 for n in lens]
-            meta = dcp_plan(lens, [1] * nreq, shard.block_table, dcp_size=dcp_size,
-                            interleave_size=interleave_size, block_size=block_size)
-            out = model.forward(params, cfg, tok, DCPStep(group, shard, meta, merge)).float()  # [B, V]
-            tok = out.argmax(-1)
-            toks.append(tok)
-            logits.append(out)
-        if not toks:
-            return torch.zeros(nreq, 0, dtype=torch.int64), torch.zeros(nreq, 0, 0)
-        return torch.stack(toks, 1), torch.stack(logits, 1)
-
-    results = simulate(dcp_size, rank_fn)
-    for r, (t, _) in enumerate(results[1:], 1):
-        if not torch.equal(t, results[0][0]):
-            raise RuntimeError(f"DCP rank {r} generated different tokens than rank 0; the ranks diverged")
-    return results[0]
+    shard = PagedShard.empty(cfg, seq_lens=[m + steps for m in prompt], dcp_size=n, block_size=block_size,
+                             interleave_size=interleave_size, dtype=pre.k[0].dtype, device=first.device)
+    fill_from_prefill(shard, group.rank, n, pre.k, pre.v, cu, pre.ik)
+    lens, tok, toks, logits = list(prompt), first, [], []
+    for _ in range(steps):
+        lens = [m + 1 for m in lens]
+        meta = dcp_plan(lens, [1] * nreq, shard.block_table, dcp_size=n, interleave_size=interleave_size,
+                        block_size=block_size)
+        out = model.forward(params, cfg, tok, DCPStep(group, shard, meta, merge)).float()  # [B, V]
+        tok = out.argmax(-1)
+        toks.append(tok)
+        logits.append(out)
+    if not toks:
+        return torch.zeros(nreq, 0, dtype=torch.int64), torch.zeros(nreq, 0, 0)
+    return torch.stack(toks, 1), torch.stack(logits, 1)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from cpattn.comm.group import Group
 from cpattn.comm.sim import simulate
 from cpattn.layout.pcp import pcp_plan, pcp_shard, pcp_unshard
 from cpattn.models.cache import DenseKVCache, DSACPStep, PCPStep
@@ -86,60 +87,100 @@ def uses_dsa(cfg: Any) -> bool:
     return hasattr(cfg, "index_topk")
 
 
-def prefill(model: ModuleType, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int], *,
-            pcp_size: int = 1, pcp_method: str = "ring", dsa_split: str = "balanced") -> PrefillResult:
-    """Run the prompts [T] (requests by ``cu_seqlens``) through ``model``, split over ``pcp_size`` ranks.
+def resolve_model(model: ModuleType | str) -> ModuleType:
+    """A model module, given itself or its family name ("qwen3", "deepseek_v3", "deepseek_v32")."""
+    if isinstance(model, ModuleType):
+        return model
+    from cpattn.models import family
 
-    One rank: a dense cache and :func:`cpattn.ops.attention_with_lse` (or
-    :func:`cpattn.dsa.dsa_attention`). More: the simulated mesh, with
-    :func:`cpattn.pcp_prefill` over a head-tail split, or for DSA models
-    :func:`cpattn.dsa.dsa_cp_attention` with ``dsa_split`` ("balanced": the
-    PCP head-tail chunks; "contiguous": the guide's DSA-CP). Returns a
-    :class:`PrefillResult` in request order.
+    return family({"model_type": model})
+
+
+def prefill_local(model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int]) -> PrefillResult:
+    """Prefill on one device: a dense cache and :func:`cpattn.ops.attention_with_lse` (or DSA).
+
+    tokens: [T] packed prompts, requests by ``cu_seqlens`` [B+1]. Returns a :class:`PrefillResult`.
     """
+    model = resolve_model(model)
+    n = cfg.num_hidden_layers
+    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    cache = model.empty_cache(cfg, batch=len(lens), max_len=max(lens), dtype=_dtype(params), device=tokens.device)
+    step = cache.step(lens)
+    logits = model.forward(params, cfg, tokens, step)  # [T, V]
+
+    def packed(ts):
+        return None if ts is None or ts[0] is None else [torch.cat([t[b, :m] for b, m in enumerate(lens)]) for t in ts]
+
+    return PrefillResult(logits.float(), packed(cache.k), packed(cache.v) or [None] * n,
+                         torch.tensor(cu_seqlens, dtype=torch.int32), packed(cache.ik))
+
+
+def prefill_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor,
+                    cu_seqlens: list[int], *, pcp_method: str = "ring", dsa_split: str = "balanced") -> PrefillResult:
+    """Prefill with the prompts' tokens split over ``group`` (run it on every rank).
+
+    GQA/MLA models: head-tail PCP split, attention by :func:`cpattn.pcp_prefill`
+    (``pcp_method`` "ring" or "allgather"). DSA models:
+    :func:`cpattn.dsa.dsa_cp_attention` with ``dsa_split`` ("balanced": the
+    PCP head-tail chunks; "contiguous": the guide's DSA-CP). RoPE uses the
+    plan's global positions. The ranks' logits and KV are then all-gathered
+    and put in request order, so every rank returns the full
+    :class:`PrefillResult` (as a prefill engine hands its KV on).
+    """
+    model = resolve_model(model)
     _, _, dv, _ = cfg.kv_dims
     n = cfg.num_hidden_layers
-    cu_t = torch.tensor(cu_seqlens, dtype=torch.int32)
-    if pcp_size == 1:
-        lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-        cache = model.empty_cache(cfg, batch=len(lens), max_len=max(lens), dtype=_dtype(params), device=tokens.device)
-        step = cache.step(lens)
-        logits = model.forward(params, cfg, tokens, step)  # [T, V]
-
-        def packed(ts):
-            return None if ts is None or ts[0] is None else [torch.cat([t[b, :m] for b, m in enumerate(lens)]) for t in ts]
-
-        return PrefillResult(logits.float(), packed(cache.k), packed(cache.v) or [None] * n, cu_t, packed(cache.ik))
     if uses_dsa(cfg):
-        from cpattn.dsa import dsa_cp_plan, dsa_cp_shard, dsa_cp_unshard
+        from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
 
-        plan = dsa_cp_plan(cu_seqlens, pcp_size, split=dsa_split)
-        shard, unshard = dsa_cp_shard, dsa_cp_unshard
+        plan = dsa_cp_plan(cu_seqlens, group.size, split=dsa_split)
+        step = DSACPStep(group, plan, dv)
+        mine = dsa_cp_shard(tokens, plan, group.rank)
     else:
-        plan = pcp_plan(cu_seqlens, pcp_size)
-        shard, unshard = pcp_shard, pcp_unshard
+        plan = pcp_plan(cu_seqlens, group.size)
+        step = PCPStep(group, plan, dv, method=pcp_method)
+        mine = pcp_shard(tokens, plan, group.rank)
+    logits = model.forward(params, cfg, mine, step).float()  # [T_r, V]
 
-    def rank_fn(group):
-        step = DSACPStep(group, plan, dv) if uses_dsa(cfg) else PCPStep(group, plan, dv, method=pcp_method)
-        logits = model.forward(params, cfg, shard(tokens, plan, group.rank), step)  # [T_r, V]
-        return logits, [step.kv[l] for l in range(n)]
+    def gather(xs):
+        return None if xs[0] is None else [gather_unshard(group, x, plan) for x in xs]
 
-    parts = simulate(pcp_size, rank_fn)
-
-    def gather(l, j):
-        return None if parts[0][1][l][j] is None else unshard([r[1][l][j] for r in parts], plan)
-
-    k, v, ik = ([gather(l, j) for l in range(n)] for j in range(3))
-    return PrefillResult(unshard([r[0] for r in parts], plan).float(), k, v, cu_t, None if ik[0] is None else ik)
+    k, v, ik = (gather([step.kv[l][j] for l in range(n)]) for j in range(3))
+    return PrefillResult(gather_unshard(group, logits, plan), k, v or [None] * n,
+                         torch.tensor(cu_seqlens, dtype=torch.int32), ik)
 
 
-def decode_dense(model: ModuleType, params: dict, cfg: Any, pre: PrefillResult, first: torch.Tensor, steps: int,
+def gather_unshard(group: Group, x: torch.Tensor, plan: Any) -> torch.Tensor:
+    """All-gather every rank's [T_r, ...] rows of a token split and restore request order: -> [T, ...].
+
+    ``plan`` is a :class:`cpattn.PCPPlan` or :class:`cpattn.dsa.DSACPPlan`
+    (``num_tokens``, ``max_tokens``, ``restore_index``). One all-gather, padded to ``max_tokens``.
+    """
+    t_max = plan.max_tokens
+    flat = x.reshape(x.shape[0], -1)  # [T_r, F]
+    flat = torch.nn.functional.pad(flat, (0, 0, 0, t_max - flat.shape[0]))  # [t_max, F]
+    everything = group.all_gather(flat)  # [P * t_max, F], rank-major
+    rows = torch.cat([everything[j * t_max : j * t_max + m] for j, m in enumerate(plan.num_tokens)])
+    return rows[plan.restore_index.to(rows.device)].view(-1, *x.shape[1:])
+
+
+def prefill(model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int], *,
+            pcp_size: int = 1, pcp_method: str = "ring", dsa_split: str = "balanced") -> PrefillResult:
+    """Prefill on one device (``pcp_size == 1``) or on ``pcp_size`` simulated ranks (:func:`prefill_on_rank`)."""
+    if pcp_size == 1:
+        return prefill_local(model, params, cfg, tokens, cu_seqlens)
+    return simulate(pcp_size, prefill_on_rank, model, params, cfg, tokens, cu_seqlens,
+                    pcp_method=pcp_method, dsa_split=dsa_split)[0]
+
+
+def decode_dense(model: ModuleType | str, params: dict, cfg: Any, pre: PrefillResult, first: torch.Tensor, steps: int,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``steps`` greedy decode steps on one device from the prefill KV.
 
     first: [B] the token chosen from the prefill logits. Returns (tokens
     [B, steps], logits [B, steps, V]) of the tokens chosen after each step.
     """
+    model = resolve_model(model)
     cu = pre.cu_seqlens.tolist()
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     _, _, dv, _ = cfg.kv_dims
@@ -198,20 +239,75 @@ def generate(
     -------
     :class:`Generation` (tokens [B, N], logits [B, N, V], prompt_logits [T, V]).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    check_layout(cfg, max_new_tokens, pcp_size, dcp_size)
     tokens, cu = _packed(prompts)
     pre = prefill(model, params, cfg, tokens, cu, pcp_size=pcp_size, pcp_method=pcp_method, dsa_split=dsa_split)
-    last = torch.tensor(cu[1:]) - 1
-    first_logits = pre.logits[last]  # [B, V]
-    first = first_logits.argmax(-1)
     if dcp_size == 1:
-        toks, logits = decode_dense(model, params, cfg, pre, first, max_new_tokens - 1)
-    else:
-        from cpattn.models.dcp_cache import decode_dcp
+        return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dense(model, params, cfg, pre, first, steps))
+    from cpattn.models.dcp_cache import decode_dcp_on_rank
 
-        toks, logits = decode_dcp(model, params, cfg, pre, first, max_new_tokens - 1, dcp_size=dcp_size,
-                                  block_size=block_size, interleave_size=interleave_size, merge=dcp_merge)
+    def run(first, steps):
+        outs = simulate(dcp_size, decode_dcp_on_rank, model, params, cfg, pre, first, steps, block_size=block_size,
+                        interleave_size=interleave_size, merge=dcp_merge)
+        for r, (t, _) in enumerate(outs[1:], 1):
+            if not torch.equal(t, outs[0][0]):
+                raise RuntimeError(f"DCP rank {r} generated different tokens than rank 0; the ranks diverged")
+        return outs[0]
+
+    return _decode(pre, cu, max_new_tokens, run)
+
+
+def check_layout(cfg: Any, max_new_tokens: int, pcp_size: int, dcp_size: int) -> None:
+    """Raise ValueError for a generation layout the models cannot run (before any rank starts)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if pcp_size < 1 or dcp_size < 1:
+        raise ValueError(f"pcp_size and dcp_size must be >= 1; got pcp_size={pcp_size}, dcp_size={dcp_size}")
+    heads = cfg.num_attention_heads
+    if dcp_size > 1 and not uses_dsa(cfg) and heads % dcp_size:
+        raise ValueError(
+            f"dcp_size={dcp_size} does not divide the {heads} attention heads; DCP reuses TP ranks, so the "
+            f"DCP size must divide the number of attention heads. Pick one of "
+            f"{[d for d in range(1, heads + 1) if heads % d == 0]}"
+        )
+
+
+def _decode(pre: PrefillResult, cu: list[int], max_new_tokens: int, run) -> Generation:
+    """First token from the prefill logits, the rest from ``run(first, steps)``."""
+    first_logits = pre.logits[torch.tensor(cu[1:]) - 1]  # [B, V]: each request's last prompt token
+    first = first_logits.argmax(-1)
+    toks, logits = run(first, max_new_tokens - 1)
     all_toks = torch.cat([first[:, None], toks], 1)
     all_logits = torch.cat([first_logits[:, None], logits], 1) if logits.numel() else first_logits[:, None]
     return Generation(all_toks, all_logits, pre.logits)
+
+
+def generate_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: Any, prompts: list, max_new_tokens: int,
+                     *, pcp: bool = True, dcp: bool = True, pcp_method: str = "ring", block_size: int = 4,
+                     interleave_size: int = 1, dcp_merge: str = "ag_rs", dsa_split: str = "balanced") -> Generation:
+    """:func:`generate` as one rank of a real (or simulated) group: run it on every rank.
+
+    ``pcp``: prefill split over ``group`` (else every rank prefills alone);
+    ``dcp``: decode with the KV cache sharded over ``group`` (else each rank
+    decodes alone). Like a P/D pair that shares its devices. Every rank returns
+    the same :class:`Generation`. Picklable arguments only (``model`` may be
+    the family name), so it serves :func:`cpattn.comm.launch.spawn` and torchrun.
+
+    Example
+    -------
+    >>> from cpattn.comm.launch import spawn
+    >>> gens = spawn(2, generate_on_rank, "qwen3", params, cfg, [[1, 2, 3]], 8)  # doctest: +SKIP
+    """
+    check_layout(cfg, max_new_tokens, group.size if pcp else 1, group.size if dcp else 1)
+    tokens, cu = _packed(prompts)
+    if pcp and group.size > 1:
+        pre = prefill_on_rank(group, model, params, cfg, tokens, cu, pcp_method=pcp_method, dsa_split=dsa_split)
+    else:
+        pre = prefill_local(model, params, cfg, tokens, cu)
+    if not (dcp and group.size > 1):
+        return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dense(model, params, cfg, pre, first, steps))
+    from cpattn.models.dcp_cache import decode_dcp_on_rank
+
+    return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dcp_on_rank(
+        group, model, params, cfg, pre, first, steps, block_size=block_size, interleave_size=interleave_size,
+        merge=dcp_merge))
