@@ -33,14 +33,17 @@ import torch.nn.functional as F
 
 
 class Attention(Protocol):
-    """What a model's layers call to attend: an explicit KV cache plus its parallel layout.
+    """What a model's layers call to attend: one step of an explicit KV cache and its parallel layout.
 
-    ``attn(layer, q, k, v, scale) -> out`` with q: [T, Hq, Dqk] (this step's
-    tokens), k: [T, Hkv, Dqk], v: [T, Hkv, Dv] or ``None`` (values are the
-    first Dv dims of k: the MLA latent cache, ``dv`` given at construction).
-    The backend stores k/v in its cache and returns out: [T, Hq, Dv].
-    See :mod:`cpattn.models.cache`.
+    ``attn.positions``: [T] int64 absolute positions of this step's tokens (for RoPE).
+    ``attn(layer, q, k, v, scale) -> out`` with q: [T, Hq, Dqk], k: [T, Hkv, Dqk],
+    v: [T, Hkv, Dv] or ``None`` (values are the first Dv dims of k: the MLA
+    latent cache). The step stores k/v in its cache and returns out: [T, Hq, Dv].
+    DSA models call ``attn.dsa(layer, q, kv, q_index, w_index, k_index, topk, scale)``.
+    See :mod:`cpattn.models.cache` and :mod:`cpattn.models.dcp_cache`.
     """
+
+    positions: torch.Tensor
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float
@@ -63,6 +66,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def lm_head(params: dict[str, torch.Tensor], cfg: Any) -> torch.Tensor:
+    """The output projection [V, H] (the embedding when tied or when ``lm_head.weight`` is absent)."""
+    w = params.get("lm_head.weight")
+    if w is None or getattr(cfg, "tie_word_embeddings", False):
+        return params["model.embed_tokens.weight"]
+    return w
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``.
 
@@ -78,7 +89,7 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The RoPE settings of a config dict, old (``rope_theta`` + ``rope_scaling``) or new (``rope_parameters``) style."""
+    """The RoPE settings of a config dict: old style (``rope_theta`` + ``rope_scaling``) or new (``rope_parameters``)."""
     rp = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or {}
     if not rp:
@@ -90,7 +101,9 @@ def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     return rp
 
 
-def rope_inv_freq(dim: int, rope: Mapping[str, Any], max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    dim: int, rope: Mapping[str, Any], max_position_embeddings: int | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim // 2] (float32) and the cos/sin scale ("attention factor").
 
     rope: ``{"rope_type": "default" | "yarn", "rope_theta": ..., ...}`` (see
@@ -218,7 +231,9 @@ def moe_route(
     return weights * routed_scaling_factor, experts
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """Exact routed-expert sum, one expert at a time over the tokens routed to it.
 
     x: [T, H]; weights, experts: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I].
@@ -276,7 +291,9 @@ def normalize_params(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | 
     return out
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_checkpoint(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read a local Hugging Face checkpoint directory: ``config.json`` + ``*.safetensors``.
 
     Returns (config dict, params dict as :func:`normalize_params` makes it).

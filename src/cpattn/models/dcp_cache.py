@@ -160,7 +160,11 @@ class DCPStep:
 
 def fill_from_prefill(shard: PagedShard, rank: int, dcp_size: int, k: list[torch.Tensor], v: list, cu_seqlens: list[int],
                       ik: list[torch.Tensor] | None = None) -> None:
-    """Write packed prefill KV (k[l]: [T, Hkv, Dk], requests by ``cu_seqlens``; ik[l]: [T, D_I]) into this rank's shard."""
+    """Write packed prefill KV into this rank's shard.
+
+    k[l]: [T, Hkv, Dk]; v[l]: [T, Hkv, Dv] or None; ik[l]: [T, D_I] or None;
+    requests by ``cu_seqlens`` [B+1]. Tokens owned by other ranks are skipped.
+    """
     cu = torch.tensor(cu_seqlens)
     lens = cu[1:] - cu[:-1]
     req = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [T]

@@ -44,6 +44,7 @@ from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import (
     Attention,
     config_dict,
+    lm_head,
     moe_experts,
     moe_route,
     rms_norm,
@@ -55,7 +56,6 @@ from cpattn.models.common import (
     swiglu,
     yarn_mscale,
 )
-from cpattn.models.qwen3 import lm_head
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,9 @@ def empty_cache(cfg: DeepseekV3Config, *, batch: int, max_len: int, dtype=torch.
                               dk=dk, dv=dv, shared_v=shared, dtype=dtype, device=device)
 
 
-def mla_project(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def mla_project(
+    p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+):
     """MLA projections of one layer in absorbed form.
 
     x: [T, H] (after input_layernorm); cos, sin: [T, rope/2].
@@ -259,7 +261,9 @@ def forward(
     return F.linear(h, lm_head(p, cfg))
 
 
-def init_params(cfg: DeepseekV3Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def init_params(
+    cfg: DeepseekV3Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32
+) -> dict[str, torch.Tensor]:
     """Random parameters with the Hugging Face names (normal(0, std); norms at 1). For demos and tests."""
     g = torch.Generator().manual_seed(seed)
     hs, nh, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
@@ -289,7 +293,8 @@ def init_params(cfg: DeepseekV3Config, *, seed: int = 0, std: float = 0.02, dtyp
         p[a + "o_proj.weight"] = rnd(hs, nh * cfg.v_head_dim)
         if cfg.mlp_layer_types[i] == "dense":
             im = cfg.intermediate_size
-            p.update({m + "gate_proj.weight": rnd(im, hs), m + "up_proj.weight": rnd(im, hs), m + "down_proj.weight": rnd(hs, im)})
+            p.update({m + "gate_proj.weight": rnd(im, hs), m + "up_proj.weight": rnd(im, hs),
+                      m + "down_proj.weight": rnd(hs, im)})
         else:
             e, im = cfg.n_routed_experts, cfg.moe_intermediate_size
             p[m + "gate.weight"] = rnd(e, hs).float()
@@ -298,6 +303,7 @@ def init_params(cfg: DeepseekV3Config, *, seed: int = 0, std: float = 0.02, dtyp
             p[m + "experts.down_proj"] = rnd(e, hs, im)
             if cfg.n_shared_experts:
                 sm = im * cfg.n_shared_experts
-                p.update({m + "shared_experts.gate_proj.weight": rnd(sm, hs), m + "shared_experts.up_proj.weight": rnd(sm, hs),
-                          m + "shared_experts.down_proj.weight": rnd(hs, sm)})
+                s = m + "shared_experts."
+                p.update({s + "gate_proj.weight": rnd(sm, hs), s + "up_proj.weight": rnd(sm, hs),
+                          s + "down_proj.weight": rnd(hs, sm)})
     return p

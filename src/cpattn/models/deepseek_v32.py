@@ -41,8 +41,7 @@ import torch.nn.functional as F
 
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models.cache import DenseKVCache
-from cpattn.models.common import config_dict, rms_norm, rope_cos_sin, rope_half, rope_inv_freq
-from cpattn.models.qwen3 import lm_head
+from cpattn.models.common import config_dict, lm_head, rms_norm, rope_cos_sin, rope_half, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,9 @@ def forward(
     return F.linear(h, lm_head(p, cfg))
 
 
-def init_params(cfg: DeepseekV32Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def init_params(
+    cfg: DeepseekV32Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32
+) -> dict[str, torch.Tensor]:
     """Random parameters with the Hugging Face names (DeepSeek-V3's plus the indexer's). For demos and tests."""
     p = v3.init_params(cfg, seed=seed, std=std, dtype=dtype)
     g = torch.Generator().manual_seed(seed + 1)

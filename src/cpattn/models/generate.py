@@ -3,15 +3,19 @@
 The KV cache is passed explicitly from step to step. Prefill produces the
 prompt logits and every layer's packed KV; decode starts from that KV:
 
-- ``pcp_size == 1``: prefill on one device.
-- ``pcp_size == P > 1``: prompts split head-tail over P simulated ranks
+- ``pcp_size == 1``: prefill on one device (:func:`prefill_local`).
+- ``pcp_size == P > 1``: prompts split head-tail over P ranks
   (:func:`cpattn.pcp_plan` / :func:`cpattn.pcp_shard`, global positions from
-  the plan), attention through :func:`cpattn.pcp_prefill`; the ranks' logits
-  and KV are put back in request order (``pcp_unshard``), as a prefill
-  engine hands its KV to a decode engine.
-- ``dcp_size == 1``: decode on one device with a dense cache.
-- ``dcp_size == N > 1``: decode on N simulated ranks, each holding its
-  interleaved share of a paged cache (:mod:`cpattn.models.dcp_cache`).
+  the plan), attention through :func:`cpattn.pcp_prefill` (DSA models:
+  :func:`cpattn.dsa.dsa_cp_attention`); the ranks' logits and KV are
+  all-gathered into request order, as a prefill engine hands its KV to a
+  decode engine (:func:`prefill_on_rank`).
+- ``dcp_size == 1``: decode on one device with a dense cache (:func:`decode_dense`).
+- ``dcp_size == N > 1``: decode on N ranks, each holding its interleaved
+  share of a paged cache (:func:`cpattn.models.dcp_cache.decode_dcp_on_rank`).
+
+:func:`generate` runs the ranks on the simulated mesh; :func:`generate_on_rank`
+is the same program for one rank of a real group (gloo processes, torchrun).
 
 No sampling and no end-of-sequence handling: exactly ``max_new_tokens``
 argmax tokens per request (ties go to the lowest token id).
@@ -39,7 +43,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.comm.sim import simulate
-from cpattn.layout.pcp import pcp_plan, pcp_shard, pcp_unshard
+from cpattn.layout.pcp import pcp_plan, pcp_shard
 from cpattn.models.cache import DenseKVCache, DSACPStep, PCPStep
 
 
@@ -96,7 +100,9 @@ def resolve_model(model: ModuleType | str) -> ModuleType:
     return family({"model_type": model})
 
 
-def prefill_local(model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int]) -> PrefillResult:
+def prefill_local(
+    model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int]
+) -> PrefillResult:
     """Prefill on one device: a dense cache and :func:`cpattn.ops.attention_with_lse` (or DSA).
 
     tokens: [T] packed prompts, requests by ``cu_seqlens`` [B+1]. Returns a :class:`PrefillResult`.

@@ -31,7 +31,17 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.models.cache import DenseKVCache
-from cpattn.models.common import Attention, config_dict, rms_norm, rope_cos_sin, rope_half, rope_inv_freq, rope_parameters, swiglu
+from cpattn.models.common import (
+    Attention,
+    config_dict,
+    lm_head,
+    rms_norm,
+    rope_cos_sin,
+    rope_half,
+    rope_inv_freq,
+    rope_parameters,
+    swiglu,
+)
 
 
 @dataclass(frozen=True)
@@ -126,19 +136,12 @@ def forward(
         o = attn(i, q, k, v, scale)  # [T, Hq, hd]
         h = h + _linear(o.reshape(t, -1), p, pre + "self_attn.o_proj")
         x = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps)
-        h = h + swiglu(x, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"], p[pre + "mlp.down_proj.weight"])
+        mlp = pre + "mlp."
+        h = h + swiglu(x, p[mlp + "gate_proj.weight"], p[mlp + "up_proj.weight"], p[mlp + "down_proj.weight"])
     h = rms_norm(h, p["model.norm.weight"], eps)
     if logits_index is not None:
         h = h[logits_index]
     return F.linear(h, lm_head(p, cfg))
-
-
-def lm_head(params: dict[str, torch.Tensor], cfg: Any) -> torch.Tensor:
-    """The output projection [V, H] (the embedding when tied or when ``lm_head.weight`` is absent)."""
-    w = params.get("lm_head.weight")
-    if w is None or getattr(cfg, "tie_word_embeddings", False):
-        return params["model.embed_tokens.weight"]
-    return w
 
 
 def _linear(x: torch.Tensor, p: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -148,7 +151,8 @@ def _linear(x: torch.Tensor, p: dict[str, torch.Tensor], name: str) -> torch.Ten
 def init_params(cfg: Qwen3Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Random parameters with the Hugging Face names (normal(0, std); norms at 1). For demos and tests."""
     g = torch.Generator().manual_seed(seed)
-    hq, hkv, hd, hs, im = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hs, im = cfg.hidden_size, cfg.intermediate_size
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * std).to(dtype)
