@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cpattn.comm.group import Group
+from cpattn.dsa import DSACPPlan, dsa_attention, dsa_cp_attention
 from cpattn.layout.pcp import PCPPlan
 from cpattn.ops import attention_with_lse
 from cpattn.pcp import pcp_prefill
@@ -186,8 +187,6 @@ class DenseStep:
         q_index: [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I].
         Stores kv and k_index, returns out [T, H, dv].
         """
-        from cpattn.dsa import dsa_attention
-
         c = self.cache
         kc, ic = c.k[layer], c.ik[layer]
         cq = self.cu_q.tolist()
@@ -245,7 +244,7 @@ class DSACPStep:
     """
 
     group: Group
-    plan: object
+    plan: DSACPPlan
     dv: int
     kv: dict = field(default_factory=dict)
 
@@ -258,8 +257,6 @@ class DSACPStep:
     def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
             k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
         """As :meth:`DenseStep.dsa`, for this rank's tokens; returns out [T_r, H, dv]."""
-        from cpattn.dsa import dsa_cp_attention
-
         self.kv[layer] = (kv, None, k_index)
         return dsa_cp_attention(q, kv[:, 0], q_index, w_index, k_index, self.plan, group=self.group, topk=topk,
                                 softmax_scale=scale, value_dim=self.dv)

@@ -33,7 +33,9 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode, dcp_plan
+from cpattn.dsa import ShardedKeys, dsa_dcp_attention
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
+from cpattn.models import resolve_model
 from cpattn.ops.paged import write_kv, write_kv_mla
 
 
@@ -97,8 +99,6 @@ class PagedShard:
 
     def sharded_keys(self, meta: DCPMeta, rank: int, layer: int):
         """This rank's DSA keys of layer ``layer`` as :class:`cpattn.dsa.ShardedKeys` (rows in local order)."""
-        from cpattn.dsa import ShardedKeys
-
         n, i_sz, bs = meta.dcp_size, self.interleave_size, self.block_size
         local = dcp_local_lens(meta.seq_lens, n, i_sz)[:, rank]  # [B]
         slots, ids, cu = [], [], [0]
@@ -149,8 +149,6 @@ class DCPStep:
         q: [T, H, Dqk] (all heads, the same on every rank); kv: [T, 1, Dqk];
         q_index: [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I]. Returns [T, H, dv].
         """
-        from cpattn.dsa import dsa_dcp_attention
-
         g = self.group
         self.shard.write(layer, kv, None, self.meta.slot_mapping[g.rank], k_index)
         keys = self.shard.sharded_keys(self.meta, g.rank, layer)
@@ -185,8 +183,6 @@ def decode_dcp_on_rank(group: Group, model: ModuleType | str, params: dict, cfg:
     logits. Returns (tokens [B, steps], logits [B, steps, V] float32), the
     same on every rank.
     """
-    from cpattn.models.generate import resolve_model
-
     model = resolve_model(model)
     n = group.size
     cu = pre.cu_seqlens.tolist()

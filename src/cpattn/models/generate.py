@@ -44,7 +44,10 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.comm.sim import simulate
 from cpattn.layout.pcp import pcp_plan, pcp_shard
+from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
+from cpattn.models import resolve_model
 from cpattn.models.cache import DenseKVCache, DSACPStep, PCPStep
+from cpattn.models.dcp_cache import decode_dcp_on_rank
 
 
 @dataclass(frozen=True)
@@ -91,15 +94,6 @@ def uses_dsa(cfg: Any) -> bool:
     return hasattr(cfg, "index_topk")
 
 
-def resolve_model(model: ModuleType | str) -> ModuleType:
-    """A model module, given itself or its family name ("qwen3", "deepseek_v3", "deepseek_v32")."""
-    if isinstance(model, ModuleType):
-        return model
-    from cpattn.models import family
-
-    return family({"model_type": model})
-
-
 def prefill_local(
     model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int]
 ) -> PrefillResult:
@@ -137,8 +131,6 @@ def prefill_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: An
     _, _, dv, _ = cfg.kv_dims
     n = cfg.num_hidden_layers
     if uses_dsa(cfg):
-        from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
-
         plan = dsa_cp_plan(cu_seqlens, group.size, split=dsa_split)
         step = DSACPStep(group, plan, dv)
         mine = dsa_cp_shard(tokens, plan, group.rank)
@@ -250,8 +242,6 @@ def generate(
     pre = prefill(model, params, cfg, tokens, cu, pcp_size=pcp_size, pcp_method=pcp_method, dsa_split=dsa_split)
     if dcp_size == 1:
         return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dense(model, params, cfg, pre, first, steps))
-    from cpattn.models.dcp_cache import decode_dcp_on_rank
-
     def run(first, steps):
         outs = simulate(dcp_size, decode_dcp_on_rank, model, params, cfg, pre, first, steps, block_size=block_size,
                         interleave_size=interleave_size, merge=dcp_merge)
@@ -312,8 +302,6 @@ def generate_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: A
         pre = prefill_local(model, params, cfg, tokens, cu)
     if not (dcp and group.size > 1):
         return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dense(model, params, cfg, pre, first, steps))
-    from cpattn.models.dcp_cache import decode_dcp_on_rank
-
     return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dcp_on_rank(
         group, model, params, cfg, pre, first, steps, block_size=block_size, interleave_size=interleave_size,
         merge=dcp_merge))
