@@ -59,14 +59,15 @@ def paged_attention_ref(
     visible = (j[None, :] < kv_lens.long()[:, None]) & (req_indices[:, None] >= 0) & (blocks >= 0)  # [T, L]
     k = k_cache.flatten(0, 1)[slots].to(acc)  # [T, L, Hkv, Dk]
     v = v_cache.flatten(0, 1)[slots].to(acc)  # [T, L, Hkv, Dv]
-    k = torch.where(visible[..., None, None], k, 0.0).repeat_interleave(group, dim=2)  # [T, L, Hq, Dk]
-    v = torch.where(visible[..., None, None], v, 0.0).repeat_interleave(group, dim=2)  # [T, L, Hq, Dv]
-    s = torch.einsum("thd,tlhd->thl", q.to(acc), k) * softmax_scale  # [T, Hq, L]
+    k = torch.where(visible[..., None, None], k, 0.0)  # masked keys: NaN poison never enters
+    v = torch.where(visible[..., None, None], v, 0.0)
+    qg = q.to(acc).view(t, hkv, group, -1)  # [T, Hkv, G, Dk]: query head h = kv * G + g
+    s = torch.einsum("tkgd,tlkd->tkgl", qg, k).reshape(t, hq, -1) * softmax_scale  # [T, Hq, L]
     s = s.masked_fill(~visible[:, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [T, Hq]
     finite = torch.isfinite(lse)
     p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])  # [T, Hq, L]
-    out = torch.einsum("thl,tlhd->thd", p, v)  # [T, Hq, Dv]
+    out = torch.einsum("tkgl,tlkd->tkgd", p.view(t, hkv, group, -1), v).reshape(t, hq, -1)  # [T, Hq, Dv]
     out = torch.where(finite[..., None], out, 0.0)
     lse = torch.where(finite, lse, float("-inf"))
     return out.to(q.dtype), lse.to(torch.float64 if acc == torch.float64 else torch.float32)
