@@ -122,6 +122,17 @@ def test_indexer_random_floats_and_poison():
     assert not got.isnan().any()
 
 
+def test_indexer_long_causal_prefill_chunks():
+    """More queries than one kernel chunk (128 rows): every chunk scores up to its own last key."""
+    g = torch.Generator().manual_seed(2)
+    cu_q, cu_k = [0, 300, 301], [0, 310, 311]
+    q, w = grid((301, 2, 8), 0.25, gen=g).float(), grid((301, 2), 0.125, gen=g).float()
+    k = grid((311, 8), 0.25, gen=g).float()
+    start, vis = causal_key_ranges(cu_q, cu_k)
+    got = indexer_scores(q, w, k, start, vis)
+    assert torch.equal(got, dsa_ref.indexer_scores(q, w, k, start, vis, 310))
+
+
 def test_indexer_bad_arguments_are_named():
     q, w, k = torch.randn(2, 3, 8), torch.randn(2, 3), torch.randn(5, 8)
     with pytest.raises(ValueError, match="w must be"):

@@ -540,7 +540,12 @@ def dsa_dcp_topk(
     int64 -- row of ``keys`` holding each selected key if this rank owns it,
     else -1.
 
-    One all-gather of ``T * topk`` (score, id) pairs per rank.
+    One all-gather of ``T * topk`` (score, id) pairs per rank. The
+    re-selection is what makes this exact: the union of the ranks' local
+    top-k sets holds up to ``N * topk`` keys and is not the global top-k.
+    Exactness also needs every rank to score a key bit-identically to the
+    single device (true of the CPU kernel; grid-valued test inputs make it
+    hold on any device).
     """
     dev = q_index.device
     t = q_index.shape[0]

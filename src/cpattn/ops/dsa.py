@@ -39,6 +39,8 @@ from cpattn.ops import dsa_ref, registry
 
 # elements of one fp32 work buffer in the chunked CPU kernels (64 MiB)
 _CHUNK_ELEMS = 1 << 24
+# queries per indexer chunk (bounds the wasted upper triangle of a causal prefill)
+_ROWS = 128
 
 
 # --------------------------------------------------------------------------- indexer_scores
@@ -72,13 +74,18 @@ def _indexer_cpu(q, w, k, key_start, visible, max_keys):
     starts, vis = key_start.tolist(), visible.tolist()
     _check_ranges(starts, vis, k.shape[0], max_keys)
     for t0, t1 in _runs(starts):
-        n_keys = max(vis[t0:t1])
-        if n_keys == 0:
+        run_keys = max(vis[t0:t1])
+        if run_keys == 0:
             continue
-        kk = k[starts[t0] : starts[t0] + n_keys].to(acc)  # [L, D]
-        step = max(1, _CHUNK_ELEMS // (h * n_keys))
+        # row chunks of <= _ROWS queries: each scores only up to its own last visible key,
+        # so a causal prefill computes about the triangle, not the square
+        step = max(1, min(_ROWS, _CHUNK_ELEMS // (h * run_keys)))
         for a in range(t0, t1, step):
             b = min(a + step, t1)
+            n_keys = max(vis[a:b])
+            if n_keys == 0:
+                continue
+            kk = k[starts[t0] : starts[t0] + n_keys].to(acc)  # [L, D]
             logits = (q[a:b].to(acc).reshape(-1, d) @ kk.T).view(b - a, h, n_keys).relu_()  # [n, H, L]
             s = torch.bmm(w[a:b].to(acc)[:, None, :], logits)[:, 0]  # [n, L]
             cols = torch.arange(n_keys, device=q.device)
@@ -348,13 +355,12 @@ def causal_key_ranges(
     ck = [int(c) for c in cu_seqlens_k]
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq)} entries, cu_seqlens_k {len(ck)}; both must be [B+1]")
-    start, vis = [], []
-    for b in range(len(cq) - 1):
-        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        for i in range(lq):
-            start.append(ck[b])
-            vis.append(min(max(lk - lq + i + 1, 0), lk))
-    return torch.tensor(start, dtype=torch.int64), torch.tensor(vis, dtype=torch.int64)
+    cq_t, ck_t = torch.tensor(cq, dtype=torch.int64), torch.tensor(ck, dtype=torch.int64)
+    lq, lk = cq_t.diff(), ck_t.diff()  # [B]
+    req = torch.repeat_interleave(torch.arange(lq.numel()), lq)  # [T] request of each query
+    i = torch.arange(int(cq_t[-1]) - cq[0]) + cq[0] - cq_t[:-1][req]  # [T] index inside the request
+    vis = torch.minimum((lk - lq)[req] + i + 1, lk[req]).clamp(min=0)
+    return ck_t[:-1][req], vis
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_factor: float | None = None, mscale_all_dim: float | None = None) -> float:
