@@ -121,17 +121,23 @@ def shard_params(cfg: ProgramConfig, params: dict, rank: int, size: int) -> dict
 
 
 def init_state(
-    cfg: ProgramConfig, params: dict, rank: int = 0, size: int = 1, *, poison: float = float("nan")
+    cfg: ProgramConfig, params: dict, rank: int = 0, size: int = 1, *, poison: float = float("nan"),
+    device: torch.device | str = "cpu",
 ) -> dict:
-    """This rank's state: ``{"params": shard, "kv": [(k_cache, v_cache) per layer]}``.
+    """This rank's state on ``device``: ``{"params": shard, "kv": [(k_cache, v_cache) per layer]}``.
 
     Caches are [num_blocks, block_size, Hkv, D], filled with ``poison``
     (NaN by default): a slot that is read before it is written shows up.
     """
     dtype = params["layers"][0]["wq"].dtype
     shape = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.full(shape, poison, dtype=dtype), torch.full(shape, poison, dtype=dtype)) for _ in range(cfg.num_layers)]
-    return {"params": shard_params(cfg, params, rank, size), "kv": kv}
+
+    def cache():
+        return torch.full(shape, poison, dtype=dtype, device=device)
+
+    shard = shard_params(cfg, params, rank, size)
+    shard = {"layers": [{k: v.to(device) for k, v in p.items()} for p in shard["layers"]]}
+    return {"params": shard, "kv": [(cache(), cache()) for _ in range(cfg.num_layers)]}
 
 
 def fields(cfg: ProgramConfig, dtype: torch.dtype = torch.float32) -> dict[str, Field]:

@@ -270,7 +270,7 @@ class DecodeRunner:
         return self._replay(batch, size, num_tokens, len(query_lens))
 
     def _eager(self, batch, query_lens, reason):
-        full = dict(batch)
+        full = {k: v.to(self.device) for k, v in batch.items()}  # no-op when already there
         cu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         full[CU_SEQLENS] = cu.to(self.device)
         out = self.step(self.state, full)
