@@ -8,8 +8,12 @@ come out. See README.md and DESIGN.md.
 
 from cpattn.comm import Group, simulate
 from cpattn.config import ParallelConfig
+from cpattn.dcp import DCPContext, DCPMeta, dcp_decode, dcp_plan
+from cpattn.layout.dcp import (
+    dcp_local_index, dcp_local_lens, dcp_owner, dcp_slot_mapping, reshard_kv_blocks, unshard_kv_blocks,
+)
 from cpattn.layout.pcp import PCPPlan, pcp_plan, pcp_shard, pcp_unshard
-from cpattn.ops import attention_with_lse, merge_attn_states
+from cpattn.ops import attention_with_lse, merge_attn_states, paged_attention_with_lse, write_kv, write_kv_mla
 from cpattn.pcp import Context, pcp_prefill
 
 __version__ = "0.1.0"
@@ -18,4 +22,7 @@ __all__ = [
     "Group", "simulate", "ParallelConfig",
     "PCPPlan", "pcp_plan", "pcp_shard", "pcp_unshard", "pcp_prefill", "Context",
     "attention_with_lse", "merge_attn_states",
+    "DCPMeta", "DCPContext", "dcp_plan", "dcp_decode",
+    "dcp_owner", "dcp_local_index", "dcp_local_lens", "dcp_slot_mapping", "reshard_kv_blocks", "unshard_kv_blocks",
+    "paged_attention_with_lse", "write_kv", "write_kv_mla",
 ]

@@ -14,6 +14,7 @@ COMMANDS = {
 }
 BENCHMARKS = {
     "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),
+    "dcp": ("cpattn.bench.dcp:main", "64K-context DCP decode: one rank vs DCP=2, merge traffic, paged vs contiguous"),
 }
 
 

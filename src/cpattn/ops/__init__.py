@@ -11,6 +11,7 @@ import sys
 from cpattn.ops import registry
 from cpattn.ops.attention import attention_with_lse
 from cpattn.ops.merge import merge_attn_states
+from cpattn.ops.paged import paged_attention_with_lse, write_kv, write_kv_mla
 
 
 def enable_npu() -> None:
@@ -28,4 +29,7 @@ def enable_npu() -> None:
 if "torch_npu" in sys.modules:  # the user already imported it: register now
     enable_npu()
 
-__all__ = ["attention_with_lse", "merge_attn_states", "registry", "enable_npu"]
+__all__ = [
+    "attention_with_lse", "merge_attn_states", "paged_attention_with_lse", "write_kv", "write_kv_mla",
+    "registry", "enable_npu",
+]

@@ -11,9 +11,9 @@ Decode step at long context, GQA (32 q heads, 8 kv heads, dim 128), batch 4:
 
 Usage::
 
-    python benchmarks/bench_dcp.py            # 16K and 64K context
-    python benchmarks/bench_dcp.py --quick    # small sizes, < 60 s
-    python benchmarks/bench_dcp.py --json out.json
+    cpattn bench dcp             # 16K and 64K context
+    cpattn bench dcp --quick     # small sizes, < 60 s
+    cpattn bench dcp --json out.json
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _bytes(rec, merge, cfg, n=2):
 
 def main(argv=None):
     """Run the DCP benchmark and print a table of side-by-side ratios."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="cpattn bench dcp", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
