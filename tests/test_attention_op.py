@@ -16,6 +16,8 @@ CASES = [
     ([4, 5], [6, 2], 4, 2, 16, 8, False),  # non-causal, Dv < Dqk
     ([3, 5], [7, 5], 8, 1, 72, 64, True),  # MLA-like: one KV head, Dqk > Dv
     ([3], [4], 2, 2, 8, 12, True),  # Dv > Dqk
+    ([1, 1, 1], [40, 1, 0], 8, 2, 16, 16, True),  # decode rows: one query after its cache (GQA folded)
+    ([1, 2], [33, 20], 16, 1, 72, 64, False),  # MLA-like decode, heads folded into rows
 ]
 
 
