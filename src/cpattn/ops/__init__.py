@@ -12,6 +12,7 @@ from cpattn.ops import registry
 from cpattn.ops.attention import attention_with_lse
 from cpattn.ops.merge import merge_attn_states
 from cpattn.ops.paged import paged_attention_with_lse, write_kv, write_kv_mla
+from cpattn.ops.dsa import indexer_scores, mla_softmax_scale, sparse_mla_attention_with_lse, topk_indices
 
 
 def enable_npu() -> None:
@@ -31,5 +32,6 @@ if "torch_npu" in sys.modules:  # the user already imported it: register now
 
 __all__ = [
     "attention_with_lse", "merge_attn_states", "paged_attention_with_lse", "write_kv", "write_kv_mla",
+    "indexer_scores", "topk_indices", "sparse_mla_attention_with_lse", "mla_softmax_scale",
     "registry", "enable_npu",
 ]

@@ -16,7 +16,7 @@ the exact per-rank indexer / attention work, and all-gather bytes per rank.
 
 Every ratio is measured side by side in one run (the machine is shared).
 
-    python benchmarks/bench_dsa.py [--quick] [--json out.json]
+    cpattn bench dsa [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def cp_prefill(n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> list[d
 
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="cpattn bench dsa", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, finishes in well under a minute")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--threads", type=int, default=1,
