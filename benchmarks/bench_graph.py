@@ -14,8 +14,10 @@ projection with a TP all-reduce) runs on a DCP group of real gloo processes
   LSE, reduce-scatter, all-reduce); ``bound = eager / (attn + comm)`` is
   the speedup if everything else were free.
 
-Each timing is the median over repetitions, every repetition framed by a
-barrier so it is the slowest rank's; eager and graph alternate in rounds.
+Each timing is the median over repetitions (``speedup_min`` compares the
+fastest repetitions, which is steadier on a loaded machine), every
+repetition framed by a barrier so it is the slowest rank's; eager, graph and
+the bound measurements alternate, so drift in machine load hits all alike.
 A CUDA section (one device, DCP = 1, CUDA graphs) runs when a GPU is present.
 
 Usage::
@@ -113,7 +115,7 @@ def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"
         e, g = statistics.median(te), statistics.median(tg)
         o, c = cfg.num_layers * statistics.median(to), cfg.num_layers * statistics.median(tc)
         rows.append({
-            "batch": b, "eager_ms": 1e3 * e, "graph_ms": 1e3 * g, "speedup": e / g,
+            "batch": b, "eager_ms": 1e3 * e, "graph_ms": 1e3 * g, "speedup": e / g, "speedup_min": min(te) / min(tg),
             "attn_op_ms": 1e3 * o, "comm_ms": 1e3 * c, "bound": e / max(o + c, 1e-12),
         })
     assert runner.stats.graph >= len(batches) * reps, runner.stats.as_dict()
@@ -141,7 +143,7 @@ def _collectives(group, cfg, b, device):
     return run
 
 
-COLUMNS = ["batch", "eager_ms", "graph_ms", "speedup", "attn_op_ms", "comm_ms", "bound"]
+COLUMNS = ["batch", "eager_ms", "graph_ms", "speedup", "speedup_min", "attn_op_ms", "comm_ms", "bound"]
 
 
 def main(argv=None) -> int:
