@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from cpattn.comm.group import Group
+from cpattn.layout.dcp import dcp_owner
 from cpattn.layout.pcp import pcp_plan
 from cpattn.ops import merge_attn_states
 from cpattn.ops.dsa import causal_key_ranges, indexer_scores, sparse_mla_attention_with_lse, topk_indices
@@ -440,12 +441,9 @@ class ShardedKeys:
 
 
 def _dcp_owned(seq_len: int, rank: int, size: int, interleave: int) -> torch.Tensor:
-    """Positions of a sequence owned by ``rank`` under DCP: owner(t) = (t // I) % N.
-
-    Their order is the local order: local index = (t // (I*N)) * I + t % I.
-    """
+    """Positions of a sequence owned by ``rank`` under DCP, in local order (ascending position)."""
     t = torch.arange(seq_len, dtype=torch.int64)
-    return t[(t // interleave) % size == rank]
+    return t[dcp_owner(t, size, interleave) == rank]
 
 
 def dcp_shard_keys(
