@@ -12,6 +12,7 @@ from cpattn.dsa import (
     DSACache, DSACPPlan, ShardedKeys, dcp_shard_keys, dsa_attention, dsa_cp_attention, dsa_cp_plan, dsa_cp_shard,
     dsa_cp_unshard, dsa_cp_work, dsa_dcp_attention, dsa_dcp_topk,
 )
+from cpattn.graphs import DecodeRunner, Field, capture_sizes, check_static
 from cpattn.dcp import DCPContext, DCPMeta, dcp_decode, dcp_plan
 from cpattn.layout.dcp import (
     dcp_local_index, dcp_local_lens, dcp_owner, dcp_slot_mapping, reshard_kv_blocks, unshard_kv_blocks,
@@ -35,4 +36,5 @@ __all__ = [
     "DSACache", "DSACPPlan", "ShardedKeys", "dcp_shard_keys", "dsa_attention", "dsa_cp_attention", "dsa_cp_plan",
     "dsa_cp_shard", "dsa_cp_unshard", "dsa_cp_work", "dsa_dcp_attention", "dsa_dcp_topk",
     "indexer_scores", "topk_indices", "sparse_mla_attention_with_lse",
+    "DecodeRunner", "Field", "capture_sizes", "check_static",
 ]

@@ -22,9 +22,9 @@ A CUDA section (one device, DCP = 1, CUDA graphs) runs when a GPU is present.
 
 Usage::
 
-    python benchmarks/bench_graph.py            # 4 layers, batch 1/8/32, 256-token context
-    python benchmarks/bench_graph.py --quick    # 2 layers, batch 8 (one compile per rank), < 60 s
-    python benchmarks/bench_graph.py --json out.json
+    cpattn bench graph            # 4 layers, batch 1/8/32, 256-token context
+    cpattn bench graph --quick    # 2 layers, batch 8 (one compile per rank), < 60 s
+    cpattn bench graph --json out.json
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ COLUMNS = ["batch", "eager_ms", "graph_ms", "speedup", "speedup_min", "attn_op_m
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="cpattn bench graph", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 layers, batch 8, 64-token context (< 60 s)")
     ap.add_argument("--json", default=None, help="write results as JSON here ('-' for stdout)")
     ap.add_argument("--dcp", type=int, default=2, help="DCP (= TP) ranks, gloo processes")
