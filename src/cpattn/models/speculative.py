@@ -176,7 +176,9 @@ def spec_decode_loop(group: Group, model: ModuleType | str, params: dict, cfg: A
     Run on every rank of the DCP ``group``. shard: this rank's cache holding
     every prompt's KV (capacity :func:`shard_capacity`); prompts: B token
     lists (the drafter's history); first: [B] the token after each prompt.
-    ``drafter=None`` or k = 0 is plain DCP decode. Returns (tokens [B, steps],
+    ``drafter=None`` or k = 0 is plain DCP decode. ``graph``: False (eager),
+    True (a DecodeRunner with backend "eager"), or a backend name
+    (:func:`cpattn.graphs.backends.backends`; real groups only). Returns (tokens [B, steps],
     logits [B, steps, V] float32, :class:`SpecStats`), the same on every rank.
     """
     model = resolve_model(model)
@@ -189,7 +191,8 @@ def spec_decode_loop(group: Group, model: ModuleType | str, params: dict, cfg: A
     stats = SpecStats(accepted_hist=[0] * (k + 1))
     session = drafter.session(b, max(lens) + steps + k + 1) if k else None
     runner = make_verify_runner(group, model, params, cfg, shard, num_speculative_tokens=k, max_requests=b,
-                                merge=merge, capture_sizes=capture_sizes) if graph else None
+                                merge=merge, capture_sizes=capture_sizes,
+                                backend=graph if isinstance(graph, str) else "eager") if graph else None
     while True:
         active = [i for i in range(b) if len(out_tok[i]) < steps]
         if not active:
