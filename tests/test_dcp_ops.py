@@ -63,8 +63,13 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("chunk_elems", [1 << 18, 512])  # one chunk vs many chunks per request
-def test_paged_attention_matches_oracle_fp32(case, chunk_elems, monkeypatch):
+@pytest.mark.parametrize("small_elems, chunk_elems", [
+    (1 << 40, 1 << 18),  # the batched small-batch path
+    (0, 1 << 18),  # the per-request flash path, one chunk per request
+    (0, 512),  # ... many chunks per request
+])
+def test_paged_attention_matches_oracle_fp32(case, small_elems, chunk_elems, monkeypatch):
+    monkeypatch.setattr(paged, "SMALL_ELEMS", small_elems)
     monkeypatch.setattr(paged, "CHUNK_ELEMS", chunk_elems)
     kv_lens, rows, bs, hq, hkv, dk, dv = CASES[case]
     gen = torch.Generator().manual_seed(case)
@@ -87,7 +92,9 @@ def test_paged_attention_matches_oracle_fp32(case, chunk_elems, monkeypatch):
 
 
 @pytest.mark.parametrize("mla", [False, True])
-def test_paged_attention_bf16_within_twice_plain_torch(mla):
+@pytest.mark.parametrize("small_elems", [1 << 40, 0])  # batched path, per-request flash path
+def test_paged_attention_bf16_within_twice_plain_torch(mla, small_elems, monkeypatch):
+    monkeypatch.setattr(paged, "SMALL_ELEMS", small_elems)
     gen = torch.Generator().manual_seed(7)
     dk, dv, hkv, hq = (576, 512, 1, 8) if mla else (64, 64, 2, 8)
     kv_lens = [300, 77]
