@@ -252,6 +252,7 @@ def pcp_dcp_generate_on_rank(group: Group, model: ModuleType | str, params: dict
 def pcp_dcp_generate(model: ModuleType | str, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
                      config: ParallelConfig, **kw) -> SpecGeneration:
     """:func:`pcp_dcp_generate_on_rank` on ``config.pcp_size`` simulated ranks; returns rank 0's generation."""
+    _check_config(config, config.pcp_size)
     outs = simulate(config.pcp_size, pcp_dcp_generate_on_rank, model, params, cfg, prompts, max_new_tokens,
                     config=config, **kw)
     for r, o in enumerate(outs[1:], 1):

@@ -286,6 +286,8 @@ def speculative_generate(model: ModuleType | str, params: dict, cfg: Any, prompt
     """
     _check_spec(drafter, num_speculative_tokens)
     check_layout(cfg, max_new_tokens, pcp_size, dcp_size)
+    if graph and capture_sizes is not None:  # fail here, not inside every simulated rank
+        buckets.check_sizes(capture_sizes, num_speculative_tokens if drafter is not None else 0)
     tokens, cu = _packed(prompts)
     plist = [tokens[a:b].tolist() for a, b in zip(cu, cu[1:])]
     pre = prefill(model, params, cfg, tokens, cu, pcp_size=pcp_size, pcp_method=pcp_method)

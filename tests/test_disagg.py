@@ -1,0 +1,122 @@
+"""P/D disaggregation: a PCP prefill engine hands whole KV blocks to a DCP decode engine.
+
+Tokens must equal plain single-device greedy generation (float64 tiny models, see test_speculative.py).
+The simulated mesh deals the blocks in memory; the gloo test moves them with isend/irecv between the
+two process sets of one world.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_pd_cases import pd_cases, prompts, tiny_dsa, tiny_mla, tiny_qwen3
+
+from cpattn.comm.launch import spawn
+from cpattn.layout.dcp import unshard_kv_blocks
+from cpattn.models.disagg import PDResult, deal_blocks, disagg_generate, pd_configs, request_blocks
+from cpattn.models.drafters import NgramDrafter
+from cpattn.models.generate import generate, prefill_local
+from cpattn.models.kv_rows import pack_rows
+
+NEW = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+_REF: dict = {}
+
+
+def reference(name: str):
+    if name not in _REF:
+        model, params, cfg = {"qwen3": tiny_qwen3, "mla": tiny_mla, "dsa": tiny_dsa}[name]()
+        _REF[name] = (model, params, cfg, generate(model, params, cfg, prompts(), NEW))
+    return _REF[name]
+
+
+LAYOUTS = [(1, 1), (2, 2), (3, 4), (5, 2), (8, 8), (7, 1), (4, 8), (6, 4)]  # (prefill PCP, decode DCP)
+
+
+@pytest.mark.parametrize("p,n", LAYOUTS, ids=[f"P{p}-N{n}" for p, n in LAYOUTS])
+def test_matches_single_engine(p, n):
+    model, params, cfg, ref = reference("qwen3")
+    out = disagg_generate(model, params, cfg, prompts(), NEW, prefill_size=p, decode_size=n,
+                          block_size=2 if n == 8 else 4, pcp_method="allgather" if p == 5 else "ring")
+    assert torch.equal(out.tokens, ref.tokens)
+    assert torch.allclose(out.logits.double(), ref.logits.double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mla", "dsa"])
+def test_mla_dsa_with_speculation(name):
+    model, params, cfg, ref = reference(name)
+    out = disagg_generate(model, params, cfg, prompts(), NEW, prefill_size=2, decode_size=2, block_size=4,
+                          drafter=NgramDrafter(), num_speculative_tokens=2)
+    assert torch.equal(out.tokens, ref.tokens)
+
+
+def test_blocks_are_whole_and_dealt_round_robin():
+    """Block j of a request goes to decode rank j % N as local block j // N; tails past the prompt are NaN."""
+    model, params, cfg, _ = reference("qwen3")
+    ps = prompts()
+    tokens = torch.tensor(sum(ps, []))
+    cu = [0]
+    for q in ps:
+        cu.append(cu[-1] + len(q))
+    pre = prefill_local(model, params, cfg, tokens, cu)
+    rows = pack_rows(pre.k, pre.v, pre.ik)  # [T, L, F]
+    bs, n = 4, 3
+    blocks = request_blocks(pre, bs)
+    dealt = deal_blocks(blocks, decode_size=n, block_size=bs)
+    for b, (a, e) in enumerate(zip(cu, cu[1:])):
+        empty = blocks[b].new_zeros(0, bs, *rows.shape[1:])  # [0, B, L, F]
+        parts = []
+        for r in range(n):
+            mine = sorted((i, pl) for rb, i, pl in dealt[r] if rb == b)  # (local block, [L, B, F])
+            assert [i for i, _ in mine] == list(range(len(mine)))
+            parts.append(torch.stack([pl.transpose(0, 1) for _, pl in mine]) if mine else empty)
+        whole = unshard_kv_blocks(parts, dcp_size=n, interleave_size=bs, block_size=bs)  # [nb, B, L, F]
+        flat = whole.reshape(-1, *rows.shape[1:])
+        assert torch.equal(flat[: e - a], rows[a:e])
+        assert torch.isnan(flat[e - a :]).all()
+
+
+def test_config_rules():
+    _, _, cfg = tiny_qwen3()
+    prod, cons = pd_configs(cfg, prefill_size=4, decode_size=2, block_size=8)
+    assert (prod.kv_role, prod.pcp_size, cons.kv_role, cons.pcp_size, cons.dcp_size) == \
+        ("kv_producer", 4, "kv_consumer", 1, 2)
+    assert cons.cp_kv_cache_interleave_size == cons.block_size == 8
+    with pytest.raises(ValueError, match="pcp_size"):
+        pd_configs(cfg, prefill_size=2, decode_size=2, block_size=8, decode_pcp_size=2)
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size"):
+        pd_configs(cfg, prefill_size=2, decode_size=2, block_size=8, interleave_size=1)
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size"):
+        pd_configs(cfg, prefill_size=2, decode_size=1, block_size=8, interleave_size=2)
+    model, params, _ = tiny_qwen3()
+    with pytest.raises(ValueError, match="DCP size must divide"):
+        disagg_generate(model, params, cfg, prompts(), 4, prefill_size=2, decode_size=3)
+
+
+def test_on_gloo_ranks():
+    """One world of 4 gloo processes: P=2 -> N=2 (plain and speculative), then P=3 -> N=1."""
+    model, params, cfg, ref = reference("qwen3")
+    args = ("qwen3", params, cfg, prompts(), NEW)
+    cases = [(args, {"prefill_size": 2, "decode_size": 2, "block_size": 4}),
+             (args, {"prefill_size": 2, "decode_size": 2, "block_size": 2, "drafter": NgramDrafter(),
+                     "num_speculative_tokens": 3, "dcp_merge": "a2a"}),
+             (args, {"prefill_size": 3, "decode_size": 1, "block_size": 4})]
+    per_rank = spawn(4, pd_cases, cases)
+    for c, (_, kw) in enumerate(cases):
+        p = kw["prefill_size"]
+        sent = sum(per_rank[r][c]["blocks_sent"] for r in range(p))
+        got = [per_rank[r][c] for r in range(p, 4)]
+        assert all(isinstance(g, PDResult) for g in got)
+        assert sent == sum(g.blocks for g in got) == sum(-(-len(q) // kw["block_size"]) for q in prompts())
+        assert sum(per_rank[r][c]["bytes_sent"] for r in range(p)) == sum(g.bytes_received for g in got)
+        for g in got:
+            assert torch.equal(g.generation.tokens, ref.tokens)

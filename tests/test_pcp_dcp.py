@@ -1,0 +1,144 @@
+"""PCP prefill writing the DCP layout directly (same ranks), then DCP decode: exact vs one device.
+
+Opt-in: ``ParallelConfig(allow_pcp_with_dcp=True)``; the default refuses, as the guide does.
+The reference is plain single-device greedy generation (float64 tiny models, see test_speculative.py);
+the KV exchange is also checked row by row against the single-device prefill's KV.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_pd_cases import pcp_dcp_cases, prompts, tiny_dsa, tiny_mla, tiny_qwen3
+
+from cpattn.comm.launch import spawn
+from cpattn.comm.sim import simulate
+from cpattn.config import ParallelConfig
+from cpattn.layout.dcp import dcp_owner
+from cpattn.layout.pcp import pcp_plan, pcp_shard
+from cpattn.models.cache import PCPStep
+from cpattn.models.drafters import NgramDrafter
+from cpattn.models.generate import generate, prefill_local
+from cpattn.models.kv_rows import pack_rows
+from cpattn.models.pcp_dcp import PCPDCPResult, exchange_to_owners, pcp_dcp_config, pcp_dcp_generate
+
+NEW = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+_REF: dict = {}
+
+
+def reference(name: str):
+    if name not in _REF:
+        model, params, cfg = {"qwen3": tiny_qwen3, "mla": tiny_mla, "dsa": tiny_dsa}[name]()
+        _REF[name] = (model, params, cfg, generate(model, params, cfg, prompts(), NEW))
+    return _REF[name]
+
+
+def _packed():
+    ps = prompts()
+    cu = [0]
+    for q in ps:
+        cu.append(cu[-1] + len(q))
+    return torch.tensor(sum(ps, [])), cu
+
+
+CASES = [(1, 1, 4, "a2a"), (2, 1, 4, "a2a"), (2, 4, 4, "allgather"), (4, 2, 4, "a2a"), (4, 1, 2, "allgather"),
+         (8, 4, 8, "a2a"), (8, 1, 1, "a2a")]  # (ranks, interleave, block size, exchange)
+
+
+@pytest.mark.parametrize("n,inter,bs,exchange", CASES, ids=[f"N{c[0]}-I{c[1]}-B{c[2]}-{c[3]}" for c in CASES])
+def test_matches_single_device(n, inter, bs, exchange):
+    model, params, cfg, ref = reference("qwen3")
+    config = pcp_dcp_config(cfg, n, block_size=bs, interleave_size=inter)
+    out = pcp_dcp_generate(model, params, cfg, prompts(), NEW, config=config, exchange=exchange,
+                           pcp_method="allgather" if n == 4 else "ring")
+    assert torch.equal(out.tokens, ref.tokens)
+    assert torch.allclose(out.logits.double(), ref.logits.double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mla", "dsa"])
+def test_mla_dsa(name):
+    model, params, cfg, ref = reference(name)
+    out = pcp_dcp_generate(model, params, cfg, prompts(), NEW, config=pcp_dcp_config(cfg, 2, interleave_size=2))
+    assert torch.equal(out.tokens, ref.tokens)
+
+
+def test_with_speculative_decoding():
+    model, params, cfg, ref = reference("qwen3")
+    out = pcp_dcp_generate(model, params, cfg, prompts(), NEW, config=pcp_dcp_config(cfg, 4, interleave_size=2),
+                           drafter=NgramDrafter(), num_speculative_tokens=3)
+    assert torch.equal(out.tokens, ref.tokens)
+    assert out.stats.drafted == 3 * out.stats.rows
+
+
+@pytest.mark.parametrize("exchange", ["a2a", "allgather"])
+def test_exchange_delivers_exactly_the_owned_rows(exchange):
+    """Each rank receives the KV of exactly the tokens it owns under DCP, equal to one device's prefill KV."""
+    model, params, cfg, _ = reference("qwen3")
+    tokens, cu = _packed()
+    full = pack_rows(*(lambda p: (p.k, p.v, p.ik))(prefill_local(model, params, cfg, tokens, cu)))  # [T, L, F]
+    n, inter = 3, 2
+    plan = pcp_plan(cu, n)
+
+    def rank_fn(group):
+        step = PCPStep(group, plan, cfg.head_dim)
+        model.forward(params, cfg, pcp_shard(tokens, plan, group.rank), step)
+        rows = pack_rows([step.kv[i][0] for i in range(2)], [step.kv[i][1] for i in range(2)], None)
+        return exchange_to_owners(group, rows, plan, interleave_size=inter, exchange=exchange)
+
+    seen = []
+    for r, (got, req, pos, sent) in enumerate(simulate(n, rank_fn)):
+        assert (dcp_owner(pos, n, inter) == r).all()
+        idx = torch.tensor(cu)[req] + pos  # packed index of each received row
+        assert torch.allclose(got, full[idx], rtol=1e-12, atol=1e-12)
+        seen.append(idx)
+        assert sent > 0
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(len(tokens)))
+
+
+def test_a2a_moves_fewer_bytes_than_allgather():
+    model, params, cfg, _ = reference("qwen3")
+    long = [list(range(1, 60)), list(range(3, 40))]
+    sent = {}
+    for ex in ("a2a", "allgather"):
+        from cpattn.models.pcp_dcp import pcp_dcp_generate_on_rank
+        outs = simulate(4, pcp_dcp_generate_on_rank, model, params, cfg, long, 2,
+                        config=pcp_dcp_config(cfg, 4, interleave_size=1), exchange=ex)
+        sent[ex] = sum(o.prefill.exchange_bytes for o in outs)
+        assert sum(o.prefill.rows_kept for o in outs) + sum(o.prefill.rows_sent for o in outs) == 96
+    assert sent["a2a"] * 2 < sent["allgather"]
+
+
+def test_opt_in_and_config_checks():
+    _, _, cfg = tiny_qwen3()
+    with pytest.raises(ValueError, match="PCP and DCP cannot both be enabled"):
+        ParallelConfig(tp_size=4, pcp_size=2, dcp_size=2, num_kv_heads=2)
+    with pytest.raises(ValueError, match="allow_pcp_with_dcp"):
+        pcp_dcp_config(cfg, 2, allow_pcp_with_dcp=False)
+    assert pcp_dcp_config(cfg, 2).allow_pcp_with_dcp
+    model, params, _, _ = reference("qwen3")
+    bad = ParallelConfig(tp_size=4, pcp_size=4, dcp_size=2, num_kv_heads=2, allow_pcp_with_dcp=True)
+    with pytest.raises(ValueError, match="same ranks for both"):
+        pcp_dcp_generate(model, params, cfg, prompts(), 4, config=bad)
+
+
+def test_on_gloo_ranks():
+    """Four real gloo processes: a2a and all-gather exchanges, plain and speculative decode (one spawn)."""
+    model, params, cfg, ref = reference("qwen3")
+    args = ("qwen3", params, cfg, prompts(), NEW)
+    cases = [(args, {"config": pcp_dcp_config(cfg, 4, interleave_size=2), "exchange": "a2a"}),
+             (args, {"config": pcp_dcp_config(cfg, 4, block_size=2, interleave_size=2), "exchange": "allgather",
+                     "drafter": NgramDrafter(), "num_speculative_tokens": 2, "dcp_merge": "a2a"})]
+    for per_rank in spawn(4, pcp_dcp_cases, cases):
+        for out in per_rank:
+            assert isinstance(out, PCPDCPResult)
+            assert torch.equal(out.generation.tokens, ref.tokens)
