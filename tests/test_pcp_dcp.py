@@ -20,7 +20,13 @@ from cpattn.models.cache import PCPStep
 from cpattn.models.drafters import NgramDrafter
 from cpattn.models.generate import generate, prefill_local
 from cpattn.models.kv_rows import pack_rows
-from cpattn.models.pcp_dcp import PCPDCPResult, exchange_to_owners, pcp_dcp_config, pcp_dcp_generate
+from cpattn.models.pcp_dcp import (
+    PCPDCPResult,
+    exchange_to_owners,
+    pcp_dcp_config,
+    pcp_dcp_generate,
+    pcp_dcp_generate_on_rank,
+)
 
 NEW = 12
 
@@ -110,7 +116,6 @@ def test_a2a_moves_fewer_bytes_than_allgather():
     long = [list(range(1, 60)), list(range(3, 40))]
     sent = {}
     for ex in ("a2a", "allgather"):
-        from cpattn.models.pcp_dcp import pcp_dcp_generate_on_rank
         outs = simulate(4, pcp_dcp_generate_on_rank, model, params, cfg, long, 2,
                         config=pcp_dcp_config(cfg, 4, interleave_size=1), exchange=ex)
         sent[ex] = sum(o.prefill.exchange_bytes for o in outs)

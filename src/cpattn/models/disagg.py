@@ -55,7 +55,15 @@ from cpattn.comm.sim import simulate
 from cpattn.config import ParallelConfig
 from cpattn.layout.dcp import reshard_kv_blocks
 from cpattn.models.dcp_cache import PagedShard
-from cpattn.models.generate import PrefillResult, _packed, check_layout, prefill, prefill_local, prefill_on_rank, uses_dsa
+from cpattn.models.generate import (
+    PrefillResult,
+    _packed,
+    check_layout,
+    prefill,
+    prefill_local,
+    prefill_on_rank,
+    uses_dsa,
+)
 from cpattn.models.kv_rows import pack_rows, row_layout, unpack_rows
 from cpattn.models.speculative import SpecGeneration, _check_spec, shard_capacity, spec_decode_loop
 
@@ -122,7 +130,8 @@ def request_blocks(pre: PrefillResult, block_size: int) -> list[torch.Tensor]:
     return out
 
 
-def deal_blocks(blocks: list[torch.Tensor], *, decode_size: int, block_size: int) -> list[list[tuple[int, int, torch.Tensor]]]:
+def deal_blocks(blocks: list[torch.Tensor], *, decode_size: int,
+                block_size: int) -> list[list[tuple[int, int, torch.Tensor]]]:
     """Per decode rank r: ``(request, local block, payload [L, B, F])`` for every block it owns (k % N == r)."""
     out: list[list] = [[] for _ in range(decode_size)]
     for b, blk in enumerate(blocks):

@@ -249,7 +249,10 @@ def decode_from_prefill_on_rank(group: Group, model: ModuleType | str, params: d
                                 steps: int, *, drafter=None, num_speculative_tokens: int = 0, block_size: int = 4,
                                 interleave_size: int = 1, merge: str = "ag_rs", graph: bool = False,
                                 capture_sizes: list[int] | None = None) -> SpecGeneration:
-    """Fill this rank's DCP shard from a :class:`~cpattn.models.generate.PrefillResult`, then :func:`spec_decode_loop`."""
+    """Fill this rank's DCP shard from a :class:`~cpattn.models.generate.PrefillResult`, then decode.
+
+    Decoding is :func:`spec_decode_loop`; returns a :class:`SpecGeneration` (the same on every rank).
+    """
     cu = pre.cu_seqlens.tolist()
     prompt_lens = [b - a for a, b in zip(cu, cu[1:])]
     k = num_speculative_tokens if drafter is not None else 0

@@ -1,0 +1,177 @@
+"""Benchmark: speculative decoding acceptance, and TTFT of PCP+DCP vs PCP prefill + P/D KV transfer.
+
+Part 1 (simulated mesh, DCP over 2 ranks, float64 so tokens are exact):
+acceptance rate and tokens gained per verification step for n-gram prompt
+lookup on a repetitive prompt, for draft models (the target's first 1 or 3
+of 4 layers) and for the target as its own drafter (the upper bound),
+k = 1..4 (``--quick``: 1 and 3); the
+verification steps against plain decode steps, and the decode wall time
+ratio measured side by side (noisy: thread collectives on shared cores).
+
+Part 2 (real gloo processes): time to first token, from all ranks starting
+together until the decode side holds the prompt's KV in its DCP layout and
+knows the first token:
+
+- ``pcp+dcp a2a``: PCP prefill over P ranks writing the DCP layout of the
+  same ranks with one owner all-to-all (:mod:`cpattn.models.pcp_dcp`);
+- ``pcp+dcp allgather``: the same with an all-gather of the KV instead;
+- ``pcp -> p/d``: PCP prefill on P ranks, then whole blocks sent point to
+  point to N = P separate decode ranks (:mod:`cpattn.models.disagg`).
+
+Run: ``python -m cpattn.bench.spec --quick`` (under a minute) or with
+``--json out.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cpattn.bench.common import table, write_json
+from cpattn.comm.launch import spawn
+from cpattn.models import qwen3
+from cpattn.models.disagg import pd_generate_on_rank
+from cpattn.models.drafters import ModelDrafter, NgramDrafter, truncated
+from cpattn.models.generate import generate
+from cpattn.models.pcp_dcp import pcp_dcp_config, pcp_dcp_generate_on_rank
+from cpattn.models.speculative import speculative_generate
+
+
+def spec_model(layers: int = 4):
+    """A small random Qwen3 (vocab 64, hidden 64, 8/2 heads of 16), float64.
+
+    Its greedy output falls into a repeated token after a few dozen steps:
+    the repetition prompt lookup feeds on (a random model does not copy the
+    prompt's pattern, a trained one would).
+    """
+    cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                            num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    return cfg, qwen3.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
+
+
+def acceptance_rows(new_tokens: int, ks: list[int]) -> list[dict]:
+    """Part 1: one row per (drafter, k)."""
+    torch.set_num_threads(1)
+    cfg, params = spec_model()
+    g = torch.Generator().manual_seed(0)
+    pattern = torch.randint(0, cfg.vocab_size, (12,), generator=g).tolist()
+    prompts = [pattern * 6, torch.randint(0, cfg.vocab_size, (40,), generator=g).tolist()]
+    generate(qwen3, params, cfg, prompts, 4, dcp_size=2)  # warm-up
+    t0 = time.perf_counter()
+    plain = generate(qwen3, params, cfg, prompts, new_tokens, dcp_size=2)
+    plain_s = time.perf_counter() - t0
+    ref = generate(qwen3, params, cfg, prompts, new_tokens)  # one device
+    drafters = {"ngram": NgramDrafter(), "draft model (1 of 4 layers)": truncated(qwen3, params, cfg, 1),
+                "draft model (3 of 4 layers)": truncated(qwen3, params, cfg, 3),
+                "target itself": ModelDrafter(qwen3, params, cfg)}
+    rows = []
+    for name, d in drafters.items():
+        for k in ks:
+            t0 = time.perf_counter()
+            out = speculative_generate(qwen3, params, cfg, prompts, new_tokens, drafter=d, num_speculative_tokens=k,
+                                       dcp_size=2)
+            wall = time.perf_counter() - t0
+            s = out.stats
+            rows.append({"drafter": name, "k": k, "acceptance": s.acceptance_rate, "tokens/step": s.tokens_per_step,
+                         "verify steps": s.steps, "plain steps": new_tokens - 1,
+                         "steps ratio": s.steps / (new_tokens - 1), "wall ratio": wall / plain_s,
+                         "tokens equal": bool(torch.equal(out.tokens, ref.tokens)
+                                              and torch.equal(plain.tokens, ref.tokens))})
+    return rows
+
+
+# -- part 2: TTFT on gloo ----------------------------------------------------------------------
+
+
+def ttft_model(hidden: int, layers: int):
+    cfg = qwen3.Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                            num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                            head_dim=hidden // 8)
+    return cfg, qwen3.init_params(cfg, seed=0, std=0.05)
+
+
+def _median_ready(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
+    """Per exchange: median over reps of this rank's start -> ready time, and its exchange bytes."""
+    out = {}
+    config = pcp_dcp_config(cfg, group.size, block_size=block_size, interleave_size=block_size)
+    for exchange in ("a2a", "allgather"):
+        times, facts = [], None
+        for rep in range(reps + 1):  # the first run warms up
+            group.all_reduce(torch.zeros(1))
+            t0 = time.perf_counter()
+            res = pcp_dcp_generate_on_rank(group, "qwen3", params, cfg, prompts, 1, config=config, exchange=exchange)
+            if rep:
+                times.append(time.perf_counter() - t0)
+            facts = res.prefill
+        out[exchange] = {"ready_s": _median_ready(times), "bytes": facts.exchange_bytes}
+    return out
+
+
+def pd_rank(world, params, cfg, prompts, block_size, reps, prefill_size):
+    """Median ready time of this rank over reps (decode ranks: KV placed; prefill ranks: prefill done)."""
+    times, last = [], None
+    for rep in range(reps + 1):
+        last = pd_generate_on_rank(world, "qwen3", params, cfg, prompts, 1, prefill_size=prefill_size,
+                                   decode_size=world.size - prefill_size, block_size=block_size)
+        if rep:
+            times.append(last.ready_s if not isinstance(last, dict) else last["prefill_s"])
+    kind = "prefill" if isinstance(last, dict) else "decode"
+    nbytes = last["bytes_sent"] if kind == "prefill" else last.bytes_received
+    return {"role": kind, "ready_s": _median_ready(times), "bytes": nbytes}
+
+
+def ttft_rows(p: int, tokens: int, hidden: int, layers: int, block_size: int, reps: int) -> list[dict]:
+    """Part 2: TTFT rows (the slowest rank's median)."""
+    cfg, params = ttft_model(hidden, layers)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (tokens,), generator=g).tolist()]
+    both = spawn(p, pcp_dcp_rank, params, cfg, prompts, block_size, reps)
+    pd = spawn(2 * p, pd_rank, params, cfg, prompts, block_size, reps, p)
+    rows = []
+    for ex in ("a2a", "allgather"):
+        rows.append({"scheme": f"pcp+dcp {ex}", "ranks": p, "ttft_s": max(r[ex]["ready_s"] for r in both),
+                     "kv bytes moved": sum(r[ex]["bytes"] for r in both)})
+    dec = [r for r in pd if r["role"] == "decode"]
+    pre = [r for r in pd if r["role"] == "prefill"]
+    rows.append({"scheme": "pcp -> p/d transfer", "ranks": 2 * p, "ttft_s": max(r["ready_s"] for r in dec),
+                 "prefill_s": max(r["ready_s"] for r in pre), "kv bytes moved": sum(r["bytes"] for r in dec)})
+    base = rows[-1]["ttft_s"]
+    for r in rows:
+        r["ttft vs p/d"] = r["ttft_s"] / base
+    return rows
+
+
+def main(argv=None) -> dict:
+    """Print both tables; return the payload (also written with --json)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    ap.add_argument("--json", default=None, help="write the results as JSON to this path ('-' for stdout)")
+    ap.add_argument("--ranks", type=int, default=2, help="P: PCP ranks (and DCP / decode ranks)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    new_tokens = 48 if quick else 128
+    ks = [1, 3] if quick else [1, 2, 3, 4]
+    spec = acceptance_rows(new_tokens, ks)
+    print(f"speculative decoding, DCP over 2 simulated ranks, {new_tokens} new tokens, 2 requests")
+    print(table(spec, ["drafter", "k", "acceptance", "tokens/step", "verify steps", "plain steps", "steps ratio",
+                       "wall ratio", "tokens equal"]))
+    sizes = dict(tokens=512, hidden=128, layers=2, block_size=16, reps=2) if quick else \
+        dict(tokens=4096, hidden=256, layers=4, block_size=64, reps=3)
+    ttft = ttft_rows(args.ranks, **sizes)
+    print(f"\nTTFT on gloo: one prompt of {sizes['tokens']} tokens, hidden {sizes['hidden']}, "
+          f"{sizes['layers']} layers, block = interleave = {sizes['block_size']}")
+    print(table(ttft, ["scheme", "ranks", "ttft_s", "prefill_s", "ttft vs p/d", "kv bytes moved"]))
+    payload = {"quick": quick, "speculative": spec, "ttft": ttft, "ttft_sizes": sizes, "ranks": args.ranks}
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
