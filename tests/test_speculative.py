@@ -117,6 +117,23 @@ def test_graph_mode_buckets():
                              graph=True, capture_sizes=[4])
 
 
+def test_float32_logits_and_tokens():
+    """float32: verification logits within 1e-4 of plain decode; a differing token only at a near tie (DESIGN §5)."""
+    model, params64, cfg, _ = reference("qwen3")
+    params = {n: t.float() for n, t in params64.items()}
+    ref = generate(model, params, cfg, prompts(), NEW)
+    out = speculative_generate(model, params, cfg, prompts(), NEW, drafter=truncated(model, params, cfg, 1),
+                               num_speculative_tokens=3, dcp_size=4, interleave_size=2)
+    for b in range(len(prompts())):
+        diff = (out.tokens[b] != ref.tokens[b]).nonzero()
+        n = NEW if diff.numel() == 0 else int(diff[0]) + 1
+        err = float((out.logits[b, :n] - ref.logits[b, :n]).abs().max())
+        assert err <= 1e-4 * float(ref.logits[b, :n].abs().max())
+        if diff.numel():
+            top = ref.logits[b, n - 1].topk(2).values
+            assert float(top[0] - top[1]) <= 2 * err
+
+
 def test_accept_drafts_against_a_loop():
     g = torch.Generator().manual_seed(0)
     for k in range(1, 5):
