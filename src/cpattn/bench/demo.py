@@ -38,15 +38,15 @@ hold: in graph mode they go through the runner with the "eager" backend
 Usage::
 
     cpattn demo                                  # embedded tiny Qwen3, PCP=2 -> DCP=2, graph mode
-    cpattn demo --prompt-len 4096 --max-new-tokens 64 --json out.json
+    cpattn demo --prompt-len 8192 --max-new-tokens 64 --json out.json
     torchrun --nproc-per-node 2 -m cpattn.bench.demo --torchrun
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import dataclasses
+import functools
 import os
 import platform
 import statistics
@@ -66,10 +66,10 @@ from cpattn.dcp import DCPMeta, plan_tensors
 from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
 from cpattn.graphs import DecodeRunner, Field, capture_sizes, pick_size
 from cpattn.layout.pcp import pcp_plan, pcp_shard
-from cpattn.models import family, load_checkpoint, resolve_model
-from cpattn.models.cache import DSACPStep, PCPStep
+from cpattn.models import family, load_checkpoint
+from cpattn.models.cache import DenseKVCache, DSACPStep, PCPStep
 from cpattn.models.dcp_cache import DCPStep, PagedShard, fill_from_prefill
-from cpattn.models.generate import decode_dense, gather_unshard, prefill_local, uses_dsa
+from cpattn.models.generate import gather_unshard, prefill_local, uses_dsa
 
 # the embedded default: a tiny Qwen3 (GQA 4:1 with q/k norm), random weights, nothing downloaded.
 # One KV head: on 2 ranks (tp = dcp = 2) the guide's GQA rule (tp // kv_heads) % dcp == 0 holds.
@@ -87,7 +87,7 @@ class Spec:
     model_dir: str | None = None
     pcp: int = 2
     dcp: int = 2
-    prompt_len: int = 1024
+    prompt_len: int = 4096
     batch: int = 1
     max_new_tokens: int = 32
     graph_mode: str = "full_decode_only"
@@ -219,7 +219,11 @@ def _timed(group: Group, fn):
 
 
 def reference(module, params, cfg, tokens: torch.Tensor, cu: list[int], new_tokens: int, reps: int = 1) -> dict:
-    """Single-device greedy run (dense cache, eager): tokens [B, N], logits [B, N, V], TTFT (median of reps), TPOT, KV bytes."""
+    """Single-device greedy run (dense cache, eager), the run every parallel one must reproduce.
+
+    tokens: [T] packed prompts, requests by ``cu`` [B+1]. Returns tokens [B, N],
+    logits [B, N, V], TTFT (median of ``reps`` prefills), TPOT (median step), KV bytes.
+    """
 
     def prefill():
         pre = prefill_local(module, params, cfg, tokens, cu)
@@ -232,15 +236,36 @@ def reference(module, params, cfg, tokens: torch.Tensor, cu: list[int], new_toke
         pre, first_logits, first = prefill()
         times.append(time.perf_counter() - t0)
     ttft = statistics.median(times)
-    t0 = time.perf_counter()
-    toks, logits = decode_dense(module, params, cfg, pre, first, new_tokens - 1)
-    decode_s = time.perf_counter() - t0
+    toks, logits, times = _dense_decode(module, params, cfg, pre, first, new_tokens - 1)
     lens = [b - a for a, b in zip(cu, cu[1:])]
     kv = module.empty_cache(cfg, batch=len(lens), max_len=max(lens) + new_tokens - 1,
                             dtype=pre.k[0].dtype).kv_bytes()
     all_logits = torch.cat([first_logits[:, None], logits], 1) if logits.numel() else first_logits[:, None]
     return {"tokens": torch.cat([first[:, None], toks], 1), "logits": all_logits, "ttft_s": ttft,
-            "tpot_s": decode_s / max(new_tokens - 1, 1), "kv_bytes": kv}
+            "tpot_s": statistics.median(times) if times else float("nan"), "kv_bytes": kv}
+
+
+def _dense_decode(module, params, cfg, pre, first: torch.Tensor, steps: int):
+    """:func:`cpattn.models.generate.decode_dense`, timed per step.
+
+    first: [B]. Returns (tokens [B, steps], logits [B, steps, V], seconds of each step).
+    """
+    cu = pre.cu_seqlens.tolist()
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    cache = DenseKVCache.from_packed(pre.k, pre.v, cu, max_len=longest + steps, dv=cfg.kv_dims[2], ik=pre.ik)
+    tok, toks, logits, times = first, [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step = cache.step([1] * tok.numel())
+        out = module.forward(params, cfg, tok, step).float()  # [B, V]
+        cache = step.finish()
+        tok = out.argmax(-1)
+        times.append(time.perf_counter() - t0)
+        toks.append(tok)
+        logits.append(out)
+    if not toks:
+        return torch.zeros(first.numel(), 0, dtype=torch.int64), torch.zeros(first.numel(), 0, 0), times
+    return torch.stack(toks, 1), torch.stack(logits, 1), times
 
 
 def prefill_pcp(group: Group, module, params, cfg, tokens: torch.Tensor, cu: list[int]):
@@ -281,18 +306,30 @@ def _decode_group(group: Group, spec: Spec) -> Group:
 
 
 def _decode_loop(run_step, first: torch.Tensor, prompt_lens: list[int], block_table: torch.Tensor, steps: int,
-                 bar: Progress | None, label: str) -> torch.Tensor:
-    """``steps`` greedy steps through ``run_step(batch, query_lens)``; returns tokens [B, steps]."""
-    tok, lens, out = first, list(prompt_lens), []
+                 bar: Progress | None, label: str) -> tuple[torch.Tensor, list[float]]:
+    """``steps`` greedy steps through ``run_step(batch, query_lens)``.
+
+    Returns (tokens [B, steps], wall seconds of each step on this rank). Every
+    step ends in collectives, so the ranks move in lockstep.
+    """
+    tok, lens, out, times = first, list(prompt_lens), [], []
     b = len(lens)
     for s in range(steps):
+        t0 = time.perf_counter()
         lens = [m + 1 for m in lens]
         batch = {"tokens": tok, "seq_lens": torch.tensor(lens), "block_table": block_table}
         tok, _ = run_step(batch, [1] * b)
+        times.append(time.perf_counter() - t0)
         out.append(tok)
         if bar is not None:
             bar.step(f"{label} decode step {s + 1}/{steps}")
-    return torch.stack(out, 1) if out else torch.zeros(b, 0, dtype=torch.int64)
+    return (torch.stack(out, 1) if out else torch.zeros(b, 0, dtype=torch.int64)), times
+
+
+def _tpot(group: Group, times: list[float]) -> float:
+    """Time per output token: the median step time, the slowest rank's."""
+    mine = statistics.median(times) if times else float("nan")
+    return max(group.all_gather(torch.tensor([mine], dtype=torch.float64)).tolist())
 
 
 def _step_bytes(step_fn, state, fields: dict[str, Field], size: int, q_len: int, dgroup: Group) -> int:
@@ -376,9 +413,11 @@ def demo_rank(group: Group, spec: Spec) -> dict:
         bar.step(f"captured sizes {sizes} ({backend})")
         size = pick_size(runner.sizes, nreq)
         step_bytes = _step_bytes(step_fn, state, fields, size or nreq, 1, dgroup)
-        dec_s, toks = _timed(group, lambda: _decode_loop(runner, first, plens, shard.block_table, steps, bar, "graph"))
-        runs["graph"] = {"tokens": toks, "decode_s": dec_s, "capture_s": capture_s, "stats": runner.stats.as_dict(),
-                         "backend": runner.backend.name, "bytes_per_step": step_bytes, "kv_bytes": shard.kv_bytes()}
+        _barrier(group)
+        toks, times = _decode_loop(runner, first, plens, shard.block_table, steps, bar, "graph")
+        runs["graph"] = {"tokens": toks, "tpot_s": _tpot(group, times), "capture_s": capture_s,
+                         "stats": runner.stats.as_dict(), "backend": runner.backend.name,
+                         "bytes_per_step": step_bytes, "kv_bytes": shard.kv_bytes()}
     else:
         bar.step("no capture (graph mode none)")
     if spec.graph_mode == "none" or spec.eager_row:
@@ -392,14 +431,17 @@ def demo_rank(group: Group, spec: Spec) -> dict:
             return step_fn(state, {**batch, "cu_seqlens_q": cu_q})
 
         step_bytes = _step_bytes(step_fn, state, fields, nreq, 1, dgroup)
-        dec_s, toks = _timed(group, lambda: _decode_loop(eager, first, plens, eshard.block_table, steps, bar, "eager"))
-        runs["eager"] = {"tokens": toks, "decode_s": dec_s, "bytes_per_step": step_bytes, "kv_bytes": eshard.kv_bytes()}
+        _barrier(group)
+        toks, times = _decode_loop(eager, first, plens, eshard.block_table, steps, bar, "eager")
+        runs["eager"] = {"tokens": toks, "tpot_s": _tpot(group, times), "bytes_per_step": step_bytes,
+                         "kv_bytes": eshard.kv_bytes()}
 
     def per_rank(x: int) -> list[int]:
         return [int(v) for v in group.all_gather(torch.tensor([x], dtype=torch.int64)).tolist()]
 
     res.update(
-        ttft_s=ttft, handoff_s=handoff_s, prefill_bytes=per_rank(prefill_bytes), handoff_bytes=per_rank(handoff_bytes),
+        ttft_s=ttft, handoff_s=handoff_s, prefill_bytes=per_rank(prefill_bytes),
+        handoff_bytes=per_rank(handoff_bytes),
         first=first, runs=runs, kv_bytes_per_rank=per_rank(shard.kv_bytes()),
         decode_backend=backend, whole_step_captured=graphable, model=module.__name__.rsplit(".", 1)[-1],
         config=dataclasses.asdict(cfg),
@@ -445,7 +487,7 @@ def summarize(res: dict, spec: Spec, engines: tuple[ParallelConfig, ParallelConf
         same = toks == ref_tokens
         checks[name] = {"match": bool(same.all()), "equal_tokens": int(same.sum()), "total_tokens": same.numel(),
                         "first_mismatch": _first_mismatch(same, ref)}
-        tpot = run["decode_s"] / max(steps, 1)
+        tpot = run["tpot_s"]
         label = f"{par}, graph ({run['backend']})" if name == "graph" else f"{par}, eager"
         rows.append({"run": label, "ranks": spec.world_size, "TTFT_ms": 1e3 * res["ttft_s"], "TPOT_ms": 1e3 * tpot,
                      "KV_bytes_per_rank": max(res["kv_bytes_per_rank"]), "prefill_sent": max(res["prefill_bytes"]),
@@ -460,7 +502,8 @@ def summarize(res: dict, spec: Spec, engines: tuple[ParallelConfig, ParallelConf
         "prompt_lens": spec.prompt_lens, "rows": rows, "checks": checks,
         "tokens_match": all(c["match"] for c in checks.values()),
         "reference_tokens": ref_tokens.tolist(),
-        "tokens": {name: torch.cat([res["first"][:, None], r["tokens"]], 1).tolist() for name, r in res["runs"].items()},
+        "tokens": {name: torch.cat([res["first"][:, None], r["tokens"]], 1).tolist()
+                   for name, r in res["runs"].items()},
         "handoff_ms": 1e3 * res["handoff_s"], "decode_backend": res["decode_backend"],
         "whole_step_captured": res["whole_step_captured"] and graph is not None and res["decode_backend"] != "eager",
         "torch": torch.__version__, "machine": platform.machine(),
@@ -508,7 +551,8 @@ def report(s: dict) -> str:
             what = ("decode step through DecodeRunner with the 'eager' backend, not compiled: this model's step "
                     "has data-dependent MoE routing / DSA gathers that no graph can hold")
         else:
-            what = "decode step through DecodeRunner with the 'eager' backend (persistent buffers, padding, no compiler)"
+            what = ("decode step through DecodeRunner with the 'eager' backend "
+                    "(persistent buffers, padding, no compiler)")
         st = g["stats"]
         lines.append(f"graph mode FULL_DECODE_ONLY: {what}; backend {g['backend']!r}, capture sizes "
                      f"{sorted(int(k) for k in st['sizes']) or spec['capture_sizes']}, capture {g['capture_s']:.1f} s; "
@@ -522,6 +566,11 @@ def report(s: dict) -> str:
             "decode_sent_per_step", "TTFT_x", "TPOT_x", "tokens"]
     lines.append(table(s["rows"], cols))
     lines.append("(bytes sent per rank; _x = speedup vs the 1-device run, > 1 is faster)")
+    runs = {r["run"].split(", ")[-1]: r for r in s["rows"][1:]}
+    graph_row = next((r for k, r in runs.items() if k.startswith("graph")), None)
+    if graph_row and "eager" in runs:
+        lines.append(f"graph replay vs eager decode step: {runs['eager']['TPOT_ms'] / graph_row['TPOT_ms']:.2f}x; "
+                     f"KV per rank vs 1 device: {graph_row['KV_bytes_per_rank'] / s['rows'][0]['KV_bytes_per_rank']:.2f}x")
     lines.append("")
     for name, chk in s["checks"].items():
         verdict = "identical" if chk["match"] else f"DIFFERENT, first at {chk['first_mismatch']}"
@@ -535,7 +584,7 @@ def parser() -> argparse.ArgumentParser:
                    help="local Hugging Face checkpoint (config.json + *.safetensors) instead of the embedded model")
     p.add_argument("--pcp", type=int, default=None, help="prefill context-parallel ranks (default 2, torchrun: world)")
     p.add_argument("--dcp", type=int, default=None, help="decode context-parallel ranks (default 2, torchrun: world)")
-    p.add_argument("--prompt-len", type=int, default=1024, help="tokens of the longest prompt")
+    p.add_argument("--prompt-len", type=int, default=4096, help="tokens of the longest prompt")
     p.add_argument("--batch", type=int, default=1, help="requests (prompts of uneven lengths)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--graph-mode", choices=GRAPH_MODES, default="full_decode_only")
@@ -575,7 +624,8 @@ def _spec(a, world: int | None) -> Spec:
     return Spec(model_dir=a.model, pcp=pcp, dcp=dcp, prompt_len=a.prompt_len, batch=a.batch,
                 max_new_tokens=a.max_new_tokens, graph_mode=a.graph_mode, backend=a.backend,
                 block_size=a.block_size, merge=a.merge, dtype=a.dtype, seed=a.seed, capture_sizes=a.capture_sizes,
-                eager_row=not a.no_eager_row, progress=not a.no_progress, perturb_reference=a.perturb_reference, reps=a.reps)
+                eager_row=not a.no_eager_row, progress=not a.no_progress,
+                perturb_reference=a.perturb_reference, reps=a.reps)
 
 
 def _check_model(spec: Spec) -> tuple[ParallelConfig, ParallelConfig, str]:
