@@ -18,7 +18,7 @@ knows the first token:
 - ``pcp -> p/d``: PCP prefill on P ranks, then whole blocks sent point to
   point to N = P separate decode ranks (:mod:`cpattn.models.disagg`).
 
-Run: ``python -m cpattn.bench.spec --quick`` (under a minute) or with
+Run: ``cpattn bench spec --quick`` (under a minute) or with
 ``--json out.json``.
 """
 
@@ -150,7 +150,7 @@ def ttft_rows(p: int, tokens: int, hidden: int, layers: int, block_size: int, re
 
 def main(argv=None) -> dict:
     """Print both tables; return the payload (also written with --json)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="cpattn bench spec", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, under a minute")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path ('-' for stdout)")
     ap.add_argument("--ranks", type=int, default=2, help="P: PCP ranks (and DCP / decode ranks)")

@@ -11,7 +11,15 @@ step of an explicit KV cache). Families:
 :func:`cpattn.models.generate.generate` runs greedy generation with PCP
 prefill and DCP decode on the simulated mesh;
 :func:`cpattn.models.generate.generate_on_rank` is the same program for one
-rank of a real group (gloo processes, torchrun).
+rank of a real group (gloo processes, torchrun). Beyond plain generation:
+
+- :mod:`cpattn.models.speculative` (+ :mod:`cpattn.models.drafters`):
+  speculative decoding (n-gram or draft-model drafters, greedy), 1 + k
+  tokens verified in one DCP decode step, optionally graph-captured;
+- :mod:`cpattn.models.disagg`: P/D disaggregation, a PCP prefill engine
+  sending whole KV blocks to a DCP decode engine over torch.distributed;
+- :mod:`cpattn.models.pcp_dcp`: PCP prefill writing the DCP layout
+  directly (opt-in ``ParallelConfig(allow_pcp_with_dcp=True)``).
 
 What is supported (details in each module):
 
@@ -21,7 +29,7 @@ What is supported (details in each module):
 - layouts: one device; PCP prefill (ring or all-gather; DSA-CP with a
   head-tail or contiguous split for DSA); DCP decode over a paged,
   interleaved cache (``ag_rs`` or ``a2a`` merge; key-sharded exact top-k for
-  DSA); a PCP prefill handing its KV to a DCP decode (P/D);
+  DSA); a PCP prefill handing its KV to a DCP decode (P/D, :mod:`cpattn.models.disagg`);
 - MoE computed exactly (sigmoid router with correction bias, group-limited
   top-k, shared experts); RoPE ``default`` and ``yarn`` (with mscale);
   tied embeddings; float32 / float64 / bfloat16 parameters;
