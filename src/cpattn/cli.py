@@ -1,4 +1,4 @@
-"""``cpattn``: the command line. ``cpattn prefill`` is the main job; ``cpattn bench NAME`` runs a benchmark.
+"""``cpattn``: the command line. ``cpattn demo`` is the main job; ``cpattn bench NAME`` runs a benchmark.
 
 Commands are looked up in a table and imported lazily, so ``cpattn --help``
 is instant and a benchmark's imports cost nothing until it runs.
@@ -10,7 +10,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "prefill": ("cpattn.bench.pcp:prefill_main", "PCP prefill on P gloo ranks, checked against one rank (main job)"),
+    "demo": ("cpattn.bench.demo:main",
+             "main job: PCP prefill -> KV handoff -> DCP decode in graph mode on P gloo ranks, checked vs one device"),
+    "prefill": ("cpattn.bench.pcp:prefill_main", "PCP prefill attention on P gloo ranks, checked against one rank"),
 }
 BENCHMARKS = {
     "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),
