@@ -57,26 +57,40 @@ class Context:
 class _Acc:
     """Running LSE merge of partials over rows [T, H, Dv], in float32 (float64 for float64 input).
 
-    The first partial of a row range is copied in; later ones are merged in
-    place (``merge_into``).
+    The first partial that covers every row becomes the accumulator (no copy);
+    a partial for rows nothing has touched yet is copied in; anything else is
+    merged in place (``merge_into``; untouched rows hold (0, -inf), which
+    merge exactly).
     """
 
     def __init__(self, t, h, dv, like: torch.Tensor):
-        dtype = acc_dtype(like.dtype)
-        self.out = torch.zeros(t, h, dv, dtype=dtype, device=like.device)
-        self.lse = torch.full((t, h), float("-inf"), dtype=dtype, device=like.device)
-        self.filled: set[tuple[int, int]] = set()
+        self.shape, self.dtype, self.device = (t, h, dv), acc_dtype(like.dtype), like.device
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+        self.touched: list[tuple[int, int]] = []
 
     def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         if out.shape[0] == 0:
             return
-        key = (rows.start, rows.stop)
-        if key in self.filled:
+        t = self.shape[0]
+        if self.out is None and rows.start == 0 and rows.stop == t and out.dtype == lse.dtype == self.dtype:
+            self.out, self.lse = out, lse  # a fresh result of the attention op: adopt it
+        elif any(rows.start < b and a < rows.stop for a, b in self.touched):
             merge_into(self.out[rows], self.lse[rows], out, lse)
         else:
+            self._alloc()
             self.out[rows] = out
             self.lse[rows] = lse
-            self.filled.add(key)
+        self.touched.append((rows.start, rows.stop))
+
+    def _alloc(self) -> None:
+        if self.out is None:
+            self.out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.lse = torch.full(self.shape[:2], float("-inf"), dtype=self.dtype, device=self.device)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._alloc()
+        return self.out, self.lse
 
 
 def pcp_prefill(
@@ -138,6 +152,7 @@ def pcp_prefill(
     acc = _Acc(q.shape[0], q.shape[1], v.shape[-1], q)
     na = plan.num_a(r)
     rows_a, rows_b = slice(0, na), slice(na, q.shape[0])
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # head-major storage: contiguous rows per head
     q_a, q_b = q[rows_a], q[rows_b]
     cu_a, cu_b = plan.cu_a[r].to(q.device), plan.cu_b[r].to(q.device)
 
@@ -145,47 +160,74 @@ def pcp_prefill(
         acc.add(rows_a, *context.attend(q_a, cu_a, scale, group))
         acc.add(rows_b, *context.attend(q_b, cu_b, scale, group))
     if method == "ring":
-        _ring(q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b)
+        _ring(q, q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b)
     else:
         _allgather(q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b)
-    out = acc.out.to(q.dtype)
-    return (out, acc.lse) if return_lse else out
+    out, lse = acc.result()
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
 
 
-def _attend(acc, rows, q, cu_q, kv, cu_k, dk, causal, scale):
-    """One block: q [Tq, Hq, Dqk] vs packed kv [Tk, Hkv, Dqk + Dv], merged into acc[rows]."""
+def _attend(acc, rows, q, cu_q, k, v, cu_k, causal, scale):
+    """One block: q [Tq, Hq, Dqk] vs k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv], merged into acc[rows]."""
     if q.shape[0] == 0 or int(cu_k[-1]) == 0:
         return
-    o, l = attention_with_lse(q, kv[..., :dk], kv[..., dk:], cu_q, cu_k, causal=causal, softmax_scale=scale)
-    acc.add(rows, o, l)
+    acc.add(rows, *attention_with_lse(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale))
 
 
-def _ring(q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b):
-    p, r, dk = plan.size, group.rank, k.shape[-1]
-    dev = q_a.device
+def _span(n: int, device) -> torch.Tensor:
+    """cu_seqlens [0, n] of a single request."""
+    return torch.tensor([0, n], dtype=torch.int32, device=device)
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k [T, Hkv, Dk], v [T, Hkv, Dv] -> one flat head-major message [Hkv*T*Dk + Hkv*T*Dv]."""
+    return torch.cat([k.transpose(0, 1).reshape(-1), v.transpose(0, 1).reshape(-1)])
+
+
+def _unpack(msg: torch.Tensor, t: int, hkv: int, dk: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views k [t, Hkv, Dk], v [t, Hkv, Dv] of a :func:`_pack` message; each head's rows are contiguous."""
+    n = hkv * t * dk
+    return msg[:n].view(hkv, t, dk).transpose(0, 1), msg[n:].view(hkv, t, dv).transpose(0, 1)
+
+
+def _ring(q, q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b):
+    p, r, dev = plan.size, group.rank, q_a.device
+    hkv, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     cu_a, cu_b = plan.cu_a[r].to(dev), plan.cu_b[r].to(dev)
-    kv = torch.cat([k, v], dim=-1)  # [T_r, Hkv, Dqk + Dv]: one message per step
-    src = r
+    t_r, one_request = plan.num_tokens[r], plan.num_requests == 1
+    rows_all = slice(0, t_r)
+    # one head-major message per step: the kernel then reads each head's keys as contiguous rows
+    msg, src = _pack(k, v), r
     for s in range(p):
         pending = None
         if s + 1 < p:  # start the next transfer before computing this step
             nxt = (r - s - 1) % p
-            pending = group.ring_exchange(kv, (plan.num_tokens[nxt], *kv.shape[1:]))
-        na_src = plan.num_a(src)
-        kv_a, kv_b = kv[:na_src], kv[na_src:]
+            pending = group.ring_exchange(msg, (plan.num_tokens[nxt] * hkv * (dk + dv),))
+        ks, vs = _unpack(msg, plan.num_tokens[src], hkv, dk, dv)
+        na = plan.num_a(src)
+        k_a, v_a, k_b, v_b = ks[:na], vs[:na], ks[na:], vs[na:]
         cu_ka, cu_kb = plan.cu_a[src].to(dev), plan.cu_b[src].to(dev)
-        if s == 0:
-            _attend(acc, rows_a, q_a, cu_a, kv_a, cu_ka, dk, True, scale)
-            _attend(acc, rows_b, q_b, cu_b, kv_a, cu_ka, dk, False, scale)
-            _attend(acc, rows_b, q_b, cu_b, kv_b, cu_kb, dk, True, scale)
-        elif src < r:
-            _attend(acc, rows_a, q_a, cu_a, kv_a, cu_ka, dk, False, scale)
-            _attend(acc, rows_b, q_b, cu_b, kv_a, cu_ka, dk, False, scale)
-        else:
-            _attend(acc, rows_b, q_b, cu_b, kv_a, cu_ka, dk, False, scale)
-            _attend(acc, rows_b, q_b, cu_b, kv_b, cu_kb, dk, False, scale)
+        if one_request:  # [A | B] is the request's [a | b]: one kernel call per step
+            t_src = plan.num_tokens[src]
+            if s == 0:  # square causal over [a | b]: q_b sees all of a and b up to itself
+                _attend(acc, rows_all, q, _span(t_r, dev), ks, vs, _span(t_src, dev), True, scale)
+            elif src < r:
+                _attend(acc, rows_all, q, _span(t_r, dev), k_a, v_a, cu_ka, False, scale)
+            else:
+                _attend(acc, rows_b, q_b, cu_b, ks, vs, _span(t_src, dev), False, scale)
+        elif s == 0:
+            _attend(acc, rows_a, q_a, cu_a, k_a, v_a, cu_ka, True, scale)
+            _attend(acc, rows_b, q_b, cu_b, k_a, v_a, cu_ka, False, scale)
+            _attend(acc, rows_b, q_b, cu_b, k_b, v_b, cu_kb, True, scale)
+        elif src < r:  # kv_a' precedes all local chunks; kv_b' follows them
+            _attend(acc, rows_a, q_a, cu_a, k_a, v_a, cu_ka, False, scale)
+            _attend(acc, rows_b, q_b, cu_b, k_a, v_a, cu_ka, False, scale)
+        else:  # only q_b comes after both halves of rank src
+            _attend(acc, rows_b, q_b, cu_b, k_a, v_a, cu_ka, False, scale)
+            _attend(acc, rows_b, q_b, cu_b, k_b, v_b, cu_kb, False, scale)
         if pending is not None:
-            kv, src = pending.wait(), (r - s - 1) % p
+            msg, src = pending.wait(), (r - s - 1) % p
 
 
 def _allgather(q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b):
@@ -194,5 +236,6 @@ def _allgather(q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b):
     kv = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, plan.max_tokens - kv.shape[0]))  # equal shapes
     everything = group.all_gather(kv)  # [P * max_tokens, Hkv, Dqk + Dv], rank-major
     idx_a, cu_ka, idx_b, cu_kb = plan.prefix_index[r]
-    _attend(acc, rows_a, q_a, plan.cu_a[r].to(dev), everything[idx_a.to(dev)], cu_ka.to(dev), dk, True, scale)
-    _attend(acc, rows_b, q_b, plan.cu_b[r].to(dev), everything[idx_b.to(dev)], cu_kb.to(dev), dk, True, scale)
+    for rows, q_part, cu_q, idx, cu_k in ((rows_a, q_a, plan.cu_a[r], idx_a, cu_ka), (rows_b, q_b, plan.cu_b[r], idx_b, cu_kb)):
+        kv_part = everything[idx.to(dev)]  # [L, Hkv, Dqk + Dv]: each request's keys up to its chunk end
+        _attend(acc, rows, q_part, cu_q.to(dev), kv_part[..., :dk], kv_part[..., dk:], cu_k.to(dev), True, scale)

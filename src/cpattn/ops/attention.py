@@ -90,9 +90,10 @@ def varlen(
     and lse [Tq, Hq] (float32; float64 for float64 inputs).
     """
     tq, hq, _ = q.shape
-    out = q.new_zeros(tq, hq, v.shape[-1])
+    out = q.new_empty(tq, hq, v.shape[-1])  # rows no block writes are set to (0, -inf) below
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.full((tq, hq), float("-inf"), dtype=lse_dtype, device=q.device)
+    lse = torch.empty((tq, hq), dtype=lse_dtype, device=q.device)
+    written = 0  # rows [0, written) are final
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq)} entries, cu_seqlens_k has {len(ck)}; both must be [B+1]")
@@ -107,6 +108,10 @@ def varlen(
             raise ValueError(f"cu_seqlens must be non-decreasing; request {b} has q_len={lq}, k_len={lk}")
         hidden = max(lq - lk, 0) if causal else 0  # rows that precede every key
         if lq - hidden == 0 or lk == 0:
+            hidden = lq
+        _empty_rows(out, lse, written, q0 + hidden)  # gaps before, and rows that see no key
+        written = q1
+        if hidden == lq:
             continue
         qb = q[q0 + hidden : q1].transpose(0, 1)  # [Hq, Lq', D]
         kb, vb = k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1)  # [Hkv, Lk, D]
@@ -121,7 +126,15 @@ def varlen(
                 merge_into(o, l, op, lp)
         out[q0 + hidden : q1] = o.transpose(0, 1).to(out.dtype)
         lse[q0 + hidden : q1] = l.transpose(0, 1).to(lse_dtype)
+    _empty_rows(out, lse, written, tq)  # rows past cu_seqlens_q[-1]
     return out, lse
+
+
+def _empty_rows(out: torch.Tensor, lse: torch.Tensor, start: int, stop: int) -> None:
+    """Rows [start, stop) see no key: out 0, lse -inf."""
+    if stop > start:
+        out[start:stop] = 0
+        lse[start:stop] = float("-inf")
 
 
 @registry.kernel("attention_with_lse", "cpu")
