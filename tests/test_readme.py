@@ -24,3 +24,16 @@ def test_cli_help_lists_commands(capsys):
     text = capsys.readouterr().out
     assert "prefill" in text and "bench" in text
     assert main(["nope"]) == 2
+
+
+def test_every_cli_entry_imports_and_answers_help(capsys):
+    import pytest
+
+    from cpattn.cli import BENCHMARKS, COMMANDS, _load
+
+    for name, (target, _) in {**COMMANDS, **{f"bench {k}": v for k, v in BENCHMARKS.items()}}.items():
+        fn = _load(target)
+        with pytest.raises(SystemExit) as e:
+            fn(["--help"])
+        assert e.value.code == 0, name
+        assert "usage" in capsys.readouterr().out.lower(), name

@@ -45,11 +45,16 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0] not in BENCHMARKS:
             print(f"cpattn bench: choose one of {sorted(BENCHMARKS)}\n\n{_usage()}", file=sys.stderr)
             return 2
-        return int(_load(BENCHMARKS[rest[0]][0])(rest[1:]) or 0)
+        return _exit_code(_load(BENCHMARKS[rest[0]][0])(rest[1:]))
     if cmd not in COMMANDS:
         print(f"cpattn: unknown command {cmd!r}; valid: {sorted(COMMANDS) + ['bench']}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return int(_load(COMMANDS[cmd][0])(rest) or 0)
+    return _exit_code(_load(COMMANDS[cmd][0])(rest))
+
+
+def _exit_code(result) -> int:
+    """A command's exit status: its int result, 0 for anything else (some return their result dict)."""
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":
