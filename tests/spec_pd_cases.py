@@ -37,6 +37,19 @@ def prompts():
     return [pattern * 4 + pattern[:2], torch.randint(0, VOCAB, (11,), generator=g).tolist(), [7]]
 
 
+_REF: dict = {}
+
+
+def reference(name: str, new: int):
+    """(model, params, cfg, plain single-device greedy Generation of ``new`` tokens), cached per process."""
+    from cpattn.models.generate import generate
+
+    if (name, new) not in _REF:
+        model, params, cfg = {"qwen3": tiny_qwen3, "mla": tiny_mla, "dsa": tiny_dsa}[name]()
+        _REF[name, new] = (model, params, cfg, generate(model, params, cfg, prompts(), new))
+    return _REF[name, new]
+
+
 def spec_cases(group, cases):
     return [speculative_generate_on_rank(group, *a, **kw) for a, kw in cases]
 

@@ -9,34 +9,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_pd_cases import pd_cases, prompts, tiny_dsa, tiny_mla, tiny_qwen3
+import spec_pd_cases
+from spec_pd_cases import pd_cases, prompts, tiny_qwen3
 
 from cpattn.comm.launch import spawn
 from cpattn.layout.dcp import unshard_kv_blocks
 from cpattn.models.disagg import PDResult, deal_blocks, disagg_generate, pd_configs, request_blocks
 from cpattn.models.drafters import NgramDrafter
-from cpattn.models.generate import generate, prefill_local
+from cpattn.models.generate import prefill_local
 from cpattn.models.kv_rows import pack_rows
 
 NEW = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-_REF: dict = {}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference(name: str):
-    if name not in _REF:
-        model, params, cfg = {"qwen3": tiny_qwen3, "mla": tiny_mla, "dsa": tiny_dsa}[name]()
-        _REF[name] = (model, params, cfg, generate(model, params, cfg, prompts(), NEW))
-    return _REF[name]
+    """(model, params, cfg, plain greedy Generation of NEW tokens) for a tiny model."""
+    return spec_pd_cases.reference(name, NEW)
 
 
 LAYOUTS = [(1, 1), (2, 2), (3, 4), (5, 2), (8, 8), (7, 1), (4, 8), (6, 4)]  # (prefill PCP, decode DCP)

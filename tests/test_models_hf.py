@@ -67,13 +67,7 @@ def hf_model(family: str, seed: int = 0, **over):
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The simulated ranks are threads on 2 shared cores: one intra-op thread each keeps them fast."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Reference:

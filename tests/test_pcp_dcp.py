@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_pd_cases import pcp_dcp_cases, prompts, tiny_dsa, tiny_mla, tiny_qwen3
+import spec_pd_cases
+from spec_pd_cases import pcp_dcp_cases, prompts, tiny_qwen3
 
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import simulate
@@ -18,7 +19,7 @@ from cpattn.layout.dcp import dcp_owner
 from cpattn.layout.pcp import pcp_plan, pcp_shard
 from cpattn.models.cache import PCPStep
 from cpattn.models.drafters import NgramDrafter
-from cpattn.models.generate import generate, prefill_local
+from cpattn.models.generate import prefill_local
 from cpattn.models.kv_rows import pack_rows
 from cpattn.models.pcp_dcp import (
     PCPDCPResult,
@@ -31,22 +32,12 @@ from cpattn.models.pcp_dcp import (
 NEW = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-_REF: dict = {}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference(name: str):
-    if name not in _REF:
-        model, params, cfg = {"qwen3": tiny_qwen3, "mla": tiny_mla, "dsa": tiny_dsa}[name]()
-        _REF[name] = (model, params, cfg, generate(model, params, cfg, prompts(), NEW))
-    return _REF[name]
+    """(model, params, cfg, plain greedy Generation of NEW tokens) for a tiny model."""
+    return spec_pd_cases.reference(name, NEW)
 
 
 def _packed():

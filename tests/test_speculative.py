@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from spec_pd_cases import prompts, spec_cases, tiny_dsa, tiny_mla, tiny_qwen3
+import spec_pd_cases
+from spec_pd_cases import prompts, spec_cases
 
 from cpattn.comm.launch import spawn
 from cpattn.graphs import buckets
@@ -22,23 +23,12 @@ from cpattn.models.speculative import accept_drafts, speculative_generate
 NEW = 14
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-_REF: dict = {}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference(name: str):
     """(model, params, cfg, plain greedy Generation of NEW tokens) for a tiny model."""
-    if name not in _REF:
-        model, params, cfg = {"qwen3": tiny_qwen3, "mla": tiny_mla, "dsa": tiny_dsa}[name]()
-        _REF[name] = (model, params, cfg, generate(model, params, cfg, prompts(), NEW))
-    return _REF[name]
+    return spec_pd_cases.reference(name, NEW)
 
 
 def check(out, ref, k: int) -> None:
