@@ -93,7 +93,7 @@ def check(case, per_rank):
     else:
         err = (out.double() - want).abs().max().item()
         assert err <= 2 * case["plain"] + 1e-6, (err, case["plain"])
-        torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=0.05)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=2e-4)  # fp32 LSE of bf16 inputs
 
 
 def check_merges_agree(per_rank):

@@ -112,14 +112,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
+FLIPS: list[tuple[str, int]] = []  # near-tie flips seen (DESIGN.md §5: count them); none so far
+
+
 def check_tokens(ours, our_logits, ref, ref_logits, what: str) -> None:
     """Equal tokens, or a first difference where the reference had a near tie (then stop comparing)."""
     diff = (ours != ref).nonzero()
     n = ref.numel() if diff.numel() == 0 else int(diff[0]) + 1
     err = float((our_logits[:n] - ref_logits[:n]).abs().max())
     assert rel_err(our_logits[:n], ref_logits[:n]) <= 1e-4, f"{what}: decode logits off by {err:.2e}"
-    if diff.numel():
+    if diff.numel():  # after a flip the contexts differ, so later tokens cannot be compared
         i = n - 1
+        err = float((our_logits[i] - ref_logits[i]).abs().max())  # the error at the flipped step itself
+        FLIPS.append((what, i))
         top = ref_logits[i].topk(2).values
         margin = float(top[0] - top[1])
         assert margin <= 2 * err, (
@@ -222,3 +227,8 @@ def test_generate_on_gloo_ranks(world):
     for gens in per_rank:
         for family, gen in zip(families, gens):
             reference(family).check(gen)
+
+
+def test_near_tie_flips_stay_rare():
+    """Runs last in this file: of every layout compared above, at most one may end in a near-tie flip."""
+    assert len(FLIPS) <= 1, FLIPS

@@ -16,7 +16,8 @@ def test_readme_python_example_runs_and_is_exact(capsys):
     scope: dict = {}
     for block in blocks:
         exec(compile(block, str(README), "exec"), scope)  # noqa: S102
-    assert torch.allclose(scope["out"], scope["ref"], atol=1e-5)
+    assert torch.allclose(scope["out"], scope["ref"], atol=1e-5)  # the PCP example
+    assert torch.allclose(scope["dec"], scope["want"], atol=1e-5)  # the DCP example
 
 
 def test_cli_help_lists_commands(capsys):

@@ -207,7 +207,8 @@ def dcp_plan(
 
 
 def _lse_merge(lses: torch.Tensor) -> torch.Tensor:
-    """logsumexp over dim 0 of [N, ...] with -inf rows kept -inf (never NaN)."""
+    """logsumexp over dim 0 of [N, ...]; NaN/+inf count as -inf, all -inf stays -inf (never NaN)."""
+    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
     m = lses.amax(dim=0)
     m = torch.where(torch.isfinite(m), m, 0.0)
     total = torch.exp(lses - m).sum(dim=0)
@@ -252,8 +253,9 @@ def dcp_attend_heads(
     if merge == "ag_rs":
         lses = group.all_gather(l[None], dim=0)  # [N, T, N*Hl]
         total = _lse_merge(lses)  # [T, N*Hl]
-        w = torch.where(torch.isfinite(total) & (l > float("-inf")), torch.exp(l - total), 0.0)  # [T, N*Hl]
-        out = group.reduce_scatter(o.to(acc) * w[..., None], dim=1)  # [T, Hl, Dv]
+        w = torch.where(torch.isfinite(total) & torch.isfinite(l), torch.exp(l - total), 0.0)  # [T, N*Hl]
+        part = torch.where(w[..., None] > 0, o.to(acc), 0.0)  # an empty partial may hold garbage
+        out = group.reduce_scatter(part * w[..., None], dim=1)  # [T, Hl, Dv]
         lse = total[:, r * hl : (r + 1) * hl]  # [T, Hl]
         return out, lse
     buf = torch.cat([o.to(acc), l[..., None]], dim=-1)  # [T, N*Hl, Dv+1]
@@ -267,7 +269,10 @@ def _split_cache(kv_cache, v_head_dim):
     if isinstance(kv_cache, torch.Tensor):  # MLA: one latent cache, values are its first dims
         return kv_cache, kv_cache[..., :v_head_dim]
     if len(kv_cache) != 2:
-        raise ValueError("kv_cache must be (k_cache, v_cache) or one MLA latent cache tensor")
+        raise ValueError(
+            f"kv_cache must be (k_cache, v_cache) or one MLA latent cache tensor; got a "
+            f"{type(kv_cache).__name__} of {len(kv_cache)} items"
+        )
     return kv_cache[0], kv_cache[1]
 
 
@@ -389,6 +394,8 @@ class DCPContext:
         ctx = self.context_lens.to(dev, torch.int64)
         if cu.shape[0] != ctx.shape[0] + 1:
             raise ValueError(f"cu_q has {cu.shape[0]} entries but context_lens covers {ctx.shape[0]} requests")
+        if int(cu[-1]) != q.shape[0]:  # host sync: prefill runs eagerly
+            raise ValueError(f"cu_q ends at {int(cu[-1])} but q has {q.shape[0]} rows; they must match")
         local = dcp_local_lens(ctx, g.size, self.interleave_size)[:, g.rank]  # [B] keys every new token sees here
         if self.shard == "heads":
             req = _rows_to_requests(cu, q.shape[0])

@@ -53,7 +53,7 @@ from cpattn.graphs import buckets
 from cpattn.graphs.runner import DecodeRunner, Field
 from cpattn.models import resolve_model
 from cpattn.models.dcp_cache import DCPStep, PagedShard, fill_from_prefill
-from cpattn.models.generate import _packed, check_layout, prefill, prefill_local, prefill_on_rank
+from cpattn.models.generate import _packed, check_layout, prefill, prefill_local, prefill_on_rank, uses_dsa
 
 
 @dataclass
@@ -158,6 +158,11 @@ def make_verify_runner(group: Group, model: ModuleType | str, params: dict, cfg:
     capture_sizes: multiples of 1 + k (validated); default
     ``buckets.capture_sizes(max_requests * (1 + k), k)``.
     """
+    if backend != "eager" and uses_dsa(cfg):
+        raise ValueError(
+            f"backend {backend!r}: a DSA model's decode step gathers keys by data (top-k selection, host-side "
+            "key lists), so it cannot be captured; use backend='eager' for DeepSeek-V3.2-style models"
+        )
     q_len = 1 + num_speculative_tokens
     step = functools.partial(verify_step, model=resolve_model(model), cfg=cfg, group=group, merge=merge)
     runner = DecodeRunner(step, {"params": params, "shard": shard}, verify_fields(shard.block_table.shape[1]),

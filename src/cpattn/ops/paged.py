@@ -311,6 +311,17 @@ def _paged_cpu(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_s
             f"kv_lens asks for {int(kv_lens.max())} keys but a block_table row addresses only "
             f"{block_table.shape[1]} blocks x {k_cache.shape[1]}; widen the block table"
         )
+    if t:  # a -1 (unused) block inside a row's visible keys is a caller bug: name it
+        w = block_table.shape[1]
+        needed = (torch.arange(w, device=q.device) * k_cache.shape[1])[None, :] < kv_lens[:, None].long()  # [T, W]
+        rows = block_table[req_indices.long().clamp(min=0)]  # [T, W]
+        bad = needed & (rows < 0) & (req_indices >= 0)[:, None]
+        if bool(bad.any()):
+            r = int(bad.any(dim=1).nonzero()[0])
+            raise ValueError(
+                f"block_table row of request {int(req_indices[r])} has a -1 block inside its "
+                f"{int(kv_lens[r])} visible keys (query row {r}); give every visible key a block"
+            )
     small = t * addressable * k_cache.shape[2] * max(k_cache.shape[3], v_cache.shape[3]) <= SMALL_ELEMS
     if q.dtype == torch.float64:  # the reference is the float64 kernel
         return paged_attention_ref(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale)
