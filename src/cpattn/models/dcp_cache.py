@@ -97,8 +97,11 @@ class PagedShard:
         """Bytes of this rank's cache storage (all layers)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *(self.ik or ())) if t is not None)
 
-    def sharded_keys(self, meta: DCPMeta, rank: int, layer: int):
-        """This rank's DSA keys of layer ``layer`` as :class:`cpattn.dsa.ShardedKeys` (rows in local order)."""
+    def key_index(self, meta: DCPMeta, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where this rank's DSA keys live, the same for every layer: slots [S_r], global ids [S_r], cu [B+1].
+
+        Host work (a loop over requests); build it once per step, not per layer.
+        """
         n, i_sz, bs = meta.dcp_size, self.interleave_size, self.block_size
         local = dcp_local_lens(meta.seq_lens, n, i_sz)[:, rank]  # [B]
         slots, ids, cu = [], [], [0]
@@ -107,10 +110,15 @@ class PagedShard:
             slots.append(self.block_table[b, j // bs] * bs + j % bs)
             ids.append((j // i_sz) * (i_sz * n) + rank * i_sz + j % i_sz)  # global positions
             cu.append(cu[-1] + m)
-        slots_t = torch.cat(slots).to(self.k[layer].device)
-        lat = self.k[layer].view(-1, self.k[layer].shape[-1])[slots_t]  # [S_r, Dqk]
-        keys = self.ik[layer].view(-1, self.ik[layer].shape[-1])[slots_t]  # [S_r, D_I]
-        return ShardedKeys(lat, keys, torch.cat(ids).to(lat.device), torch.tensor(cu, device=lat.device))
+        dev = self.k[0].device
+        return torch.cat(slots).to(dev), torch.cat(ids).to(dev), torch.tensor(cu, device=dev)
+
+    def sharded_keys(self, layer: int, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        """This rank's DSA keys of layer ``layer`` as :class:`cpattn.dsa.ShardedKeys` (``index`` from :meth:`key_index`)."""
+        slots, ids, cu = index
+        lat = self.k[layer].view(-1, self.k[layer].shape[-1])[slots]  # [S_r, Dqk]
+        keys = self.ik[layer].view(-1, self.ik[layer].shape[-1])[slots]  # [S_r, D_I]
+        return ShardedKeys(lat, keys, ids, cu)
 
 
 @dataclass
@@ -122,6 +130,7 @@ class DCPStep:
     meta: DCPMeta
     merge: str = "ag_rs"
     positions: torch.Tensor = field(init=False)
+    _key_index: tuple | None = field(default=None, init=False, repr=False)  # DSA: built by the first layer
 
     def __post_init__(self):
         self.positions = self.meta.positions
@@ -151,7 +160,9 @@ class DCPStep:
         """
         g = self.group
         self.shard.write(layer, kv, None, self.meta.slot_mapping[g.rank], k_index)
-        keys = self.shard.sharded_keys(self.meta, g.rank, layer)
+        if self._key_index is None:  # layer-independent: once per step
+            self._key_index = self.shard.key_index(self.meta, g.rank)
+        keys = self.shard.sharded_keys(layer, self._key_index)
         return dsa_dcp_attention(q, q_index, w_index, self.meta.positions, self.meta.cu_seqlens_q, keys, group=g,
                                  topk=topk, softmax_scale=scale, value_dim=self.shard.dv)
 
