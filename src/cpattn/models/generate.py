@@ -115,6 +115,21 @@ def prefill_local(
                          torch.tensor(cu_seqlens, dtype=torch.int32), packed(cache.ik))
 
 
+def split_prefill(group: Group, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int], *, pcp_method: str = "ring",
+                  dsa_split: str = "balanced"):
+    """This rank's share of a prefill: (plan, attention step, its tokens [T_r]).
+
+    GQA/MLA: head-tail PCP plan and a :class:`PCPStep`; DSA: a DSA-CP plan
+    (``dsa_split``) and a :class:`DSACPStep`.
+    """
+    _, _, dv, _ = cfg.kv_dims
+    if uses_dsa(cfg):
+        plan = dsa_cp_plan(cu_seqlens, group.size, split=dsa_split)
+        return plan, DSACPStep(group, plan, dv), dsa_cp_shard(tokens, plan, group.rank)
+    plan = pcp_plan(cu_seqlens, group.size)
+    return plan, PCPStep(group, plan, dv, method=pcp_method), pcp_shard(tokens, plan, group.rank)
+
+
 def prefill_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor,
                     cu_seqlens: list[int], *, pcp_method: str = "ring", dsa_split: str = "balanced") -> PrefillResult:
     """Prefill with the prompts' tokens split over ``group`` (run it on every rank).
@@ -128,16 +143,8 @@ def prefill_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: An
     :class:`PrefillResult` (as a prefill engine hands its KV on).
     """
     model = resolve_model(model)
-    _, _, dv, _ = cfg.kv_dims
     n = cfg.num_hidden_layers
-    if uses_dsa(cfg):
-        plan = dsa_cp_plan(cu_seqlens, group.size, split=dsa_split)
-        step = DSACPStep(group, plan, dv)
-        mine = dsa_cp_shard(tokens, plan, group.rank)
-    else:
-        plan = pcp_plan(cu_seqlens, group.size)
-        step = PCPStep(group, plan, dv, method=pcp_method)
-        mine = pcp_shard(tokens, plan, group.rank)
+    plan, step, mine = split_prefill(group, cfg, tokens, cu_seqlens, pcp_method=pcp_method, dsa_split=dsa_split)
     logits = model.forward(params, cfg, mine, step).float()  # [T_r, V]
 
     def gather(xs):

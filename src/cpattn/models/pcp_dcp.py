@@ -47,14 +47,11 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.comm.sim import simulate
 from cpattn.config import ParallelConfig
-from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
 from cpattn.layout.dcp import dcp_owner, dcp_slot_mapping
-from cpattn.layout.pcp import pcp_plan, pcp_shard
 from cpattn.models import resolve_model
-from cpattn.models.cache import DSACPStep, PCPStep
 from cpattn.models.dcp_cache import PagedShard
 from cpattn.models.disagg import attention_kind, decode_engine_tp
-from cpattn.models.generate import _packed, check_layout, uses_dsa
+from cpattn.models.generate import _packed, check_layout, split_prefill, uses_dsa
 from cpattn.models.kv_rows import pack_rows, row_layout, unpack_rows
 from cpattn.models.speculative import SpecGeneration, _check_spec, shard_capacity, spec_decode_loop
 
@@ -160,16 +157,8 @@ def pcp_dcp_prefill_on_rank(group: Group, model: ModuleType | str, params: dict,
     """
     model = resolve_model(model)
     t0 = time.perf_counter()
-    _, _, dv, _ = cfg.kv_dims
     n_layers = cfg.num_hidden_layers
-    if uses_dsa(cfg):
-        plan = dsa_cp_plan(cu_seqlens, group.size, split="balanced")
-        step = DSACPStep(group, plan, dv)
-        mine = dsa_cp_shard(tokens, plan, group.rank)
-    else:
-        plan = pcp_plan(cu_seqlens, group.size)
-        step = PCPStep(group, plan, dv, method=pcp_method)
-        mine = pcp_shard(tokens, plan, group.rank)
+    plan, step, mine = split_prefill(group, cfg, tokens, cu_seqlens, pcp_method=pcp_method)
     logits = model.forward(params, cfg, mine, step).float()  # [T_r, V]
     # first tokens: the last prompt token's logits, from whichever rank holds it
     idx = plan.token_index[group.rank].to(torch.int64)  # [T_r]
