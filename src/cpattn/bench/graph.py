@@ -15,8 +15,9 @@ projection with a TP all-reduce) runs on a DCP group of real gloo processes
   the speedup if everything else were free.
 
 Each timing is the median over repetitions (``speedup_min`` compares the
-fastest repetitions, which is steadier on a loaded machine), every
-repetition framed by a barrier so it is the slowest rank's; eager, graph and
+fastest repetitions, which is steadier on a loaded machine); a repetition is
+``INNER`` back-to-back calls framed by two barriers, so it is the slowest
+rank's and the barriers are not charged to a single step; eager, graph and
 the bound measurements alternate, so drift in machine load hits all alike.
 A CUDA section (one device, DCP = 1, CUDA graphs) runs when a GPU is present.
 
@@ -54,7 +55,15 @@ def _config(args) -> dp.ProgramConfig:
     )
 
 
-def _timer(group, device):
+INNER = 5  # calls per timed sample
+
+
+def _timer(group, device, inner: int = INNER):
+    """Seconds per call of ``fn``: ``inner`` back-to-back calls between two barriers.
+
+    Decode steps run back to back; framing each single call by barriers would
+    add two collectives to every sample (as much as a layer's own traffic).
+    """
     sync = (lambda: group.all_reduce(torch.zeros(1, device=device))) if group.size > 1 else (lambda: None)
     cuda = torch.device(device).type == "cuda"
 
@@ -63,11 +72,12 @@ def _timer(group, device):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         if cuda:
             torch.cuda.synchronize()
         sync()
-        return time.perf_counter() - t0
+        return (time.perf_counter() - t0) / inner
 
     return once
 
