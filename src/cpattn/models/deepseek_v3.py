@@ -243,6 +243,22 @@ def forward(
     -------
     logits: [T or T', vocab_size].
     """
+    return decoder(params, cfg, tokens, attn, mla_attend, logits_index=logits_index)
+
+
+def mla_attend(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, layer: int, x, q, kv, q_lora, cos, sin,
+               attn: Attention) -> torch.Tensor:
+    """Dense absorbed MLA of one layer: ``attn(layer, q, kv, None, scale)`` -> [T, Hq, r]."""
+    return attn(layer, q, kv, None, cfg.softmax_scale)
+
+
+def decoder(params: dict[str, torch.Tensor], cfg: DeepseekV3Config, tokens: torch.Tensor, attn: Any,
+            attend, *, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+    """The DeepSeek trunk shared by V3 and V3.2: embedding, layers of MLA + MoE/MLP, norm, lm_head.
+
+    ``attend(p, cfg, pre, layer, x, q, kv, q_lora, cos, sin, attn) -> o_lat [T, Hq, r]``
+    is the one part that differs (dense MLA here, DSA in V3.2). Returns [T or T', V].
+    """
     p, eps = params, cfg.rms_norm_eps
     h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
     inv_freq, att_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
@@ -250,8 +266,8 @@ def forward(
     for i in range(cfg.num_hidden_layers):
         pre = f"model.layers.{i}.self_attn."
         x = rms_norm(h, p[f"model.layers.{i}.input_layernorm.weight"], eps)
-        q, kv, _ = mla_project(p, cfg, pre, x, cos, sin)
-        o_lat = attn(i, q, kv, None, cfg.softmax_scale)  # [T, Hq, r]
+        q, kv, q_lora = mla_project(p, cfg, pre, x, cos, sin)
+        o_lat = attend(p, cfg, pre, i, x, q, kv, q_lora, cos, sin, attn)  # [T, Hq, r]
         h = h + mla_output(p, cfg, pre, o_lat)
         x = rms_norm(h, p[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
         h = h + mlp(p, cfg, i, x)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models.cache import DenseKVCache
-from cpattn.models.common import config_dict, lm_head, rms_norm, rope_cos_sin, rope_half, rope_inv_freq
+from cpattn.models.common import config_dict, rope_half
 
 
 @dataclass(frozen=True)
@@ -109,23 +109,14 @@ def forward(
     topk, scale)`` (every step of :mod:`cpattn.models.cache` and
     :mod:`cpattn.models.dcp_cache` does). tokens: [T]; returns [T or T', V].
     """
-    p, eps = params, cfg.rms_norm_eps
-    h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
-    inv_freq, att_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
-    cos, sin = rope_cos_sin(attn.positions, inv_freq, att_factor, h.dtype)  # [T, rope/2]
-    for i in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{i}.self_attn."
-        x = rms_norm(h, p[f"model.layers.{i}.input_layernorm.weight"], eps)
-        q, kv, q_lora = v3.mla_project(p, cfg, pre, x, cos, sin)
-        qi, wi, ki = indexer(p, cfg, pre + "indexer.", x, q_lora, cos, sin)
-        o_lat = attn.dsa(i, q, kv, qi, wi, ki, cfg.index_topk, cfg.softmax_scale)  # [T, Hq, r]
-        h = h + v3.mla_output(p, cfg, pre, o_lat)
-        x = rms_norm(h, p[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
-        h = h + v3.mlp(p, cfg, i, x)
-    h = rms_norm(h, p["model.norm.weight"], eps)
-    if logits_index is not None:
-        h = h[logits_index]
-    return F.linear(h, lm_head(p, cfg))
+    return v3.decoder(params, cfg, tokens, attn, dsa_attend, logits_index=logits_index)
+
+
+def dsa_attend(p: dict[str, torch.Tensor], cfg: DeepseekV32Config, pre: str, layer: int, x, q, kv, q_lora, cos, sin,
+               attn: Any) -> torch.Tensor:
+    """One layer's DSA: the indexer's q/w/k, then ``attn.dsa(...)`` (top-k + sparse MLA) -> [T, Hq, r]."""
+    qi, wi, ki = indexer(p, cfg, pre + "indexer.", x, q_lora, cos, sin)
+    return attn.dsa(layer, q, kv, qi, wi, ki, cfg.index_topk, cfg.softmax_scale)
 
 
 def init_params(
