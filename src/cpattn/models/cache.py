@@ -161,21 +161,14 @@ class DenseStep:
             or [torch.zeros(0, dtype=torch.int64)]
         ).to(dev)
         self.cu_q = _cu(self.new_lens).to(dev)
+        self._cq = self.cu_q.tolist()  # host copy, once per step (not per layer)
         self.cu_k = _cu([s + n for s, n in zip(self.cache.seq_lens, self.new_lens)]).to(dev)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Store k/v ([T, Hkv, D*]) of this step, attend q [T, Hq, Dk] causally; returns [T, Hq, Dv]."""
         c = self.cache
-        kc, vc = c.k[layer], c.v[layer]
-        cq = self.cu_q.tolist()
-        keys, values = [], []
-        for b, (start, n) in enumerate(zip(c.seq_lens, self.new_lens)):
-            kc[b, start : start + n] = k[cq[b] : cq[b + 1]]  # the explicit cache write
-            if vc is not None:
-                vc[b, start : start + n] = v[cq[b] : cq[b + 1]]
-            keys.append(kc[b, : start + n])  # [S_b, Hkv, Dk]
-            values.append(kc[b, : start + n, :, : c.dv] if vc is None else vc[b, : start + n])
-        kk, vv = torch.cat(keys), torch.cat(values)  # [sum S_b, Hkv, D*]
+        kk = self._append(c.k[layer], k)  # [sum S_b, Hkv, Dk]
+        vv = kk[..., : c.dv] if c.v[layer] is None else self._append(c.v[layer], v)  # MLA: values are latent dims
         out, _ = attention_with_lse(q, kk, vv, self.cu_q, self.cu_k, causal=True, softmax_scale=scale)
         return out
 
@@ -188,16 +181,19 @@ class DenseStep:
         Stores kv and k_index, returns out [T, H, dv].
         """
         c = self.cache
-        kc, ic = c.k[layer], c.ik[layer]
-        cq = self.cu_q.tolist()
-        lat, keys = [], []
-        for b, (start, n) in enumerate(zip(c.seq_lens, self.new_lens)):
-            kc[b, start : start + n] = kv[cq[b] : cq[b + 1]]  # the explicit cache writes
-            ic[b, start : start + n] = k_index[cq[b] : cq[b + 1]]
-            lat.append(kc[b, : start + n, 0])  # [S_b, Dqk]
-            keys.append(ic[b, : start + n])  # [S_b, D_I]
-        return dsa_attention(q, torch.cat(lat), q_index, w_index, torch.cat(keys), self.cu_q, self.cu_k,
+        lat = self._append(c.k[layer], kv)[:, 0]  # [sum S_b, Dqk]
+        keys = self._append(c.ik[layer], k_index)  # [sum S_b, D_I]
+        return dsa_attention(q, lat, q_index, w_index, keys, self.cu_q, self.cu_k,
                              topk=topk, softmax_scale=scale, value_dim=c.dv)
+
+    def _append(self, buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write this step's rows ``new`` [T, ...] into ``buf`` [B, max_len, ...] (the explicit cache write);
+        return every request's rows so far, packed [sum S_b, ...]."""
+        cq, rows = self._cq, []
+        for b, (start, n) in enumerate(zip(self.cache.seq_lens, self.new_lens)):
+            buf[b, start : start + n] = new[cq[b] : cq[b + 1]]
+            rows.append(buf[b, : start + n])
+        return torch.cat(rows)
 
     def finish(self) -> DenseKVCache:
         """The cache after this step (same tensors, longer ``seq_lens``)."""
