@@ -21,6 +21,44 @@ def collectives(group):
     }
 
 
+def algorithms(group):
+    """Each collective with DistGroup's "native" and "a2a" algorithms on this rank's seeded inputs.
+
+    Shapes include a gathered dim that is not dim 0, bf16, an odd element
+    count and an all_reduce above ONE_SHOT_BYTES (the two-exchange path).
+    """
+    from cpattn.comm import dist as cdist
+
+    out = {"auto": group.algorithm}
+    for algo in ("native", "a2a"):
+        g = cdist.DistGroup(algorithm=algo)
+        n = g.size
+        for name, x in inputs(g.rank, n).items():
+            res = {
+                "all_gather": g.all_gather(x, dim=1),
+                "reduce_scatter": g.reduce_scatter(x, dim=1) if x.shape[1] % n == 0 else None,
+                "all_reduce": g.all_reduce(x),
+                "all_to_all": g.all_to_all(x, dim=1) if x.shape[1] % n == 0 else None,
+            }
+            out[(algo, name)] = res
+        out[(algo, "stats")] = g.stats.as_dict()
+    return out
+
+
+def inputs(rank, n):
+    """Seeded per-rank tensors for :func:`algorithms` (the test rebuilds every rank's)."""
+    from cpattn.comm.dist import ONE_SHOT_BYTES
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    big = ONE_SHOT_BYTES // 4 // max(n - 1, 1) + 7  # float32 elements: over the one-shot limit
+    return {
+        "f32": torch.randn(3, 2 * n, 5, generator=gen),
+        "bf16": torch.randn(4, n, 3, generator=gen).bfloat16(),
+        "odd": torch.randn(1, 3, 7, generator=gen),
+        "big": torch.randn(1, big, generator=gen),
+    }
+
+
 def pcp_cases(group, cases):
     """Run pcp_prefill for each (q, k, v, cu, method, ctx) case; return this rank's outputs."""
     outs = []

@@ -7,7 +7,7 @@ import cpattn
 from cpattn.comm import CollectiveMismatch, CommTimeout
 from cpattn.comm.launch import SpawnError, spawn
 
-from gloo_cases import collectives, hang_rank1
+from gloo_cases import algorithms, collectives, hang_rank1, inputs
 
 
 def expected(n):
@@ -40,6 +40,43 @@ def test_simulated_collectives(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_gloo_collectives_match(n):
     check(spawn(n, collectives), n)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_algorithms_match_a_float64_oracle(n):
+    """native and a2a collectives against sums computed here in float64; a2a gives every rank the same bits."""
+    results = spawn(n, algorithms)
+    xs = [inputs(r, n) for r in range(n)]
+    for r, res in enumerate(results):
+        assert res["auto"] == "a2a"  # gloo picks the all_to_all algorithms
+        for algo in ("native", "a2a"):
+            for name in xs[0]:
+                parts = [x[name].double() for x in xs]
+                total = sum(parts)
+                want = {
+                    "all_gather": torch.cat(parts, dim=1),
+                    "reduce_scatter": total.chunk(n, dim=1)[r],
+                    "all_reduce": total,
+                    "all_to_all": torch.cat([p.chunk(n, dim=1)[r] for p in parts], dim=1),
+                }
+                tol = 1e-2 if name == "bf16" else 1e-5
+                for kind, got in res[(algo, name)].items():
+                    if got is None:
+                        continue
+                    assert got.dtype == xs[0][name].dtype and got.shape == want[kind].shape, (algo, name, kind)
+                    torch.testing.assert_close(got.double(), want[kind], rtol=tol, atol=tol)
+        # the byte counters are logical: the same for both algorithms
+        assert res[("native", "stats")] == res[("a2a", "stats")]
+    for name in xs[0]:
+        assert all(torch.equal(res[("a2a", name)]["all_reduce"], results[0][("a2a", name)]["all_reduce"])
+                   for res in results)
+
+
+def test_dist_group_rejects_unknown_algorithms():
+    from cpattn.comm.dist import DistGroup
+
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        DistGroup(algorithm="ring")
 
 
 def test_inputs_are_not_modified_and_outputs_are_new():

@@ -1,9 +1,27 @@
 """``DistGroup``: the :class:`~cpattn.comm.group.Group` interface over torch.distributed.
 
-Collectives use ``torch.distributed._functional_collectives`` (traceable by
-``torch.compile(fullgraph=True)``); the ring exchange uses
+Collectives call the ``torch.ops._c10d_functional`` ops directly (the ops
+behind ``torch.distributed._functional_collectives``, traceable by
+``torch.compile(fullgraph=True)``, without that module's eager tensor
+subclass), each followed by ``wait_tensor``. The ring exchange uses
 ``batch_isend_irecv`` so the transfer runs while the caller computes. Works
 with gloo (CPU), NCCL (CUDA) and HCCL (Ascend, via torch_npu).
+
+Algorithms. ``"native"`` uses the backend's own all-gather, reduce-scatter
+and all-reduce. ``"a2a"`` builds all three from one ``all_to_all_single``,
+the one gloo collective that is a single exchange with each peer:
+
+- all_gather(x): send x to every rank (the same bytes as a ring all-gather);
+- reduce_scatter(x): send chunk j to rank j, sum the N chunks received in
+  rank order (the same bytes as a ring reduce-scatter);
+- all_reduce(x): one shot, send x to every rank and sum in rank order (for
+  N = 2 the same bytes as a ring, for larger N more, so messages over
+  ``ONE_SHOT_BYTES`` take two exchanges: a reduce-scatter and an all-gather).
+
+Sums run in rank order on every rank, so every rank gets the same bits.
+``"auto"`` (default) picks ``"a2a"`` on gloo, where ``cpattn bench comm``
+measures it faster at every size we send, and ``"native"`` elsewhere (NCCL
+and HCCL have tuned low-latency algorithms of their own).
 """
 
 from __future__ import annotations
@@ -13,13 +31,12 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from cpattn.comm.group import Group, Pending
 
-# newer torch names these *_single; older releases only have *_tensor
-_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+ALGORITHMS = ("auto", "native", "a2a")
+ONE_SHOT_BYTES = 1 << 20  # all_reduce: bytes a rank may send in one shot (N-1 copies of x)
+_C10D = torch.ops._c10d_functional
 
 
 class DistGroup(Group):
@@ -28,6 +45,9 @@ class DistGroup(Group):
     Arguments
     ---------
     process_group: a ``ProcessGroup`` (default: the world group).
+    algorithm: "auto", "native" or "a2a" (module doc): how all-gather,
+        reduce-scatter and all-reduce are carried out. Results are the same
+        up to the order of floating-point sums.
 
     Example
     -------
@@ -35,8 +55,10 @@ class DistGroup(Group):
     >>> # group = DistGroup(); y = group.all_gather(x)
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, algorithm: str = "auto"):
         super().__init__()
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"DistGroup: algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistGroup needs an initialised torch.distributed; call cpattn.comm.init_from_env() "
@@ -45,20 +67,42 @@ class DistGroup(Group):
         self.pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.pg)
         self.size = dist.get_world_size(self.pg)
+        self._name = self.pg.group_name  # a plain str: a constant for torch.compile
+        if algorithm == "auto":
+            algorithm = "a2a" if dist.get_backend(self.pg) == "gloo" else "native"
+        self.algorithm = algorithm
 
     # Results are waited on at once (``wait_tensor`` is traceable), so callers
     # always get a plain tensor, in eager code and in graphs alike.
-    def _all_gather(self, x):
-        return funcol.wait_tensor(_ALL_GATHER(x, 0, self.pg))
+    def _a2a(self, x):  # x: [N*m, ...] -> chunk j of dim 0 to rank j; [N*m, ...] received in rank order
+        splits = [x.shape[0] // self.size] * self.size
+        return _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, self._name))
 
-    def _reduce_scatter(self, x):
-        return funcol.wait_tensor(_REDUCE_SCATTER(x, "sum", 0, self.pg))
+    def _all_gather(self, x):  # [m, ...] -> [N*m, ...]
+        if self.algorithm == "a2a":
+            return self._a2a(x.expand(self.size, *x.shape).reshape(self.size * x.shape[0], *x.shape[1:]))
+        return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.size, self._name))
+
+    def _reduce_scatter(self, x):  # [N*m, ...] -> [m, ...]
+        if self.algorithm == "a2a":
+            return self._a2a(x).view(self.size, x.shape[0] // self.size, *x.shape[1:]).sum(0, dtype=x.dtype)
+        return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(x, "sum", self.size, self._name))
 
     def _all_to_all(self, x):
-        return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, self.pg))
+        return self._a2a(x)
 
     def _all_reduce(self, x):
-        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.pg))
+        if self.algorithm == "native":
+            return _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._name))
+        n = self.size
+        if x.nbytes * (n - 1) <= ONE_SHOT_BYTES:  # one exchange: everyone gets every x
+            return self._all_gather(x.reshape(1, *x.shape)).sum(0, dtype=x.dtype)
+        flat = x.reshape(-1)
+        pad = -flat.numel() % n
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        part = self._reduce_scatter(flat)  # [numel/N] summed
+        return self._all_gather(part)[: x.numel()].view(x.shape)
 
     def _ring_start(self, x, recv, shift):
         to = dist.get_global_rank(self.pg, (self.rank + shift) % self.size)
