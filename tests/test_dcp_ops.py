@@ -126,6 +126,60 @@ def test_paged_attention_bf16_within_twice_plain_torch(mla, small_elems, monkeyp
     torch.testing.assert_close(l.double(), want_l, rtol=1e-5, atol=2e-4)  # fp32 LSE of bf16 inputs
 
 
+def _traced(fn):
+    """fn compiled as a captured step would be: its CPU decompositions are traced, not called."""
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_traced_decomposition_matches_oracle(case):
+    kv_lens, rows, bs, hq, hkv, dk, dv = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    k_cache, v_cache, table = make_cache(gen, kv_lens, bs, hkv, dk, dv, torch.float32)
+    q = torch.randn(len(rows), hq, dk, generator=gen)
+    req = torch.tensor([r for r, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
+    o, l = _traced(paged_attention_with_lse)(q, k_cache, v_cache, table, req, lens, softmax_scale=0.3)
+    torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(l.double(), want_l, rtol=1e-5, atol=2e-5)
+    eager = paged_attention_with_lse(q, k_cache, v_cache, table, req, lens, softmax_scale=0.3)
+    torch.testing.assert_close(o, eager[0], rtol=0, atol=1e-6)  # captured vs eager: the runner's bound
+    torch.testing.assert_close(l, eager[1], rtol=0, atol=1e-6)
+
+
+def _graph_ops(fn, *args):
+    """The cpattn ops left as calls in fn's traced graph."""
+    found = []
+
+    def backend(gm, example_inputs):
+        found.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "cpattn" in str(n.target))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    return found
+
+
+def test_small_cpu_steps_trace_the_decompositions_and_large_ones_keep_the_op(monkeypatch):
+    q, kc, vc, table, req, lens = _op_args()
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+
+    def step(q, kc, vc, k, v, slots):
+        write_kv(kc, vc, k, v, slots)
+        return paged_attention_with_lse(q, kc, vc, table, req, lens)
+
+    args = (q, kc.clone(), vc.clone(), k, v, torch.tensor([5, -1, 30]))
+    assert _graph_ops(step, *args) == []  # everything inlined: inductor can fuse it
+    assert set(paged.registry.decompositions()) >= {"paged_attention_with_lse", "write_kv", "write_kv_mla"}
+    monkeypatch.setattr(paged, "SMALL_ELEMS", 0)  # too big for the static path: the chunked kernel, opaque
+    assert _graph_ops(step, *args) == ["cpattn.paged_attention_with_lse.default"]
+    monkeypatch.setattr(paged, "SMALL_ELEMS", 1 << 40)
+    f64 = [a.double() if a.is_floating_point() else a for a in args]
+    assert _graph_ops(step, *f64) == ["cpattn.paged_attention_with_lse.default"]  # float64: the reference op
+
+
 def test_mla_shared_view_gathers_once_and_matches_padded_values():
     gen = torch.Generator().manual_seed(3)
     latent, _, table = make_cache(gen, [50], 16, 1, 576, 512, torch.float32, mla=True)
@@ -154,6 +208,26 @@ def test_write_kv_matches_reference_and_skips_minus_one():
     write_kv(got_k, got_v, k, v, torch.full((6,), -1))
     assert torch.equal(got_k.nan_to_num(9.0), before.nan_to_num(9.0))
     write_kv(got_k, got_v, k[:0], v[:0], slots[:0])  # zero tokens
+
+
+@pytest.mark.parametrize("slots", [[-1, 5, 17, -1, 0, 30], [-1] * 6, [3, 2, 1, 0, 31, 30]])
+def test_write_kv_traced_decomposition_matches_the_kernel(slots):
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 4, generator=gen)
+    slots = torch.tensor(slots)
+    got_k, got_v = torch.full((4, 8, 2, 8), float("nan")), torch.full((4, 8, 2, 4), float("nan"))
+    want_k, want_v = got_k.clone(), got_v.clone()
+    _traced(write_kv)(got_k, got_v, k, v, slots)
+    write_kv_ref(want_k, want_v, k, v, slots)
+    assert torch.equal(got_k.nan_to_num(9.0), want_k.nan_to_num(9.0))
+    assert torch.equal(got_v.nan_to_num(9.0), want_v.nan_to_num(9.0))
+    cache, want = torch.full((3, 4, 1, 576), float("nan")), torch.full((3, 4, 1, 576), float("nan"))
+    c, pe = torch.randn(6, 512, generator=gen), torch.randn(6, 64, generator=gen)
+    _traced(write_kv_mla)(cache, c, pe, slots.clamp(max=11))
+    for i, s in enumerate(slots.clamp(max=11).tolist()):
+        if s >= 0:
+            want[s // 4, s % 4, 0] = torch.cat([c[i], pe[i]])
+    assert torch.equal(cache.nan_to_num(9.0), want.nan_to_num(9.0))
 
 
 def test_write_kv_casts_to_cache_dtype_and_mla_variant():

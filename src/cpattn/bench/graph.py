@@ -7,12 +7,14 @@ projection with a TP all-reduce) runs on a DCP group of real gloo processes
 
 - eager: the step function called directly on the unpadded batch;
 - graph: ``DecodeRunner`` with the "cpu" backend (inductor, fullgraph, one
-  program per capture size), copy into the persistent buffers included;
-- the parts no CPU graph can shorten: the ``paged_attention_with_lse`` op
-  (opaque to the compiler; ``attn_op_ms`` = L calls) and the step's
-  collectives over gloo (``comm_ms`` = L layers of all-gather q, all-gather
-  LSE, reduce-scatter, all-reduce); ``bound = eager / (attn + comm)`` is
-  the speedup if everything else were free.
+  program per capture size), copy into the persistent buffers included.
+  Inductor traces the CPU decompositions of ``write_kv`` and
+  ``paged_attention_with_lse`` (:func:`cpattn.ops.registry.decomposition`)
+  and fuses them with the projections around them;
+- the part no CPU graph can shorten: the step's collectives over gloo
+  (``comm_ms`` = L layers of all-gather q, the merge's collectives and the
+  output all-reduce, run back to back on tensors of the step's shapes);
+  ``bound = eager / comm`` is the speedup if all compute were free.
 
 Each timing is the median over repetitions (``speedup_min`` compares the
 fastest repetitions, which is steadier on a loaded machine); a repetition is
@@ -39,10 +41,8 @@ import torch
 from cpattn.bench.common import table, write_json
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh
-from cpattn.dcp import dcp_plan
 from cpattn.graphs import DecodeRunner
 from cpattn.graphs import demo_program as dp
-from cpattn.ops.paged import paged_attention_with_lse
 
 
 def _config(args) -> dp.ProgramConfig:
@@ -107,26 +107,19 @@ def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"
         full = {**batch, "cu_seqlens_q": torch.arange(b + 1, dtype=torch.int32, device=device)}
         eager = lambda: step(state, full)  # noqa: E731
         graph = lambda: runner(batch, [1] * b)  # noqa: E731
-        meta = dcp_plan([context + 1] * b, [1] * b, block_table[:b].to(device), dcp_size=group.size,
-                        interleave_size=cfg.interleave_size, block_size=cfg.block_size)
-        q_all = torch.randn(b, cfg.num_heads, cfg.head_dim, generator=gen).to(device)
-        k_cache, v_cache = state["kv"][0]
-        op = lambda: paged_attention_with_lse(  # noqa: E731
-            q_all, k_cache, v_cache, meta.block_table, meta.req_indices, meta.kv_lens[group.rank])
         comm = _collectives(group, cfg, b, device)
-        for fn in (eager, graph, op, comm):  # warm-up
+        for fn in (eager, graph, comm):  # warm-up
             fn()
-        te, tg, to, tc = [], [], [], []
+        te, tg, tc = [], [], []
         for _ in range(reps):  # alternate, so drift in machine load hits all alike
             te.append(once(eager))
             tg.append(once(graph))
-            to.append(once(op))
             tc.append(once(comm))
         e, g = statistics.median(te), statistics.median(tg)
-        o, c = cfg.num_layers * statistics.median(to), cfg.num_layers * statistics.median(tc)
+        c = cfg.num_layers * statistics.median(tc)
         rows.append({
             "batch": b, "eager_ms": 1e3 * e, "graph_ms": 1e3 * g, "speedup": e / g, "speedup_min": min(te) / min(tg),
-            "attn_op_ms": 1e3 * o, "comm_ms": 1e3 * c, "bound": e / max(o + c, 1e-12),
+            "comm_ms": 1e3 * c, "bound": e / max(c, 1e-12),
         })
     assert runner.stats.graph >= len(batches) * reps, runner.stats.as_dict()
     return {"rows": rows, "capture_s": capture_s, "compiles": runner.backend.compiles, "stats": runner.stats.as_dict()}
@@ -153,7 +146,7 @@ def _collectives(group, cfg, b, device):
     return run
 
 
-COLUMNS = ["batch", "eager_ms", "graph_ms", "speedup", "speedup_min", "attn_op_ms", "comm_ms", "bound"]
+COLUMNS = ["batch", "eager_ms", "graph_ms", "speedup", "speedup_min", "comm_ms", "bound"]
 
 
 def main(argv=None) -> int:

@@ -18,10 +18,12 @@ that hold them; a Python branch on a tensor value fails to trace. It then
 runs the program on further batches of the same shapes with
 ``error_on_recompile`` set, so a guard on tensor contents or a changed
 shape fails too. Registered ``torch.ops.cpattn.*`` ops are opaque to the trace
-(their fake impls give the shapes); a kernel that reads tensors on the host
-internally (``attention_with_lse``'s CPU driver calls ``.tolist()``) is fine
-under torch.compile but not inside a CUDA/NPU graph: those devices' kernels
-must be sync-free themselves.
+(their fake impls give the shapes), except where an op has a CPU
+decomposition (:func:`cpattn.ops.registry.decomposition`): that is traced
+too, so it is checked like the step's own code. A kernel that reads tensors
+on the host internally (``attention_with_lse``'s CPU driver calls
+``.tolist()``) is fine under torch.compile but not inside a CUDA/NPU graph:
+those devices' kernels must be sync-free themselves.
 """
 
 from __future__ import annotations

@@ -54,11 +54,11 @@ def _scatter_rows(flat: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) ->
         return
     slots = slots.long()
     valid = slots >= 0  # [T]
-    first = torch.argmax(valid.to(torch.int8))  # first valid row (0 if none)
+    first = torch.argmax(valid.to(torch.int8)).view(1)  # [1]: first valid row (0 if none)
     anyv = valid.any()
     src = src.to(flat.dtype)
-    tgt_slot = torch.where(anyv, slots[first], torch.zeros_like(slots[first]))
-    tgt_val = torch.where(anyv, src[first], flat[0])  # [H, D]
+    tgt_slot = torch.where(anyv, slots.index_select(0, first), 0)  # [1]
+    tgt_val = torch.where(anyv, src.index_select(0, first), flat[:1])  # [1, H, D]
     idx = torch.where(valid, slots, tgt_slot)  # [T]
     val = torch.where(valid.view(-1, *([1] * (src.dim() - 1))), src, tgt_val)  # [T, H, D]
     flat.index_copy_(0, idx, val)
@@ -73,6 +73,15 @@ def _write_kv_op(
 
 
 registry.generic("write_kv")
+
+
+@registry.kernel("write_kv", "cpu")
+def _write_kv_cpu(k_cache, v_cache, k, v, slot_mapping):
+    # host-side row selection (fine inside a CPU kernel): two index_copy_ calls
+    rows = (slot_mapping >= 0).nonzero().view(-1)  # [T'] tokens this cache keeps
+    slots = slot_mapping[rows].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[rows].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[rows].to(v_cache.dtype))
 
 
 @registry.fake("write_kv")
@@ -138,7 +147,7 @@ def write_kv(
             f"[.., {', '.join(map(str, k_cache.shape[2:]))}] / [.., {', '.join(map(str, v_cache.shape[2:]))}]"
         )
     _check_slots(slot_mapping, k.shape[0])
-    torch.ops.cpattn.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    registry.call("write_kv", k_cache, v_cache, k, v, slot_mapping)
 
 
 def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -169,7 +178,7 @@ def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             f"Dc + Dr = {kv_cache.shape[3]} (the cache's last dim)"
         )
     _check_slots(slot_mapping, kv_c.shape[0])
-    torch.ops.cpattn.write_kv_mla(kv_cache, kv_c, k_pe, slot_mapping)
+    registry.call("write_kv_mla", kv_cache, kv_c, k_pe, slot_mapping)
 
 
 # ------------------------------------------------------------- paged_attention_with_lse
@@ -277,17 +286,20 @@ def _fold(state_o, state_l, parts_o, parts_l):
     return o, l
 
 
-def _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, scale):
-    """Every row at once: gather each row's first max(kv_lens) local keys, two batched matmuls.
+def _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, scale, n_blk=None):
+    """Every row at once: gather each row's first ``n_blk`` blocks, two batched matmuls.
 
     q [T, Hq, Dk] -> out [T, Hq, Dv] (q's dtype), lse [T, Hq] float32. For
     decode-sized batches, where per-call overhead dominates; keys past a
-    row's kv_len are masked (NaN there never reaches the result).
+    row's kv_len are masked (NaN there never reaches the result). ``n_blk``
+    None reads ``max(kv_lens)`` on the host (the eager kernel); an int keeps
+    every shape static (the traced decomposition passes the table's width).
     """
     t, hq, dk = q.shape
     _, bs, hkv, _ = k_cache.shape
     dv, g = v_cache.shape[-1], hq // hkv
-    n_blk = -(-int(kv_lens.max()) // bs) if t else 0  # host sync: fine inside a CPU kernel
+    if n_blk is None:
+        n_blk = -(-int(kv_lens.max()) // bs) if t else 0  # host sync: fine inside a CPU kernel
     length = n_blk * bs
     blocks = block_table[req_indices.long().clamp(min=0), :n_blk].long().clamp(min=0)  # [T, n_blk]
     seen = (torch.arange(length, device=q.device) < kv_lens[:, None]) & (req_indices >= 0)[:, None]  # [T, L]
@@ -300,6 +312,20 @@ def _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, scale):
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # 0 where unseen
     out = torch.matmul(p, v)  # [T, Hkv, G, Dv]
     return out.reshape(t, hq, dv).to(q.dtype), lse.reshape(t, hq)
+
+
+def _small(q, k_cache, v_cache, block_table) -> bool:
+    """True when the gathered keys of a whole batch stay below ``SMALL_ELEMS`` (and q is not float64)."""
+    addressable = block_table.shape[1] * k_cache.shape[1]  # keys one row of the block table can reach
+    elems = q.shape[0] * addressable * k_cache.shape[2] * max(k_cache.shape[3], v_cache.shape[3])
+    return q.dtype != torch.float64 and elems <= SMALL_ELEMS
+
+
+@registry.decomposition("paged_attention_with_lse", when=lambda q, kc, vc, bt, *rest: _small(q, kc, vc, bt))
+def _paged_traced(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale):
+    # the small path over the whole block-table width: static shapes, no host sync, no validation
+    return _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale,
+                        n_blk=block_table.shape[1])
 
 
 @registry.kernel("paged_attention_with_lse", "cpu")
@@ -322,10 +348,9 @@ def _paged_cpu(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_s
                 f"block_table row of request {int(req_indices[r])} has a -1 block inside its "
                 f"{int(kv_lens[r])} visible keys (query row {r}); give every visible key a block"
             )
-    small = t * addressable * k_cache.shape[2] * max(k_cache.shape[3], v_cache.shape[3]) <= SMALL_ELEMS
     if q.dtype == torch.float64:  # the reference is the float64 kernel
         return paged_attention_ref(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale)
-    if small:  # one batched gather + two matmuls beat the per-request loop below on small batches
+    if _small(q, k_cache, v_cache, block_table):  # one batched gather + two matmuls beat the loop below
         return _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale)
     dv = v_cache.shape[-1]
     out = q.new_zeros(t, hq, dv)
@@ -423,4 +448,4 @@ def paged_attention_with_lse(
         if x.shape != (q.shape[0],) or x.is_floating_point():
             raise ValueError(f"{name} must be an int [T={q.shape[0]}] tensor; got {x.dtype} {tuple(x.shape)}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return torch.ops.cpattn.paged_attention_with_lse(q, k_cache, v_cache, block_table, req_indices, kv_lens, scale)
+    return registry.call("paged_attention_with_lse", q, k_cache, v_cache, block_table, req_indices, kv_lens, scale)

@@ -7,6 +7,15 @@ with :func:`kernel`. Eager calls and captured graphs (torch.compile, CUDA
 graphs, NPU graphs) dispatch through the very same ``torch.ops.cpattn.*``
 entries, so the eager fallback is never a second implementation.
 
+A custom op is one opaque call to torch.compile: its kernel runs eagerly,
+op by op, at every replay. An op may therefore also register a
+:func:`decomposition`: plain torch code, without host syncs, that computes
+the same result. While torch.compile traces (and only then, only on the
+device types it names, only where its ``when`` holds) :func:`call` inlines
+it, so inductor fuses it with the code around it. It is the op's own math
+in traceable form, tested against the same oracle as the kernel; eager
+code, CUDA graphs and NPU graphs keep calling the op.
+
 Example
 -------
 >>> import torch
@@ -27,6 +36,9 @@ NAMESPACE = "cpattn"
 # op name -> device type -> kernel function (kept for error messages and docs)
 _KERNELS: dict[str, dict[str, Callable]] = {}
 _OPS: dict[str, Any] = {}
+_BODIES: dict[str, Callable] = {}  # op name -> the Python function it was defined from
+# op name -> (function, device types, condition on the arguments or None)
+_DECOMPOSITIONS: dict[str, tuple[Callable, tuple[str, ...], Callable[..., bool] | None]] = {}
 
 
 class NoKernelError(NotImplementedError):
@@ -58,6 +70,7 @@ def define(name: str, *, mutates_args: tuple[str, ...] = ()) -> Callable:
     def wrap(fn: Callable) -> Any:
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)(fn)
         _OPS[name] = op
+        _BODIES[name] = fn
         _KERNELS.setdefault(name, {})
         return op
 
@@ -86,8 +99,59 @@ def kernel(name: str, device_type: str) -> Callable:
 
 
 def generic(name: str) -> None:
-    """Mark op ``name`` as device-generic: its default body is plain torch code."""
+    """Mark op ``name`` as device-generic: its default body is plain torch code.
+
+    That body must then be free of host syncs; it also serves as the op's
+    CPU :func:`decomposition`.
+    """
     _KERNELS[name]["any"] = _OPS[name]
+    decomposition(name)(_BODIES[name])
+
+
+def decomposition(
+    name: str, *, devices: tuple[str, ...] = ("cpu",), when: Callable[..., bool] | None = None
+) -> Callable:
+    """Decorator: a traceable body of op ``name`` that torch.compile inlines on ``devices``.
+
+    ``fn`` takes the op's arguments and returns what the op returns; it must
+    not sync to the host or allocate by data. ``when(*args)`` (static facts
+    only: shapes, dtypes) says where it applies; elsewhere the op is called.
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        if name not in _OPS:
+            raise KeyError(f"no cpattn op named {name!r}; define it before its decomposition")
+        _DECOMPOSITIONS[name] = (fn, tuple(devices), when)
+        return fn
+
+    return wrap
+
+
+def call(name: str, *args: Any) -> Any:
+    """Run op ``name`` on ``args`` (positional, as the op's schema orders them).
+
+    Under torch.compile, a registered :func:`decomposition` for the first
+    tensor argument's device type is traced instead of the opaque op.
+
+    Example
+    -------
+    >>> import torch
+    >>> import cpattn.ops
+    >>> o, l = call("merge_attn_states", torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1))
+    >>> round(l.item(), 4)
+    0.6931
+    """
+    if torch.compiler.is_compiling() and name in _DECOMPOSITIONS:
+        fn, devices, when = _DECOMPOSITIONS[name]
+        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        if device in devices and (when is None or when(*args)):
+            return fn(*args)
+    return _OPS[name](*args)
+
+
+def decompositions() -> dict[str, tuple[str, ...]]:
+    """Op name -> device types with a registered :func:`decomposition`."""
+    return {name: devices for name, (_, devices, _) in _DECOMPOSITIONS.items()}
 
 
 def kernels(name: str) -> dict[str, Callable]:
