@@ -25,7 +25,7 @@ def algorithms(group):
     """Each collective with DistGroup's "native" and "a2a" algorithms on this rank's seeded inputs.
 
     Shapes include a gathered dim that is not dim 0, bf16, an odd element
-    count and an all_reduce above ONE_SHOT_BYTES (the two-exchange path).
+    count and a tensor above SMALL_BYTES (where a2a falls back to native).
     """
     from cpattn.comm import dist as cdist
 
@@ -47,10 +47,10 @@ def algorithms(group):
 
 def inputs(rank, n):
     """Seeded per-rank tensors for :func:`algorithms` (the test rebuilds every rank's)."""
-    from cpattn.comm.dist import ONE_SHOT_BYTES
+    from cpattn.comm.dist import SMALL_BYTES
 
     gen = torch.Generator().manual_seed(100 + rank)
-    big = ONE_SHOT_BYTES // 4 // max(n - 1, 1) + 7  # float32 elements: over the one-shot limit
+    big = SMALL_BYTES // 4 // n + 7  # float32 elements: over the small-message limit
     return {
         "f32": torch.randn(3, 2 * n, 5, generator=gen),
         "bf16": torch.randn(4, n, 3, generator=gen).bfloat16(),

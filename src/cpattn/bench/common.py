@@ -33,6 +33,31 @@ def time_ranks(group, fn: Callable[[], object], reps: int, warmup: int = 0) -> t
     return statistics.median(times), result
 
 
+def back_to_back(group, device="cpu", inner: int = 5) -> Callable[[Callable[[], object]], float]:
+    """``once(fn)``: seconds per call of ``fn`` over ``inner`` back-to-back calls between two barriers.
+
+    For steps that run back to back (decode steps, collectives): framing each
+    single call by barriers would add two collectives to every sample. The
+    barriers make the time the slowest rank's; CUDA work is synchronised.
+    """
+    sync = (lambda: group.all_reduce(torch.zeros(1, device=device))) if group.size > 1 else (lambda: None)
+    cuda = torch.device(device).type == "cuda"
+
+    def once(fn):
+        sync()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        sync()
+        return (time.perf_counter() - t0) / inner
+
+    return once
+
+
 class Progress:
     """A one-line text progress bar on stderr: ``[#####-----] 3/6 ring``."""
 

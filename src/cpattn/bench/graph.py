@@ -18,7 +18,7 @@ projection with a TP all-reduce) runs on a DCP group of real gloo processes
 
 Each timing is the median over repetitions (``speedup_min`` compares the
 fastest repetitions, which is steadier on a loaded machine); a repetition is
-``INNER`` back-to-back calls framed by two barriers, so it is the slowest
+five back-to-back calls framed by two barriers, so it is the slowest
 rank's and the barriers are not charged to a single step; eager, graph and
 the bound measurements alternate, so drift in machine load hits all alike.
 A CUDA section (one device, DCP = 1, CUDA graphs) runs when a GPU is present.
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from cpattn.bench.common import table, write_json
+from cpattn.bench.common import back_to_back, table, write_json
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh
 from cpattn.graphs import DecodeRunner
@@ -53,33 +53,6 @@ def _config(args) -> dp.ProgramConfig:
         head_dim=args.head_dim, block_size=args.block_size, interleave_size=1, max_blocks=max_blocks,
         num_blocks=max(args.batches) * max_blocks, merge=args.merge,
     )
-
-
-INNER = 5  # calls per timed sample
-
-
-def _timer(group, device, inner: int = INNER):
-    """Seconds per call of ``fn``: ``inner`` back-to-back calls between two barriers.
-
-    Decode steps run back to back; framing each single call by barriers would
-    add two collectives to every sample (as much as a layer's own traffic).
-    """
-    sync = (lambda: group.all_reduce(torch.zeros(1, device=device))) if group.size > 1 else (lambda: None)
-    cuda = torch.device(device).type == "cuda"
-
-    def once(fn):
-        sync()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        sync()
-        return (time.perf_counter() - t0) / inner
-
-    return once
 
 
 def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"):
@@ -99,7 +72,7 @@ def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"
         prefill = {"x": torch.randn(n * context, cfg.hidden, generator=gen), "seq_lens": torch.full((n,), context),
                    "block_table": block_table[reqs]}
         runner(prefill, [context] * n)
-    once = _timer(group, device)
+    once = back_to_back(group, device)
     rows = []
     for b in batches:
         batch = {"x": torch.randn(b, cfg.hidden, generator=gen).to(device),

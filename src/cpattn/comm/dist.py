@@ -8,20 +8,21 @@ subclass), each followed by ``wait_tensor``. The ring exchange uses
 with gloo (CPU), NCCL (CUDA) and HCCL (Ascend, via torch_npu).
 
 Algorithms. ``"native"`` uses the backend's own all-gather, reduce-scatter
-and all-reduce. ``"a2a"`` builds all three from one ``all_to_all_single``,
-the one gloo collective that is a single exchange with each peer:
+and all-reduce. ``"a2a"`` builds them from one ``all_to_all_single``, the
+gloo collective that is a single exchange with each peer:
 
-- all_gather(x): send x to every rank (the same bytes as a ring all-gather);
 - reduce_scatter(x): send chunk j to rank j, sum the N chunks received in
-  rank order (the same bytes as a ring reduce-scatter);
+  rank order (the bytes of a ring reduce-scatter);
+- all_gather(x): send x to every rank (the bytes of a ring all-gather);
 - all_reduce(x): one shot, send x to every rank and sum in rank order (for
-  N = 2 the same bytes as a ring, for larger N more, so messages over
-  ``ONE_SHOT_BYTES`` take two exchanges: a reduce-scatter and an all-gather).
+  N = 2 the bytes of a ring all-reduce, for larger N more).
 
-Sums run in rank order on every rank, so every rank gets the same bits.
-``"auto"`` (default) picks ``"a2a"`` on gloo, where ``cpattn bench comm``
-measures it faster at every size we send, and ``"native"`` elsewhere (NCCL
-and HCCL have tuned low-latency algorithms of their own).
+all_gather and all_reduce take that path for messages up to ``SMALL_BYTES``
+(N copies of x) and the native one above, where gloo's own algorithms catch
+up; reduce_scatter always does. Sums run in rank order, so every rank gets
+the same bits. ``"auto"`` (default) picks ``"a2a"`` on gloo, where ``cpattn
+bench comm`` measures it 1.3-8x faster on decode-sized messages, and
+``"native"`` elsewhere (NCCL and HCCL have tuned low-latency algorithms).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from cpattn.comm.group import Group, Pending
 
 ALGORITHMS = ("auto", "native", "a2a")
-ONE_SHOT_BYTES = 1 << 20  # all_reduce: bytes a rank may send in one shot (N-1 copies of x)
+SMALL_BYTES = 1 << 20  # "a2a": all_gather / all_reduce of up to this many bytes (N copies of x)
 _C10D = torch.ops._c10d_functional
 
 
@@ -78,8 +79,11 @@ class DistGroup(Group):
         splits = [x.shape[0] // self.size] * self.size
         return _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, self._name))
 
+    def _small(self, x):
+        return self.algorithm == "a2a" and x.nbytes * self.size <= SMALL_BYTES
+
     def _all_gather(self, x):  # [m, ...] -> [N*m, ...]
-        if self.algorithm == "a2a":
+        if self._small(x):
             return self._a2a(x.expand(self.size, *x.shape).reshape(self.size * x.shape[0], *x.shape[1:]))
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(x, self.size, self._name))
 
@@ -92,17 +96,9 @@ class DistGroup(Group):
         return self._a2a(x)
 
     def _all_reduce(self, x):
-        if self.algorithm == "native":
-            return _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._name))
-        n = self.size
-        if x.nbytes * (n - 1) <= ONE_SHOT_BYTES:  # one exchange: everyone gets every x
+        if self._small(x):  # one exchange: every rank gets every x and sums them in rank order
             return self._all_gather(x.reshape(1, *x.shape)).sum(0, dtype=x.dtype)
-        flat = x.reshape(-1)
-        pad = -flat.numel() % n
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad)])
-        part = self._reduce_scatter(flat)  # [numel/N] summed
-        return self._all_gather(part)[: x.numel()].view(x.shape)
+        return _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self._name))
 
     def _ring_start(self, x, recv, shift):
         to = dist.get_global_rank(self.pg, (self.rank + shift) % self.size)
