@@ -20,7 +20,8 @@ of device tensors; :func:`plan_tensors` builds those tensors from
 captured program can refresh them. :func:`dcp_decode` itself touches only
 device tensors of static shape: no ``.item()``, no ``.tolist()``, no
 data-dependent shapes (the CPU attention kernel does host work *inside* its
-op, which a graph treats as one opaque call).
+op, which a graph either calls as one opaque op or, for decode-sized batches
+under torch.compile on CPU, replaces by the op's sync-free decomposition).
 """
 
 from __future__ import annotations
