@@ -62,6 +62,17 @@ CASES = [
 ]
 
 
+def case_args(case):
+    """CASES[case] as float32 op arguments (q, k_cache, v_cache, block_table, req_indices, kv_lens)."""
+    kv_lens, rows, bs, hq, hkv, dk, dv = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    k_cache, v_cache, table = make_cache(gen, kv_lens, bs, hkv, dk, dv, torch.float32)
+    q = torch.randn(len(rows), hq, dk, generator=gen)
+    req = torch.tensor([r for r, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    return q, k_cache, v_cache, table, req, lens
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("small_elems, chunk_elems", [
     (1 << 40, 1 << 18),  # the batched small-batch path
@@ -71,12 +82,7 @@ CASES = [
 def test_paged_attention_matches_oracle_fp32(case, small_elems, chunk_elems, monkeypatch):
     monkeypatch.setattr(paged, "SMALL_ELEMS", small_elems)
     monkeypatch.setattr(paged, "CHUNK_ELEMS", chunk_elems)
-    kv_lens, rows, bs, hq, hkv, dk, dv = CASES[case]
-    gen = torch.Generator().manual_seed(case)
-    k_cache, v_cache, table = make_cache(gen, kv_lens, bs, hkv, dk, dv, torch.float32)
-    q = torch.randn(len(rows), hq, dk, generator=gen)
-    req = torch.tensor([r for r, _ in rows])
-    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    q, k_cache, v_cache, table, req, lens = case_args(case)
     want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
     for fn in (paged_attention_with_lse, None):
         if fn is None:  # the plain reference, in float64
@@ -134,12 +140,7 @@ def _traced(fn):
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_traced_decomposition_matches_oracle(case):
-    kv_lens, rows, bs, hq, hkv, dk, dv = CASES[case]
-    gen = torch.Generator().manual_seed(case)
-    k_cache, v_cache, table = make_cache(gen, kv_lens, bs, hkv, dk, dv, torch.float32)
-    q = torch.randn(len(rows), hq, dk, generator=gen)
-    req = torch.tensor([r for r, _ in rows])
-    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    q, k_cache, v_cache, table, req, lens = case_args(case)
     want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
     o, l = _traced(paged_attention_with_lse)(q, k_cache, v_cache, table, req, lens, softmax_scale=0.3)
     torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=2e-5)
