@@ -12,6 +12,7 @@ reference.
 Usage::
 
     cpattn bench comm                 # 2 gloo ranks x 1 thread
+    cpattn bench comm --quick         # decode-sized messages only, a few seconds
     cpattn bench comm --ranks 4 --json out.json
 """
 
@@ -54,12 +55,15 @@ def bench_rank(group, sizes, reps):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="cpattn bench comm", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4 KiB and 32 KiB messages, 5 samples")
     ap.add_argument("--ranks", type=int, default=2, help="gloo processes (one thread each)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES,
                     help="input bytes per rank, comma-separated")
     ap.add_argument("--json", default=None, help="write results as JSON here ('-' for stdout)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.reps = SIZES[:2], 5
     t0 = time.perf_counter()
     res = spawn(args.ranks, bench_rank, args.sizes, args.reps, threads=1, timeout_s=900)
     print(f"gloo, {args.ranks} ranks x 1 thread, median of {args.reps} samples of 5 back-to-back calls "
