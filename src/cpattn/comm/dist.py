@@ -49,6 +49,8 @@ class DistGroup(Group):
     algorithm: "auto", "native" or "a2a" (module doc): how all-gather,
         reduce-scatter and all-reduce are carried out. Results are the same
         up to the order of floating-point sums.
+    small_bytes: with "a2a", all_gather and all_reduce of up to this many
+        bytes (N copies of x) take the all-to-all path (default ``SMALL_BYTES``).
 
     Example
     -------
@@ -56,7 +58,9 @@ class DistGroup(Group):
     >>> # group = DistGroup(); y = group.all_gather(x)
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, *, algorithm: str = "auto"):
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, *, algorithm: str = "auto", small_bytes: int = SMALL_BYTES
+    ):
         super().__init__()
         if algorithm not in ALGORITHMS:
             raise ValueError(f"DistGroup: algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
@@ -72,6 +76,7 @@ class DistGroup(Group):
         if algorithm == "auto":
             algorithm = "a2a" if dist.get_backend(self.pg) == "gloo" else "native"
         self.algorithm = algorithm
+        self.small_bytes = int(small_bytes)
 
     # Results are waited on at once (``wait_tensor`` is traceable), so callers
     # always get a plain tensor, in eager code and in graphs alike.
@@ -80,7 +85,7 @@ class DistGroup(Group):
         return _C10D.wait_tensor(_C10D.all_to_all_single(x, splits, splits, self._name))
 
     def _small(self, x):
-        return self.algorithm == "a2a" and x.nbytes * self.size <= SMALL_BYTES
+        return self.algorithm == "a2a" and x.nbytes * self.size <= self.small_bytes
 
     def _all_gather(self, x):  # [m, ...] -> [N*m, ...]
         if self._small(x):

@@ -68,7 +68,7 @@ def merge_attn_states(
         )
     if outs.shape[0] == 0:
         raise ValueError("merge_attn_states needs at least one partial (N >= 1); got N = 0")
-    return torch.ops.cpattn.merge_attn_states(outs, lses)
+    return registry.call("merge_attn_states", outs, lses)
 
 
 @registry.define("merge_into", mutates_args=("out_acc", "lse_acc"))
@@ -121,4 +121,4 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, 
             f"merge_into accumulates in float32 or float64 (out_acc and lse_acc alike); got "
             f"{out_acc.dtype} and {lse_acc.dtype}"
         )
-    torch.ops.cpattn.merge_into(out_acc, lse_acc, out, lse)
+    registry.call("merge_into", out_acc, lse_acc, out, lse)

@@ -301,7 +301,8 @@ def _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, scale, 
     if n_blk is None:
         n_blk = -(-int(kv_lens.max()) // bs) if t else 0  # host sync: fine inside a CPU kernel
     length = n_blk * bs
-    blocks = block_table[req_indices.long().clamp(min=0), :n_blk].long().clamp(min=0)  # [T, n_blk]
+    # unused table entries (-1, or any id past the cache) are clamped into range; their keys are masked
+    blocks = block_table[req_indices.long().clamp(min=0), :n_blk].long().clamp(0, k_cache.shape[0] - 1)  # [T, n_blk]
     seen = (torch.arange(length, device=q.device) < kv_lens[:, None]) & (req_indices >= 0)[:, None]  # [T, L]
     k = k_cache[blocks].reshape(t, length, hkv, dk).permute(0, 2, 3, 1).float()  # [T, Hkv, Dk, L]
     v = v_cache[blocks].reshape(t, length, hkv, dv).transpose(1, 2).float()  # [T, Hkv, L, Dv]
