@@ -290,9 +290,14 @@ def test_check_static_shape_from_python_state_recompiles():
         check_static(step, {}, [{"x": torch.ones(2)}, {"x": torch.ones(2)}])
 
 
-@pytest.mark.parametrize("spec,merge", [(0, "ag_rs"), (1, "a2a")])
-def test_demo_program_is_static_under_aot_eager_fullgraph(spec, merge):
-    # torchair's precondition: torch.compile(backend="aot_eager", fullgraph=True), no recompile
+@pytest.mark.parametrize("spec,merge,opaque", [(0, "ag_rs", False), (1, "a2a", False), (1, "ag_rs", True)])
+def test_demo_program_is_static_under_aot_eager_fullgraph(spec, merge, opaque, monkeypatch):
+    # torchair's precondition: torch.compile(backend="aot_eager", fullgraph=True), no recompile;
+    # opaque: with the CPU decompositions off, the cpattn ops stay calls, as on an NPU
+    if opaque:
+        from cpattn.ops import registry
+
+        monkeypatch.setattr(registry, "_DECOMPOSITIONS", {})
     cfg = dp.ProgramConfig(**{**SMALL.__dict__, "merge": merge})
     q = 1 + spec
     params = dp.init_params(cfg)
