@@ -28,3 +28,15 @@ def test_bench_graph_replays_every_timed_step(tmp_path):
         assert row["batch"] == 2 and row["eager_ms"] > 0 and row["graph_ms"] > 0 and row["comm_ms"] > 0
         assert rank["compiles"] == 1 and rank["stats"]["eager"] == 1  # one prefill, then only replays
         assert rank["stats"]["sizes"] == {"2": rank["stats"]["graph"]}
+
+
+def test_bench_paged_times_every_path_and_names_the_pick():
+    import torch
+
+    from cpattn.bench import paged as bench_paged
+
+    rows = bench_paged.run([torch.float32], [bench_paged.HEADS[1]], [8], [256], reps=1)
+    (row,) = rows
+    assert row["small_ms"] > 0 and row["flash_ms"] > 0 and row["traced_ms"] > 0
+    assert (row["eager_pick"], row["graph_pick"]) == ("small", "traced")  # 8 rows x 256 keys x 2 x 32
+    assert row["eager_vs_best"] >= 1.0 and row["graph_vs_best"] >= 1.0

@@ -82,6 +82,7 @@ def case_args(case):
 ])
 def test_paged_attention_matches_oracle_fp32(case, small_elems, chunk_elems, monkeypatch):
     monkeypatch.setattr(paged, "SMALL_ELEMS", small_elems)
+    monkeypatch.setattr(paged, "SMALL_ROW_ELEMS", small_elems)
     monkeypatch.setattr(paged, "CHUNK_ELEMS", chunk_elems)
     q, k_cache, v_cache, table, req, lens = case_args(case)
     want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
@@ -102,6 +103,7 @@ def test_paged_attention_matches_oracle_fp32(case, small_elems, chunk_elems, mon
 @pytest.mark.parametrize("small_elems", [1 << 40, 0])  # batched path, per-request flash path
 def test_paged_attention_bf16_within_twice_plain_torch(mla, small_elems, monkeypatch):
     monkeypatch.setattr(paged, "SMALL_ELEMS", small_elems)
+    monkeypatch.setattr(paged, "SMALL_ROW_ELEMS", small_elems)
     gen = torch.Generator().manual_seed(7)
     dk, dv, hkv, hq = (576, 512, 1, 8) if mla else (64, 64, 2, 8)
     kv_lens = [300, 77]
@@ -199,6 +201,23 @@ def test_small_cpu_steps_trace_the_decompositions_and_large_ones_keep_the_op(mon
     monkeypatch.setattr(paged, "SMALL_ELEMS", 1 << 40)
     f64 = [a.double() if a.is_floating_point() else a for a in args]
     assert _graph_ops(step, *f64) == ["cpattn.paged_attention_with_lse.default"]  # float64: the reference op
+
+
+def test_eager_kernel_picks_its_path_by_the_visible_length(monkeypatch):
+    """A wide block table with short rows still takes the batched path; long rows take the flash loop."""
+    calls = []
+    small = paged._paged_small
+    monkeypatch.setattr(paged, "_paged_small", lambda *a, **k: calls.append(k["n_blk"]) or small(*a, **k))
+    gen = torch.Generator().manual_seed(2)
+    kc, vc = torch.randn(600, 16, 2, 32, generator=gen), torch.randn(600, 16, 2, 32, generator=gen)
+    table = torch.arange(600).view(2, 300)  # 4800 addressable keys per row
+    q = torch.randn(2, 8, 32, generator=gen)
+    for lens, want in (([40, 17], [3]), ([4000, 17], [])):  # 3 blocks x 2 x 32 per row: small; 4000 keys: not
+        calls.clear()
+        out = paged_attention_with_lse(q, kc, vc, table, torch.tensor([0, 1]), torch.tensor(lens))
+        assert calls == want
+        ref = oracle(q, kc, vc, table, torch.tensor([0, 1]), torch.tensor(lens), 32**-0.5)
+        torch.testing.assert_close(out[0].double(), ref[0], rtol=1e-5, atol=2e-5)
 
 
 def test_mla_shared_view_gathers_once_and_matches_padded_values():

@@ -17,6 +17,7 @@ COMMANDS = {
 BENCHMARKS = {
     "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),
     "dcp": ("cpattn.bench.dcp:main", "64K-context DCP decode: one rank vs DCP=2, merge traffic, paged vs contiguous"),
+    "paged": ("cpattn.bench.paged:main", "CPU paged attention: batched vs flash-loop vs compiled paths, and dispatch's pick"),
     "comm": ("cpattn.bench.comm:main", "gloo collectives: the backend's own algorithms vs DistGroup's all_to_all ones"),
     "graph": ("cpattn.bench.graph:main", "decode step: eager vs graph-captured (DCP demo program on gloo)"),
     "spec": ("cpattn.bench.spec:main", "speculative acceptance per drafter/k; TTFT PCP+DCP vs PCP prefill + P/D transfer"),

@@ -20,9 +20,12 @@ All shapes are static (T rows, a fixed block table), so the op can sit in a
 captured graph. The CPU kernel walks each request's blocks in chunks of about
 a megabyte, gathers a chunk, runs aten's CPU flash kernel on it with the GQA
 query heads folded into the query dim (one pass over each KV head serves all
-its query heads), and merges the chunk partials by LSE in float32. float64
-inputs, and devices without a fused kernel, run the plain reference of
-:mod:`cpattn.ops.paged_ref`.
+its query heads), and merges the chunk partials by LSE in float32. Small
+batches (few visible keys per row, ``SMALL_ELEMS`` / ``SMALL_ROW_ELEMS``)
+instead gather every row's keys at once and run two batched matmuls; under
+torch.compile on CPU that path, at the block table's static width, is the
+op's decomposition. float64 inputs, and devices without a fused kernel, run
+the plain reference of :mod:`cpattn.ops.paged_ref`.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ from cpattn.ops.paged_ref import paged_attention_ref
 CHUNK_ELEMS = 1 << 18
 # Chunk partials are merged into the running state this many at a time.
 MERGE_EVERY = 32
-# batches whose gathered keys (rows x addressable keys x kv heads x head dim) stay below this many
-# elements take the batched reference path (16 MiB of float32)
-SMALL_ELEMS = 1 << 22
+# The batched small path (one gather, two matmuls) beats the per-request flash loop only while the
+# gathered keys stay small (`cpattn bench paged` measures the crossover): at most SMALL_ELEMS
+# elements in all (rows x keys x kv heads x head dim) and SMALL_ROW_ELEMS per query row.
+SMALL_ELEMS = 1 << 20
+SMALL_ROW_ELEMS = 1 << 16
 
 
 # ---------------------------------------------------------------------------- write_kv
@@ -315,14 +320,20 @@ def _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, scale, 
     return out.reshape(t, hq, dv).to(q.dtype), lse.reshape(t, hq)
 
 
-def _small(q, k_cache, v_cache, block_table) -> bool:
-    """True when the gathered keys of a whole batch stay below ``SMALL_ELEMS`` (and q is not float64)."""
-    addressable = block_table.shape[1] * k_cache.shape[1]  # keys one row of the block table can reach
-    elems = q.shape[0] * addressable * k_cache.shape[2] * max(k_cache.shape[3], v_cache.shape[3])
-    return q.dtype != torch.float64 and elems <= SMALL_ELEMS
+def _small(q, k_cache, v_cache, keys: int, per_row_limit: bool = True) -> bool:
+    """True when every row gathering ``keys`` keys stays within the small-path limits (q not float64)."""
+    row = keys * k_cache.shape[2] * max(k_cache.shape[3], v_cache.shape[3])  # elements one row gathers
+    fits = q.shape[0] * row <= SMALL_ELEMS and (row <= SMALL_ROW_ELEMS or not per_row_limit)
+    return q.dtype != torch.float64 and fits
 
 
-@registry.decomposition("paged_attention_with_lse", when=lambda q, kc, vc, bt, *rest: _small(q, kc, vc, bt))
+def _traceable(q, k_cache, v_cache, block_table, *rest) -> bool:
+    # in a compiled program every row gathers the table's whole width; inductor fuses the gather,
+    # mask and softmax, so only the total size matters (`cpattn bench paged`)
+    return _small(q, k_cache, v_cache, block_table.shape[1] * k_cache.shape[1], per_row_limit=False)
+
+
+@registry.decomposition("paged_attention_with_lse", when=_traceable)
 def _paged_traced(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale):
     # the small path over the whole block-table width: static shapes, no host sync, no validation
     return _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale,
@@ -332,11 +343,13 @@ def _paged_traced(q, k_cache, v_cache, block_table, req_indices, kv_lens, softma
 @registry.kernel("paged_attention_with_lse", "cpu")
 def _paged_cpu(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale):
     t, hq, _ = q.shape
-    addressable = block_table.shape[1] * k_cache.shape[1]  # keys one row of the block table can reach
-    if t and int(kv_lens.max()) > addressable:
+    bs = k_cache.shape[1]
+    addressable = block_table.shape[1] * bs  # keys one row of the block table can reach
+    lmax = int(kv_lens.max()) if t else 0  # host sync: fine inside a CPU kernel
+    if lmax > addressable:
         raise ValueError(
-            f"kv_lens asks for {int(kv_lens.max())} keys but a block_table row addresses only "
-            f"{block_table.shape[1]} blocks x {k_cache.shape[1]}; widen the block table"
+            f"kv_lens asks for {lmax} keys but a block_table row addresses only "
+            f"{block_table.shape[1]} blocks x {bs}; widen the block table"
         )
     if t:  # a -1 (unused) block inside a row's visible keys is a caller bug: name it
         w = block_table.shape[1]
@@ -351,8 +364,9 @@ def _paged_cpu(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_s
             )
     if q.dtype == torch.float64:  # the reference is the float64 kernel
         return paged_attention_ref(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale)
-    if _small(q, k_cache, v_cache, block_table):  # one batched gather + two matmuls beat the loop below
-        return _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale)
+    n_blk = -(-lmax // bs)
+    if _small(q, k_cache, v_cache, n_blk * bs):  # one batched gather + two matmuls beat the loop below
+        return _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale, n_blk=n_blk)
     dv = v_cache.shape[-1]
     out = q.new_zeros(t, hq, dv)
     lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
