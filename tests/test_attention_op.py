@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cpattn.ops import attention_with_lse, registry
+from devices import needs_cuda
 from oracle import attention as oracle
 from oracle import plain_error
 
@@ -53,6 +54,20 @@ def test_matches_oracle(case, dtype):
     assert torch.equal(torch.isfinite(lse), seen), "rows with no visible key must have lse -inf"
     torch.testing.assert_close(lse.double()[seen], ref_lse[seen], atol=tol * 10, rtol=tol * 10)
     assert not torch.isnan(out).any() and (out[~seen] == 0).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_kernel_matches_oracle(case):
+    lq, lk, hq, hkv, dqk, dv, causal = case
+    q, k, v, q_req, k_req, q_pos, k_pos = _inputs(lq, lk, hq, hkv, dqk, dv)
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), _cu(lq).cuda(), _cu(lk).cuda(), causal=causal)
+    ref_out, ref_lse = oracle(q, k, v, q_req, k_req, q_pos, k_pos, causal=causal)
+    assert out.device.type == "cuda" and out.shape == (sum(lq), hq, dv)
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=2e-5, rtol=2e-4)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse).cpu(), seen)
+    torch.testing.assert_close(lse.double().cpu()[seen], ref_lse[seen], atol=2e-5, rtol=2e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -9,6 +9,7 @@ token was written.
 import pytest
 import torch
 
+from devices import needs_cuda
 from oracle import plain_error
 
 from cpattn.graphs.check import agree
@@ -133,6 +134,25 @@ def test_paged_attention_bf16_within_twice_plain_torch(mla, small_elems, monkeyp
                         torch.tensor(q_pos), torch.tensor(k_pos), torch.bfloat16, scale=s)
     assert err <= 2 * plain + 1e-6, (err, plain)
     torch.testing.assert_close(l.double(), want_l, rtol=1e-5, atol=2e-4)  # fp32 LSE of bf16 inputs
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cuda_paged_attention_and_write_kv_match_the_oracle(case):
+    q, k_cache, v_cache, table, req, lens = case_args(case)
+    want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
+    dev = [x.cuda() for x in (q, k_cache, v_cache, table, req, lens)]
+    o, l = paged_attention_with_lse(*dev, softmax_scale=0.3)
+    torch.testing.assert_close(o.double().cpu(), want_o, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(l.double().cpu(), want_l, rtol=1e-5, atol=2e-5)
+    k, v = torch.randn(3, *k_cache.shape[2:]), torch.randn(3, *v_cache.shape[2:])
+    slots = torch.tensor([4, -1, 1])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv_ref(want_k, want_v, k, v, slots)
+    got_k, got_v = k_cache.cuda(), v_cache.cuda()
+    write_kv(got_k, got_v, k.cuda(), v.cuda(), slots.cuda())
+    assert torch.equal(got_k.cpu().nan_to_num(9.0), want_k.nan_to_num(9.0))
+    assert torch.equal(got_v.cpu().nan_to_num(9.0), want_v.nan_to_num(9.0))
 
 
 def _traced(fn, backend="aot_eager"):

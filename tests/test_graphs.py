@@ -20,6 +20,7 @@ from cpattn.graphs import (
     capture_sizes, check_static, get_backend, pick_size, register_backend,
 )
 from cpattn.graphs import demo_program as dp
+from devices import needs_cuda
 
 TOL = 1e-6  # captured vs eager, fp32
 
@@ -85,7 +86,7 @@ def _clone_state(state):
 
 
 def _eager_step(cfg, group, state, batch, query_lens):
-    cu = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    cu = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32).to(batch["x"].device)
     return dp.decode_step(state, {**batch, "cu_seqlens_q": cu}, cfg=cfg, group=group)
 
 
@@ -163,12 +164,12 @@ def test_paths_and_counters():
 
 
 # ----------------------------------------------------------------------------- the demo program, one rank
-def _check_decode(cfg, backend, sizes, q_len, batch_sizes, merge="ag_rs", seed=0):
+def _check_decode(cfg, backend, sizes, q_len, batch_sizes, merge="ag_rs", seed=0, device="cpu"):
     """Prefill (eager), then decode steps of every batch size: captured == eager, both == oracle."""
     cfg = dp.ProgramConfig(**{**cfg.__dict__, "merge": merge})
     params = dp.init_params(cfg, seed=seed)
     group = _one_rank()
-    state = dp.init_state(cfg, params)
+    state = dp.init_state(cfg, params, device=device)
     runner = DecodeRunner(dp.make_step(cfg, group), state, dp.fields(cfg), capture_sizes=sizes,
                           num_speculative_tokens=q_len - 1, backend=backend).capture()
     nreq = max(batch_sizes)
@@ -182,11 +183,11 @@ def _check_decode(cfg, backend, sizes, q_len, batch_sizes, merge="ag_rs", seed=0
         batch, ql = sess.decode(reqs, q_len)
         got = runner(batch, ql)
         assert runner.stats.last == f"graph:{pick_size(runner.sizes, bsz * q_len)}"
-        want = _eager_step(cfg, group, twin, batch, ql)
-        assert got.shape == want.shape == (bsz * q_len, cfg.hidden)
+        want = _eager_step(cfg, group, twin, {k: v.to(device) for k, v in batch.items()}, ql)
+        assert got.shape == want.shape == (bsz * q_len, cfg.hidden) and got.device == want.device
         assert (got - want).abs().max().item() <= TOL
         ref = sess.expected(params, reqs, q_len)
-        assert torch.allclose(got.double(), ref, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(got.double().cpu(), ref, rtol=1e-4, atol=1e-4)
     for (k1, v1), (k2, v2) in zip(state["kv"], twin["kv"]):  # same slots written; padding wrote nothing
         for a, b in ((k1, k2), (v1, v2)):
             assert torch.equal(a.isnan(), b.isnan())
@@ -202,6 +203,14 @@ def test_aot_eager_every_size_and_padded_sizes():
     # every capture size (1, 2, 4, 8) and the padded ones (3, 5, 6, 7)
     runner = _check_decode(SMALL, "aot_eager", [1, 2, 4, 8], 1, [1, 2, 3, 4, 5, 6, 7, 8])
     assert runner.backend.compiles == 4  # one program per size, no recompilation on replay
+
+
+@needs_cuda
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_cuda_graphs_every_size_and_padded_sizes(q_len):
+    sizes = [n * q_len for n in (1, 2, 4, 8)]
+    runner = _check_decode(SMALL, "cuda", sizes, q_len, [1, 2, 3, 4, 5, 6, 7, 8], device="cuda")
+    assert runner.backend.compiles == 4 and runner.stats.graph == 8  # one graph per size, replays only
 
 
 def test_aot_eager_a2a_merge():
