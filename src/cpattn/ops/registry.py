@@ -116,6 +116,15 @@ def decomposition(
     ``fn`` takes the op's arguments and returns what the op returns; it must
     not sync to the host or allocate by data. ``when(*args)`` (static facts
     only: shapes, dtypes) says where it applies; elsewhere the op is called.
+
+    Example
+    -------
+    >>> # in cpattn.ops.paged: small batches trace the batched path at the table's full width
+    >>> # @registry.decomposition("paged_attention_with_lse", when=_traceable)
+    >>> # def _paged_traced(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale): ...
+    >>> import cpattn.ops
+    >>> decompositions()["paged_attention_with_lse"]
+    ('cpu',)
     """
 
     def wrap(fn: Callable) -> Callable:
@@ -150,7 +159,14 @@ def call(name: str, *args: Any) -> Any:
 
 
 def decompositions() -> dict[str, tuple[str, ...]]:
-    """Op name -> device types with a registered :func:`decomposition`."""
+    """Op name -> device types with a registered :func:`decomposition`.
+
+    Example
+    -------
+    >>> import cpattn.ops
+    >>> sorted(decompositions())
+    ['merge_attn_states', 'merge_into', 'paged_attention_with_lse', 'write_kv', 'write_kv_mla']
+    """
     return {name: devices for name, (_, devices, _) in _DECOMPOSITIONS.items()}
 
 
