@@ -34,6 +34,7 @@ from cpattn.comm.group import Group
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.ops import merge_attn_states
 from cpattn.ops.paged import paged_attention_with_lse
+from cpattn.ops.ref import lse_weights
 
 MERGES = ("ag_rs", "a2a")
 
@@ -207,15 +208,6 @@ def dcp_plan(
                    block_table=block_table, seq_lens=seq, query_lens=ql, **t)
 
 
-def _lse_merge(lses: torch.Tensor) -> torch.Tensor:
-    """logsumexp over dim 0 of [N, ...]; NaN/+inf count as -inf, all -inf stays -inf (never NaN)."""
-    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
-    m = lses.amax(dim=0)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    total = torch.exp(lses - m).sum(dim=0)
-    return torch.where(total > 0, m + torch.log(torch.where(total > 0, total, 1.0)), float("-inf"))
-
-
 def dcp_attend_heads(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -253,7 +245,7 @@ def dcp_attend_heads(
     l = l.to(acc)
     if merge == "ag_rs":
         lses = group.all_gather(l[None], dim=0)  # [N, T, N*Hl]
-        total = _lse_merge(lses)  # [T, N*Hl]
+        total = lse_weights(lses)[2]  # [T, N*Hl]: the merged LSE
         w = torch.where(torch.isfinite(total) & torch.isfinite(l), torch.exp(l - total), 0.0)  # [T, N*Hl]
         part = torch.where(w[..., None] > 0, o.to(acc), 0.0)  # an empty partial may hold garbage
         out = group.reduce_scatter(part * w[..., None], dim=1)  # [T, Hl, Dv]

@@ -183,13 +183,14 @@ def decode_step(state: dict, batch: dict[str, torch.Tensor], *, cfg: ProgramConf
     x = batch["x"]  # [T, hidden]
     t = x.shape[0]
     cu = batch["cu_seqlens_q"]  # [B+1]
+    query_lens = cu[1:] - cu[:-1]  # [B]
     tensors = plan_tensors(
-        batch["seq_lens"], cu[1:] - cu[:-1], batch["block_table"], num_tokens=t, dcp_size=group.size,
+        batch["seq_lens"], query_lens, batch["block_table"], num_tokens=t, dcp_size=group.size,
         interleave_size=cfg.interleave_size, block_size=cfg.block_size,
     )
     meta = DCPMeta(
         dcp_size=group.size, interleave_size=cfg.interleave_size, block_size=cfg.block_size,
-        block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=cu[1:] - cu[:-1], **tensors,
+        block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=query_lens, **tensors,
     )
     slots = meta.slot_mapping[group.rank]  # [T]
     hd, hkv = cfg.head_dim, cfg.num_kv_heads

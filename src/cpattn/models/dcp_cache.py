@@ -36,7 +36,7 @@ from cpattn.dcp import DCPMeta, dcp_decode, dcp_plan
 from cpattn.dsa import ShardedKeys, dsa_dcp_attention
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.models import resolve_model
-from cpattn.ops.paged import write_kv, write_kv_mla
+from cpattn.ops.paged import scatter_rows, write_kv, write_kv_mla
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,8 @@ class PagedShard:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
               k_index: torch.Tensor | None = None) -> None:
         """Store k [T, Hkv, Dk] (and v, and DSA indexer keys [T, D_I]) at ``slots`` [T] (-1: not this rank's)."""
-        if k_index is not None:
-            keep = slots >= 0
-            flat = self.ik[layer].view(-1, k_index.shape[-1])  # [num_blocks * block_size, D_I]
-            flat.index_copy_(0, slots[keep], k_index[keep].to(flat.dtype))  # the explicit cache write
+        if k_index is not None:  # the same slot write as write_kv, on the [num_blocks * block_size, D_I] rows
+            scatter_rows(self.ik[layer].view(-1, k_index.shape[-1]), k_index, slots)
         if self.v[layer] is None:
             write_kv_mla(self.k[layer], k[:, 0, : self.dv], k[:, 0, self.dv :], slots)
         else:

@@ -48,12 +48,21 @@ SMALL_ROW_ELEMS = 1 << 16
 
 
 # ---------------------------------------------------------------------------- write_kv
-def _scatter_rows(flat: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
-    """flat[slots[i]] = src[i] for slots >= 0, without a host sync.
+def scatter_rows(flat: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
+    """flat[slots[i]] = src[i] for slots >= 0, in place, without a host sync.
 
-    Rows with slot -1 are redirected to a harmless duplicate write: the first
-    valid row's (slot, value), or slot 0's current value when no row is valid.
-    Duplicate writes carry identical values, so their order cannot matter.
+    flat: [S, ...] cache rows (a flat view of a paged cache); src: [T, ...]
+    (cast to flat's dtype); slots: [T] int, -1 skips the row. Rows with slot
+    -1 are redirected to a harmless duplicate write: the first valid row's
+    (slot, value), or slot 0's current value when no row is valid. Duplicate
+    writes carry identical values, so their order cannot matter.
+
+    Example
+    -------
+    >>> flat = torch.zeros(4, 2)
+    >>> scatter_rows(flat, torch.ones(2, 2), torch.tensor([3, -1]))
+    >>> flat[:, 0].tolist()
+    [0.0, 0.0, 0.0, 1.0]
     """
     if slots.numel() == 0:
         return
@@ -73,8 +82,8 @@ def _scatter_rows(flat: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) ->
 def _write_kv_op(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    _scatter_rows(k_cache.view(-1, *k_cache.shape[2:]), k, slot_mapping)
-    _scatter_rows(v_cache.view(-1, *v_cache.shape[2:]), v, slot_mapping)
+    scatter_rows(k_cache.view(-1, *k_cache.shape[2:]), k, slot_mapping)
+    scatter_rows(v_cache.view(-1, *v_cache.shape[2:]), v, slot_mapping)
 
 
 registry.generic("write_kv")
@@ -97,7 +106,7 @@ def _write_kv_fake(k_cache, v_cache, k, v, slot_mapping):
 @registry.define("write_kv_mla", mutates_args=("kv_cache",))
 def _write_kv_mla_op(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     latent = torch.cat([kv_c, k_pe], dim=-1)[:, None, :]  # [T, 1, Dc + Dr]
-    _scatter_rows(kv_cache.view(-1, *kv_cache.shape[2:]), latent, slot_mapping)
+    scatter_rows(kv_cache.view(-1, *kv_cache.shape[2:]), latent, slot_mapping)
 
 
 registry.generic("write_kv_mla")

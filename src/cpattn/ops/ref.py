@@ -62,15 +62,25 @@ def merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.T
     NaN and +inf LSEs count as -inf; all -inf gives (0, -inf).
     """
     acc = acc_dtype(lses.dtype if lses.dtype == torch.float64 else outs.dtype)
-    lse_in = lses.to(acc)
-    lse_in = torch.where(torch.isnan(lse_in) | (lse_in == float("inf")), float("-inf"), lse_in)
-    m = lse_in.amax(dim=0)  # [T, H]
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    w = torch.exp(lse_in - m)  # [N, T, H], 0 where the partial is empty
-    total = w.sum(dim=0)  # [T, H]
-    live = total > 0
+    w, total, lse = lse_weights(lses.to(acc))  # [N, T, H], [T, H], [T, H]
     parts = torch.where(w[..., None] > 0, outs.to(acc), 0.0)  # empty partials may hold garbage
-    out = (w[..., None] * parts).sum(dim=0) / torch.where(live, total, 1.0)[..., None]
-    lse = torch.where(live, m + torch.log(torch.where(live, total, 1.0)), float("-inf"))
+    out = (w[..., None] * parts).sum(dim=0) / torch.where(total > 0, total, 1.0)[..., None]
     lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
     return out.to(outs.dtype), lse.to(lse_dtype)
+
+
+def lse_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LSE side of a merge: lses [N, ...] -> (w [N, ...], total [...], lse [...]).
+
+    ``w_i = exp(L_i - m)`` with m the largest finite L_i, ``total = sum_i w_i``,
+    ``lse = m + log(total)``. NaN and +inf count as -inf (w 0); where every
+    partial is empty, total is 0 and lse -inf (never NaN).
+    """
+    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
+    m = lses.amax(dim=0)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w = torch.exp(lses - m)  # 0 where the partial is empty
+    total = w.sum(dim=0)
+    live = total > 0
+    lse = torch.where(live, m + torch.log(torch.where(live, total, 1.0)), float("-inf"))
+    return w, total, lse
