@@ -1,4 +1,4 @@
-"""ParallelConfig: every attention rule of the CP guide, valid and invalid, table-driven.
+"""EngineConfig and its parts: every attention rule of the CP guide, valid and invalid, table-driven.
 
 Each invalid row names the parameter the error must blame and a phrase of the
 rule; every error must also carry the values seen and a fix.
@@ -11,7 +11,10 @@ import re
 
 import pytest
 
-from cpattn.config import ParallelConfig
+from cpattn.config import (
+    CacheConfig, CompilationConfig, ConfigError, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+    SpeculativeConfig,
+)
 
 PD = dict(kv_transfer="pd")
 
@@ -77,8 +80,8 @@ CASES = [
     ("role_with_pool", dict(kv_role="kv_producer", kv_transfer="pool"), ("kv_role", 'kv_transfer="pd"')),
     # KV pooling with PCP: non-layerwise connector only
     ("pool_pcp", dict(pcp_size=2, kv_transfer="pool", cp_kv_cache_interleave_size=128), None),
-    ("pool_pcp_layerwise", dict(pcp_size=2, kv_transfer="pool", kv_pool_layerwise=True, cp_kv_cache_interleave_size=128), ("kv_pool_layerwise", "not layerwise")),
-    ("pool_layerwise_no_pcp", dict(kv_transfer="pool", kv_pool_layerwise=True), None),
+    ("pool_pcp_layerwise", dict(pcp_size=2, kv_transfer="pool", use_layerwise=True, cp_kv_cache_interleave_size=128), ("use_layerwise", "not layerwise")),
+    ("pool_layerwise_no_pcp", dict(kv_transfer="pool", use_layerwise=True), None),
     # graph mode with PCP
     ("pcp_eager", dict(pcp_size=2, graph_mode="NONE"), None),
     ("pcp_full_decode_only", dict(pcp_size=2, graph_mode="FULL_DECODE_ONLY"), None),
@@ -112,12 +115,12 @@ CASES = [
 @pytest.mark.parametrize("kwargs, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_rules(kwargs, expected):
     if expected is None:
-        cfg = ParallelConfig(**kwargs)
+        cfg = EngineConfig.create(**kwargs)
         assert cfg.problems() == []
         return
     param, phrase = expected
-    with pytest.raises(ValueError) as info:
-        ParallelConfig(**kwargs)
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create(**kwargs)
     msg = str(info.value)
     lines = [line for line in msg.splitlines() if line.startswith(f"  - {param}: ")]
     assert lines, f"no problem blames {param!r} in:\n{msg}"
@@ -128,10 +131,10 @@ def test_rules(kwargs, expected):
 
 def test_every_problem_reported_at_once():
     with pytest.raises(ValueError) as info:
-        ParallelConfig(attention="mla", tp_size=2, pcp_size=2, dcp_size=2, graph_mode="FULL",
+        EngineConfig.create(attention="mla", tp_size=2, pcp_size=2, dcp_size=2, graph_mode="FULL",
                        speculative_method="eagle3", num_speculative_tokens=1, draft_sampling="random")
     msg = str(info.value)
-    assert msg.startswith("invalid ParallelConfig (4 problems):")
+    assert msg.startswith("invalid EngineConfig (4 problems):")
     for param in ("pcp_size", "graph_mode", "speculative_method", "draft_sampling"):
         assert f"  - {param}: " in msg
 
@@ -139,11 +142,11 @@ def test_every_problem_reported_at_once():
 def test_fix_is_actionable():
     # applying the suggested dcp sizes gives valid configs
     with pytest.raises(ValueError, match=r"use dcp_size in \[1, 2\]"):
-        ParallelConfig(tp_size=8, dcp_size=4, num_kv_heads=4)
+        EngineConfig.create(tp_size=8, dcp_size=4, num_kv_heads=4)
     for dcp in (1, 2):
-        ParallelConfig(tp_size=8, dcp_size=dcp, num_kv_heads=4)
+        EngineConfig.create(tp_size=8, dcp_size=dcp, num_kv_heads=4)
     with pytest.raises(ValueError, match=r"use dcp_size in \[1, 2, 3, 6\]"):
-        ParallelConfig(tp_size=6, dcp_size=4, attention="mla")
+        EngineConfig.create(tp_size=6, dcp_size=4, attention="mla")
 
 
 @pytest.mark.parametrize("tp, pcp, world, expected", [(1, 1, None, 1), (2, 2, None, 4), (4, 2, 8, 16), (8, 1, 16, 16)])
@@ -153,19 +156,75 @@ def test_world_size_with_pcp(tp, pcp, world, expected):
 
 
 def test_dcp_adds_no_ranks():
-    cfg = ParallelConfig(tp_size=8, dcp_size=8, attention="mla")
-    assert cfg.world_size_with_pcp == 8
+    cfg = EngineConfig.create(tp_size=8, dcp_size=8, attention="mla")
+    assert cfg.parallel.world_size_with_pcp == 8
 
 
 def test_frozen_and_replace_revalidates():
-    cfg = ParallelConfig(tp_size=2, attention="mla")
+    cfg = EngineConfig.create(tp_size=2, attention="mla")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.tp_size = 4  # type: ignore[misc]
-    assert cfg.replace(tp_size=4, dcp_size=4).world_size_with_pcp == 4  # world_size follows tp_size
+        cfg.parallel.tp_size = 4  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.parallel = ParallelConfig()  # type: ignore[misc]
+    assert cfg.replace(tp_size=4, dcp_size=4).parallel.world_size_with_pcp == 4  # world_size follows tp_size
     with pytest.raises(ValueError, match="dcp_size"):
         cfg.replace(dcp_size=4)
+    assert cfg.parallel.replace(pcp_size=2).world_size_with_pcp == 4
 
 
 def test_normalised_names():
-    cfg = ParallelConfig(attention="GQA", graph_mode="full_decode_only", kv_transfer="PD", kv_role="KV_Producer")
-    assert (cfg.attention, cfg.graph_mode, cfg.kv_transfer, cfg.kv_role) == ("gqa", "FULL_DECODE_ONLY", "pd", "kv_producer")
+    cfg = EngineConfig.create(attention="GQA", graph_mode="full_decode_only", kv_transfer="PD", kv_role="KV_Producer")
+    assert (cfg.model.attention, cfg.compilation.graph_mode, cfg.kv_transfer.kv_transfer, cfg.kv_transfer.kv_role) == (
+        "gqa", "FULL_DECODE_ONLY", "pd", "kv_producer")
+
+
+# rules added with the split configs: heads vs TP, replicated KV heads, capture sizes, dynamic draft length
+MORE = [
+    ("heads_not_divisible", dict(tp_size=4, num_attention_heads=6), ("tp_size", "num_attention_heads % tp_size")),
+    ("heads_divisible", dict(tp_size=2, num_attention_heads=6), None),
+    ("gqa_replicated_kv_heads", dict(tp_size=2, dcp_size=2, num_kv_heads=4, tp_splits_kv_heads=False), None),
+    ("gqa_replicated_dcp_gt_tp", dict(tp_size=2, dcp_size=4, num_kv_heads=4, tp_splits_kv_heads=False),
+     ("dcp_size", "tp_size >= dcp_size")),
+    ("capture_sizes_spec", dict(speculative_method="ngram", num_speculative_tokens=1, capture_sizes=[2, 4]), None),
+    ("capture_sizes_not_multiple", dict(speculative_method="ngram", num_speculative_tokens=2, capture_sizes=[3, 4]),
+     ("capture_sizes", "multiples of 3")),
+    ("capture_sizes_empty", dict(capture_sizes=[]), ("capture_sizes", "non-empty")),
+    ("pcp_dynamic_draft", dict(attention="dsa", pcp_size=2, speculative_method="dspark", num_speculative_tokens=2,
+                               dynamic_draft_length=True), ("dynamic_draft_length", "not validated")),
+    ("dynamic_draft_no_pcp", dict(attention="dsa", speculative_method="dspark", num_speculative_tokens=2,
+                                  dynamic_draft_length=True), None),
+]
+
+
+@pytest.mark.parametrize("kwargs, expected", [c[1:] for c in MORE], ids=[c[0] for c in MORE])
+def test_more_rules(kwargs, expected):
+    test_rules(kwargs, expected)
+
+
+@pytest.mark.parametrize("cls, kwargs, param", [
+    (ParallelConfig, dict(dcp_size=0), "dcp_size"),
+    (CacheConfig, dict(block_size=64, cp_kv_cache_interleave_size=48), "cp_kv_cache_interleave_size"),
+    (KVTransferConfig, dict(kv_transfer="pd"), "kv_role"),
+    (SpeculativeConfig, dict(num_speculative_tokens=2), "num_speculative_tokens"),
+    (CompilationConfig, dict(graph_mode="eager"), "graph_mode"),
+    (ModelConfig, dict(attention="mha"), "attention"),
+])
+def test_each_part_checks_itself(cls, kwargs, param):
+    with pytest.raises(ConfigError, match=rf"invalid {cls.__name__} \(1 problem\):\n  - {param}: saw "):
+        cls(**kwargs)
+
+
+def test_create_names_unknown_fields():
+    with pytest.raises(TypeError, match=r"unknown fields \['pcp'\]"):
+        EngineConfig.create(pcp=2)
+
+
+def test_parts_compose():
+    cfg = EngineConfig(model=ModelConfig(attention="mla"), parallel=ParallelConfig(tp_size=2, dcp_size=2),
+                       cache=CacheConfig(block_size=64, cp_kv_cache_interleave_size=64),
+                       kv_transfer=KVTransferConfig(kv_transfer="pd", kv_role="kv_consumer"))
+    assert cfg == EngineConfig.create(attention="mla", tp_size=2, dcp_size=2, block_size=64,
+                                      cp_kv_cache_interleave_size=64, kv_transfer="pd", kv_role="kv_consumer")
+    with pytest.raises(ConfigError, match="cp_kv_cache_interleave_size"):  # the cross rule, checked on assembly
+        EngineConfig(model=ModelConfig(attention="mla"), parallel=ParallelConfig(tp_size=2, dcp_size=2),
+                     kv_transfer=KVTransferConfig(kv_transfer="pool"))

@@ -79,9 +79,9 @@ def test_blocks_are_whole_and_dealt_round_robin():
 def test_config_rules():
     _, _, cfg = tiny_qwen3()
     prod, cons = pd_configs(cfg, prefill_size=4, decode_size=2, block_size=8)
-    assert (prod.kv_role, prod.pcp_size, cons.kv_role, cons.pcp_size, cons.dcp_size) == \
+    assert (prod.kv_transfer.kv_role, prod.parallel.pcp_size, cons.kv_transfer.kv_role, cons.parallel.pcp_size, cons.parallel.dcp_size) == \
         ("kv_producer", 4, "kv_consumer", 1, 2)
-    assert cons.cp_kv_cache_interleave_size == cons.block_size == 8
+    assert cons.cache.cp_kv_cache_interleave_size == cons.cache.block_size == 8
     with pytest.raises(ValueError, match="pcp_size"):
         pd_configs(cfg, prefill_size=2, decode_size=2, block_size=8, decode_pcp_size=2)
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size"):

@@ -120,7 +120,7 @@ def test_opt_in_and_config_checks():
         ParallelConfig(tp_size=4, pcp_size=2, dcp_size=2, num_kv_heads=2)
     with pytest.raises(ValueError, match="allow_pcp_with_dcp"):
         pcp_dcp_config(cfg, 2, allow_pcp_with_dcp=False)
-    assert pcp_dcp_config(cfg, 2).allow_pcp_with_dcp
+    assert pcp_dcp_config(cfg, 2).parallel.allow_pcp_with_dcp
     model, params, _, _ = reference("qwen3")
     bad = ParallelConfig(tp_size=4, pcp_size=4, dcp_size=2, num_kv_heads=2, allow_pcp_with_dcp=True)
     with pytest.raises(ValueError, match="same ranks for both"):

@@ -7,7 +7,7 @@ come out. See README.md and DESIGN.md.
 """
 
 from cpattn.comm import Group, simulate
-from cpattn.config import ParallelConfig
+from cpattn.config import EngineConfig, ParallelConfig
 from cpattn.dsa import (
     DSACache, DSACPPlan, ShardedKeys, dcp_shard_keys, dsa_attention, dsa_cp_attention, dsa_cp_plan, dsa_cp_shard,
     dsa_cp_unshard, dsa_cp_work, dsa_dcp_attention, dsa_dcp_topk,
@@ -27,7 +27,7 @@ from cpattn.pcp import Context, pcp_prefill
 __version__ = "0.1.0"
 
 __all__ = [
-    "Group", "simulate", "ParallelConfig",
+    "Group", "simulate", "ParallelConfig", "EngineConfig",
     "PCPPlan", "pcp_plan", "pcp_shard", "pcp_unshard", "pcp_prefill", "Context",
     "attention_with_lse", "merge_attn_states",
     "DCPMeta", "DCPContext", "dcp_plan", "dcp_decode",

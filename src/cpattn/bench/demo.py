@@ -61,7 +61,7 @@ import torch
 from cpattn.bench.common import DTYPES, Progress, table, write_json
 from cpattn.comm.group import Group
 from cpattn.comm.sim import SimMesh
-from cpattn.config import ParallelConfig
+from cpattn.config import EngineConfig as ParallelConfig
 from cpattn.dcp import DCPMeta, plan_tensors
 from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
 from cpattn.graphs import DecodeRunner, Field, capture_sizes, pick_size
@@ -149,18 +149,18 @@ def engine_configs(spec: Spec, cfg: Any) -> tuple[ParallelConfig, ParallelConfig
     common = dict(attention=kind, block_size=spec.block_size, cp_kv_cache_interleave_size=spec.block_size,
                   kv_transfer="pd")
     graph = "FULL_DECODE_ONLY" if spec.graph_mode == "full_decode_only" else "NONE"
-    prefill = ParallelConfig(tp_size=1, pcp_size=spec.pcp, kv_role="kv_producer", graph_mode=graph, **common)
+    prefill = ParallelConfig.create(tp_size=1, pcp_size=spec.pcp, kv_role="kv_producer", graph_mode=graph, **common)
     kv_heads = cfg.kv_dims[0] if kind == "gqa" else None
     note = ""
     try:
-        decode = ParallelConfig(tp_size=spec.dcp, dcp_size=spec.dcp, num_kv_heads=kv_heads, kv_role="kv_consumer",
+        decode = ParallelConfig.create(tp_size=spec.dcp, dcp_size=spec.dcp, num_kv_heads=kv_heads, kv_role="kv_consumer",
                                 graph_mode=graph, **common)
     except ValueError:
         if kind != "gqa" or kv_heads == 1:
             raise
         # cpattn.models keeps every KV head on every rank (KV heads replicated over TP, as when
         # tp > num_kv_heads), so the ranks of the DCP group do hold the same KV heads.
-        decode = ParallelConfig(tp_size=spec.dcp, dcp_size=spec.dcp, num_kv_heads=1, kv_role="kv_consumer",
+        decode = ParallelConfig.create(tp_size=spec.dcp, dcp_size=spec.dcp, num_kv_heads=1, kv_role="kv_consumer",
                                 graph_mode=graph, **common)
         note = (f"the model's {kv_heads} KV heads are replicated on every rank (not split by TP), so the GQA rule "
                 f"is checked with one KV-head group")

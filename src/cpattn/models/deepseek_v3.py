@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cpattn.engine.family import KVLayout, ModelFamily
 from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import (
     Attention,
@@ -323,3 +324,13 @@ def init_params(
                 p.update({s + "gate_proj.weight": rnd(sm, hs), s + "up_proj.weight": rnd(sm, hs),
                           s + "down_proj.weight": rnd(hs, sm)})
     return p
+
+
+def kv_layouts(cfg: DeepseekV3Config) -> tuple[KVLayout, ...]:
+    """One MLA latent row per layer: ``[latent kv_lora_rank | rope key]``, values its first kv_lora_rank dims."""
+    return (KVLayout(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank, values_in_keys=True),) \
+        * cfg.num_hidden_layers
+
+
+FAMILY = ModelFamily(name="deepseek_v3", config_class=DeepseekV3Config, attention="mla", forward=forward,
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=False)

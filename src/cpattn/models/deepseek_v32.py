@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.models import deepseek_v3 as v3
+from cpattn.engine.family import KVLayout, ModelFamily
 from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import config_dict, rope_half
 
@@ -134,3 +135,13 @@ def init_params(
         p[pre + "k_norm.bias"] = torch.zeros(di, dtype=dtype)
         p[pre + "weights_proj.weight"] = (torch.randn(hi, hs, generator=g) * std).to(dtype)
     return p
+
+
+def kv_layouts(cfg: DeepseekV32Config) -> tuple[KVLayout, ...]:
+    """The MLA latent row plus the indexer key (``index_head_dim``) per layer."""
+    return (KVLayout(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank, values_in_keys=True,
+                     index_head_dim=cfg.index_head_dim),) * cfg.num_hidden_layers
+
+
+FAMILY = ModelFamily(name="deepseek_v32", config_class=DeepseekV32Config, attention="dsa", forward=forward,
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=False)

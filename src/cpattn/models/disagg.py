@@ -52,7 +52,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.comm.sim import simulate
-from cpattn.config import ParallelConfig
+from cpattn.config import EngineConfig
 from cpattn.layout.dcp import reshard_kv_blocks
 from cpattn.models.dcp_cache import PagedShard
 from cpattn.models.generate import (
@@ -87,7 +87,7 @@ def decode_engine_tp(cfg: Any, dcp_size: int) -> int:
 
 
 def pd_configs(cfg: Any, *, prefill_size: int, decode_size: int, block_size: int,
-               interleave_size: int | None = None, decode_pcp_size: int = 1) -> tuple[ParallelConfig, ParallelConfig]:
+               interleave_size: int | None = None, decode_pcp_size: int = 1) -> tuple[EngineConfig, EngineConfig]:
     """The two engines' :class:`~cpattn.config.ParallelConfig` (producer, consumer), validated by the guide's rules.
 
     Raises ValueError when the decode side has ``decode_pcp_size > 1`` or
@@ -99,15 +99,15 @@ def pd_configs(cfg: Any, *, prefill_size: int, decode_size: int, block_size: int
     >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
     ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     >>> prod, cons = pd_configs(cfg, prefill_size=2, decode_size=2, block_size=4)
-    >>> prod.kv_role, cons.kv_role, cons.pcp_size
+    >>> prod.kv_transfer.kv_role, cons.kv_transfer.kv_role, cons.parallel.pcp_size
     ('kv_producer', 'kv_consumer', 1)
     """
     inter = block_size if interleave_size is None else interleave_size
     kind = attention_kind(cfg)
     heads = cfg.kv_dims[0] if kind == "gqa" else None
     common = dict(attention=kind, block_size=block_size, cp_kv_cache_interleave_size=inter, kv_transfer="pd")
-    producer = ParallelConfig(tp_size=1, pcp_size=prefill_size, kv_role="kv_producer", **common)
-    consumer = ParallelConfig(tp_size=decode_engine_tp(cfg, decode_size), pcp_size=decode_pcp_size,
+    producer = EngineConfig.create(tp_size=1, pcp_size=prefill_size, kv_role="kv_producer", **common)
+    consumer = EngineConfig.create(tp_size=decode_engine_tp(cfg, decode_size), pcp_size=decode_pcp_size,
                               dcp_size=decode_size, num_kv_heads=heads, kv_role="kv_consumer", **common)
     if inter != block_size:  # ParallelConfig checks this only with CP on; whole-block transfer always needs it
         raise ValueError(

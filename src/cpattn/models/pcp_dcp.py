@@ -46,7 +46,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.comm.sim import simulate
-from cpattn.config import ParallelConfig
+from cpattn.config import EngineConfig
 from cpattn.layout.dcp import dcp_owner, dcp_slot_mapping
 from cpattn.models import resolve_model
 from cpattn.models.dcp_cache import PagedShard
@@ -59,7 +59,7 @@ EXCHANGES = ("a2a", "allgather")
 
 
 def pcp_dcp_config(cfg: Any, size: int, *, block_size: int = 4, interleave_size: int = 1,
-                   allow_pcp_with_dcp: bool = True, **over) -> ParallelConfig:
+                   allow_pcp_with_dcp: bool = True, **over) -> EngineConfig:
     """A :class:`~cpattn.config.ParallelConfig` with ``pcp_size == dcp_size == size`` for a model config.
 
     tp_size is :func:`cpattn.models.disagg.decode_engine_tp` (the models keep
@@ -71,11 +71,11 @@ def pcp_dcp_config(cfg: Any, size: int, *, block_size: int = 4, interleave_size:
     >>> from cpattn.models import qwen3
     >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
     ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    >>> pcp_dcp_config(cfg, 2).allow_pcp_with_dcp
+    >>> pcp_dcp_config(cfg, 2).parallel.allow_pcp_with_dcp
     True
     """
     kind = attention_kind(cfg)
-    return ParallelConfig(tp_size=decode_engine_tp(cfg, size), pcp_size=size, dcp_size=size, attention=kind,
+    return EngineConfig.create(tp_size=decode_engine_tp(cfg, size), pcp_size=size, dcp_size=size, attention=kind,
                           num_kv_heads=cfg.kv_dims[0] if kind == "gqa" else None, block_size=block_size,
                           cp_kv_cache_interleave_size=interleave_size, allow_pcp_with_dcp=allow_pcp_with_dcp,
                           **over)
@@ -196,19 +196,19 @@ class PCPDCPResult:
     prefill: PrefillFacts
 
 
-def _check_config(config: ParallelConfig, size: int) -> None:
-    if not isinstance(config, ParallelConfig):
-        raise TypeError(f"config must be a cpattn.config.ParallelConfig; got {type(config).__name__}")
-    if config.pcp_size != size or config.dcp_size != size:
+def _check_config(config: EngineConfig, size: int) -> None:
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be a cpattn.config.EngineConfig; got {type(config).__name__}")
+    if config.parallel.pcp_size != size or config.parallel.dcp_size != size:
         raise ValueError(
-            f"config has pcp_size={config.pcp_size}, dcp_size={config.dcp_size} but the group has {size} ranks; "
+            f"config has pcp_size={config.parallel.pcp_size}, dcp_size={config.parallel.dcp_size} but the group has {size} ranks; "
             f"PCP+DCP here uses the same ranks for both: pass pcp_size = dcp_size = {size} "
             "(cpattn.models.pcp_dcp.pcp_dcp_config builds one)"
         )
 
 
 def pcp_dcp_generate_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: Any, prompts: list,
-                             max_new_tokens: int, *, config: ParallelConfig, pcp_method: str = "ring",
+                             max_new_tokens: int, *, config: EngineConfig, pcp_method: str = "ring",
                              exchange: str = "a2a", drafter=None, num_speculative_tokens: int = 0,
                              dcp_merge: str = "ag_rs", graph: bool = False) -> PCPDCPResult:
     """PCP prefill into the DCP layout, then DCP decode (optionally speculative), on every rank of ``group``.
@@ -226,7 +226,7 @@ def pcp_dcp_generate_on_rank(group: Group, model: ModuleType | str, params: dict
     k = num_speculative_tokens if drafter is not None else 0
     steps = max_new_tokens - 1
     shard = PagedShard.empty(cfg, seq_lens=shard_capacity([len(p) for p in plist], steps, k), dcp_size=group.size,
-                             block_size=config.block_size, interleave_size=config.cp_kv_cache_interleave_size,
+                             block_size=config.cache.block_size, interleave_size=config.cache.cp_kv_cache_interleave_size,
                              dtype=params["model.embed_tokens.weight"].dtype)
     first, first_logits, facts = pcp_dcp_prefill_on_rank(group, model, params, cfg, tokens, cu, shard,
                                                          pcp_method=pcp_method, exchange=exchange)
@@ -239,10 +239,10 @@ def pcp_dcp_generate_on_rank(group: Group, model: ModuleType | str, params: dict
 
 
 def pcp_dcp_generate(model: ModuleType | str, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
-                     config: ParallelConfig, **kw) -> SpecGeneration:
+                     config: EngineConfig, **kw) -> SpecGeneration:
     """:func:`pcp_dcp_generate_on_rank` on ``config.pcp_size`` simulated ranks; returns rank 0's generation."""
-    _check_config(config, config.pcp_size)
-    outs = simulate(config.pcp_size, pcp_dcp_generate_on_rank, model, params, cfg, prompts, max_new_tokens,
+    _check_config(config, config.parallel.pcp_size)
+    outs = simulate(config.parallel.pcp_size, pcp_dcp_generate_on_rank, model, params, cfg, prompts, max_new_tokens,
                     config=config, **kw)
     for r, o in enumerate(outs[1:], 1):
         if not torch.equal(o.generation.tokens, outs[0].generation.tokens):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cpattn.engine.family import KVLayout, ModelFamily
 from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import (
     Attention,
@@ -176,3 +177,12 @@ def init_params(cfg: Qwen3Config, *, seed: int = 0, std: float = 0.02, dtype=tor
             pre + "mlp.down_proj.weight": rnd(hs, im),
         })
     return p
+
+
+def kv_layouts(cfg: Qwen3Config) -> tuple[KVLayout, ...]:
+    """One GQA cache row per layer: ``num_key_value_heads`` keys and values of ``head_dim``."""
+    return (KVLayout(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim),) * cfg.num_hidden_layers
+
+
+FAMILY = ModelFamily(name="qwen3", config_class=Qwen3Config, attention="gqa", forward=forward,
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True)

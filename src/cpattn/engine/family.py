@@ -1,0 +1,110 @@
+"""``ModelFamily``: what a model family declares so the engine can prefill, hand off and decode it.
+
+A family is one file in :mod:`cpattn.models` that defines pure functions
+and one ``FAMILY = ModelFamily(...)`` naming them. The engine reads only
+this declaration: it never sniffs module names or config attributes.
+
+- ``forward(params, cfg, tokens, attn, *, logits_index=None, hidden_layers=None)``:
+  tokens [T] int64 of one step, ``attn`` an attention step (the engine's,
+  see :class:`cpattn.models.common.Attention`); returns logits
+  [T or len(logits_index), V]. With ``hidden_layers`` (a tuple of layer
+  indices, possibly empty) it returns ``(logits, hidden)`` where
+  ``hidden["norm"]`` is the final-normed hidden state [T, H] (what MTP
+  drafters read) and ``hidden[i]`` the residual stream after layer i
+  (what Eagle3 / DSpark fuse).
+- ``init_params(cfg, *, seed, std, dtype)``: random weights with the Hugging Face names.
+- ``config_class.from_hf(config)``: the family's config from a transformers
+  config, a config.json dict or a checkpoint path.
+- ``kv_layouts(cfg)``: one :class:`KVLayout` per layer (what a token
+  leaves in that layer's cache, so what a hand-off moves).
+- ``attention``: "gqa", "mla" or "dsa" (the guide's attention kinds; DSA
+  prefill runs as DSA-CP over a token split, the others as PCP).
+- ``capturable``: the decode step has no data-dependent shapes or host
+  syncs, so graph backends other than "eager" can capture it.
+
+Example
+-------
+>>> from cpattn.engine.family import get_family
+>>> fam = get_family("qwen3")
+>>> fam.attention, fam.capturable
+('gqa', True)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cpattn.config import ModelConfig
+
+# model_type -> the module that defines FAMILY (imported on first use)
+FAMILY_MODULES = {
+    "qwen3": "cpattn.models.qwen3",
+    "deepseek_v3": "cpattn.models.deepseek_v3",
+    "deepseek_v32": "cpattn.models.deepseek_v32",
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token leaves in one layer's KV cache.
+
+    num_kv_heads, head_dim (key width per head), v_head_dim (value width);
+    values_in_keys: values are ``keys[..., :v_head_dim]`` (the MLA latent
+    row ``[latent | rope]``, one head), so there is no value cache;
+    index_head_dim: width of the DSA indexer key (0: no indexer cache).
+
+    >>> KVLayout(1, 576, 512, values_in_keys=True, index_head_dim=128).row_width
+    704
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    values_in_keys: bool = False
+    index_head_dim: int = 0
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one token's row in this layer: keys, values unless in keys, indexer key."""
+        values = 0 if self.values_in_keys else self.num_kv_heads * self.v_head_dim
+        return self.num_kv_heads * self.head_dim + values + self.index_head_dim
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family's declaration (see module doc)."""
+
+    name: str
+    config_class: type
+    attention: str
+    forward: Callable[..., Any]
+    init_params: Callable[..., dict]
+    kv_layouts: Callable[[Any], tuple[KVLayout, ...]]
+    capturable: bool = False
+
+    def model_config(self, cfg: Any) -> ModelConfig:
+        """The :class:`~cpattn.config.ModelConfig` of a family config, as the engine lays it out.
+
+        The engine keeps every KV head on every rank of a DCP group (TP splits
+        only the query heads), hence ``tp_splits_kv_heads=False``.
+        """
+        layout = self.kv_layouts(cfg)[0]
+        return ModelConfig(attention=self.attention, num_attention_heads=cfg.num_attention_heads,
+                           num_kv_heads=layout.num_kv_heads, tp_splits_kv_heads=False)
+
+
+def get_family(model: ModelFamily | str | dict) -> ModelFamily:
+    """A family by itself, by ``model_type`` name, or from a config dict's ``model_type``.
+
+    >>> get_family({"model_type": "deepseek_v32"}).attention
+    'dsa'
+    """
+    if isinstance(model, ModelFamily):
+        return model
+    name = model.get("model_type") if isinstance(model, dict) else model
+    if name not in FAMILY_MODULES:
+        raise ValueError(f"model_type {name!r} is not supported; supported: {sorted(FAMILY_MODULES)}")
+    return importlib.import_module(FAMILY_MODULES[name]).FAMILY
