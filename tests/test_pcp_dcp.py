@@ -14,7 +14,7 @@ from spec_pd_cases import pcp_dcp_cases, prompts, tiny_qwen3
 
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import simulate
-from cpattn.config import ParallelConfig
+from cpattn.config import EngineConfig
 from cpattn.layout.dcp import dcp_owner
 from cpattn.layout.pcp import pcp_plan, pcp_shard
 from cpattn.models.cache import PCPStep
@@ -117,12 +117,12 @@ def test_a2a_moves_fewer_bytes_than_allgather():
 def test_opt_in_and_config_checks():
     _, _, cfg = tiny_qwen3()
     with pytest.raises(ValueError, match="PCP and DCP cannot both be enabled"):
-        ParallelConfig(tp_size=4, pcp_size=2, dcp_size=2, num_kv_heads=2)
+        EngineConfig.create(tp_size=4, pcp_size=2, dcp_size=2, num_kv_heads=2)
     with pytest.raises(ValueError, match="allow_pcp_with_dcp"):
         pcp_dcp_config(cfg, 2, allow_pcp_with_dcp=False)
     assert pcp_dcp_config(cfg, 2).parallel.allow_pcp_with_dcp
     model, params, _, _ = reference("qwen3")
-    bad = ParallelConfig(tp_size=4, pcp_size=4, dcp_size=2, num_kv_heads=2, allow_pcp_with_dcp=True)
+    bad = EngineConfig.create(tp_size=4, pcp_size=4, dcp_size=2, num_kv_heads=2, allow_pcp_with_dcp=True)
     with pytest.raises(ValueError, match="same ranks for both"):
         pcp_dcp_generate(model, params, cfg, prompts(), 4, config=bad)
 
