@@ -58,6 +58,8 @@ class DistGroup(Group):
     >>> # group = DistGroup(); y = group.all_gather(x)
     """
 
+    traceable = True  # the _c10d_functional ops are traceable by torch.compile(fullgraph=True)
+
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, *, algorithm: str = "auto", small_bytes: int = SMALL_BYTES
     ):

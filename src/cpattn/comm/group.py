@@ -85,6 +85,7 @@ class Group(abc.ABC):
 
     rank: int
     size: int
+    traceable: bool = False  # torch.compile can trace its collectives (torch.distributed: yes; threads: no)
 
     def __init__(self) -> None:
         self.stats = CommStats()
