@@ -6,9 +6,7 @@ Imports cpattn only, so spawned ranks start fast.
 import torch
 
 from cpattn.models import deepseek_v3, deepseek_v32, qwen3
-from cpattn.models.disagg import pd_generate_on_rank
-from cpattn.models.pcp_dcp import pcp_dcp_generate_on_rank
-from cpattn.models.speculative import speculative_generate_on_rank
+from cpattn.models.generate import pcp_dcp_generate_on_rank, pd_generate_on_rank, speculative_generate_on_rank
 
 VOCAB = 64
 
@@ -59,4 +57,5 @@ def pd_cases(group, cases):
 
 
 def pcp_dcp_cases(group, cases):
-    return [pcp_dcp_generate_on_rank(group, *a, **kw) for a, kw in cases]
+    """Each case is (rank function, args, kwargs)."""
+    return [fn(group, *a, **kw) for fn, a, kw in cases]

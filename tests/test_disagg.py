@@ -13,11 +13,13 @@ import spec_pd_cases
 from spec_pd_cases import pd_cases, prompts, tiny_qwen3
 
 from cpattn.comm.launch import spawn
+from cpattn.comm.sim import SimMesh
+from cpattn.engine.batch import Prompts
+from cpattn.engine.drafters import NgramDrafter
+from cpattn.engine.handoff import deal_blocks, request_blocks
+from cpattn.engine.prefill import gather_unshard, prefill
 from cpattn.layout.dcp import unshard_kv_blocks
-from cpattn.models.disagg import PDResult, deal_blocks, disagg_generate, pd_configs, request_blocks
-from cpattn.models.drafters import NgramDrafter
-from cpattn.models.generate import prefill_local
-from cpattn.models.kv_rows import pack_rows
+from cpattn.models.generate import disagg_generate, pd_configs
 
 NEW = 12
 
@@ -53,43 +55,41 @@ def test_mla_dsa_with_speculation(name):
 def test_blocks_are_whole_and_dealt_round_robin():
     """Block j of a request goes to decode rank j % N as local block j // N; tails past the prompt are NaN."""
     model, params, cfg, _ = reference("qwen3")
-    ps = prompts()
-    tokens = torch.tensor(sum(ps, []))
-    cu = [0]
-    for q in ps:
-        cu.append(cu[-1] + len(q))
-    pre = prefill_local(model, params, cfg, tokens, cu)
-    rows = pack_rows(pre.k, pre.v, pre.ik)  # [T, L, F]
+    ps = Prompts.of(prompts())
+    cu = ps.cu_seqlens
+    one = SimMesh(1).groups()[0]
+    out = prefill(one, model.FAMILY, params, cfg, ps)
+    rows = gather_unshard(one, out.rows, out.plan)  # [T, F] request order
     bs, n = 4, 3
-    blocks = request_blocks(pre, bs)
-    dealt = deal_blocks(blocks, decode_size=n, block_size=bs)
+    blocks = request_blocks(rows, cu, bs)
+    dealt = deal_blocks(blocks, decode_size=n)
     for b, (a, e) in enumerate(zip(cu, cu[1:])):
-        empty = blocks[b].new_zeros(0, bs, *rows.shape[1:])  # [0, B, L, F]
+        empty = blocks[b].new_zeros(0, bs, rows.shape[1])  # [0, B, F]
         parts = []
         for r in range(n):
-            mine = sorted((i, pl) for rb, i, pl in dealt[r] if rb == b)  # (local block, [L, B, F])
+            mine = sorted(((i, pl) for rb, i, pl in dealt[r] if rb == b), key=lambda x: x[0])  # (local block, [B, F])
             assert [i for i, _ in mine] == list(range(len(mine)))
-            parts.append(torch.stack([pl.transpose(0, 1) for _, pl in mine]) if mine else empty)
-        whole = unshard_kv_blocks(parts, dcp_size=n, interleave_size=bs, block_size=bs)  # [nb, B, L, F]
-        flat = whole.reshape(-1, *rows.shape[1:])
+            parts.append(torch.stack([pl for _, pl in mine]) if mine else empty)
+        whole = unshard_kv_blocks(parts, dcp_size=n, interleave_size=bs, block_size=bs)  # [nb, B, F]
+        flat = whole.reshape(-1, rows.shape[1])
         assert torch.equal(flat[: e - a], rows[a:e])
         assert torch.isnan(flat[e - a :]).all()
 
 
 def test_config_rules():
     _, _, cfg = tiny_qwen3()
-    prod, cons = pd_configs(cfg, prefill_size=4, decode_size=2, block_size=8)
+    prod, cons = pd_configs("qwen3", cfg, prefill_size=4, decode_size=2, block_size=8)
     assert (prod.kv_transfer.kv_role, prod.parallel.pcp_size, cons.kv_transfer.kv_role, cons.parallel.pcp_size, cons.parallel.dcp_size) == \
         ("kv_producer", 4, "kv_consumer", 1, 2)
     assert cons.cache.cp_kv_cache_interleave_size == cons.cache.block_size == 8
     with pytest.raises(ValueError, match="pcp_size"):
-        pd_configs(cfg, prefill_size=2, decode_size=2, block_size=8, decode_pcp_size=2)
+        pd_configs("qwen3", cfg, prefill_size=2, decode_size=2, block_size=8, decode_pcp_size=2)
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size"):
-        pd_configs(cfg, prefill_size=2, decode_size=2, block_size=8, interleave_size=1)
+        pd_configs("qwen3", cfg, prefill_size=2, decode_size=2, block_size=8, interleave_size=1)
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size"):
-        pd_configs(cfg, prefill_size=2, decode_size=1, block_size=8, interleave_size=2)
+        pd_configs("qwen3", cfg, prefill_size=2, decode_size=1, block_size=8, interleave_size=2)
     model, params, _ = tiny_qwen3()
-    with pytest.raises(ValueError, match="DCP size must divide"):
+    with pytest.raises(ValueError, match=r"num_attention_heads % tp_size == 0"):
         disagg_generate(model, params, cfg, prompts(), 4, prefill_size=2, decode_size=3)
 
 
@@ -104,10 +104,11 @@ def test_on_gloo_ranks():
     per_rank = spawn(4, pd_cases, cases)
     for c, (_, kw) in enumerate(cases):
         p = kw["prefill_size"]
-        sent = sum(per_rank[r][c]["blocks_sent"] for r in range(p))
-        got = [per_rank[r][c] for r in range(p, 4)]
-        assert all(isinstance(g, PDResult) for g in got)
-        assert sent == sum(g.blocks for g in got) == sum(-(-len(q) // kw["block_size"]) for q in prompts())
-        assert sum(per_rank[r][c]["bytes_sent"] for r in range(p)) == sum(g.bytes_received for g in got)
-        for g in got:
-            assert torch.equal(g.generation.tokens, ref.tokens)
+        sent = [per_rank[r][c].facts for r in range(p)]
+        got = [per_rank[r][c].facts for r in range(p, 4)]
+        assert [f.role for f in sent] == ["prefill"] * p and [f.role for f in got] == ["decode"] * (4 - p)
+        assert sum(f.handoff.blocks_sent for f in sent) == sum(f.handoff.blocks_received for f in got) == \
+            sum(-(-len(q) // kw["block_size"]) for q in prompts())
+        assert sum(f.handoff.bytes_sent for f in sent) == sum(f.handoff.bytes_received for f in got) > 0
+        for r in range(4):  # every rank returns the decode engine's tokens
+            assert torch.equal(per_rank[r][c].tokens, ref.tokens)

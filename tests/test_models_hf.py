@@ -9,7 +9,11 @@ every (pcp, dcp) layout on the simulated mesh, and on real gloo ranks:
   (do_sample=False) token for token. Random tiny models can have near-tied
   logits; if a token differs, the reference's top-2 margin at the first
   differing step must be below twice the measured logit error there
-  (DESIGN.md §5), and the steps after it are not compared.
+  (DESIGN.md §5), and the steps after it are not compared;
+- ``forward(..., hidden_layers=...)`` returns HF's hidden states (the
+  contract in :mod:`cpattn.engine.family`).
+
+Shared machinery in hf_oracle.py.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_oracle import (  # noqa: E402
+    NEW_TOKENS, PROMPT_LENS, VOCAB, Reference, check_hidden, forward_logits, perturbed, rel_err,
+)
+
 from cpattn.comm.launch import spawn  # noqa: E402
 from cpattn.models import deepseek_v3, deepseek_v32, load_checkpoint, normalize_params, qwen3  # noqa: E402
-from cpattn.models.generate import generate, prefill_local  # noqa: E402
+from cpattn.models.generate import generate  # noqa: E402
 
-NEW_TOKENS = 32
-PROMPT_LENS = (21, 13)  # uneven over 2P chunks; packed together in one batch
-VOCAB = 128
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4)]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
@@ -47,90 +52,20 @@ def hf_config(family: str, **over):
                                              "index_head_dim": 16, "index_n_heads": 16, **over})
 
 
-MODULES = {"qwen3": (qwen3, qwen3.Qwen3Config), "deepseek_v3": (deepseek_v3, deepseek_v3.DeepseekV3Config),
-           "deepseek_v32": (deepseek_v32, deepseek_v32.DeepseekV32Config)}
+MODULES = {"qwen3": qwen3, "deepseek_v3": deepseek_v3, "deepseek_v32": deepseek_v32}
 HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
               "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
 def hf_model(family: str, seed: int = 0, **over):
     """A seeded random-init HF model with perturbed norms and router biases (eager attention, eval)."""
-    torch.manual_seed(seed)
-    cfg = hf_config(family, **over)
-    cfg._attn_implementation = "eager"
-    model = getattr(transformers, HF_CLASSES[family])(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name or "e_score_correction_bias" in name:
-                t.add_(0.1 * torch.randn(t.shape, generator=g))
-    return model
+    return perturbed(getattr(transformers, HF_CLASSES[family]), hf_config(family, **over), seed)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Reference:
-    """A family's HF model, our params/config, and the HF outputs for the prompts."""
-
-    def __init__(self, family: str):
-        self.family = family
-        self.module, cfg_cls = MODULES[family]
-        self.hf = hf_model(family)
-        self.cfg = cfg_cls.from_hf(self.hf.config)
-        self.params = normalize_params(self.hf.state_dict())
-        g = torch.Generator().manual_seed(7)
-        self.prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in PROMPT_LENS]
-        self.tokens, self.logits, self.prompt_logits = [], [], []
-        with torch.no_grad():
-            for p in self.prompts:
-                self.prompt_logits.append(self.hf(p[None]).logits[0])  # [L, V]
-                # explicit mask: HF would otherwise mask prompt tokens equal to pad_token_id
-                out = self.hf.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=NEW_TOKENS,
-                                       do_sample=False, pad_token_id=0, output_logits=True,
-                                       return_dict_in_generate=True)
-                self.tokens.append(out.sequences[0, p.numel():])  # [N]
-                self.logits.append(torch.stack(out.logits, 1)[0].float())  # [N, V]
-
-    def check(self, gen) -> None:
-        """Prompt logits within 1e-4 relative; tokens equal up to a near-tie flip (see module doc).
-
-        A generation of n <= NEW_TOKENS tokens is compared with the first n reference tokens.
-        """
-        n = gen.tokens.shape[1]
-        at = 0
-        for b, p in enumerate(self.prompts):
-            ref = self.prompt_logits[b]
-            got = gen.prompt_logits[at : at + p.numel()]
-            at += p.numel()
-            assert rel_err(got, ref) <= 1e-4, f"{self.family} request {b}: prompt logits off by {rel_err(got, ref):.2e}"
-            what = f"{self.family} request {b}"
-            check_tokens(gen.tokens[b], gen.logits[b], self.tokens[b][:n], self.logits[b][:n], what)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
-
 FLIPS: list[tuple[str, int]] = []  # near-tie flips seen (DESIGN.md §5: count them); none so far
-
-
-def check_tokens(ours, our_logits, ref, ref_logits, what: str) -> None:
-    """Equal tokens, or a first difference where the reference had a near tie (then stop comparing)."""
-    diff = (ours != ref).nonzero()
-    n = ref.numel() if diff.numel() == 0 else int(diff[0]) + 1
-    err = float((our_logits[:n] - ref_logits[:n]).abs().max())
-    assert rel_err(our_logits[:n], ref_logits[:n]) <= 1e-4, f"{what}: decode logits off by {err:.2e}"
-    if diff.numel():  # after a flip the contexts differ, so later tokens cannot be compared
-        i = n - 1
-        err = float((our_logits[i] - ref_logits[i]).abs().max())  # the error at the flipped step itself
-        FLIPS.append((what, i))
-        top = ref_logits[i].topk(2).values
-        margin = float(top[0] - top[1])
-        assert margin <= 2 * err, (
-            f"{what}: token {i} is {int(ours[i])}, reference {int(ref[i])}, with a top-2 margin {margin:.2e} "
-            f"above twice the logit error {err:.2e}: a real mismatch, not a near tie"
-        )
 
 
 _REFS: dict[str, Reference] = {}
@@ -138,7 +73,7 @@ _REFS: dict[str, Reference] = {}
 
 def reference(family: str) -> Reference:
     if family not in _REFS:
-        _REFS[family] = Reference(family)
+        _REFS[family] = Reference(family, MODULES[family], hf_model(family), FLIPS)
     return _REFS[family]
 
 
@@ -152,6 +87,15 @@ def test_generate_matches_hf(family, pcp, dcp):
     gen = generate(ref.module, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, pcp_size=pcp, dcp_size=dcp, **kw)
     assert gen.tokens.shape == (len(PROMPT_LENS), NEW_TOKENS)
     ref.check(gen)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "deepseek_v32"])
+def test_hidden_states_match_hf(family):
+    """forward(hidden_layers=...): hidden["norm"] gives the logits, hidden[i] is HF's hidden state i + 1."""
+    ref = reference(family)
+    check_hidden(ref)
+    with pytest.raises(ValueError, match="hidden_layers"):
+        forward_logits(ref.module, ref.params, ref.cfg, ref.prompts[0], [0, PROMPT_LENS[0]], hidden_layers=(2,))
 
 
 def test_dsa_cp_matches_hf():
@@ -168,12 +112,12 @@ def test_dsa_selection_is_active():
     dense_cfg = deepseek_v32.DeepseekV32Config(**{**ref.cfg.__dict__, "index_topk": 1024})
     tokens = torch.cat(ref.prompts)
     cu = [0, PROMPT_LENS[0], sum(PROMPT_LENS)]
-    sparse = prefill_local(deepseek_v32, ref.params, ref.cfg, tokens, cu).logits
-    dense = prefill_local(deepseek_v32, ref.params, dense_cfg, tokens, cu).logits
+    sparse = forward_logits(deepseek_v32, ref.params, ref.cfg, tokens, cu)
+    dense = forward_logits(deepseek_v32, ref.params, dense_cfg, tokens, cu)
     assert rel_err(sparse, dense) > 1e-3
     # ...and dense DSA equals DeepSeek-V3's MLA on the same weights (free exactness check, DESIGN.md §4.4)
     v3_cfg = deepseek_v3.DeepseekV3Config(**{k: v for k, v in ref.cfg.__dict__.items() if not k.startswith("index_")})
-    mla = prefill_local(deepseek_v3, ref.params, v3_cfg, tokens, cu).logits
+    mla = forward_logits(deepseek_v3, ref.params, v3_cfg, tokens, cu)
     assert rel_err(dense, mla) <= 1e-5
 
 
@@ -186,19 +130,20 @@ def test_load_checkpoint_and_variants(tmp_path, family, over):
     hf = hf_model(family, seed=3, **over)
     hf.save_pretrained(tmp_path)
     config, params = load_checkpoint(tmp_path)
-    module, cfg_cls = MODULES[family]
+    module = MODULES[family]
+    cfg_cls = module.FAMILY.config_class
     cfg = cfg_cls.from_hf(config)
     assert cfg == cfg_cls.from_hf(hf.config)
     tokens = torch.randint(0, VOCAB, (17,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(tokens[None]).logits[0]
-    got = prefill_local(module, params, cfg, tokens, [0, 17]).logits
+    got = forward_logits(module, params, cfg, tokens, [0, 17])
     assert rel_err(got, want) <= 1e-4
 
 
 def test_errors_name_the_problem():
     ref = reference("qwen3")
-    with pytest.raises(ValueError, match="DCP size must divide"):
+    with pytest.raises(ValueError, match=r"num_attention_heads % tp_size == 0"):
         generate(qwen3, ref.params, ref.cfg, ref.prompts, 4, dcp_size=3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(qwen3, ref.params, ref.cfg, ref.prompts, 0)

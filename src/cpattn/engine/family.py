@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from cpattn.config import ModelConfig
@@ -42,6 +43,8 @@ from cpattn.config import ModelConfig
 # model_type -> the module that defines FAMILY (imported on first use)
 FAMILY_MODULES = {
     "qwen3": "cpattn.models.qwen3",
+    "qwen3_moe": "cpattn.models.qwen3_moe",
+    "deepseek_v2": "cpattn.models.deepseek_v2",
     "deepseek_v3": "cpattn.models.deepseek_v3",
     "deepseek_v32": "cpattn.models.deepseek_v32",
 }
@@ -96,14 +99,16 @@ class ModelFamily:
                            num_kv_heads=layout.num_kv_heads, tp_splits_kv_heads=False)
 
 
-def get_family(model: ModelFamily | str | dict) -> ModelFamily:
-    """A family by itself, by ``model_type`` name, or from a config dict's ``model_type``.
+def get_family(model: ModelFamily | ModuleType | str | dict) -> ModelFamily:
+    """A family by itself, its module (``FAMILY``), its ``model_type`` name, or a config dict's ``model_type``.
 
     >>> get_family({"model_type": "deepseek_v32"}).attention
     'dsa'
     """
     if isinstance(model, ModelFamily):
         return model
+    if isinstance(model, ModuleType):
+        return model.FAMILY
     name = model.get("model_type") if isinstance(model, dict) else model
     if name not in FAMILY_MODULES:
         raise ValueError(f"model_type {name!r} is not supported; supported: {sorted(FAMILY_MODULES)}")

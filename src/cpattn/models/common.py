@@ -1,5 +1,7 @@
 """Building blocks shared by the reference models: RMSNorm, RoPE (default and
-YaRN), SwiGLU MLPs, DeepSeek MoE, and loading weights into a plain dict.
+YaRN), SwiGLU MLPs, the pre-norm decoder trunk every family runs, and
+loading weights into a plain dict. Mixture-of-experts blocks are in
+:mod:`cpattn.models.moe`.
 
 Numerics follow the reference (Hugging Face) implementations on purpose, so
 whole-model results can be compared token for token:
@@ -7,7 +9,6 @@ whole-model results can be compared token for token:
 - RMSNorm normalizes in float32, casts back to the input dtype, then scales.
 - RoPE angles and cos/sin are computed in float32 from float32 inverse
   frequencies, then cast to the activation dtype.
-- The MoE router runs in float32.
 
 Parameters are a flat ``dict[str, Tensor]`` keyed by the Hugging Face names
 (``model.layers.0.self_attn.q_proj.weight`` ...). Routed experts are kept as
@@ -25,7 +26,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -193,59 +194,89 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-# -- DeepSeek mixture of experts ----------------------------------------------------
+# -- the decoder trunk every family shares --------------------------------------------
 
 
-def moe_route(
-    x: torch.Tensor,
-    router: torch.Tensor,
-    bias: torch.Tensor,
+def mlp_dense(p: dict[str, torch.Tensor], pre: str, x: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP stored under ``pre`` (``pre + "gate_proj.weight"`` ...). x: [T, H] -> [T, H].
+
+    >>> p = {"m.gate_proj.weight": torch.ones(6, 4), "m.up_proj.weight": torch.ones(6, 4),
+    ...      "m.down_proj.weight": torch.ones(4, 6)}
+    >>> mlp_dense(p, "m.", torch.zeros(2, 4)).abs().sum().item()
+    0.0
+    """
+    return swiglu(x, p[pre + "gate_proj.weight"], p[pre + "up_proj.weight"], p[pre + "down_proj.weight"])
+
+
+Block = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, normed x [T, H]) -> [T, H]
+
+
+def pre_norm_decoder(
+    params: dict[str, torch.Tensor],
+    cfg: Any,
+    tokens: torch.Tensor,
+    attention: Block,
+    mlp: Block,
     *,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 sigmoid router with group-limited top-k, in float32.
+    logits_index: torch.Tensor | None = None,
+    hidden_layers: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, dict[int | str, torch.Tensor]]:
+    """Embedding, ``cfg.num_hidden_layers`` pre-norm residual layers, final norm, lm_head.
 
-    x: [T, H]; router: [E, H]; bias: [E] (``e_score_correction_bias``, used
-    only for choosing). Groups of ``E / n_group`` experts are ranked by the sum
-    of their two best biased scores, the best ``topk_group`` groups are kept,
-    and the ``top_k`` best experts inside them are chosen. Weights are the
-    unbiased sigmoid scores, optionally normalized, times the scaling factor.
-    Returns (weights [T, top_k] float32, experts [T, top_k] int64).
+    Layer i, on the residual stream h [T, H]::
+
+        h = h + attention(i, rms_norm(h, input_layernorm))
+        h = h + mlp(i, rms_norm(h, post_attention_layernorm))
+
+    The families differ only in ``attention`` and ``mlp`` (closures over
+    their weights, RoPE tables and attention step).
+
+    Arguments
+    ---------
+    params: Hugging Face names -> tensors; tokens: [T] int64.
+    logits_index: optional [T'] rows to project to the vocabulary.
+    hidden_layers: None, or layer indices (a tuple, possibly empty) whose
+        residual stream to return.
+
+    Returns
+    -------
+    logits [T or T', V]; with ``hidden_layers`` the pair ``(logits, hidden)``:
+    ``hidden["norm"]`` [T, H] the final-normed hidden state of every row
+    (``hidden["norm"][logits_index] @ lm_head^T == logits``), ``hidden[i]``
+    [T, H] the residual stream after layer i.
+
+    Example
+    -------
+    >>> p = {"model.embed_tokens.weight": torch.eye(4), "model.norm.weight": torch.ones(4),
+    ...      "model.layers.0.input_layernorm.weight": torch.ones(4),
+    ...      "model.layers.0.post_attention_layernorm.weight": torch.ones(4)}
+    >>> class Cfg:
+    ...     num_hidden_layers, rms_norm_eps, tie_word_embeddings = 1, 1e-6, True
+    >>> zero = lambda i, x: torch.zeros_like(x)
+    >>> logits, hidden = pre_norm_decoder(p, Cfg, torch.tensor([1, 2]), zero, zero, hidden_layers=(0,))
+    >>> logits.shape, sorted(hidden, key=str), hidden[0].tolist()[0]
+    (torch.Size([2, 4]), [0, 'norm'], [0.0, 1.0, 0.0, 0.0])
     """
-    t, e = x.shape[0], router.shape[0]
-    scores = F.linear(x.to(torch.float32), router.to(torch.float32)).sigmoid()  # [T, E]
-    choice = scores + bias.to(torch.float32)
-    per_group = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
-    group_score = per_group.topk(min(2, e // n_group), dim=-1).values.sum(-1)  # [T, G]
-    keep = torch.zeros_like(group_score, dtype=torch.bool)
-    keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
-    keep = keep[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
-    experts = choice.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1).indices  # [T, k]
-    weights = scores.gather(1, experts)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, experts
-
-
-def moe_experts(
-    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """Exact routed-expert sum, one expert at a time over the tokens routed to it.
-
-    x: [T, H]; weights, experts: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I].
-    Returns [T, H] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]).
-    """
-    out = torch.zeros_like(x)
-    for e in torch.unique(experts).tolist():
-        tok, slot = torch.nonzero(experts == e, as_tuple=True)  # tokens routed to e
-        gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)  # [n, I] each
-        y = F.linear(F.silu(gate) * up, down[e]) * weights[tok, slot, None].to(x.dtype)  # [n, H]
-        out.index_add_(0, tok, y)
-    return out
+    n, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
+    keep = () if hidden_layers is None else tuple(hidden_layers)
+    bad = [i for i in keep if not (isinstance(i, int) and 0 <= i < n)]
+    if bad:
+        raise ValueError(f"hidden_layers {bad} are not layer indices of this {n}-layer model; use 0..{n - 1}")
+    p = params
+    h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
+    hidden: dict[int | str, torch.Tensor] = {}
+    for i in range(n):
+        pre = f"model.layers.{i}."
+        h = h + attention(i, rms_norm(h, p[pre + "input_layernorm.weight"], eps))
+        h = h + mlp(i, rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps))
+        if i in keep:
+            hidden[i] = h
+    h = rms_norm(h, p["model.norm.weight"], eps)  # [T, H]
+    logits = F.linear(h if logits_index is None else h[logits_index], lm_head(p, cfg))
+    if hidden_layers is None:
+        return logits
+    hidden["norm"] = h
+    return logits, hidden
 
 
 # -- weights ----------------------------------------------------------------------

@@ -35,7 +35,7 @@ torch.Size([4, 64])
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -45,18 +45,20 @@ from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import (
     Attention,
     config_dict,
-    lm_head,
-    moe_experts,
-    moe_route,
+    mlp_dense,
+    pre_norm_decoder,
     rms_norm,
     rope_cos_sin,
     rope_half,
     rope_interleaved,
     rope_inv_freq,
     rope_parameters,
-    swiglu,
     yarn_mscale,
 )
+from cpattn.models.moe import MOE_IMPLS, moe_experts, sigmoid_route
+
+# the query- and kv-latent RMSNorms use this eps whatever rms_norm_eps says (as the reference builds them)
+LATENT_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,14 @@ class DeepseekV3Config:
     rope_interleave: bool = True
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    moe_impl: str = "auto"  # routed experts: "auto" | "sparse" | "dense" (see cpattn.models.moe.use_dense)
+
+    # RoPE on the query/key rope dims in (at least) float32 whatever the activations' dtype (DeepSeek-V2 does)
+    rope_float32: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}; got {self.moe_impl!r}")
 
     @classmethod
     def from_hf(cls, config: Any) -> DeepseekV3Config:
@@ -153,12 +163,13 @@ class DeepseekV3Config:
             scale = scale * m * m
         return scale
 
-    @property
+    @property  # legacy, removed when the engine lands: today's generate() reads it
     def kv_dims(self) -> tuple[int, int, int, bool]:
         """(kv heads, key dim, value dim, values-share-keys) of one latent cache row."""
         return 1, self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank, True
 
 
+# legacy, removed when the engine lands: today's generate() builds caches through it
 def empty_cache(cfg: DeepseekV3Config, *, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> DenseKVCache:
     """A dense single-device latent cache ([B, max_len, 1, kv_lora_rank + rope] per layer)."""
     h, dk, dv, shared = cfg.kv_dims
@@ -171,10 +182,11 @@ def mla_project(
 ):
     """MLA projections of one layer in absorbed form.
 
-    x: [T, H] (after input_layernorm); cos, sin: [T, rope/2].
+    x: [T, H] (after input_layernorm); cos, sin: [T, rope/2] (float32 or
+    wider when ``cfg.rope_float32``: the rope dims are rotated in that dtype).
     Returns (q [T, Hq, r + rope], kv [T, 1, r + rope], q_lora [T, q_lora_rank] or None)
     with r = kv_lora_rank; q_lora is the normalized query latent (the DSA
-    indexer reads it).
+    indexer reads it). The latent norms use :data:`LATENT_NORM_EPS`.
     """
     t, nh = x.shape[0], cfg.num_attention_heads
     nope, rope_d, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -182,15 +194,16 @@ def mla_project(
     if cfg.q_lora_rank is None:
         q = F.linear(x, p[pre + "q_proj.weight"])
     else:
-        q_lora = rms_norm(F.linear(x, p[pre + "q_a_proj.weight"]), p[pre + "q_a_layernorm.weight"], cfg.rms_norm_eps)
+        q_lora = rms_norm(F.linear(x, p[pre + "q_a_proj.weight"]), p[pre + "q_a_layernorm.weight"], LATENT_NORM_EPS)
         q = F.linear(q_lora, p[pre + "q_b_proj.weight"])
     q = q.view(t, nh, nope + rope_d)  # [T, Hq, nope + rope]
     q_nope, q_rope = q[..., :nope], q[..., nope:]
     ckv = F.linear(x, p[pre + "kv_a_proj_with_mqa.weight"])  # [T, r + rope]
-    c = rms_norm(ckv[:, :r], p[pre + "kv_a_layernorm.weight"], cfg.rms_norm_eps)  # [T, r]
+    c = rms_norm(ckv[:, :r], p[pre + "kv_a_layernorm.weight"], LATENT_NORM_EPS)  # [T, r]
     k_rope = ckv[:, None, r:]  # [T, 1, rope]
     rot = rope_interleaved if cfg.rope_interleave else rope_half
-    q_rope, k_rope = rot(q_rope, cos, sin), rot(k_rope, cos, sin)
+    q_rope = rot(q_rope.to(cos.dtype), cos, sin).to(q.dtype)
+    k_rope = rot(k_rope.to(cos.dtype), cos, sin).to(ckv.dtype)
     w_uk = p[pre + "kv_b_proj.weight"].view(nh, nope + cfg.v_head_dim, r)[:, :nope]  # [Hq, nope, r]
     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hq, r]
     q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, Hq, r + rope]
@@ -207,19 +220,28 @@ def mla_output(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, o_la
 
 
 def mlp(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, layer: int, x: torch.Tensor) -> torch.Tensor:
-    """The layer's dense SwiGLU MLP or its MoE block (routed experts + shared experts). x: [T, H] -> [T, H]."""
+    """The layer's dense SwiGLU MLP or its MoE block (sigmoid router, routed + shared experts). x: [T, H] -> [T, H]."""
     pre = f"model.layers.{layer}.mlp."
     if cfg.mlp_layer_types[layer] == "dense":
-        return swiglu(x, p[pre + "gate_proj.weight"], p[pre + "up_proj.weight"], p[pre + "down_proj.weight"])
-    weights, experts = moe_route(
+        return mlp_dense(p, pre, x)
+    weights, experts = sigmoid_route(
         x, p[pre + "gate.weight"], p[pre + "gate.e_score_correction_bias"], top_k=cfg.num_experts_per_tok,
         n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
         routed_scaling_factor=cfg.routed_scaling_factor,
     )
-    y = moe_experts(x, weights, experts, p[pre + "experts.gate_up_proj"], p[pre + "experts.down_proj"])
+    return deepseek_moe(p, cfg, pre, x, weights, experts)
+
+
+def deepseek_moe(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, x: torch.Tensor, weights: torch.Tensor,
+                 experts: torch.Tensor) -> torch.Tensor:
+    """Routed experts (``cfg.moe_impl``) plus the shared experts, given a router's choice.
+
+    x: [T, H]; weights, experts: [T, k]; pre: ``model.layers.{i}.mlp.``. Returns [T, H].
+    """
+    y = moe_experts(x, weights, experts, p[pre + "experts.gate_up_proj"], p[pre + "experts.down_proj"],
+                    impl=cfg.moe_impl)
     if cfg.n_shared_experts:
-        s = pre + "shared_experts."
-        y = y + swiglu(x, p[s + "gate_proj.weight"], p[s + "up_proj.weight"], p[s + "down_proj.weight"])
+        y = y + mlp_dense(p, pre + "shared_experts.", x)
     return y
 
 
@@ -230,7 +252,8 @@ def forward(
     attn: Attention,
     *,
     logits_index: torch.Tensor | None = None,
-) -> torch.Tensor:
+    hidden_layers: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, dict]:
     """Logits of one step's packed tokens.
 
     Arguments
@@ -238,13 +261,15 @@ def forward(
     params: Hugging Face names -> tensors (routed experts stacked, see
         :func:`cpattn.models.common.normalize_params`).
     tokens: [T] int64; attn: the step of a latent KV cache (``attn.positions``
-        [T] give RoPE positions); logits_index: optional [T'] rows to project.
+        [T] give RoPE positions); logits_index: optional [T'] rows to project;
+    hidden_layers: optional layer indices; then ``(logits, hidden)`` is
+        returned (see :func:`cpattn.models.common.pre_norm_decoder`).
 
     Returns
     -------
-    logits: [T or T', vocab_size].
+    logits: [T or T', vocab_size] (and ``hidden``).
     """
-    return decoder(params, cfg, tokens, attn, mla_attend, logits_index=logits_index)
+    return decoder(params, cfg, tokens, attn, mla_attend, logits_index=logits_index, hidden_layers=hidden_layers)
 
 
 def mla_attend(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, layer: int, x, q, kv, q_lora, cos, sin,
@@ -254,28 +279,32 @@ def mla_attend(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, laye
 
 
 def decoder(params: dict[str, torch.Tensor], cfg: DeepseekV3Config, tokens: torch.Tensor, attn: Any,
-            attend, *, logits_index: torch.Tensor | None = None) -> torch.Tensor:
-    """The DeepSeek trunk shared by V3 and V3.2: embedding, layers of MLA + MoE/MLP, norm, lm_head.
+            attend, *, mlp=mlp, logits_index: torch.Tensor | None = None,
+            hidden_layers: tuple[int, ...] | None = None) -> torch.Tensor | tuple[torch.Tensor, dict]:
+    """The DeepSeek trunk shared by V2, V3 and V3.2: MLA + MoE/MLP layers in :func:`~cpattn.models.common.pre_norm_decoder`.
 
     ``attend(p, cfg, pre, layer, x, q, kv, q_lora, cos, sin, attn) -> o_lat [T, Hq, r]``
-    is the one part that differs (dense MLA here, DSA in V3.2). Returns [T or T', V].
+    is the attention part that differs (dense MLA here, DSA in V3.2);
+    ``mlp(p, cfg, layer, x) -> [T, H]`` the MLP / MoE block (V2 routes by
+    softmax). Returns [T or T', V], or ``(logits, hidden)`` with ``hidden_layers``.
     """
-    p, eps = params, cfg.rms_norm_eps
-    h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
+    p = params
+    dtype = p["model.embed_tokens.weight"].dtype
+    if cfg.rope_float32:
+        dtype = torch.promote_types(dtype, torch.float32)
     inv_freq, att_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
-    cos, sin = rope_cos_sin(attn.positions, inv_freq, att_factor, h.dtype)  # [T, rope/2]
-    for i in range(cfg.num_hidden_layers):
+    cos, sin = rope_cos_sin(attn.positions, inv_freq, att_factor, dtype)  # [T, rope/2]
+
+    def attention(i: int, x: torch.Tensor) -> torch.Tensor:
         pre = f"model.layers.{i}.self_attn."
-        x = rms_norm(h, p[f"model.layers.{i}.input_layernorm.weight"], eps)
         q, kv, q_lora = mla_project(p, cfg, pre, x, cos, sin)
         o_lat = attend(p, cfg, pre, i, x, q, kv, q_lora, cos, sin, attn)  # [T, Hq, r]
-        h = h + mla_output(p, cfg, pre, o_lat)
-        x = rms_norm(h, p[f"model.layers.{i}.post_attention_layernorm.weight"], eps)
-        h = h + mlp(p, cfg, i, x)
-    h = rms_norm(h, p["model.norm.weight"], eps)
-    if logits_index is not None:
-        h = h[logits_index]
-    return F.linear(h, lm_head(p, cfg))
+        return mla_output(p, cfg, pre, o_lat)
+
+    def block(i: int, x: torch.Tensor) -> torch.Tensor:
+        return mlp(p, cfg, i, x)
+
+    return pre_norm_decoder(p, cfg, tokens, attention, block, logits_index=logits_index, hidden_layers=hidden_layers)
 
 
 def init_params(
@@ -333,4 +362,4 @@ def kv_layouts(cfg: DeepseekV3Config) -> tuple[KVLayout, ...]:
 
 
 FAMILY = ModelFamily(name="deepseek_v3", config_class=DeepseekV3Config, attention="mla", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=False)
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True)

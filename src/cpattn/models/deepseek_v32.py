@@ -72,6 +72,7 @@ class DeepseekV32Config(v3.DeepseekV3Config):
         return cls(**base)
 
 
+# legacy, removed when the engine lands: today's generate() builds caches through it
 def empty_cache(cfg: DeepseekV32Config, *, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> DenseKVCache:
     """A dense single-device cache: latent rows [B, max_len, 1, r + rope] and indexer keys [B, max_len, D_I]."""
     h, dk, dv, shared = cfg.kv_dims
@@ -103,14 +104,16 @@ def forward(
     attn: Any,
     *,
     logits_index: torch.Tensor | None = None,
-) -> torch.Tensor:
+    hidden_layers: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, dict]:
     """Logits of one step's packed tokens (see :func:`cpattn.models.deepseek_v3.forward`).
 
     ``attn`` must offer ``attn.dsa(layer, q, kv, q_index, w_index, k_index,
     topk, scale)`` (every step of :mod:`cpattn.models.cache` and
-    :mod:`cpattn.models.dcp_cache` does). tokens: [T]; returns [T or T', V].
+    :mod:`cpattn.models.dcp_cache` does). tokens: [T]; returns [T or T', V],
+    or ``(logits, hidden)`` with ``hidden_layers``.
     """
-    return v3.decoder(params, cfg, tokens, attn, dsa_attend, logits_index=logits_index)
+    return v3.decoder(params, cfg, tokens, attn, dsa_attend, logits_index=logits_index, hidden_layers=hidden_layers)
 
 
 def dsa_attend(p: dict[str, torch.Tensor], cfg: DeepseekV32Config, pre: str, layer: int, x, q, kv, q_lora, cos, sin,

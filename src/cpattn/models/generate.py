@@ -1,314 +1,228 @@
-"""Greedy generation: prefill (one device or PCP), then decode steps (one device or DCP).
+"""The classic entry points, each a thin call of :mod:`cpattn.engine` (prefill -> hand-off -> decode).
 
-The KV cache is passed explicitly from step to step. Prefill produces the
-prompt logits and every layer's packed KV; decode starts from that KV:
+- :func:`generate` / :func:`generate_on_rank`: greedy generation, PCP
+  prefill and DCP decode (simulated meshes, or every rank of a real group);
+- :func:`speculative_generate` / :func:`speculative_generate_on_rank`: the
+  same with a drafter, 1 + k tokens verified per DCP step;
+- :func:`disagg_generate` / :func:`pd_generate_on_rank`: P/D, a PCP prefill
+  engine handing whole KV blocks to a DCP decode engine;
+- :func:`pcp_dcp_generate` / :func:`pcp_dcp_generate_on_rank`: one engine
+  with PCP and DCP on the same ranks (opt-in beyond the guide).
 
-- ``pcp_size == 1``: prefill on one device (:func:`prefill_local`).
-- ``pcp_size == P > 1``: prompts split head-tail over P ranks
-  (:func:`cpattn.pcp_plan` / :func:`cpattn.pcp_shard`, global positions from
-  the plan), attention through :func:`cpattn.pcp_prefill` (DSA models:
-  :func:`cpattn.dsa.dsa_cp_attention`); the ranks' logits and KV are
-  all-gathered into request order, as a prefill engine hands its KV to a
-  decode engine (:func:`prefill_on_rank`).
-- ``dcp_size == 1``: decode on one device with a dense cache (:func:`decode_dense`).
-- ``dcp_size == N > 1``: decode on N ranks, each holding its interleaved
-  share of a paged cache (:func:`cpattn.models.dcp_cache.decode_dcp_on_rank`).
-
-:func:`generate` runs the ranks on the simulated mesh; :func:`generate_on_rank`
-is the same program for one rank of a real group (gloo processes, torchrun).
-
-No sampling and no end-of-sequence handling: exactly ``max_new_tokens``
-argmax tokens per request (ties go to the lowest token id).
+``model`` is a family name ("qwen3", "deepseek_v3", "deepseek_v32"), its
+:class:`~cpattn.engine.family.ModelFamily`, or its module. Every function
+checks the layout before any rank starts and returns a
+:class:`~cpattn.engine.result.Generation` (tokens [B, N], the logits they
+came from [B, N, V], prompt logits when the prefill gathered them, speculative
+counts in ``stats``, this rank's measurements in ``facts``).
 
 Example
 -------
->>> import torch
 >>> from cpattn.models import qwen3
->>> from cpattn.models.generate import generate
 >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
 ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
->>> params = qwen3.init_params(cfg, seed=0)
->>> out = generate(qwen3, params, cfg, [[1, 2, 3], [4, 5]], 4, pcp_size=2)
+>>> out = generate(qwen3, qwen3.init_params(cfg), cfg, [[1, 2, 3], [4, 5]], 4, pcp_size=2)
 >>> out.tokens.shape
 torch.Size([2, 4])
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import torch
-
 from cpattn.comm.group import Group
-from cpattn.comm.sim import simulate
-from cpattn.layout.pcp import pcp_plan, pcp_shard
-from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
-from cpattn.models import resolve_model
-from cpattn.models.cache import DenseKVCache, DSACPStep, PCPStep
-from cpattn.models.dcp_cache import decode_dcp_on_rank
+from cpattn.config import EngineConfig
+from cpattn.engine import driver
+from cpattn.engine.drafters import check_drafter
+from cpattn.engine.family import ModelFamily
+from cpattn.engine.options import Algorithms
+from cpattn.engine.result import Generation
 
 
-@dataclass(frozen=True)
-class Generation:
-    """Result of :func:`generate`.
+def _family(model: ModelFamily | ModuleType | str) -> ModelFamily | str:
+    return model.FAMILY if isinstance(model, ModuleType) else model
 
-    tokens: [B, N] int64 generated tokens; logits: [B, N, V] float32, the
-    logits each token was chosen from; prompt_logits: [T, V] float32, the
-    prefill logits of every packed prompt token.
+
+def _graph(graph) -> dict:
+    """graph=False: eager; True: a DecodeRunner with the 'eager' backend; a name: that backend."""
+    if not graph:
+        return {}
+    return {"graph_mode": "FULL_DECODE_ONLY", "graph_backend": graph if isinstance(graph, str) else "eager"}
+
+
+def generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, pcp_size: int = 1,
+             dcp_size: int = 1, pcp_method: str = "ring", block_size: int = 4, interleave_size: int = 1,
+             dcp_merge: str = "ag_rs", dsa_split: str = "balanced") -> Generation:
+    """Greedy generation: prefill on ``pcp_size`` simulated ranks, decode on ``dcp_size`` (the KV moves in memory).
+
+    pcp_method: "ring" or "allgather"; dsa_split: a DSA model's prefill split
+    ("balanced" head-tail or "contiguous"); block_size / interleave_size: the
+    decode cache layout; dcp_merge: "ag_rs" or "a2a".
     """
-
-    tokens: torch.Tensor
-    logits: torch.Tensor
-    prompt_logits: torch.Tensor
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """Prompt logits [T, V] (float32) and per-layer packed KV in request order.
-
-    k[l]: [T, Hkv, Dk]; v[l]: [T, Hkv, Dv] or None (MLA latent rows);
-    ik[l]: [T, D_I] DSA indexer keys or None; cu_seqlens: [B+1].
-    """
-
-    logits: torch.Tensor
-    k: list[torch.Tensor]
-    v: list[torch.Tensor | None]
-    cu_seqlens: torch.Tensor
-    ik: list[torch.Tensor] | None = None
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=dcp_size, block_size=block_size,
+                                     interleave_size=interleave_size)
+    return driver.generate(_family(model), params, cfg, prompts, max_new_tokens, prefill=pre, decode=dec,
+                           algorithms=Algorithms(pcp_method=pcp_method, dsa_split=dsa_split, dcp_merge=dcp_merge))
 
 
-def _packed(prompts) -> tuple[torch.Tensor, list[int]]:
-    seqs = [torch.as_tensor(p, dtype=torch.int64).flatten() for p in prompts]
-    if not seqs or any(s.numel() == 0 for s in seqs):
-        raise ValueError("prompts must be a non-empty list of non-empty token sequences")
-    cu = [0]
-    for s in seqs:
-        cu.append(cu[-1] + s.numel())
-    return torch.cat(seqs), cu
-
-
-def uses_dsa(cfg: Any) -> bool:
-    """True for DeepSeek Sparse Attention models (configs with ``index_topk``)."""
-    return hasattr(cfg, "index_topk")
-
-
-def prefill_local(
-    model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int]
-) -> PrefillResult:
-    """Prefill on one device: a dense cache and :func:`cpattn.ops.attention_with_lse` (or DSA).
-
-    tokens: [T] packed prompts, requests by ``cu_seqlens`` [B+1]. Returns a :class:`PrefillResult`.
-    """
-    model = resolve_model(model)
-    n = cfg.num_hidden_layers
-    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-    cache = model.empty_cache(cfg, batch=len(lens), max_len=max(lens), dtype=_dtype(params), device=tokens.device)
-    step = cache.step(lens)
-    logits = model.forward(params, cfg, tokens, step)  # [T, V]
-
-    def packed(ts):
-        return None if ts is None or ts[0] is None else [torch.cat([t[b, :m] for b, m in enumerate(lens)]) for t in ts]
-
-    return PrefillResult(logits.float(), packed(cache.k), packed(cache.v) or [None] * n,
-                         torch.tensor(cu_seqlens, dtype=torch.int32), packed(cache.ik))
-
-
-def split_prefill(group: Group, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int], *, pcp_method: str = "ring",
-                  dsa_split: str = "balanced"):
-    """This rank's share of a prefill: (plan, attention step, its tokens [T_r]).
-
-    GQA/MLA: head-tail PCP plan and a :class:`PCPStep`; DSA: a DSA-CP plan
-    (``dsa_split``) and a :class:`DSACPStep`.
-    """
-    _, _, dv, _ = cfg.kv_dims
-    if uses_dsa(cfg):
-        plan = dsa_cp_plan(cu_seqlens, group.size, split=dsa_split)
-        return plan, DSACPStep(group, plan, dv), dsa_cp_shard(tokens, plan, group.rank)
-    plan = pcp_plan(cu_seqlens, group.size)
-    return plan, PCPStep(group, plan, dv, method=pcp_method), pcp_shard(tokens, plan, group.rank)
-
-
-def prefill_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor,
-                    cu_seqlens: list[int], *, pcp_method: str = "ring", dsa_split: str = "balanced") -> PrefillResult:
-    """Prefill with the prompts' tokens split over ``group`` (run it on every rank).
-
-    GQA/MLA models: head-tail PCP split, attention by :func:`cpattn.pcp_prefill`
-    (``pcp_method`` "ring" or "allgather"). DSA models:
-    :func:`cpattn.dsa.dsa_cp_attention` with ``dsa_split`` ("balanced": the
-    PCP head-tail chunks; "contiguous": the guide's DSA-CP). RoPE uses the
-    plan's global positions. The ranks' logits and KV are then all-gathered
-    and put in request order, so every rank returns the full
-    :class:`PrefillResult` (as a prefill engine hands its KV on).
-    """
-    model = resolve_model(model)
-    n = cfg.num_hidden_layers
-    plan, step, mine = split_prefill(group, cfg, tokens, cu_seqlens, pcp_method=pcp_method, dsa_split=dsa_split)
-    logits = model.forward(params, cfg, mine, step).float()  # [T_r, V]
-
-    def gather(xs):
-        return None if xs[0] is None else [gather_unshard(group, x, plan) for x in xs]
-
-    k, v, ik = (gather([step.kv[l][j] for l in range(n)]) for j in range(3))
-    return PrefillResult(gather_unshard(group, logits, plan), k, v or [None] * n,
-                         torch.tensor(cu_seqlens, dtype=torch.int32), ik)
-
-
-def gather_unshard(group: Group, x: torch.Tensor, plan: Any) -> torch.Tensor:
-    """All-gather every rank's [T_r, ...] rows of a token split and restore request order: -> [T, ...].
-
-    ``plan`` is a :class:`cpattn.PCPPlan` or :class:`cpattn.dsa.DSACPPlan`
-    (``num_tokens``, ``max_tokens``, ``restore_index``). One all-gather, padded to ``max_tokens``.
-    """
-    t_max = plan.max_tokens
-    flat = x.reshape(x.shape[0], -1)  # [T_r, F]
-    flat = torch.nn.functional.pad(flat, (0, 0, 0, t_max - flat.shape[0]))  # [t_max, F]
-    everything = group.all_gather(flat)  # [P * t_max, F], rank-major
-    rows = torch.cat([everything[j * t_max : j * t_max + m] for j, m in enumerate(plan.num_tokens)])
-    return rows[plan.restore_index.to(rows.device)].view(-1, *x.shape[1:])
-
-
-def prefill(model: ModuleType | str, params: dict, cfg: Any, tokens: torch.Tensor, cu_seqlens: list[int], *,
-            pcp_size: int = 1, pcp_method: str = "ring", dsa_split: str = "balanced") -> PrefillResult:
-    """Prefill on one device (``pcp_size == 1``) or on ``pcp_size`` simulated ranks (:func:`prefill_on_rank`)."""
-    if pcp_size == 1:
-        return prefill_local(model, params, cfg, tokens, cu_seqlens)
-    return simulate(pcp_size, prefill_on_rank, model, params, cfg, tokens, cu_seqlens,
-                    pcp_method=pcp_method, dsa_split=dsa_split)[0]
-
-
-def decode_dense(model: ModuleType | str, params: dict, cfg: Any, pre: PrefillResult, first: torch.Tensor, steps: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steps`` greedy decode steps on one device from the prefill KV.
-
-    first: [B] the token chosen from the prefill logits. Returns (tokens
-    [B, steps], logits [B, steps, V]) of the tokens chosen after each step.
-    """
-    model = resolve_model(model)
-    cu = pre.cu_seqlens.tolist()
-    longest = max(b - a for a, b in zip(cu, cu[1:]))
-    _, _, dv, _ = cfg.kv_dims
-    cache = DenseKVCache.from_packed(pre.k, pre.v, cu, max_len=longest + steps, dv=dv, ik=pre.ik)
-    tok, toks, logits = first, [], []
-    for _ in range(steps):
-        step = cache.step([1] * tok.numel())
-        out = model.forward(params, cfg, tok, step).float()  # [B, V]
-        cache = step.finish()
-        tok = out.argmax(-1)
-        toks.append(tok)
-        logits.append(out)
-    return _stack(toks, logits, first.numel())
-
-
-def _dtype(params: dict) -> torch.dtype:
-    return params["model.embed_tokens.weight"].dtype
-
-
-def _stack(toks, logits, b):
-    if not toks:
-        return torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, 0)
-    return torch.stack(toks, 1), torch.stack(logits, 1)
-
-
-def generate(
-    model: ModuleType,
-    params: dict,
-    cfg: Any,
-    prompts: list,
-    max_new_tokens: int,
-    *,
-    pcp_size: int = 1,
-    dcp_size: int = 1,
-    pcp_method: str = "ring",
-    block_size: int = 4,
-    interleave_size: int = 1,
-    dcp_merge: str = "ag_rs",
-    dsa_split: str = "balanced",
-) -> Generation:
-    """Greedy generation of ``max_new_tokens`` tokens for each prompt.
-
-    Arguments
-    ---------
-    model: a model module (:mod:`cpattn.models.qwen3`, ``deepseek_v3``,
-        ``deepseek_v32``) with ``forward(params, cfg, tokens, attn)``.
-    prompts: B token sequences (lists or 1-D tensors), any lengths >= 1.
-    pcp_size: PCP ranks for prefill; dcp_size: DCP ranks for decode
-        (both on the simulated mesh). pcp_method: "ring" or "allgather".
-    block_size, interleave_size: the paged cache layout for DCP decode;
-        dcp_merge: "ag_rs" or "a2a" (see :func:`cpattn.dcp.dcp_decode`).
-    dsa_split: how a DSA model's prefill splits tokens over the ``pcp_size``
-        ranks: "balanced" (head-tail, as PCP) or "contiguous" (DSA-CP).
-
-    Returns
-    -------
-    :class:`Generation` (tokens [B, N], logits [B, N, V], prompt_logits [T, V]).
-    """
-    check_layout(cfg, max_new_tokens, pcp_size, dcp_size)
-    tokens, cu = _packed(prompts)
-    pre = prefill(model, params, cfg, tokens, cu, pcp_size=pcp_size, pcp_method=pcp_method, dsa_split=dsa_split)
-    if dcp_size == 1:
-        return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dense(model, params, cfg, pre, first, steps))
-    def run(first, steps):
-        outs = simulate(dcp_size, decode_dcp_on_rank, model, params, cfg, pre, first, steps, block_size=block_size,
-                        interleave_size=interleave_size, merge=dcp_merge)
-        for r, (t, _) in enumerate(outs[1:], 1):
-            if not torch.equal(t, outs[0][0]):
-                raise RuntimeError(f"DCP rank {r} generated different tokens than rank 0; the ranks diverged")
-        return outs[0]
-
-    return _decode(pre, cu, max_new_tokens, run)
-
-
-def check_layout(cfg: Any, max_new_tokens: int, pcp_size: int, dcp_size: int) -> None:
-    """Raise ValueError for a generation layout the models cannot run (before any rank starts)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    if pcp_size < 1 or dcp_size < 1:
-        raise ValueError(f"pcp_size and dcp_size must be >= 1; got pcp_size={pcp_size}, dcp_size={dcp_size}")
-    heads = cfg.num_attention_heads
-    if dcp_size > 1 and not uses_dsa(cfg) and heads % dcp_size:
-        raise ValueError(
-            f"dcp_size={dcp_size} does not divide the {heads} attention heads; DCP reuses TP ranks, so the "
-            f"DCP size must divide the number of attention heads. Pick one of "
-            f"{[d for d in range(1, heads + 1) if heads % d == 0]}"
-        )
-
-
-def _decode(pre: PrefillResult, cu: list[int], max_new_tokens: int, run) -> Generation:
-    """First token from the prefill logits, the rest from ``run(first, steps)``."""
-    first_logits = pre.logits[torch.tensor(cu[1:]) - 1]  # [B, V]: each request's last prompt token
-    first = first_logits.argmax(-1)
-    toks, logits = run(first, max_new_tokens - 1)
-    all_toks = torch.cat([first[:, None], toks], 1)
-    all_logits = torch.cat([first_logits[:, None], logits], 1) if logits.numel() else first_logits[:, None]
-    return Generation(all_toks, all_logits, pre.logits)
-
-
-def generate_on_rank(group: Group, model: ModuleType | str, params: dict, cfg: Any, prompts: list, max_new_tokens: int,
-                     *, pcp: bool = True, dcp: bool = True, pcp_method: str = "ring", block_size: int = 4,
+def generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
+                     pcp: bool = True, dcp: bool = True, pcp_method: str = "ring", block_size: int = 4,
                      interleave_size: int = 1, dcp_merge: str = "ag_rs", dsa_split: str = "balanced") -> Generation:
-    """:func:`generate` as one rank of a real (or simulated) group: run it on every rank.
+    """:func:`generate` as one rank of a real (or simulated) group; run it on every rank.
 
-    ``pcp``: prefill split over ``group`` (else every rank prefills alone);
-    ``dcp``: decode with the KV cache sharded over ``group`` (else each rank
-    decodes alone). Like a P/D pair that shares its devices. Every rank returns
-    the same :class:`Generation`. Picklable arguments only (``model`` may be
-    the family name), so it serves :func:`cpattn.comm.launch.spawn` and torchrun.
+    ``pcp``: prefill split over the group (else every rank prefills alone);
+    ``dcp``: decode cache sharded over the group (else every rank decodes alone).
 
     Example
     -------
-    >>> from cpattn.comm.launch import spawn
     >>> gens = spawn(2, generate_on_rank, "qwen3", params, cfg, [[1, 2, 3]], 8)  # doctest: +SKIP
     """
-    check_layout(cfg, max_new_tokens, group.size if pcp else 1, group.size if dcp else 1)
-    tokens, cu = _packed(prompts)
-    if pcp and group.size > 1:
-        pre = prefill_on_rank(group, model, params, cfg, tokens, cu, pcp_method=pcp_method, dsa_split=dsa_split)
-    else:
-        pre = prefill_local(model, params, cfg, tokens, cu)
-    if not (dcp and group.size > 1):
-        return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dense(model, params, cfg, pre, first, steps))
-    return _decode(pre, cu, max_new_tokens, lambda first, steps: decode_dcp_on_rank(
-        group, model, params, cfg, pre, first, steps, block_size=block_size, interleave_size=interleave_size,
-        merge=dcp_merge))
+    n = group.size
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=n if pcp else 1, dcp_size=n if dcp else 1,
+                                     block_size=block_size, interleave_size=interleave_size)
+    return driver.generate_on_rank(group, _family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
+                                   decode=dec, algorithms=Algorithms(pcp_method=pcp_method, dsa_split=dsa_split,
+                                                                     dcp_merge=dcp_merge))
+
+
+def speculative_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, drafter=None,
+                         num_speculative_tokens: int = 0, pcp_size: int = 1, dcp_size: int = 1,
+                         pcp_method: str = "ring", block_size: int = 4, interleave_size: int = 1,
+                         dcp_merge: str = "ag_rs", graph=False, capture_sizes: list[int] | None = None) -> Generation:
+    """:func:`generate` with a drafter (:mod:`cpattn.engine.drafters`): k drafts verified per DCP step.
+
+    graph: verify through a DecodeRunner (True: the 'eager' backend on the
+    simulated mesh; capture sizes multiples of 1 + k). Tokens equal plain
+    greedy generation's.
+    """
+    check_drafter(drafter, num_speculative_tokens)
+    k = num_speculative_tokens if drafter is not None else 0
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=dcp_size, block_size=block_size,
+                                     interleave_size=interleave_size, num_speculative_tokens=k,
+                                     capture_sizes=capture_sizes, **_graph(graph))
+    return driver.generate(_family(model), params, cfg, prompts, max_new_tokens, prefill=pre, decode=dec,
+                           algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge), drafter=drafter)
+
+
+def speculative_generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
+                                 drafter=None, num_speculative_tokens: int = 0, pcp: bool = True,
+                                 pcp_method: str = "ring", block_size: int = 4, interleave_size: int = 1,
+                                 dcp_merge: str = "ag_rs", graph=False,
+                                 capture_sizes: list[int] | None = None) -> Generation:
+    """:func:`speculative_generate` as one rank of a real group (PCP prefill and DCP decode over ``group``)."""
+    check_drafter(drafter, num_speculative_tokens)
+    k = num_speculative_tokens if drafter is not None else 0
+    n = group.size
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=n if pcp else 1, dcp_size=n, block_size=block_size,
+                                     interleave_size=interleave_size, num_speculative_tokens=k,
+                                     capture_sizes=capture_sizes, **_graph(graph))
+    return driver.generate_on_rank(group, _family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
+                                   decode=dec, algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge),
+                                   drafter=drafter)
+
+
+def pd_configs(model, cfg: Any, *, prefill_size: int, decode_size: int, block_size: int,
+               interleave_size: int | None = None, decode_pcp_size: int = 1) -> tuple[EngineConfig, EngineConfig]:
+    """The P/D pair's configs (kv_producer, kv_consumer); the interleave defaults to the block size.
+
+    >>> from cpattn.models import qwen3
+    >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> prod, cons = pd_configs("qwen3", cfg, prefill_size=2, decode_size=2, block_size=4)
+    >>> prod.kv_transfer.kv_role, cons.kv_transfer.kv_role, cons.parallel.pcp_size
+    ('kv_producer', 'kv_consumer', 1)
+    """
+    inter = block_size if interleave_size is None else interleave_size
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=prefill_size, dcp_size=decode_size,
+                                     block_size=block_size, interleave_size=inter, pd=True)
+    return pre, (dec if decode_pcp_size == 1 else dec.replace(pcp_size=decode_pcp_size))
+
+
+def disagg_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, prefill_size: int,
+                    decode_size: int, block_size: int = 4, pcp_method: str = "ring", drafter=None,
+                    num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs", graph=False) -> Generation:
+    """P/D on simulated meshes: prefill on ``prefill_size`` ranks, whole blocks dealt in memory, decode on ``decode_size``."""
+    check_drafter(drafter, num_speculative_tokens)
+    k = num_speculative_tokens if drafter is not None else 0
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=prefill_size, dcp_size=decode_size,
+                                     block_size=block_size, interleave_size=block_size, num_speculative_tokens=k,
+                                     pd=True, **_graph(graph))
+    return driver.generate(_family(model), params, cfg, prompts, max_new_tokens, prefill=pre, decode=dec,
+                           algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge), drafter=drafter)
+
+
+def pd_generate_on_rank(world: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
+                        prefill_size: int, decode_size: int, block_size: int = 4, pcp_method: str = "ring",
+                        drafter=None, num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs",
+                        graph=False) -> Generation:
+    """One rank of a P/D pair in a torch.distributed world of ``prefill_size + decode_size`` processes.
+
+    World ranks < P prefill and send whole blocks (isend/irecv), the rest decode.
+    ``facts.handoff`` says what this rank sent or received.
+    """
+    check_drafter(drafter, num_speculative_tokens)
+    k = num_speculative_tokens if drafter is not None else 0
+    if world.size != prefill_size + decode_size:
+        raise ValueError(f"the world has {world.size} ranks but prefill_size + decode_size = "
+                         f"{prefill_size} + {decode_size} = {prefill_size + decode_size}")
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=prefill_size, dcp_size=decode_size,
+                                     block_size=block_size, interleave_size=block_size, num_speculative_tokens=k,
+                                     pd=True, **_graph(graph))
+    return driver.generate_on_rank(world, _family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
+                                   decode=dec, algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge),
+                                   drafter=drafter)
+
+
+def pcp_dcp_config(model, cfg: Any, size: int, *, block_size: int = 4, interleave_size: int = 1,
+                   allow_pcp_with_dcp: bool = True) -> EngineConfig:
+    """One engine with ``pcp_size == dcp_size == size`` (``allow_pcp_with_dcp=False``: the guide's ValueError)."""
+    if not allow_pcp_with_dcp:
+        return EngineConfig.create(tp_size=size, pcp_size=size, dcp_size=size, block_size=block_size,
+                                   cp_kv_cache_interleave_size=interleave_size)
+    return driver.engine_configs(_family(model), cfg, pcp_size=size, dcp_size=size, block_size=block_size,
+                                 interleave_size=interleave_size, one_engine=True)[0]
+
+
+def _one_engine(config: EngineConfig, size: int, drafter, k: int, graph) -> EngineConfig:
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be a cpattn.config.EngineConfig; got {type(config).__name__}")
+    if config.parallel.pcp_size != size or config.parallel.dcp_size != size:
+        raise ValueError(
+            f"config has pcp_size={config.parallel.pcp_size}, dcp_size={config.parallel.dcp_size} but the group has "
+            f"{size} ranks; PCP+DCP here uses the same ranks for both: pass pcp_size = dcp_size = {size}")
+    check_drafter(drafter, k)
+    if drafter is None and not graph:
+        return config
+    return config.replace(num_speculative_tokens=k if drafter is not None else 0,
+                          speculative_method="draft" if drafter is not None else None, **_graph(graph))
+
+
+def pcp_dcp_generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
+                             config: EngineConfig, pcp_method: str = "ring", exchange: str = "a2a", drafter=None,
+                             num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs", graph=False) -> Generation:
+    """PCP prefill writing the DCP layout of the same ranks (one owner all-to-all), then DCP decode.
+
+    config: one engine with ``pcp_size == dcp_size == group.size`` and
+    ``allow_pcp_with_dcp=True`` (:func:`pcp_dcp_config`). exchange: "a2a" or
+    "allgather". With PCP, speculative decoding follows the guide's methods.
+    """
+    one = _one_engine(config, group.size, drafter, num_speculative_tokens, graph)
+    return driver.generate_on_rank(group, _family(model), params, cfg, prompts, max_new_tokens, prefill=one,
+                                   decode=one, drafter=drafter, prompt_logits=False,
+                                   algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge, handoff=exchange))
+
+
+def pcp_dcp_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, config: EngineConfig,
+                     **kw) -> Generation:
+    """:func:`pcp_dcp_generate_on_rank` on ``config.parallel.pcp_size`` simulated ranks; rank 0's generation."""
+    from cpattn.comm.sim import simulate
+
+    size = config.parallel.pcp_size
+    _one_engine(config, size, kw.get("drafter"), kw.get("num_speculative_tokens", 0), kw.get("graph", False))
+    outs = simulate(size, pcp_dcp_generate_on_rank, model.FAMILY if isinstance(model, ModuleType) else model,
+                    params, cfg, prompts, max_new_tokens, config=config, **kw)
+    for r, o in enumerate(outs[1:], 1):
+        if not o.tokens.equal(outs[0].tokens):
+            raise RuntimeError(f"rank {r} generated different tokens than rank 0; the ranks diverged")
+    return outs[0]

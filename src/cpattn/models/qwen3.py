@@ -5,8 +5,9 @@ packed tokens; ``attn`` is the step of an explicit KV cache (see
 :mod:`cpattn.models.cache`), which also gives the positions for RoPE.
 
 Supported: GQA/MQA, q/k norm, RoPE ``default`` and ``yarn``, tied or untied
-embeddings, ``attention_bias``. Not supported: sliding-window layers
-(``use_sliding_window``), Qwen3-MoE (a different architecture).
+embeddings, ``attention_bias``. Qwen3-MoE (:mod:`cpattn.models.qwen3_moe`)
+reuses :func:`attention_block` and :func:`init_layers`. Not supported:
+sliding-window layers (``use_sliding_window``).
 
 Example
 -------
@@ -35,13 +36,13 @@ from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import (
     Attention,
     config_dict,
-    lm_head,
+    mlp_dense,
+    pre_norm_decoder,
     rms_norm,
     rope_cos_sin,
     rope_half,
     rope_inv_freq,
     rope_parameters,
-    swiglu,
 )
 
 
@@ -65,32 +66,42 @@ class Qwen3Config:
     @classmethod
     def from_hf(cls, config: Any) -> Qwen3Config:
         """From a transformers ``Qwen3Config``, a config.json dict, or a checkpoint path."""
-        d = config_dict(config)
-        if d.get("model_type", "qwen3") != "qwen3":
-            raise ValueError(f"model_type is {d.get('model_type')!r}; cpattn.models.qwen3 expects 'qwen3'")
-        if d.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=True is not supported by cpattn.models.qwen3; set it to False")
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope=rope_parameters(d),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-        )
+        return cls(**qwen3_fields(config_dict(config), "qwen3"))
 
-    @property
+    @property  # legacy, removed when the engine lands: today's generate() reads it
     def kv_dims(self) -> tuple[int, int, int, bool]:
         """(kv heads, key dim, value dim, values-share-keys) of one cache row."""
         return self.num_key_value_heads, self.head_dim, self.head_dim, False
 
 
+def qwen3_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The :class:`Qwen3Config` fields of a config.json dict whose ``model_type`` must be ``model_type``.
+
+    >>> qwen3_fields({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8,
+    ...               "num_hidden_layers": 1, "num_attention_heads": 2}, "qwen3")["head_dim"]
+    2
+    """
+    if d.get("model_type", model_type) != model_type:
+        raise ValueError(f"model_type is {d.get('model_type')!r}; this family expects {model_type!r}")
+    if d.get("use_sliding_window"):
+        raise ValueError(f"use_sliding_window=True is not supported for {model_type!r}; set it to False")
+    return dict(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope=rope_parameters(d),
+        max_position_embeddings=d.get("max_position_embeddings", 40960),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)),
+    )
+
+
+# legacy, removed when the engine lands: today's generate() builds caches through it
 def empty_cache(cfg: Qwen3Config, *, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> DenseKVCache:
     """A dense single-device KV cache for ``batch`` requests of up to ``max_len`` tokens."""
     h, dk, dv, shared = cfg.kv_dims
@@ -105,7 +116,8 @@ def forward(
     attn: Attention,
     *,
     logits_index: torch.Tensor | None = None,
-) -> torch.Tensor:
+    hidden_layers: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, dict]:
     """Logits of one step's packed tokens.
 
     Arguments
@@ -115,34 +127,48 @@ def forward(
     attn: the step of a KV cache; ``attn.positions`` [T] are the RoPE positions.
     logits_index: optional [T'] rows to project to the vocabulary (e.g. each
         request's last token); default all T.
+    hidden_layers: optional layer indices; then ``(logits, hidden)`` is
+        returned (see :func:`cpattn.models.common.pre_norm_decoder`).
 
     Returns
     -------
-    logits: [T or T', vocab_size] in the params' dtype.
+    logits: [T or T', vocab_size] in the params' dtype (and ``hidden``).
     """
-    p, eps = params, cfg.rms_norm_eps
-    t, hd = tokens.shape[0], cfg.head_dim
-    h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
-    inv_freq, att_factor = rope_inv_freq(hd, cfg.rope, cfg.max_position_embeddings)
-    cos, sin = rope_cos_sin(attn.positions, inv_freq, att_factor, h.dtype)  # [T, hd/2]
-    scale = hd**-0.5
-    for i in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        x = rms_norm(h, p[pre + "input_layernorm.weight"], eps)
-        q = _linear(x, p, pre + "self_attn.q_proj").view(t, -1, hd)  # [T, Hq, hd]
-        k = _linear(x, p, pre + "self_attn.k_proj").view(t, -1, hd)  # [T, Hkv, hd]
-        v = _linear(x, p, pre + "self_attn.v_proj").view(t, -1, hd)  # [T, Hkv, hd]
-        q = rope_half(rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps), cos, sin)
-        k = rope_half(rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps), cos, sin)
-        o = attn(i, q, k, v, scale)  # [T, Hq, hd]
-        h = h + _linear(o.reshape(t, -1), p, pre + "self_attn.o_proj")
-        x = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps)
-        mlp = pre + "mlp."
-        h = h + swiglu(x, p[mlp + "gate_proj.weight"], p[mlp + "up_proj.weight"], p[mlp + "down_proj.weight"])
-    h = rms_norm(h, p["model.norm.weight"], eps)
-    if logits_index is not None:
-        h = h[logits_index]
-    return F.linear(h, lm_head(p, cfg))
+    cos, sin = rope_tables(cfg, attn.positions, params["model.embed_tokens.weight"].dtype)
+
+    def attention(i: int, x: torch.Tensor) -> torch.Tensor:
+        return attention_block(params, cfg, i, x, cos, sin, attn)
+
+    def mlp(i: int, x: torch.Tensor) -> torch.Tensor:
+        return mlp_dense(params, f"model.layers.{i}.mlp.", x)
+
+    return pre_norm_decoder(params, cfg, tokens, attention, mlp, logits_index=logits_index,
+                            hidden_layers=hidden_layers)
+
+
+def rope_tables(cfg: Qwen3Config, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim / 2] in ``dtype`` for positions [T] (the family's RoPE, default or YaRN)."""
+    inv_freq, att_factor = rope_inv_freq(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+    return rope_cos_sin(positions, inv_freq, att_factor, dtype)
+
+
+def attention_block(p: dict[str, torch.Tensor], cfg: Qwen3Config, layer: int, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, attn: Attention) -> torch.Tensor:
+    """Qwen3 self-attention of one layer: GQA with per-head q/k RMSNorm, half-split RoPE, o_proj.
+
+    x: [T, H] after input_layernorm; cos, sin: [T, head_dim/2]. Calls
+    ``attn(layer, q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd], head_dim**-0.5)``.
+    Returns [T, H]. Qwen3-MoE runs the same block.
+    """
+    t, hd, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
+    pre = f"model.layers.{layer}.self_attn."
+    q = _linear(x, p, pre + "q_proj").view(t, -1, hd)  # [T, Hq, hd]
+    k = _linear(x, p, pre + "k_proj").view(t, -1, hd)  # [T, Hkv, hd]
+    v = _linear(x, p, pre + "v_proj").view(t, -1, hd)  # [T, Hkv, hd]
+    q = rope_half(rms_norm(q, p[pre + "q_norm.weight"], eps), cos, sin)
+    k = rope_half(rms_norm(k, p[pre + "k_norm.weight"], eps), cos, sin)
+    o = attn(layer, q, k, v, hd**-0.5)  # [T, Hq, hd]
+    return _linear(o.reshape(t, -1), p, pre + "o_proj")
 
 
 def _linear(x: torch.Tensor, p: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -150,14 +176,35 @@ def _linear(x: torch.Tensor, p: dict[str, torch.Tensor], name: str) -> torch.Ten
 
 
 def init_params(cfg: Qwen3Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Random parameters with the Hugging Face names (normal(0, std); norms at 1). For demos and tests."""
+    """Random parameters with the Hugging Face names (normal(0, std); norms at 1). For demos and tests.
+
+    >>> cfg = Qwen3Config(vocab_size=8, hidden_size=4, intermediate_size=8, num_hidden_layers=1,
+    ...                   num_attention_heads=2, num_key_value_heads=1, head_dim=2)
+    >>> init_params(cfg)["model.layers.0.mlp.down_proj.weight"].shape
+    torch.Size([4, 8])
+    """
     g = torch.Generator().manual_seed(seed)
-    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    hs, im = cfg.hidden_size, cfg.intermediate_size
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * std).to(dtype)
 
+    hs, im = cfg.hidden_size, cfg.intermediate_size
+
+    def mlp(i: int) -> dict[str, torch.Tensor]:
+        m = f"model.layers.{i}.mlp."
+        return {m + "gate_proj.weight": rnd(im, hs), m + "up_proj.weight": rnd(im, hs),
+                m + "down_proj.weight": rnd(hs, im)}
+
+    return init_layers(cfg, rnd, dtype, mlp)
+
+
+def init_layers(cfg: Qwen3Config, rnd, dtype: torch.dtype, mlp) -> dict[str, torch.Tensor]:
+    """Embeddings, norms, lm_head and every layer's attention weights, then ``mlp(i)``'s (layer by layer).
+
+    ``rnd(*shape)`` draws a random tensor; ``mlp(i)`` returns layer i's MLP
+    weights (dense or MoE), drawn right after that layer's attention.
+    """
+    hq, hkv, hd, hs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     p = {"model.embed_tokens.weight": rnd(cfg.vocab_size, hs), "model.norm.weight": torch.ones(hs, dtype=dtype)}
     if not cfg.tie_word_embeddings:
         p["lm_head.weight"] = rnd(cfg.vocab_size, hs)
@@ -172,10 +219,8 @@ def init_params(cfg: Qwen3Config, *, seed: int = 0, std: float = 0.02, dtype=tor
             pre + "self_attn.o_proj.weight": rnd(hs, hq * hd),
             pre + "self_attn.q_norm.weight": torch.ones(hd, dtype=dtype),
             pre + "self_attn.k_norm.weight": torch.ones(hd, dtype=dtype),
-            pre + "mlp.gate_proj.weight": rnd(im, hs),
-            pre + "mlp.up_proj.weight": rnd(im, hs),
-            pre + "mlp.down_proj.weight": rnd(hs, im),
         })
+        p.update(mlp(i))
     return p
 
 

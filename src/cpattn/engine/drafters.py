@@ -1,21 +1,29 @@
-"""Drafters for speculative decoding: n-gram prompt lookup and a small draft model, both greedy.
+"""Drafters for speculative decoding, all behind one protocol and one registry (:data:`DRAFTERS`).
 
-A drafter is a picklable *configuration*; :meth:`session` gives the
-per-rank state that proposes drafts. Every rank of a DCP group runs its own
-session on the same histories and gets the same drafts (the guide's draft
-model replicated on every rank, run with logical PCP size 1), so no draft
-is ever communicated.
+A *drafter* is a picklable description (weights included); ``start(num_requests,
+max_len)`` gives the per-rank *draft state*. Every rank of a DCP group runs
+its own state on the same histories and gets the same drafts (the guide's
+draft model replicated on every rank, with logical PCP size 1), so drafts
+are never communicated. Draft sampling is greedy.
 
-``session.propose(histories, k, requests)`` takes the token history of each
-active request -- prompt plus every token generated so far, the last of which
-is not in the target's KV cache yet -- and returns ``k`` draft tokens per
-request, ``[A, k]`` int64. Drafts are always exactly ``k`` long (a lookup
-that finds fewer pads with its last token), so every verification batch is
-uniform: ``1 + k`` query tokens per request, as graph capture needs.
+The draft state's two calls, once per verification step each:
+
+- ``propose(histories, k, requests) -> [A, k] int64``: ``histories[i]`` is
+  request ``requests[i]``'s token history (prompt and every token generated
+  so far; the last one is not in the target's KV cache yet). Always exactly
+  k tokens per request, so every verification batch is uniform (1 + k rows
+  per request, as graph capture needs).
+- ``rollback(requests, keep_lens)``: after verification the first
+  ``keep_lens[i]`` tokens of request ``requests[i]`` are final (the target
+  cache holds them); the state drops whatever it holds past them (rejected
+  drafts).
+
+A drafter that reads the target's hidden states declares them in
+``hidden_layers`` (None here: n-gram and draft-model drafters read tokens only).
 
 Example
 -------
->>> d = NgramDrafter(max_ngram=2).session(num_requests=1, max_len=32)
+>>> d = NgramDrafter(max_ngram=2).start(num_requests=1, max_len=32)
 >>> d.propose([[5, 6, 7, 1, 5, 6]], 3, [0]).tolist()
 [[7, 1, 5]]
 """
@@ -23,18 +31,28 @@ Example
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from types import ModuleType
 from typing import Any, Protocol
 
 import torch
 
-from cpattn.models import resolve_model
+from cpattn.engine.dense_cache import DenseKVCache
+from cpattn.engine.family import ModelFamily, get_family
 
 
-class DraftSession(Protocol):
-    """Per-rank drafting state: ``propose(histories, k, requests) -> [A, k] int64``."""
+class DraftState(Protocol):
+    """Per-rank drafting state (see module doc)."""
 
     def propose(self, histories: list[list[int]], k: int, requests: list[int]) -> torch.Tensor: ...
+
+    def rollback(self, requests: list[int], keep_lens: list[int]) -> None: ...
+
+
+class Drafter(Protocol):
+    """A picklable drafter description (see module doc)."""
+
+    hidden_layers: tuple | None
+
+    def start(self, num_requests: int, max_len: int) -> DraftState: ...
 
 
 # -- n-gram prompt lookup ------------------------------------------------------------
@@ -46,11 +64,12 @@ class NgramDrafter:
 
     Tries n = ``max_ngram`` down to ``min_ngram``; the first n with a match
     wins. No match: the draft repeats the last token (cheap to reject).
-    Stateless, so :meth:`session` returns itself.
+    Stateless, so :meth:`start` returns itself.
     """
 
     max_ngram: int = 3
     min_ngram: int = 1
+    hidden_layers = None
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -58,7 +77,7 @@ class NgramDrafter:
                 f"need 1 <= min_ngram <= max_ngram; got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
             )
 
-    def session(self, num_requests: int, max_len: int) -> NgramDrafter:
+    def start(self, num_requests: int, max_len: int) -> NgramDrafter:
         """This drafter (it keeps no state)."""
         return self
 
@@ -66,6 +85,9 @@ class NgramDrafter:
         """k draft tokens per history: [A, k] int64 (``requests`` is unused)."""
         return torch.tensor([ngram_lookup(h, k, self.max_ngram, self.min_ngram) for h in histories],
                             dtype=torch.int64).view(len(histories), k)
+
+    def rollback(self, requests: list[int], keep_lens: list[int]) -> None:
+        """Nothing to drop: the lookup reads the histories only."""
 
 
 def ngram_lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -96,36 +118,38 @@ def ngram_lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int 
 
 @dataclass(frozen=True)
 class ModelDrafter:
-    """A small functional model of the target's family, greedy, on one device (logical PCP size 1).
+    """A small model of the target's family, greedy, on one device (logical PCP size 1).
 
-    ``model``: a model module or family name; ``params`` / ``cfg`` its
-    weights and config (same vocabulary as the target). :func:`truncated`
-    builds one from the target's first layers (self-speculation).
+    ``model``: a :class:`~cpattn.engine.family.ModelFamily` or family name;
+    ``params`` / ``cfg`` its weights and config (same vocabulary as the
+    target). :func:`truncated` builds one from the target's first layers.
     """
 
-    model: ModuleType | str
+    model: ModelFamily | str
     params: dict
     cfg: Any
+    hidden_layers = None
 
-    def session(self, num_requests: int, max_len: int) -> ModelDraftSession:
+    def start(self, num_requests: int, max_len: int) -> ModelDraftState:
         """Fresh per-rank state: a dense KV cache of ``num_requests`` rows x ``max_len`` tokens."""
-        return ModelDraftSession(self, num_requests, max_len)
+        return ModelDraftState(self, num_requests, max_len)
 
 
-class ModelDraftSession:
+class ModelDraftState:
     """The draft model's KV cache and the tokens it holds, per request.
 
-    propose: roll each request's cache back to the longest prefix it shares
-    with the new history (rejected drafts are dropped by length, their rows
-    overwritten later), feed the rest of the history in one step, then k - 1
-    single-token steps. The cache then holds history + drafts[:k-1].
+    propose: feed each request's history past what the cache holds in one
+    step, then k - 1 single-token steps; the cache then holds history +
+    drafts[:k-1]. rollback: keep only the final tokens (rejected drafts' rows
+    are dropped by length and overwritten later).
     """
 
     def __init__(self, drafter: ModelDrafter, num_requests: int, max_len: int):
-        self.model = resolve_model(drafter.model)
+        self.family = get_family(drafter.model)
         self.params, self.cfg = drafter.params, drafter.cfg
-        dtype = self.params["model.embed_tokens.weight"].dtype
-        self.cache = self.model.empty_cache(self.cfg, batch=num_requests, max_len=max_len, dtype=dtype)
+        dtype = next(iter(self.params.values())).dtype
+        self.cache = DenseKVCache.empty(self.family.kv_layouts(self.cfg), batch=num_requests, max_len=max_len,
+                                        dtype=dtype)
         self.held: list[list[int]] = [[] for _ in range(num_requests)]
 
     def propose(self, histories: list[list[int]], k: int, requests: list[int]) -> torch.Tensor:
@@ -143,7 +167,7 @@ class ModelDraftSession:
             self.held[r] = list(h)
             feed.extend(h[c:])
             new[r] = len(h) - c
-        self.cache = replace(self.cache, seq_lens=tuple(lens))
+        self.cache = self.cache.truncate(lens)
         last = torch.tensor(new).cumsum(0)[torch.tensor(requests)] - 1  # [A] each request's last fed row
         tok = self._step(torch.tensor(feed, dtype=torch.int64), new, last)  # [A]
         drafts = [tok]
@@ -157,9 +181,17 @@ class ModelDraftSession:
             self.held[r].extend(int(d[i]) for d in drafts[:-1])
         return torch.stack(drafts, 1)  # [A, k]
 
+    def rollback(self, requests: list[int], keep_lens: list[int]) -> None:
+        """Forget cache rows past the first ``keep_lens[i]`` tokens of each request."""
+        lens = list(self.cache.seq_lens)
+        for r, n in zip(requests, keep_lens):
+            lens[r] = min(lens[r], n)
+            del self.held[r][lens[r]:]
+        self.cache = self.cache.truncate(lens)
+
     def _step(self, tokens: torch.Tensor, new_lens: list[int], last: torch.Tensor) -> torch.Tensor:
         step = self.cache.step(new_lens)
-        logits = self.model.forward(self.params, self.cfg, tokens, step, logits_index=last).float()  # [A, V]
+        logits = self.family.forward(self.params, self.cfg, tokens, step, logits_index=last).float()  # [A, V]
         self.cache = step.finish()
         return logits.argmax(-1)
 
@@ -172,7 +204,7 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return i
 
 
-def truncated(model: ModuleType | str, params: dict, cfg: Any, num_layers: int = 1) -> ModelDrafter:
+def truncated(model: ModelFamily | str, params: dict, cfg: Any, num_layers: int = 1) -> ModelDrafter:
     """A draft model made of the target's first ``num_layers`` layers, its final norm and head.
 
     Example
@@ -185,3 +217,17 @@ def truncated(model: ModuleType | str, params: dict, cfg: Any, num_layers: int =
             if not n.startswith("model.layers.") or int(n.split(".")[2]) < num_layers}
     return ModelDrafter(model, keep, replace(cfg, num_hidden_layers=num_layers))
 
+
+# name -> drafter class; a drafter is built as DRAFTERS[name](**its arguments)
+DRAFTERS: dict[str, type] = {"ngram": NgramDrafter, "draft_model": ModelDrafter}
+
+
+def check_drafter(drafter, num_speculative_tokens: int) -> None:
+    """Raise for a drafter that does not follow the protocol, or a k < 1 with a drafter."""
+    if drafter is None:
+        return
+    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be an int >= 1 with a drafter; got {num_speculative_tokens!r}")
+    if not callable(getattr(drafter, "start", None)):
+        raise TypeError(f"a drafter must have .start(num_requests, max_len) returning a state with .propose and "
+                        f".rollback (see cpattn.engine.drafters); got {type(drafter).__name__}")

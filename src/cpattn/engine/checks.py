@@ -1,0 +1,110 @@
+"""What the engine supports, checked before any rank starts, in the configs' own problem format.
+
+Beyond the guide's rules (:class:`cpattn.config.EngineConfig`), cpattn's
+engine has its own limits, each reported as
+``"param: saw ...; rule: ...; fix: ..."``:
+
+- TP runs only as the split of query heads inside the DCP group, so a
+  decode engine has ``tp_size == dcp_size`` and a separate prefill engine
+  ``tp_size == 1``; a decode engine has ``pcp_size == 1`` and a separate
+  prefill engine ``dcp_size == 1`` (one engine with both opts in through
+  ``allow_pcp_with_dcp``);
+- engines on the same ranks have PCP and DCP sizes of 1 or the world size;
+  on separate ranks (P/D) the world is ``pcp_size + dcp_size`` ranks and
+  KV moves as whole blocks (``cp_kv_cache_interleave_size == block_size``);
+- a compiler graph backend needs a family whose decode step is capturable;
+- speculation: k >= 1 drafts with a drafter, none without.
+
+Example
+-------
+>>> from cpattn.config import EngineConfig
+>>> from cpattn.engine.family import get_family
+>>> from cpattn.models import qwen3
+>>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+>>> dec = EngineConfig.create(tp_size=4, dcp_size=2, attention="mla")
+>>> print(engine_problems(get_family("qwen3"), cfg, EngineConfig.create(), dec, world_size=2)[0])  # doctest: +ELLIPSIS
+tp_size: saw tp_size=4, dcp_size=2; rule: cpattn's engine runs tensor parallelism only as ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cpattn.config import EngineConfig
+from cpattn.config.problems import problem, raise_if
+from cpattn.engine.family import ModelFamily
+
+
+def topology(prefill: EngineConfig, decode: EngineConfig, world_size: int) -> str:
+    """"colocated" (both engines on the same ranks) or "disaggregated" (P + N separate ranks)."""
+    p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    return "disaggregated" if world_size == p + n and world_size > max(p, n) else "colocated"
+
+
+def engine_problems(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, *,
+                    world_size: int, topology: str | None = None, drafter=None, max_new_tokens: int = 1) -> list[str]:
+    """Every reason the engine cannot run this pair of configs on ``world_size`` ranks (empty: it can).
+
+    topology: "colocated", "disaggregated" (default: :func:`topology` of the
+    world size) or "simulated" (two simulated meshes, any sizes).
+    """
+    topology = topology or globals()["topology"](prefill, decode, world_size)
+    out = []
+    one = prefill is decode
+    p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    heads = cfg.num_attention_heads
+    dtp = decode.parallel.tp_size
+    if dtp != n:
+        out.append(problem("tp_size", f"tp_size={dtp}, dcp_size={n}",
+                           "cpattn's engine runs tensor parallelism only as the DCP group's split of query heads",
+                           f"set tp_size={n} (= dcp_size) on the decode engine"))
+    elif heads % n:
+        out.append(problem("dcp_size", f"dcp_size={n}, num_attention_heads={heads}",
+                           "num_attention_heads % dcp_size == 0 (DCP reuses TP ranks, each holding a slice of the heads)",
+                           f"use dcp_size in {[d for d in range(1, heads + 1) if heads % d == 0]}"))
+    if not one:
+        if prefill.parallel.tp_size != 1:
+            out.append(problem("tp_size", f"tp_size={prefill.parallel.tp_size} on the prefill engine",
+                               "the prefill engine splits tokens (PCP), not heads", "set tp_size=1 on the prefill engine"))
+        if prefill.parallel.dcp_size != 1:
+            out.append(problem("dcp_size", f"dcp_size={prefill.parallel.dcp_size} on the prefill engine",
+                               "a separate prefill engine has no decode cache to shard",
+                               "set dcp_size=1 on the prefill engine (DCP belongs to the decode engine)"))
+        if decode.parallel.pcp_size != 1:
+            out.append(problem("pcp_size", f"pcp_size={decode.parallel.pcp_size} on the decode engine",
+                               "a separate decode engine prefills nothing", "set pcp_size=1 on the decode engine"))
+    if topology == "disaggregated":
+        if decode.cache.cp_kv_cache_interleave_size != decode.cache.block_size:
+            out.append(problem("cp_kv_cache_interleave_size",
+                               f"{decode.cache.cp_kv_cache_interleave_size} with block_size={decode.cache.block_size} "
+                               "(P/D)", "P/D moves whole blocks, so interleave size == block size",
+                               f"set cp_kv_cache_interleave_size={decode.cache.block_size}"))
+    elif topology == "colocated" and (p not in (1, world_size) or n not in (1, world_size)):
+        out.append(problem("world_size", f"{world_size} ranks for pcp_size={p}, dcp_size={n}",
+                           "engines on the same ranks have PCP and DCP sizes of 1 or the number of ranks; "
+                           "engines on separate ranks (P/D) need pcp_size + dcp_size ranks",
+                           f"run {max(p, n)} ranks (sizes 1 or {max(p, n)}) or {p + n} ranks for P/D"))
+    backend = decode.compilation.graph_backend
+    if decode.compilation.captures and backend not in ("auto", "eager") and not family.capturable:
+        out.append(problem("graph_backend", f"{backend!r} for {family.name}",
+                           f"a compiler backend needs a capturable decode step; {family.name}'s has data-dependent "
+                           "shapes or host syncs", "use graph_backend='eager' or 'auto'"))
+    k = decode.speculative.num_speculative_tokens
+    if drafter is None and k:
+        out.append(problem("num_speculative_tokens", f"{k} without a drafter",
+                           "draft tokens need a drafter", "pass a drafter or num_speculative_tokens=0"))
+    if drafter is not None and not k:
+        out.append(problem("num_speculative_tokens", "0 with a drafter",
+                           "speculative decoding drafts at least one token per step",
+                           "set num_speculative_tokens >= 1 (e.g. 3)"))
+    if max_new_tokens < 1:
+        out.append(problem("max_new_tokens", repr(max_new_tokens), "at least 1", "ask for max_new_tokens >= 1"))
+    return out
+
+
+def check(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, *, world_size: int,
+          topology: str | None = None, drafter=None, max_new_tokens: int = 1) -> None:
+    """Raise one :class:`~cpattn.config.ConfigError` listing every problem of :func:`engine_problems`."""
+    raise_if("engine layout", engine_problems(family, cfg, prefill, decode, world_size=world_size, topology=topology,
+                                              drafter=drafter, max_new_tokens=max_new_tokens))

@@ -1,0 +1,332 @@
+"""The driver: prefill -> hand-off -> decode, composed once for every topology.
+
+Two :class:`~cpattn.config.EngineConfig` describe the run: the prefill
+engine (its ``pcp_size`` = P) and the decode engine (its ``dcp_size`` = N,
+``tp_size = N``, block and interleave sizes, speculative decoding, graph
+mode). They may be one config (one engine opting in to PCP with DCP). Both
+are checked once, before any rank starts (:mod:`cpattn.engine.checks`).
+
+Topologies:
+
+- **colocated** (:func:`generate_on_rank` on a world of ``max(P, N)`` ranks,
+  P and N each 1 or the world size): a size-1 stage runs on every rank
+  alone (replicated), a full-size one over the world; the hand-off moves
+  rows inside the world (:func:`cpattn.engine.handoff.exchange`);
+- **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks): world
+  ranks ``[0, P)`` prefill, ``[P, P + N)`` decode, whole KV blocks move point
+  to point over torch.distributed;
+- **simulated** (:func:`generate`): a mesh of P simulated ranks prefills, the
+  KV travels in memory (rows, or whole blocks for a P/D consumer), a mesh of
+  N simulated ranks decodes; any P and N.
+
+Every rank returns the same :class:`~cpattn.engine.result.Generation`
+(tokens, the logits they came from, prompt logits, speculative counts) with
+its own :class:`~cpattn.engine.result.RunFacts`.
+
+Example
+-------
+>>> from cpattn.models import qwen3
+>>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+>>> prefill_cfg, decode_cfg = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=2)
+>>> out = generate("qwen3", qwen3.init_params(cfg), cfg, [[1, 2, 3], [4, 5]], 4, prefill=prefill_cfg, decode=decode_cfg)
+>>> out.tokens.shape
+torch.Size([2, 4])
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.comm.sim import SimMesh, simulate
+from cpattn.config import EngineConfig
+from cpattn.engine import checks
+from cpattn.engine.batch import Prompts
+from cpattn.engine.decode import DecodeOut, cache_capacity, decode, make_runner
+from cpattn.engine.drafters import check_drafter
+from cpattn.engine.family import ModelFamily, get_family
+from cpattn.engine.handoff import (
+    HandoffFacts, deal_blocks, exchange, place_blocks, place_rows, recv_blocks, request_blocks, send_blocks,
+)
+from cpattn.engine.kv_rows import row_width
+from cpattn.engine.options import Algorithms
+from cpattn.engine.paged_cache import PagedShard
+from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill
+from cpattn.engine.result import Generation, RunFacts
+
+
+def engine_configs(model: ModelFamily | str, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 4,
+                   interleave_size: int = 1, num_speculative_tokens: int = 0, speculative_method: str | None = None,
+                   graph_mode: str = "NONE", capture_sizes=None, graph_backend: str = "auto", pd: bool = False,
+                   one_engine: bool = False) -> tuple[EngineConfig, EngineConfig]:
+    """The (prefill, decode) engine configs of a run, validated by the guide's rules.
+
+    pd: the two engines are a P/D pair (kv_producer / kv_consumer, whole
+    blocks: pass ``interleave_size = block_size``). one_engine: one config
+    with ``pcp_size = dcp_size`` and ``allow_pcp_with_dcp`` (returned twice).
+    Speculative decoding and graph mode belong to the decode engine.
+
+    >>> from cpattn.models import qwen3
+    >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> p, d = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=2, block_size=8, interleave_size=8, pd=True)
+    >>> p.kv_transfer.kv_role, d.kv_transfer.kv_role, d.parallel.tp_size
+    ('kv_producer', 'kv_consumer', 2)
+    """
+    family = get_family(model)
+    m = family.model_config(cfg)
+    common = dict(attention=m.attention, num_attention_heads=m.num_attention_heads, num_kv_heads=m.num_kv_heads,
+                  tp_splits_kv_heads=False, block_size=block_size, cp_kv_cache_interleave_size=interleave_size)
+    method = speculative_method or ("draft" if num_speculative_tokens else None)
+    dec = dict(speculative_method=method, num_speculative_tokens=num_speculative_tokens, graph_mode=graph_mode,
+               capture_sizes=capture_sizes, graph_backend=graph_backend)
+    if one_engine:
+        both = EngineConfig.create(tp_size=dcp_size, pcp_size=pcp_size, dcp_size=dcp_size, allow_pcp_with_dcp=True,
+                                   **common, **dec)
+        return both, both
+    roles = ({"kv_transfer": "pd", "kv_role": "kv_producer"}, {"kv_transfer": "pd", "kv_role": "kv_consumer"}) \
+        if pd else ({}, {})
+    return (EngineConfig.create(pcp_size=pcp_size, **common, **roles[0]),
+            EngineConfig.create(tp_size=dcp_size, dcp_size=dcp_size, **common, **dec, **roles[1]))
+
+
+def _single() -> Group:
+    return SimMesh(1).groups()[0]
+
+
+def stage_group(world: Group, size: int) -> Group:
+    """The world for a stage over every rank, this rank alone for a size-1 stage (run replicated).
+
+    >>> stage_group(SimMesh(1).groups()[0], 1).size
+    1
+    """
+    return world if size == world.size and size > 1 else _single()
+
+
+def request_order(plan, total: int, context_lens: tuple[int, ...]):
+    """Request [T] and position [T] of a plan's ``total`` new tokens, in request order.
+
+    >>> from cpattn import pcp_plan
+    >>> [x.tolist() for x in request_order(pcp_plan([0, 2, 3], 2), 3, (4, 0))]
+    [[0, 0, 1], [4, 5, 0]]
+    """
+    cu = plan.cu_seqlens.tolist()
+    req = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor([b - a for a, b in zip(cu, cu[1:])]))
+    pos = torch.arange(total) - torch.tensor(cu[:-1])[req] + torch.tensor(context_lens or [0] * (len(cu) - 1))[req]
+    return req, pos
+
+
+def graph_backend(decode_cfg: EngineConfig, family: ModelFamily, group: Group) -> str:
+    """The graph backend a decode group uses: "auto" picks a compiler only where the step can be traced."""
+    name = decode_cfg.compilation.graph_backend
+    if name != "auto":
+        return name
+    return "auto" if family.capturable and group.traceable else "eager"
+
+
+def run_decode(dg: Group, family, params, cfg, shard, prompts: Prompts, first, steps, decode_cfg, algorithms, drafter,
+               on_step, runner=None) -> DecodeOut:
+    """The decode stage as the decode engine's config asks: eager, or through a captured runner
+    (built here unless one is passed). Returns :class:`~cpattn.engine.decode.DecodeOut`."""
+    k = decode_cfg.speculative.num_speculative_tokens if drafter is not None else 0
+    if runner is None and decode_cfg.compilation.captures:
+        runner = capture(dg, family, params, cfg, shard, prompts, decode_cfg, algorithms, drafter)
+    return decode(dg, family, params, cfg, shard, prompts.lists(), first, steps, drafter=drafter,
+                  num_speculative_tokens=k, merge=algorithms.dcp_merge, runner=runner, on_step=on_step)
+
+
+def capture(dg: Group, family, params, cfg, shard, prompts: Prompts, decode_cfg: EngineConfig,
+            algorithms: Algorithms, drafter):
+    """A captured :class:`~cpattn.graphs.DecodeRunner` for the decode engine's capture sizes and backend."""
+    k = decode_cfg.speculative.num_speculative_tokens if drafter is not None else 0
+    sizes = decode_cfg.compilation.capture_sizes
+    return make_runner(dg, family, params, cfg, shard, num_speculative_tokens=k,
+                           max_requests=prompts.num_requests, merge=algorithms.dcp_merge,
+                           capture_sizes=list(sizes) if sizes else None, backend=graph_backend(decode_cfg, family, dg))
+
+
+def new_shard(family, cfg, params, prompts: Prompts, steps: int, decode_cfg: EngineConfig, drafter) -> PagedShard:
+    """An empty decode cache for this rank, sized for the prompts, ``steps`` more tokens and k drafts."""
+    k = decode_cfg.speculative.num_speculative_tokens if drafter is not None else 0
+    dtype = next(iter(params.values())).dtype
+    return PagedShard.empty(family.kv_layouts(cfg), capacity=cache_capacity(list(prompts.query_lens), steps, k),
+                            dcp_size=decode_cfg.parallel.dcp_size, block_size=decode_cfg.cache.block_size,
+                            interleave_size=decode_cfg.cache.cp_kv_cache_interleave_size, dtype=dtype)
+
+
+def _generation(first_logits, dec: DecodeOut, prompt_logits, facts) -> Generation:
+    first = first_logits.argmax(-1)
+    tokens = torch.cat([first[:, None], dec.tokens], 1)
+    logits = torch.cat([first_logits[:, None], dec.logits], 1) if dec.logits.numel() else first_logits[:, None]
+    return Generation(tokens, logits, prompt_logits, dec.stats, facts)
+
+
+def _prepare(model, params, cfg, prompts, max_new_tokens, prefill_cfg, decode_cfg, drafter, world_size, topology):
+    family = get_family(model)
+    p = prompts if isinstance(prompts, Prompts) else Prompts.of(prompts, vocab_size=cfg.vocab_size)
+    check_drafter(drafter, decode_cfg.speculative.num_speculative_tokens)
+    checks.check(family, cfg, prefill_cfg, decode_cfg, world_size=world_size, topology=topology, drafter=drafter,
+                 max_new_tokens=max_new_tokens)
+    return family, p
+
+
+def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
+                     prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(),
+                     drafter=None, prompt_logits: bool = True, on_step=None) -> Generation:
+    """One rank of a run over a real (or simulated) world; call it on every rank (see module doc).
+
+    prompts: B token lists; max_new_tokens: N >= 1 greedy tokens per prompt
+    (the first from the prefill). Picklable arguments only (``model`` may be
+    the family name), so it serves :func:`cpattn.comm.launch.spawn` and torchrun.
+    """
+    topology = checks.topology(prefill, decode, world.size)
+    family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size, topology)
+    if topology == "disaggregated":
+        return _disaggregated(world, family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
+                              on_step)
+    steps = max_new_tokens - 1
+    psize, nsize = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    pg, dg = stage_group(world, psize), stage_group(world, nsize)
+    world.all_reduce(torch.zeros(1)) if world.size > 1 else None  # start together: times are from here
+    sent0 = world.stats.total_sent()
+    t0 = time.perf_counter()
+    out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits)
+    prefill_s, sent1 = time.perf_counter() - t0, world.stats.total_sent()
+    shard = new_shard(family, cfg, params, p, steps, decode, drafter)
+    facts = handoff(world, pg, dg, shard, out, algorithms)
+    ttft = time.perf_counter() - t0
+    sent2 = world.stats.total_sent()
+    dec = run_decode(dg, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
+                  drafter, on_step)
+    run = RunFacts(ttft_s=ttft, prefill_s=prefill_s, step_s=tuple(dec.step_s),
+                   bytes_sent={"prefill": sent1 - sent0, "handoff": sent2 - sent1,
+                               "decode": world.stats.total_sent() - sent2},
+                   kv_bytes=shard.kv_bytes(), handoff=facts, runner=dec.runner)
+    return _generation(out.first_logits, dec, out.prompt_logits, run)
+
+
+def prefill_fn(pg: Group, family, params, cfg, p: Prompts, algorithms: Algorithms, prompt_logits: bool) -> PrefillOut:
+    """The prefill stage as the driver calls it (a seam for timing harnesses)."""
+    return prefill(pg, family, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits)
+
+
+def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillOut,
+            algorithms: Algorithms = Algorithms()) -> HandoffFacts:
+    """Put the prefill rows of ``out`` into this rank's decode shard (engines on the same ranks).
+
+    pg / dg: this rank's prefill and decode groups (:func:`stage_group`).
+    """
+    psize, nsize = pg.size, dg.size
+    if psize > 1 and nsize > 1:  # both over the world: rows go straight to their owners
+        rows, req, pos, facts = exchange(world, out.rows, out.plan, prefill_size=psize, decode_size=nsize,
+                                         interleave_size=shard.interleave_size, width=row_width(shard.layouts),
+                                         dtype=out.rows.dtype, method=algorithms.handoff)
+        place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=nsize)
+        return facts
+    before = pg.stats.total_sent()
+    rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order, on every rank
+    req, pos = request_order(out.plan, rows.shape[0], out.plan.context_lens)
+    place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=nsize)
+    return HandoffFacts(rows_kept=rows.shape[0], bytes_sent=pg.stats.total_sent() - before)
+
+
+def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefill_cfg, decode_cfg, algorithms,
+                   drafter, on_step) -> Generation:
+    """P/D over torch.distributed: ranks [0, P) prefill and send whole blocks, [P, P + N) receive and decode."""
+    import torch.distributed as dist
+
+    from cpattn.comm.dist import DistGroup
+
+    psize, nsize = prefill_cfg.parallel.pcp_size, decode_cfg.parallel.dcp_size
+    pg_raw = dist.new_group(list(range(psize)))  # every world rank creates both groups, in the same order
+    dg_raw = dist.new_group(list(range(psize, psize + nsize)))
+    steps, cu = max_new_tokens - 1, p.cu_seqlens
+    layouts = family.kv_layouts(cfg)
+    vocab = cfg.vocab_size
+    world.all_reduce(torch.zeros(1))
+    t0 = time.perf_counter()
+    if world.rank < psize:
+        pg = DistGroup(pg_raw)
+        out = prefill_fn(pg, family, params, cfg, p, algorithms, False)
+        prefill_s = time.perf_counter() - t0
+        rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order: any prefill rank can send any block
+        blocks = request_blocks(rows, cu, decode_cfg.cache.block_size)
+        facts = send_blocks(blocks, out.first_logits if pg.rank == 0 else None, prefill_rank=pg.rank,
+                            prefill_size=psize, decode_ranks=list(range(psize, psize + nsize)))
+        tokens = torch.zeros(p.num_requests, max_new_tokens, dtype=torch.int64)
+        logits = torch.zeros(p.num_requests, max_new_tokens, vocab)
+        run = RunFacts(prefill_s=prefill_s, handoff=facts, role="prefill")
+        dec_stats = None
+    else:
+        dg = DistGroup(dg_raw)
+        dtype = next(iter(params.values())).dtype
+        received, first_logits, facts = recv_blocks(list(p.query_lens), decode_rank=dg.rank, decode_size=nsize,
+                                                    prefill_ranks=list(range(psize)),
+                                                    block_size=decode_cfg.cache.block_size,
+                                                    width=row_width(layouts), dtype=dtype, vocab_size=vocab)
+        shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter)
+        place_blocks(shard, received)
+        ttft = time.perf_counter() - t0
+        dec = run_decode(dg, family, params, cfg, shard, p, first_logits.argmax(-1), steps, decode_cfg, algorithms,
+                      drafter, on_step)
+        gen = _generation(first_logits, dec, None, None)
+        tokens = gen.tokens if dg.rank == 0 else torch.zeros_like(gen.tokens)
+        logits = gen.logits if dg.rank == 0 else torch.zeros_like(gen.logits)
+        run = RunFacts(ttft_s=ttft, step_s=tuple(dec.step_s), kv_bytes=shard.kv_bytes(), handoff=facts,
+                       runner=dec.runner, role="decode")
+        dec_stats = dec.stats
+    tokens, logits = world.all_reduce(tokens), world.all_reduce(logits)  # decode rank 0's, on every rank
+    from cpattn.engine.decode import SpecStats
+
+    return Generation(tokens, logits, None, dec_stats or SpecStats(), run)
+
+
+def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
+             prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(), drafter=None,
+             prompt_logits: bool = True) -> Generation:
+    """A run on simulated meshes: P ranks prefill, the KV travels in memory, N ranks decode (any P, N).
+
+    The KV moves as request-order rows, each decode rank keeping its own
+    tokens, or as whole blocks dealt round robin when the decode engine is a
+    P/D consumer. Checked before any rank starts. Returns decode rank 0's
+    :class:`~cpattn.engine.result.Generation` (every rank's tokens are checked equal).
+    """
+    psize, nsize = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, psize + nsize,
+                         "simulated")
+    steps = max_new_tokens - 1
+
+    def prefill_rank(g):
+        out = prefill_fn(g, family, params, cfg, p, algorithms, prompt_logits)
+        rows = gather_unshard(g, out.rows, out.plan)  # [T, F] request order
+        return out, rows, g.stats.total_sent()
+
+    t0 = time.perf_counter()
+    out, rows, sent = simulate(psize, prefill_rank)[0]
+    prefill_s = time.perf_counter() - t0
+    block = decode.cache.block_size
+    dealt = deal_blocks(request_blocks(rows, p.cu_seqlens, block), decode_size=nsize) \
+        if decode.kv_transfer.kv_role == "kv_consumer" else None
+    req, pos = request_order(out.plan, rows.shape[0], out.plan.context_lens)
+
+    def decode_rank(g):
+        shard = new_shard(family, cfg, params, p, steps, decode, drafter)
+        if dealt is None:
+            place_rows(shard, rows, req, pos, rank=g.rank, dcp_size=g.size)
+        else:
+            place_blocks(shard, dealt[g.rank])
+        dec = run_decode(g, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
+                      drafter, None)
+        run = RunFacts(prefill_s=prefill_s, step_s=tuple(dec.step_s), bytes_sent={"prefill": sent,
+                       "decode": g.stats.total_sent()}, kv_bytes=shard.kv_bytes(), runner=dec.runner)
+        return _generation(out.first_logits, dec, out.prompt_logits, run)
+
+    gens = simulate(nsize, decode_rank)
+    for r, g in enumerate(gens[1:], 1):
+        if not torch.equal(g.tokens, gens[0].tokens):
+            raise RuntimeError(f"DCP rank {r} generated different tokens than rank 0; the ranks diverged")
+    return gens[0]

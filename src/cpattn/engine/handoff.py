@@ -1,0 +1,191 @@
+"""The hand-off stage: prefill KV rows into the decode engine's DCP-sharded paged cache.
+
+Token t of request b belongs to DCP rank ``(t // I) % N``
+(:mod:`cpattn.layout.dcp`); every rank of the world knows the prefill plan,
+so who sends which row where is known on the host, with no message about it.
+
+Engines on the same ranks (prefill ranks and decode ranks both ``[0, P)``
+and ``[0, N)`` of one world, P and N each 1 or the world size):
+
+- ``method="a2a"``: each rank groups its rows by owner and one all-to-all
+  (every layer at once) brings every decode rank exactly its rows;
+- ``method="allgather"``: every rank gathers all rows and keeps its own
+  (about N times more bytes received; kept for comparison).
+
+Engines on different ranks (P/D disaggregation, ``I == block_size``): whole
+blocks of ``block_size`` tokens move (:func:`request_blocks`,
+:func:`deal_blocks`): block j of a request goes to decode rank ``j % N`` as
+its local block ``j // N`` -- in memory (:func:`place_blocks`) or point to
+point over torch.distributed (:func:`send_blocks` / :func:`recv_blocks`).
+A KV pool stores and loads the same whole blocks.
+
+Example
+-------
+>>> import torch
+>>> blocks = request_blocks(torch.arange(10.)[:, None], [0, 10], block_size=4)
+>>> [b.shape for b in blocks], [[(b, j) for b, j, _ in r] for r in deal_blocks(blocks, decode_size=2)]
+([torch.Size([3, 4, 1])], [[(0, 0), (0, 1)], [(0, 0)]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.engine.paged_cache import PagedShard
+from cpattn.layout.dcp import dcp_owner
+
+METHODS = ("a2a", "allgather")
+_HEADER_TAG = 1 << 30
+
+
+@dataclass(frozen=True)
+class HandoffFacts:
+    """What one rank's hand-off did: rows (or blocks) it sent / kept / received, bytes sent and received."""
+
+    rows_sent: int = 0
+    rows_kept: int = 0
+    rows_received: int = 0
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+def row_owners(plan, rank: int, *, dcp_size: int, interleave_size: int):
+    """Request [T_r], position [T_r] and DCP owner [T_r] of prefill rank ``rank``'s rows (plan order)."""
+    cu = plan.cu_seqlens.to(torch.int64)
+    idx = plan.token_index[rank].to(torch.int64)
+    req = torch.searchsorted(cu[1:].contiguous(), idx, right=True)  # [T_r]
+    pos = plan.positions[rank].to(torch.int64)
+    return req, pos, dcp_owner(pos, dcp_size, interleave_size)
+
+
+def exchange(world: Group, rows: torch.Tensor | None, plan, *, prefill_size: int, decode_size: int,
+             interleave_size: int, width: int, dtype: torch.dtype, method: str = "a2a"):
+    """Move prefill rows to their DCP owners over ``world`` (engines on the same ranks).
+
+    rows: this rank's [T_r, F] prefill rows (None on a rank outside the
+    prefill group, i.e. rank >= prefill_size); plan: the prefill plan (the
+    same on every rank). Returns (rows [R, F], request [R], position [R],
+    :class:`HandoffFacts`) of the R tokens this rank owns as a decode rank
+    (R = 0 on ranks >= decode_size).
+    """
+    if method not in METHODS:
+        raise ValueError(f"hand-off method must be one of {METHODS}; got {method!r}")
+    w, r = world.size, world.rank
+    if prefill_size not in (1, w) or decode_size not in (1, w):
+        raise ValueError(f"engines on the same {w} ranks need prefill and decode sizes of 1 or {w}; "
+                         f"got prefill_size={prefill_size}, decode_size={decode_size}")
+    moves = [row_owners(plan, j, dcp_size=decode_size, interleave_size=interleave_size) if j < prefill_size
+             else None for j in range(w)]
+    if rows is None:
+        rows = torch.zeros(0, width, dtype=dtype)
+    before_sent, before_recv = world.stats.total_sent(), world.stats.total_recv()
+    if method == "a2a":
+        counts = torch.zeros(w, w, dtype=torch.int64)  # [sender, owner]
+        for j, mv in enumerate(moves):
+            if mv is not None:
+                counts[j] = torch.bincount(mv[2], minlength=w)
+        m = int(counts.max())
+        buf = rows.new_zeros(w, m, width)  # slice d goes to rank d
+        if moves[r] is not None:
+            for d in range(w):
+                mine = rows[moves[r][2] == d]
+                buf[d, : mine.shape[0]] = mine
+        recv = world.all_to_all(buf, dim=0)  # slice j came from rank j
+        got = torch.cat([recv[j, : int(counts[j, r])] for j in range(w)])
+    else:
+        t_max = max(plan.num_tokens)
+        pad = rows.new_zeros(t_max, width)
+        pad[: rows.shape[0]] = rows
+        every = world.all_gather(pad[None], dim=0)  # [W, t_max, F]
+        got = torch.cat([every[j, : mv[0].numel()][mv[2] == r] for j, mv in enumerate(moves) if mv is not None])
+    req = torch.cat([mv[0][mv[2] == r] for mv in moves if mv is not None])
+    pos = torch.cat([mv[1][mv[2] == r] for mv in moves if mv is not None])
+    kept = int((moves[r][2] == r).sum()) if moves[r] is not None else 0
+    facts = HandoffFacts(rows_sent=int(rows.shape[0]) - kept, rows_kept=kept, rows_received=int(got.shape[0]) - kept,
+                         bytes_sent=world.stats.total_sent() - before_sent,
+                         bytes_received=world.stats.total_recv() - before_recv)
+    return got, req, pos, facts
+
+
+def place_rows(shard: PagedShard, rows: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor, *,
+               rank: int, dcp_size: int) -> None:
+    """Write rows [R, F] of (request, position) pairs into this DCP rank's shard; rows it does not own are skipped."""
+    shard.write_rows(rows, shard.slots(positions, requests, rank, dcp_size))
+
+
+def request_blocks(rows: torch.Tensor, cu_seqlens: list[int], block_size: int) -> list[torch.Tensor]:
+    """Each request's rows [T, F] (request order) as whole blocks [n_b, block_size, F]; rows past its end are NaN."""
+    out = []
+    for a, b in zip(cu_seqlens, cu_seqlens[1:]):
+        n = -(-(b - a) // block_size)
+        blk = rows.new_full((n * block_size, rows.shape[1]), float("nan"))
+        blk[: b - a] = rows[a:b]
+        out.append(blk.view(n, block_size, rows.shape[1]))
+    return out
+
+
+def deal_blocks(blocks: list[torch.Tensor], *, decode_size: int) -> list[list[tuple[int, int, torch.Tensor]]]:
+    """Per decode rank d: ``(request, local block, payload [block_size, F])`` for each block j with j % N == d."""
+    out: list[list] = [[] for _ in range(decode_size)]
+    for b, blk in enumerate(blocks):
+        for j in range(blk.shape[0]):
+            out[j % decode_size].append((b, j // decode_size, blk[j]))
+    return out
+
+
+def place_blocks(shard: PagedShard, received: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Copy received ``(request, local block, payload)`` into the shard at ``block_table[request, local block]``."""
+    for b, i, payload in received:
+        shard.write_block(int(shard.block_table[b, i]), payload)
+
+
+def send_blocks(blocks: list[torch.Tensor], first_logits: torch.Tensor | None, *, prefill_rank: int,
+                prefill_size: int, decode_ranks: list[int]) -> HandoffFacts:
+    """Send this prefill rank's share of the blocks (block j of every request when j % P == rank) to the
+    decode ranks (world ranks ``decode_ranks``) with torch.distributed ``isend``; prefill rank 0 also sends
+    every decode rank the first-token logits [B, V]. Returns after every send completed."""
+    import torch.distributed as dist
+
+    works, sent, nbytes = [], 0, 0
+    if first_logits is not None:
+        for d in decode_ranks:
+            works.append(dist.isend(first_logits.contiguous(), d, tag=_HEADER_TAG))
+    n = len(decode_ranks)
+    for b, blk in enumerate(blocks):
+        for j in range(blk.shape[0]):
+            if j % prefill_size == prefill_rank:
+                works.append(dist.isend(blk[j].contiguous(), decode_ranks[j % n], tag=b * (1 << 20) + j))
+                sent += 1
+                nbytes += blk[j].numel() * blk[j].element_size()
+    for w in works:
+        w.wait()
+    return HandoffFacts(blocks_sent=sent, bytes_sent=nbytes)
+
+
+def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, prefill_ranks: list[int],
+                block_size: int, width: int, dtype: torch.dtype, vocab_size: int):
+    """Receive this decode rank's blocks (and the first-token logits from prefill rank 0).
+
+    Returns (received ``[(request, local block, payload [block_size, F])]``,
+    first_logits [B, V] float32, :class:`HandoffFacts`).
+    """
+    import torch.distributed as dist
+
+    first_logits = torch.empty(len(prompt_lens), vocab_size, dtype=torch.float32)
+    works = [dist.irecv(first_logits, prefill_ranks[0], tag=_HEADER_TAG)]
+    received = []
+    p = len(prefill_ranks)
+    for b, m in enumerate(prompt_lens):
+        for j in range(decode_rank, -(-m // block_size), decode_size):
+            buf = torch.empty(block_size, width, dtype=dtype)
+            works.append(dist.irecv(buf, prefill_ranks[j % p], tag=b * (1 << 20) + j))
+            received.append((b, j // decode_size, buf))
+    for w in works:
+        w.wait()
+    nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in received)
+    return received, first_logits, HandoffFacts(blocks_received=len(received), bytes_received=nbytes)

@@ -1,0 +1,178 @@
+"""The decode engine's cache: one DCP rank's share of a paged KV cache, and the DCP attention step.
+
+Rank r of the N-rank DCP group keeps token t of every request iff
+``(t // I) % N == r`` (:mod:`cpattn.layout.dcp`), in blocks of
+``block_size`` rows addressed by one block table shared by the group. A
+decode step writes the new tokens' KV where they are owned
+(:func:`cpattn.ops.write_kv`, slot -1 elsewhere), then attends through
+:func:`cpattn.dcp.dcp_decode`: query heads all-gathered, every rank attends
+its shard, partials merged by LSE. DCP reuses TP ranks: rank r passes its
+slice of the query heads and the outputs are all-gathered again (TP's
+row-parallel output projection, done as a gather). Every rank holds all KV
+heads. One rank (N = 1) is plain paged decode.
+
+Example
+-------
+>>> import torch, cpattn
+>>> from cpattn.engine.family import KVLayout
+>>> shard = PagedShard.empty((KVLayout(1, 8, 8),), capacity=[10], dcp_size=1, block_size=4, interleave_size=1)
+>>> shard.block_table.tolist(), shard.k[0].shape
+([[0, 1, 2]], torch.Size([4, 4, 1, 8]))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.dcp import DCPMeta, dcp_decode
+from cpattn.dsa import ShardedKeys, dsa_dcp_attention
+from cpattn.engine.family import KVLayout
+from cpattn.engine.kv_rows import unpack_rows
+from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
+from cpattn.ops.paged import scatter_rows, write_kv, write_kv_mla
+
+
+@dataclass(frozen=True)
+class PagedShard:
+    """One DCP rank's paged cache for every layer.
+
+    k[l]: [num_blocks, block_size, Hkv, Dk]; v[l]: [.., .., Hkv, Dv] or None
+    (values in the keys: ``k[l][..., :v_head_dim]``); k_index[l]: [num_blocks,
+    block_size, D_I] DSA indexer keys or None. ``block_table``: [B, max_blocks],
+    the same on every rank (one spare block nobody owns stays NaN). Unwritten
+    rows hold NaN.
+    """
+
+    layouts: tuple[KVLayout, ...]
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor | None, ...]
+    k_index: tuple[torch.Tensor | None, ...]
+    block_table: torch.Tensor
+    block_size: int
+    interleave_size: int
+
+    @classmethod
+    def empty(cls, layouts: tuple[KVLayout, ...], *, capacity: list[int], dcp_size: int, block_size: int,
+              interleave_size: int, dtype: torch.dtype = torch.float32, device="cpu") -> PagedShard:
+        """A NaN-filled shard with room for ``capacity[b]`` tokens of request b (same shape on every rank)."""
+        local = dcp_local_lens(torch.tensor(capacity), dcp_size, interleave_size).max(dim=1).values  # [B]
+        per_req = max(1, -(-int(local.max()) // block_size))
+        b = len(capacity)
+        table = torch.arange(b * per_req, dtype=torch.int64, device=device).view(b, per_req)
+        nb = b * per_req + 1
+
+        def nan(*shape):
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+        k = tuple(nan(nb, block_size, lay.num_kv_heads, lay.head_dim) for lay in layouts)
+        v = tuple(None if lay.values_in_keys else nan(nb, block_size, lay.num_kv_heads, lay.v_head_dim)
+                  for lay in layouts)
+        ki = tuple(nan(nb, block_size, lay.index_head_dim) if lay.index_head_dim else None for lay in layouts)
+        return cls(tuple(layouts), k, v, ki, table, block_size, interleave_size)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
+              k_index: torch.Tensor | None = None) -> None:
+        """Store k [T, Hkv, Dk] (and v, and DSA indexer keys [T, D_I]) at ``slots`` [T] (-1: not this rank's)."""
+        lay = self.layouts[layer]
+        if self.k_index[layer] is not None and k_index is not None:  # same slots, [num_blocks * block_size, D_I] rows
+            scatter_rows(self.k_index[layer].view(-1, k_index.shape[-1]), k_index, slots)
+        if lay.values_in_keys:
+            write_kv_mla(self.k[layer], k[:, 0, : lay.v_head_dim], k[:, 0, lay.v_head_dim :], slots)
+        else:
+            write_kv(self.k[layer], self.v[layer], k, v, slots)
+
+    def write_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store packed rows [T, F] (:mod:`cpattn.engine.kv_rows`, every layer) at ``slots`` [T]."""
+        k, v, ki = unpack_rows(self.layouts, rows)
+        for layer in range(len(self.layouts)):
+            self.write(layer, k[layer], v[layer], slots, ki[layer])
+
+    def write_block(self, block_id: int, payload: torch.Tensor) -> None:
+        """Copy one whole block's rows [block_size, F] (every layer) into physical block ``block_id``."""
+        k, v, ki = unpack_rows(self.layouts, payload)
+        for layer in range(len(self.layouts)):
+            self.k[layer][block_id] = k[layer]  # the explicit cache write: one whole block
+            if v[layer] is not None:
+                self.v[layer][block_id] = v[layer]
+            if ki[layer] is not None:
+                self.k_index[layer][block_id] = ki[layer]
+
+    def slots(self, positions: torch.Tensor, requests: torch.Tensor, rank: int, dcp_size: int) -> torch.Tensor:
+        """Slot of each (request, position) on this rank, -1 where another rank owns it: [T]."""
+        return dcp_slot_mapping(positions, requests, self.block_table, dcp_rank=rank, dcp_size=dcp_size,
+                                interleave_size=self.interleave_size, block_size=self.block_size)
+
+    def cache(self, layer: int):
+        """What :func:`cpattn.dcp.dcp_decode` takes as ``kv_cache``."""
+        lay = self.layouts[layer]
+        return self.k[layer] if lay.values_in_keys else (self.k[layer], self.v[layer])
+
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's cache storage (all layers)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.k_index) if t is not None)
+
+    def key_index(self, meta: DCPMeta, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where this rank's DSA keys live, the same for every layer: slots [S_r], global ids [S_r], cu [B+1].
+
+        Host work (a loop over requests); build it once per step, not per layer.
+        """
+        n, i_sz, bs = meta.dcp_size, self.interleave_size, self.block_size
+        local = dcp_local_lens(meta.seq_lens, n, i_sz)[:, rank]  # [B]
+        slots, ids, cu = [], [], [0]
+        for b, m in enumerate(local.tolist()):
+            j = torch.arange(m)  # local indices
+            slots.append(self.block_table[b, j // bs] * bs + j % bs)
+            ids.append((j // i_sz) * (i_sz * n) + rank * i_sz + j % i_sz)  # global positions
+            cu.append(cu[-1] + m)
+        dev = self.k[0].device
+        return torch.cat(slots).to(dev), torch.cat(ids).to(dev), torch.tensor(cu, device=dev)
+
+    def sharded_keys(self, layer: int, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> ShardedKeys:
+        """This rank's DSA keys of layer ``layer`` (``index`` from :meth:`key_index`)."""
+        slots, ids, cu = index
+        lat = self.k[layer].view(-1, self.k[layer].shape[-1])[slots]  # [S_r, Dqk]
+        keys = self.k_index[layer].view(-1, self.k_index[layer].shape[-1])[slots]  # [S_r, D_I]
+        return ShardedKeys(lat, keys, ids, cu)
+
+
+@dataclass
+class DCPStep:
+    """One decode (or verification) step on a DCP rank: ``positions`` [T] from the plan; called per layer."""
+
+    group: Group
+    shard: PagedShard
+    meta: DCPMeta
+    merge: str = "ag_rs"
+    positions: torch.Tensor = field(init=False)
+    _key_index: tuple | None = field(default=None, init=False, repr=False)  # DSA: built by the first layer
+
+    def __post_init__(self):
+        self.positions = self.meta.positions
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Write this step's k/v where owned, then DCP attention. q: [T, Hq, Dk] -> [T, Hq, Dv]."""
+        g = self.group
+        self.shard.write(layer, k, v, self.meta.slot_mapping[g.rank])
+        hl = q.shape[1] // g.size  # the engine checked that the DCP size divides the heads
+        q_mine = q[:, g.rank * hl : (g.rank + 1) * hl]  # [T, Hl, Dk]: this rank's TP heads
+        out = dcp_decode(q_mine, self.shard.cache(layer), self.meta, group=g, merge=self.merge,
+                         softmax_scale=scale, v_head_dim=self.shard.layouts[layer].v_head_dim)  # [T, Hl, Dv]
+        return g.all_gather(out, dim=1)  # [T, Hq, Dv]: the heads back together, as TP would
+
+    def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
+            k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """DSA over the key-sharded cache (:func:`cpattn.dsa.dsa_dcp_attention`): exact global top-k.
+
+        q: [T, H, Dqk] (all heads, the same on every rank); kv: [T, 1, Dqk];
+        q_index: [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I]. Returns [T, H, v_head_dim].
+        """
+        g = self.group
+        self.shard.write(layer, kv, None, self.meta.slot_mapping[g.rank], k_index)
+        if self._key_index is None:  # layer-independent: once per step
+            self._key_index = self.shard.key_index(self.meta, g.rank)
+        keys = self.shard.sharded_keys(layer, self._key_index)
+        return dsa_dcp_attention(q, q_index, w_index, self.meta.positions, self.meta.cu_seqlens_q, keys, group=g,
+                                 topk=topk, softmax_scale=scale, value_dim=self.shard.layouts[layer].v_head_dim)

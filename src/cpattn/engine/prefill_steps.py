@@ -1,0 +1,138 @@
+"""Attention steps of a prefill whose tokens are split over a group (PCP, or DSA-CP for DSA models).
+
+A model's forward calls ``step(layer, q, k, v, scale)`` (or ``step.dsa(...)``)
+on this rank's tokens; the step runs the parallel attention and keeps the
+layer's new K/V (``kv[layer] = (k, v, k_index)``, this rank's tokens in the
+plan's local order) so the engine can hand them to a decode cache. A cached
+prefix (prefix caching, a KV-pool hit) is a :class:`Prefix`: every new token
+attends all of its request's cached tokens.
+
+- :class:`PCPStep`: :func:`cpattn.pcp_prefill` over a head-tail
+  :func:`cpattn.pcp_plan` (ring or all-gather); one rank is plain prefill.
+- :class:`DSACPStep`: :func:`cpattn.dsa.dsa_cp_attention` over a
+  :func:`cpattn.dsa.dsa_cp_plan` (balanced head-tail or contiguous split).
+
+Example
+-------
+>>> import torch, cpattn
+>>> from cpattn.engine.family import KVLayout
+>>> plan = cpattn.pcp_plan([0, 6], 1)
+>>> step = PCPStep(cpattn.comm.SimMesh(1).groups()[0], plan, (KVLayout(1, 8, 8),))
+>>> step(0, torch.randn(6, 2, 8), torch.randn(6, 1, 8), torch.randn(6, 1, 8), 0.3).shape
+torch.Size([6, 2, 8])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.dsa import DSACache, DSACPPlan, dsa_cp_attention
+from cpattn.engine.family import KVLayout
+from cpattn.engine.kv_rows import unpack_rows
+from cpattn.layout.pcp import PCPPlan
+from cpattn.pcp import Context, pcp_prefill
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """Cached KV of the tokens before each request's new ones, replicated on every prefill rank.
+
+    rows: [Tc, F] (:mod:`cpattn.engine.kv_rows`), request b's rows are
+    ``rows[cu[b]:cu[b+1]]`` with ``cu = cumsum(context_lens)``; context_lens: per request.
+    """
+
+    rows: torch.Tensor
+    context_lens: tuple[int, ...]
+
+
+@dataclass
+class PCPStep:
+    """Prefill attention over a PCP group: this rank's tokens of a head-tail split.
+
+    ``positions``: [T_r] global positions from the plan (RoPE must use them).
+    After the forward, ``kv[l] = (k, v, None)`` holds this rank's keys/values of
+    layer l ([T_r, Hkv, D*]; v None when values live in the keys), in the plan's
+    local order.
+    """
+
+    group: Group
+    plan: PCPPlan
+    layouts: tuple[KVLayout, ...]
+    method: str = "ring"
+    prefix: Prefix | None = None
+    kv: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.positions = self.plan.positions[self.group.rank]
+        self._context = _split_prefix(self.prefix, self.layouts)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """q: [T_r, Hq, Dk], k: [T_r, Hkv, Dk], v: [T_r, Hkv, Dv] or None. Returns [T_r, Hq, Dv]."""
+        self.kv[layer] = (k, v, None)
+        lay = self.layouts[layer]
+        vv = k[..., : lay.v_head_dim] if lay.values_in_keys else v
+        ctx = None
+        if self._context is not None:
+            ck, cv, _, cu = self._context[layer]
+            ctx = Context(ck, ck[..., : lay.v_head_dim] if lay.values_in_keys else cv, cu)
+        return pcp_prefill(q, k, vv, self.plan, group=self.group, method=self.method, softmax_scale=scale,
+                           context=ctx)
+
+
+@dataclass
+class DSACPStep:
+    """Prefill of a DSA model with its tokens split over a DSA-CP group.
+
+    Each rank keeps all heads of its tokens; latents and indexer keys are
+    all-gathered into a replicated cache (:func:`cpattn.dsa.dsa_cp_attention`).
+    ``positions``: [T_r]; after the forward ``kv[l] = (latent [T_r, 1, Dqk],
+    None, k_index [T_r, D_I])`` of this rank's tokens.
+    """
+
+    group: Group
+    plan: DSACPPlan
+    layouts: tuple[KVLayout, ...]
+    prefix: Prefix | None = None
+    kv: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.positions = self.plan.positions[self.group.rank]
+        self._context = _split_prefix(self.prefix, self.layouts)
+
+    def __call__(self, layer, q, k, v, scale):
+        raise TypeError("DSACPStep serves DSA layers only; the model must call step.dsa(...)")
+
+    def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
+            k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """q [T_r, H, Dqk], kv [T_r, 1, Dqk], q_index [T_r, H_I, D_I], w_index [T_r, H_I], k_index [T_r, D_I]
+        -> out [T_r, H, v_head_dim]."""
+        self.kv[layer] = (kv, None, k_index)
+        return dsa_cp_attention(q, kv[:, 0], q_index, w_index, k_index, self.plan, group=self.group, topk=topk,
+                                softmax_scale=scale, value_dim=self.layouts[layer].v_head_dim,
+                                cache=self._cache(layer, kv, k_index))
+
+    def _cache(self, layer: int, kv: torch.Tensor, k_index: torch.Tensor) -> DSACache | None:
+        """A replicated cache holding the prefix rows where the plan expects them (None without a prefix)."""
+        if self._context is None:
+            return None
+        ck, _, cki, cu = self._context[layer]
+        size = self.plan.cache_size
+        latent = kv.new_full((size, kv.shape[-1]), float("nan"))
+        keys = k_index.new_full((size, k_index.shape[-1]), float("nan"))
+        for b, start in enumerate(self.plan.cache_starts):
+            a, e = int(cu[b]), int(cu[b + 1])
+            latent[start : start + e - a] = ck[a:e, 0]
+            keys[start : start + e - a] = cki[a:e]
+        return DSACache(latent, keys)
+
+
+def _split_prefix(prefix: Prefix | None, layouts: tuple[KVLayout, ...]):
+    """Per layer (k, v, k_index, cu [B+1]) of a prefix, or None."""
+    if prefix is None:
+        return None
+    cu = torch.tensor([0, *prefix.context_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+    k, v, ki = unpack_rows(layouts, prefix.rows)
+    return [(k[l], v[l], ki[l], cu) for l in range(len(layouts))]
