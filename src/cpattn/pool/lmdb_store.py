@@ -1,0 +1,255 @@
+"""The embedded pool backend: an LMDB database in a local directory, no server.
+
+Entries live in LMDB (memory-mapped B+tree, one writer at a time across
+processes, readers never blocked), so every process on the machine that
+opens the same directory shares one pool, and the pool outlives the run.
+
+Eviction: least recently used, by an access stamp. Every entry carries a
+stamp from a counter stored in the database (so it orders accesses across
+processes); ``put`` and ``get`` hits renew it (``exists`` does not). When
+the entries' bytes exceed ``capacity_bytes``, entries are dropped from the
+oldest stamp up until they fit, in the same transaction as the write that
+overflowed. The LMDB map (the file's maximum size) is ``2 * capacity +
+64 MiB`` to leave room for LMDB's copy-on-write pages.
+
+Layout (named sub-databases): ``blocks`` key -> entry; ``stamps`` key ->
+stamp; ``lru`` stamp (8 bytes big-endian) + key -> nothing, iterated
+oldest first; ``meta`` ``clock`` (last stamp) and ``used`` (entry bytes).
+
+Durability: the environment is opened without fsync per commit
+(``sync=False``): a crashed *process* loses nothing committed; an operating
+system crash may lose the last commits (LMDB keeps the database consistent).
+A pool is a cache, so that trade is right; corrupt entries are caught by the
+codec anyway.
+
+Example
+-------
+>>> import tempfile
+>>> with tempfile.TemporaryDirectory() as d:
+...     s = LMDBStore(d, capacity_bytes=10)
+...     s.put(["a", "b"], [b"12345", b"67890"]), s.get(["a"]), s.put(["c"], [b"xyz"]), s.exists(["a", "b", "c"])
+...     s.close()
+([True, True], [b'12345'], [True], [True, False, True])
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Sequence
+
+from cpattn.pool.base import StoreUnavailable
+
+_U64 = struct.Struct(">Q")
+_MAP_SLACK = 64 << 20
+
+# One lmdb.Environment per database file per process: LMDB forbids opening the
+# same file twice in one process. Stores on one path share it (reference-counted).
+_ENVS: dict[str, list] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def import_lmdb():
+    """The ``lmdb`` module, or ImportError saying how to install it."""
+    try:
+        import lmdb  # noqa: PLC0415 - optional dependency
+    except ImportError as err:
+        raise ImportError(f"the LMDB pool needs the lmdb package ({err}); pip install 'cpattn[pool]'") from err
+    return lmdb
+
+
+class LMDBStore:
+    """A :class:`~cpattn.pool.base.BlockStore` in an LMDB directory with LRU eviction.
+
+    Arguments
+    ---------
+    path: directory of the database (created if missing).
+    capacity_bytes: the most entry bytes kept; older entries are evicted past it.
+        Each process applies its own limit when it writes.
+
+    Attributes ``env`` and ``blocks_db`` (the raw LMDB handles) are there for
+    tools and tests.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, capacity_bytes: int = 4 << 30) -> None:
+        lmdb = import_lmdb()
+        self._lmdb = lmdb
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be positive; got {capacity_bytes}")
+        self.capacity_bytes = int(capacity_bytes)
+        os.makedirs(path, exist_ok=True)
+        self.path = os.path.realpath(path)
+        with _ENVS_LOCK:
+            if self.path in _ENVS:
+                _ENVS[self.path][1] += 1
+                self.env = _ENVS[self.path][0]
+            else:
+                self.env = lmdb.open(
+                    self.path, map_size=2 * self.capacity_bytes + _MAP_SLACK, max_dbs=4, subdir=True,
+                    sync=False, metasync=False, readahead=False, max_readers=256,
+                )
+                _ENVS[self.path] = [self.env, 1]
+        self.blocks_db = self.env.open_db(b"blocks")
+        self._stamps = self.env.open_db(b"stamps")
+        self._lru = self.env.open_db(b"lru")
+        self._meta = self.env.open_db(b"meta")
+        self._closed = False
+
+    # -- reads -------------------------------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        with self._txn(write=False) as txn:
+            return [txn.get(k.encode(), db=self._stamps) is not None for k in keys]
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        with self._txn(write=False) as txn:
+            out = [txn.get(k.encode(), db=self.blocks_db) for k in keys]  # bytes copies
+        hits = [k for k, v in zip(keys, out) if v is not None]
+        if hits:
+            with self._txn(write=True) as txn:
+                clock = self._clock(txn)
+                for k in hits:
+                    if txn.get(k.encode(), db=self._stamps) is not None:  # not evicted meanwhile
+                        clock += 1
+                        self._touch(txn, k.encode(), clock)
+                txn.put(b"clock", _U64.pack(clock), db=self._meta)
+        return out
+
+    # -- writes ------------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], blobs: Sequence) -> list[bool]:
+        if len(keys) != len(blobs):
+            raise ValueError(f"put() got {len(keys)} keys but {len(blobs)} blobs")
+        try:
+            return self._put(keys, blobs)
+        except self._lmdb.MapFullError:  # copy-on-write pages ran out: make room, try once more
+            self._evict_to(self.capacity_bytes // 2)
+            try:
+                return self._put(keys, blobs)
+            except self._lmdb.MapFullError:
+                return [False] * len(keys)
+
+    def _put(self, keys, blobs) -> list[bool]:
+        with self._txn(write=True) as txn:
+            clock, used = self._clock(txn), self._used(txn)
+            for k, blob in zip(keys, blobs):
+                kb = k.encode()
+                clock += 1
+                if txn.get(kb, db=self._stamps) is not None:  # first writer wins; renew it
+                    self._touch(txn, kb, clock)
+                    continue
+                if len(blob) > self.capacity_bytes:
+                    continue  # could never fit
+                txn.put(kb, blob, db=self.blocks_db)
+                txn.put(kb, _U64.pack(clock), db=self._stamps)
+                txn.put(_U64.pack(clock) + kb, b"", db=self._lru)
+                used += len(blob)
+            used = self._evict(txn, used, self.capacity_bytes)
+            txn.put(b"clock", _U64.pack(clock), db=self._meta)
+            txn.put(b"used", _U64.pack(used), db=self._meta)
+            return [txn.get(k.encode(), db=self._stamps) is not None for k in keys]
+
+    def discard(self, keys: Sequence[str]) -> None:
+        with self._txn(write=True) as txn:
+            used = self._used(txn)
+            for k in keys:
+                used -= self._drop(txn, k.encode())
+            txn.put(b"used", _U64.pack(used), db=self._meta)
+
+    def used_bytes(self) -> int:
+        """Bytes of the entries held now."""
+        with self._txn(write=False) as txn:
+            return self._used(txn)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _ENVS_LOCK:
+            entry = _ENVS.get(self.path)
+            if entry is not None and entry[0] is self.env:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _ENVS[self.path]
+                    self.env.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _txn(self, write: bool):
+        if self._closed:
+            raise StoreUnavailable(f"LMDB store {self.path} is closed")
+        try:
+            return _Txn(self.env.begin(write=write), self._lmdb)
+        except self._lmdb.Error as err:
+            raise StoreUnavailable(f"LMDB at {self.path}: {err}") from err
+
+    def _clock(self, txn) -> int:
+        v = txn.get(b"clock", db=self._meta)
+        return _U64.unpack(v)[0] if v else 0
+
+    def _used(self, txn) -> int:
+        v = txn.get(b"used", db=self._meta)
+        return _U64.unpack(v)[0] if v else 0
+
+    def _touch(self, txn, kb: bytes, clock: int) -> None:
+        old = txn.get(kb, db=self._stamps)
+        if old is not None:
+            txn.delete(old + kb, db=self._lru)
+        txn.put(kb, _U64.pack(clock), db=self._stamps)
+        txn.put(_U64.pack(clock) + kb, b"", db=self._lru)
+
+    def _drop(self, txn, kb: bytes) -> int:
+        """Delete one entry; returns its size (0 if absent)."""
+        stamp = txn.get(kb, db=self._stamps)
+        if stamp is None:
+            return 0
+        blob = txn.get(kb, db=self.blocks_db)
+        txn.delete(kb, db=self._stamps)
+        txn.delete(stamp + kb, db=self._lru)
+        txn.delete(kb, db=self.blocks_db)
+        return len(blob) if blob is not None else 0
+
+    def _evict(self, txn, used: int, limit: int) -> int:
+        if used <= limit:
+            return used
+        cur = txn.cursor(db=self._lru)
+        victims = []
+        if cur.first():
+            for lru_key, _ in cur:
+                if used <= limit:
+                    break
+                kb = lru_key[8:]
+                blob = txn.get(kb, db=self.blocks_db)
+                used -= len(blob) if blob is not None else 0
+                victims.append(kb)
+        cur.close()
+        for kb in victims:
+            self._drop(txn, kb)
+        return used
+
+    def _evict_to(self, limit: int) -> None:
+        with self._txn(write=True) as txn:
+            used = self._evict(txn, self._used(txn), limit)
+            txn.put(b"used", _U64.pack(used), db=self._meta)
+
+
+class _Txn:
+    """A transaction context that turns LMDB errors into StoreUnavailable (MapFullError passes through)."""
+
+    def __init__(self, txn, lmdb) -> None:
+        self.txn, self.lmdb = txn, lmdb
+
+    def __enter__(self):
+        return self.txn
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            try:
+                self.txn.commit()
+            except self.lmdb.MapFullError:
+                raise
+            except self.lmdb.Error as err:
+                raise StoreUnavailable(f"LMDB commit failed: {err}") from err
+            return False
+        self.txn.abort()
+        if isinstance(exc, self.lmdb.Error) and not isinstance(exc, self.lmdb.MapFullError):
+            raise StoreUnavailable(f"LMDB: {exc}") from exc
+        return False

@@ -1,0 +1,104 @@
+"""``cpattn pool serve``: a Mooncake master plus a long-lived process holding the pool's memory.
+
+A Mooncake client's objects live in the memory segment that client mounts
+and vanish when it exits, so a pool that outlives one run needs a process
+that only contributes memory. This command is that process:
+
+1. starts ``mooncake_master`` on ``--host:--port`` (127.0.0.1:50051 by
+   default; its admin server on a free port of the same host);
+2. mounts ``--memory`` bytes (default 1 GiB) into the pool as a Mooncake
+   client of that master;
+3. prints one line saying how to connect -- ``cpattn pool serving:
+   mooncake:127.0.0.1:50051 ...`` -- and waits;
+4. on SIGINT or SIGTERM unmounts the memory, stops the master and exits 0;
+   if the master dies it exits 1.
+
+Engines then connect with ``MooncakeStore("127.0.0.1:50051")`` (or the
+spec ``mooncake:127.0.0.1:50051``) and contribute no memory themselves, so
+a second run finds what the first stored.
+
+Example
+-------
+>>> main(["--port", "50051", "--memory", "2GiB"])  # doctest: +SKIP
+cpattn pool serving: mooncake:127.0.0.1:50051 (2048 MiB, master pid 1234, lease 1000 ms); Ctrl-C stops it
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import sys
+import threading
+
+from cpattn.pool.base import StoreUnavailable
+from cpattn.pool.mooncake_store import (
+    MooncakeStore, mooncake_unavailable_reason, start_master, stop_process,
+)
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MiB"`` / ``"2GiB"`` / ``"1048576"`` -> bytes (binary units).
+
+    >>> parse_bytes("2GiB"), parse_bytes("16m"), parse_bytes("100")
+    (2147483648, 16777216, 100)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB or a byte count)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpattn pool serve", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1", help="address the master and the memory holder use (127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="the master's RPC port (50051)")
+    p.add_argument("--memory", type=parse_bytes, default=1 << 30, help="pool memory to contribute (1GiB)")
+    p.add_argument("--lease-ttl-ms", type=int, default=1000,
+                   help="how long a read or written object is protected from eviction (1000)")
+    p.add_argument("--master-log", default=None, help="file for mooncake_master's log (discarded by default)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the pool server until SIGINT / SIGTERM; returns the exit status (0 stopped, 1 failed, 2 unusable)."""
+    args = parser().parse_args(argv)
+    reason = mooncake_unavailable_reason()
+    if reason:
+        print(f"cpattn pool serve: {reason}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    master = None
+    holder = None
+    try:
+        master = start_master(args.port, host=args.host, lease_ttl_ms=args.lease_ttl_ms, log_path=args.master_log)
+        holder = MooncakeStore(f"{args.host}:{args.port}", segment_bytes=args.memory, host=args.host)
+        print(
+            f"cpattn pool serving: mooncake:{args.host}:{args.port} ({args.memory >> 20} MiB, "
+            f"master pid {master.pid}, lease {args.lease_ttl_ms} ms); Ctrl-C stops it",
+            flush=True,
+        )
+        while not stop.wait(0.2):
+            if master.poll() is not None:
+                print(f"cpattn pool serve: mooncake_master exited with {master.returncode}", file=sys.stderr,
+                      flush=True)
+                return 1
+        return 0
+    except (RuntimeError, StoreUnavailable, OSError) as err:
+        print(f"cpattn pool serve: {err}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if holder is not None and master is not None and master.poll() is None:
+            holder.close()  # unmounting needs the master; after its death the OS frees the memory
+        if master is not None:
+            stop_process(master)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
