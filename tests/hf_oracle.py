@@ -1,0 +1,137 @@
+"""Hugging Face ``transformers`` as the whole-model oracle: tiny seeded models, their outputs, the comparisons.
+
+Shared by the per-family exactness tests (test_models_hf.py, test_models_moe_hf.py):
+
+- :func:`perturbed`: a seeded random-init HF model (eager attention and
+  experts, eval) with norm weights and router biases perturbed, so every
+  parameter matters;
+- :class:`Reference`: one HF model, our params/config, and the HF outputs
+  (prompt logits, ``generate(do_sample=False)`` tokens and logits) for the
+  prompts, computed once;
+- :meth:`Reference.check`: prompt logits within 1e-4 relative; tokens equal
+  up to a near-tie flip (DESIGN.md §5): if a token differs, the reference's
+  top-2 margin at the first differing step must be below twice the
+  measured logit error there, the flip is recorded, and the steps after it
+  are not compared;
+- :func:`forward_logits`: one prefill forward of a family on one device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpattn.engine.dense_cache import DenseKVCache
+from cpattn.models import normalize_params
+
+NEW_TOKENS = 32
+PROMPT_LENS = (21, 13)  # odd, uneven over 2P chunks; packed together in one batch
+VOCAB = 128
+
+
+def perturbed(model_class, config, seed: int = 0):
+    """``model_class(config)`` seeded, eager, eval, with norms and router biases moved off their init values."""
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    model = model_class(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name or "e_score_correction_bias" in name:
+                t.add_(0.1 * torch.randn(t.shape, generator=g))
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def forward_logits(module, params: dict, cfg, tokens: torch.Tensor, cu_seqlens: list[int], **kw):
+    """``module.forward`` of packed prompts (requests by ``cu_seqlens``) on a fresh dense cache."""
+    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    dtype = params["model.embed_tokens.weight"].dtype
+    cache = DenseKVCache.empty(module.FAMILY.kv_layouts(cfg), batch=len(lens), max_len=max(lens), dtype=dtype)
+    return module.forward(params, cfg, tokens, cache.step(lens), **kw)
+
+
+class Reference:
+    """A family's HF model, our params/config, and the HF outputs for the prompts."""
+
+    def __init__(self, name: str, module, hf, flips: list):
+        self.name, self.module, self.hf, self.flips = name, module, hf, flips
+        self.cfg = module.FAMILY.config_class.from_hf(hf.config)
+        self.params = normalize_params(hf.state_dict())
+        g = torch.Generator().manual_seed(7)
+        self.prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in PROMPT_LENS]
+        self.tokens, self.logits, self.prompt_logits = [], [], []
+        with torch.no_grad():
+            for p in self.prompts:
+                self.prompt_logits.append(hf(p[None]).logits[0])  # [L, V]
+                # explicit mask: HF would otherwise mask prompt tokens equal to pad_token_id
+                out = hf.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=NEW_TOKENS,
+                                  do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+                self.tokens.append(out.sequences[0, p.numel():])  # [N]
+                self.logits.append(torch.stack(out.logits, 1)[0].float())  # [N, V]
+
+    def check(self, gen) -> None:
+        """Prompt logits within 1e-4 relative; tokens equal up to a near-tie flip.
+
+        A generation of n <= NEW_TOKENS tokens is compared with the first n reference tokens.
+        """
+        n = gen.tokens.shape[1]
+        assert gen.prompt_logits is not None, f"{self.name}: the run returned no prompt logits to compare"
+        at = 0
+        for b, p in enumerate(self.prompts):
+            what = f"{self.name} request {b}"
+            ref, got = self.prompt_logits[b], gen.prompt_logits[at : at + p.numel()]
+            assert rel_err(got, ref) <= 1e-4, f"{what}: prompt logits off by {rel_err(got, ref):.2e}"
+            at += p.numel()
+            check_tokens(gen.tokens[b], gen.logits[b], self.tokens[b][:n], self.logits[b][:n], what, self.flips)
+
+
+def check_tokens(ours, our_logits, ref, ref_logits, what: str, flips: list) -> None:
+    """Equal tokens, or a first difference where the reference had a near tie (recorded in ``flips``)."""
+    diff = (ours != ref).nonzero()
+    n = ref.numel() if diff.numel() == 0 else int(diff[0]) + 1
+    err = float((our_logits[:n] - ref_logits[:n]).abs().max())
+    assert rel_err(our_logits[:n], ref_logits[:n]) <= 1e-4, f"{what}: decode logits off by {err:.2e}"
+    if diff.numel():  # after a flip the contexts differ, so later tokens cannot be compared
+        i = n - 1
+        err = float((our_logits[i] - ref_logits[i]).abs().max())  # the error at the flipped step itself
+        flips.append((what, i))
+        top = ref_logits[i].topk(2).values
+        margin = float(top[0] - top[1])
+        assert margin <= 2 * err, (
+            f"{what}: token {i} is {int(ours[i])}, reference {int(ref[i])}, with a top-2 margin {margin:.2e} "
+            f"above twice the logit error {err:.2e}: a real mismatch, not a near tie"
+        )
+
+
+def check_hidden(ref: Reference) -> None:
+    """The forward's ``hidden_layers`` contract against HF's ``output_hidden_states`` on the first prompt.
+
+    HF's entry i + 1 is the residual stream after layer i, except the last,
+    which HF ties to the final-normed state; ``hidden["norm"]`` covers every
+    row even when ``logits_index`` selects some.
+    """
+    from cpattn.models.common import lm_head, rms_norm
+
+    module, params, cfg, tokens = ref.module, ref.params, ref.cfg, ref.prompts[0]
+    t, n = tokens.numel(), cfg.num_hidden_layers
+    with torch.no_grad():
+        hf_states = [h[0] for h in ref.hf(tokens[None], output_hidden_states=True).hidden_states]  # n + 1 x [T, H]
+    assert len(hf_states) == n + 1
+    rows = torch.tensor([t - 1, 2, 5])
+    logits, hidden = forward_logits(module, params, cfg, tokens, [0, t], logits_index=rows,
+                                    hidden_layers=tuple(range(n)))
+    assert sorted(hidden, key=str) == [*range(n), "norm"]
+    assert hidden["norm"].shape == (t, cfg.hidden_size) and logits.shape == (3, cfg.vocab_size)
+    assert torch.equal(torch.nn.functional.linear(hidden["norm"][rows], lm_head(params, cfg)), logits)
+    assert rel_err(logits, ref.prompt_logits[0][rows]) <= 1e-4
+    for i in range(n - 1):
+        assert rel_err(hidden[i], hf_states[i + 1]) <= 1e-5, f"{ref.name}: layer {i} residual stream"
+    assert rel_err(hidden["norm"], hf_states[n]) <= 1e-5
+    assert torch.equal(rms_norm(hidden[n - 1], params["model.norm.weight"], cfg.rms_norm_eps), hidden["norm"])
+    only, norm_only = forward_logits(module, params, cfg, tokens, [0, t], hidden_layers=())
+    assert list(norm_only) == ["norm"] and torch.equal(norm_only["norm"], hidden["norm"])
+    assert torch.equal(only, forward_logits(module, params, cfg, tokens, [0, t]))
