@@ -79,6 +79,6 @@ def test_demo_mismatch_fails(tmp_path, capsys):
 def test_demo_rejects_layouts_the_guide_forbids(capsys):
     """--dcp that does not divide the heads is refused before any rank starts; so is pcp != dcp != 1."""
     assert demo.main(["--dcp", "3", "--pcp", "1", "--no-progress"]) == 2
-    assert "attention heads" in capsys.readouterr().err
+    assert "num_attention_heads" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         demo.main(["--pcp", "2", "--dcp", "4"])

@@ -24,7 +24,7 @@ The main job end to end, on P real gloo processes (or under ``torchrun``):
    ``seq_lens`` / ``block_table`` buffers by :func:`cpattn.dcp.plan_tensors`.
    The same step also runs eagerly on a second cache, side by side.
 
-Two engine configs are validated with :class:`cpattn.config.ParallelConfig`:
+Two engine configs are validated with :class:`cpattn.config.EngineConfig`:
 a prefill engine (``pcp_size=P``, ``kv_role="kv_producer"``) and a decode
 engine (``tp_size=dcp_size=N``, ``pcp_size=1``, ``kv_role="kv_consumer"``),
 since the guide forbids PCP and DCP in one engine. Both share the ranks.
@@ -53,30 +53,27 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from cpattn.bench.common import DTYPES, Progress, table, write_json
 from cpattn.comm.group import Group
-from cpattn.comm.sim import SimMesh
-from cpattn.config import EngineConfig as ParallelConfig
-from cpattn.dcp import DCPMeta, plan_tensors
-from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
-from cpattn.graphs import DecodeRunner, Field, capture_sizes, pick_size
-from cpattn.layout.pcp import pcp_plan, pcp_shard
-from cpattn.models import family, load_checkpoint
-from cpattn.models.cache import DenseKVCache, DSACPStep, PCPStep
-from cpattn.models.dcp_cache import DCPStep, PagedShard, fill_from_prefill
-from cpattn.models.generate import gather_unshard, prefill_local, uses_dsa
+from cpattn.config import EngineConfig
+from cpattn.engine import driver
+from cpattn.engine.batch import Prompts
+from cpattn.engine.decode import decode_step, step_fields
+from cpattn.engine.family import ModelFamily, get_family
+from cpattn.engine.options import Algorithms
+from cpattn.engine.reference import reference_generate
+from cpattn.graphs import capture_sizes, pick_size
+from cpattn.models import load_checkpoint
+from cpattn.models.common import config_dict
 
 # the embedded default: a tiny Qwen3 (GQA 4:1 with q/k norm), random weights, nothing downloaded.
-# One KV head: on 2 ranks (tp = dcp = 2) the guide's GQA rule (tp // kv_heads) % dcp == 0 holds.
 EMBEDDED = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=1, head_dim=32)
 EMBEDDED_STD = 0.2  # weights ~ N(0, 0.2): clear logit margins, so greedy tokens are not near-ties
-CONFIG_CLASSES = {"qwen3": "Qwen3Config", "deepseek_v3": "DeepseekV3Config", "deepseek_v32": "DeepseekV32Config"}
 GRAPH_MODES = ("none", "full_decode_only")
 
 
@@ -112,21 +109,28 @@ class Spec:
         return [self.prompt_len - (b * self.prompt_len) // (2 * self.batch) for b in range(self.batch)]
 
 
-# -- model and inputs ------------------------------------------------------------------------
+# -- model, inputs, engines -------------------------------------------------------------------
 
 
-def load_model(spec: Spec) -> tuple[ModuleType, Any, dict[str, torch.Tensor]]:
-    """(model module, config, params): the embedded tiny Qwen3, or a local Hugging Face checkpoint."""
-    dtype = DTYPES[spec.dtype]
+def model_config(spec: Spec) -> tuple[ModelFamily, Any]:
+    """(family, config) of the run, from the checkpoint's config.json alone (no weights read)."""
     if spec.model_dir is None:
         from cpattn.models import qwen3
 
-        cfg = qwen3.Qwen3Config(**EMBEDDED)
-        return qwen3, cfg, qwen3.init_params(cfg, seed=spec.seed, std=EMBEDDED_STD, dtype=dtype)
-    config, params = load_checkpoint(spec.model_dir, dtype=dtype)
-    module = family(config)
-    cfg = getattr(module, CONFIG_CLASSES[config["model_type"]]).from_hf(config)
-    return module, cfg, params
+        return qwen3.FAMILY, qwen3.Qwen3Config(**EMBEDDED)
+    d = config_dict(spec.model_dir)
+    family = get_family(d)
+    return family, family.config_class.from_hf(d)
+
+
+def load_model(spec: Spec) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
+    """(family, config, params): the embedded tiny Qwen3, or a local Hugging Face checkpoint."""
+    dtype = DTYPES[spec.dtype]
+    family, cfg = model_config(spec)
+    if spec.model_dir is None:
+        return family, cfg, family.init_params(cfg, seed=spec.seed, std=EMBEDDED_STD, dtype=dtype)
+    _, params = load_checkpoint(spec.model_dir, dtype=dtype)
+    return family, cfg, params
 
 
 def prompts(spec: Spec, vocab: int) -> tuple[torch.Tensor, list[int]]:
@@ -139,66 +143,29 @@ def prompts(spec: Spec, vocab: int) -> tuple[torch.Tensor, list[int]]:
     return torch.randint(0, vocab, (cu[-1],), generator=g), cu
 
 
-def engine_configs(spec: Spec, cfg: Any) -> tuple[ParallelConfig, ParallelConfig, str]:
-    """The prefill (kv_producer) and decode (kv_consumer) engines of the P/D pair, validated.
+def graph_backend(spec: Spec, family: ModelFamily) -> str:
+    """The decode runner's backend: the requested compiler for a capturable family, else "eager"."""
+    return spec.backend if family.capturable else "eager"
 
-    Raises ValueError (every broken rule of the guide) for a layout the guide forbids.
-    Returns (prefill config, decode config, a note on how the GQA rule was checked).
+
+def engine_configs(spec: Spec, family: ModelFamily, cfg: Any) -> tuple[EngineConfig, EngineConfig]:
+    """The prefill (kv_producer, PCP) and decode (kv_consumer, DCP) engines of the P/D pair, validated.
+
+    Interleave = block size, so whole blocks are handed over (the guide's rule
+    for KV transfer). Raises :class:`~cpattn.config.ConfigError` listing every
+    broken rule for a layout the guide (or the engine) cannot run.
     """
-    kind = "dsa" if uses_dsa(cfg) else ("mla" if cfg.kv_dims[3] else "gqa")
-    common = dict(attention=kind, block_size=spec.block_size, cp_kv_cache_interleave_size=spec.block_size,
-                  kv_transfer="pd")
     graph = "FULL_DECODE_ONLY" if spec.graph_mode == "full_decode_only" else "NONE"
-    prefill = ParallelConfig.create(tp_size=1, pcp_size=spec.pcp, kv_role="kv_producer", graph_mode=graph, **common)
-    kv_heads = cfg.kv_dims[0] if kind == "gqa" else None
-    note = ""
-    try:
-        decode = ParallelConfig.create(tp_size=spec.dcp, dcp_size=spec.dcp, num_kv_heads=kv_heads, kv_role="kv_consumer",
-                                graph_mode=graph, **common)
-    except ValueError:
-        if kind != "gqa" or kv_heads == 1:
-            raise
-        # cpattn.models keeps every KV head on every rank (KV heads replicated over TP, as when
-        # tp > num_kv_heads), so the ranks of the DCP group do hold the same KV heads.
-        decode = ParallelConfig.create(tp_size=spec.dcp, dcp_size=spec.dcp, num_kv_heads=1, kv_role="kv_consumer",
-                                graph_mode=graph, **common)
-        note = (f"the model's {kv_heads} KV heads are replicated on every rank (not split by TP), so the GQA rule "
-                f"is checked with one KV-head group")
-    return prefill, decode, note
+    pre, dec = driver.engine_configs(family, cfg, pcp_size=spec.pcp, dcp_size=spec.dcp, block_size=spec.block_size,
+                                     interleave_size=spec.block_size, pd=True, graph_mode=graph,
+                                     capture_sizes=spec.capture_sizes, graph_backend=graph_backend(spec, family))
+    driver.checks.check(family, cfg, pre, dec, world_size=spec.world_size, topology="colocated")
+    return pre, dec
 
 
-# -- the captured decode step ------------------------------------------------------------------
-
-
-def decode_fields(max_blocks: int) -> dict[str, Field]:
-    """Per-step inputs of :func:`decode_step`: tokens [T], seq_lens [B], block_table [B, max_blocks].
-
-    Padding: token 0, seq_len 0 (the row sees no key and writes no KV), block 0 (never read).
-    """
-    return {
-        "tokens": Field("token", (), torch.int64, pad=0),
-        "seq_lens": Field("request", (), torch.int64, pad=0),
-        "block_table": Field("request", (max_blocks,), torch.int64, pad=0),
-    }
-
-
-def decode_step(state: dict, batch: dict[str, torch.Tensor], *, model: ModuleType, cfg: Any, group: Group,
-                block_size: int, interleave_size: int, merge: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """One greedy decode step of the whole model with DCP attention; capturable (no host sync).
-
-    state: ``{"params": dict, "shard": PagedShard}`` (the cache is written in place);
-    batch: ``tokens`` [T], ``seq_lens`` [B] (after this step), ``block_table``
-    [B, max_blocks], ``cu_seqlens_q`` [B+1] (from the runner).
-    Returns (next tokens [T] int64, logits [T, V] float32).
-    """
-    tokens, cu = batch["tokens"], batch["cu_seqlens_q"]
-    query_lens = cu[1:] - cu[:-1]  # [B]
-    tensors = plan_tensors(batch["seq_lens"], query_lens, batch["block_table"], num_tokens=tokens.shape[0],
-                           dcp_size=group.size, interleave_size=interleave_size, block_size=block_size)
-    meta = DCPMeta(dcp_size=group.size, interleave_size=interleave_size, block_size=block_size,
-                   block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=query_lens, **tensors)
-    logits = model.forward(state["params"], cfg, tokens, DCPStep(group, state["shard"], meta, merge)).float()  # [T, V]
-    return logits.argmax(-1), logits
+def flat(config: EngineConfig) -> dict:
+    """An engine config as one flat dict of its fields (the flat names of ``EngineConfig.create``)."""
+    return {k: v for part in dataclasses.asdict(config).values() for k, v in part.items()}
 
 
 # -- phases on one rank --------------------------------------------------------------------------
@@ -218,125 +185,28 @@ def _timed(group: Group, fn):
     return time.perf_counter() - t0, out
 
 
-def reference(module, params, cfg, tokens: torch.Tensor, cu: list[int], new_tokens: int, reps: int = 1) -> dict:
-    """Single-device greedy run (dense cache, eager), the run every parallel one must reproduce.
-
-    tokens: [T] packed prompts, requests by ``cu`` [B+1]. Returns tokens [B, N],
-    logits [B, N, V], TTFT (median of ``reps`` prefills), TPOT (median step), KV bytes.
-    """
-
-    def prefill():
-        pre = prefill_local(module, params, cfg, tokens, cu)
-        first_logits = pre.logits[torch.tensor(cu[1:]) - 1]  # [B, V]
-        return pre, first_logits, first_logits.argmax(-1)
-
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        pre, first_logits, first = prefill()
-        times.append(time.perf_counter() - t0)
-    ttft = statistics.median(times)
-    toks, logits, times = _dense_decode(module, params, cfg, pre, first, new_tokens - 1)
-    lens = [b - a for a, b in zip(cu, cu[1:])]
-    kv = module.empty_cache(cfg, batch=len(lens), max_len=max(lens) + new_tokens - 1,
-                            dtype=pre.k[0].dtype).kv_bytes()
-    all_logits = torch.cat([first_logits[:, None], logits], 1) if logits.numel() else first_logits[:, None]
-    return {"tokens": torch.cat([first[:, None], toks], 1), "logits": all_logits, "ttft_s": ttft,
-            "tpot_s": statistics.median(times) if times else float("nan"), "kv_bytes": kv}
+def reference(family, params, cfg, tokens: torch.Tensor, cu: list[int], new_tokens: int, reps: int = 1) -> dict:
+    """The single-device greedy run (:func:`cpattn.engine.reference.reference_generate`) every parallel run
+    must reproduce: tokens [B, N], logits [B, N, V], TTFT (median of ``reps`` prefills), TPOT (median step),
+    KV bytes."""
+    ps = [tokens[a:b] for a, b in zip(cu, cu[1:])]
+    ttft = statistics.median(reference_generate(family, params, cfg, ps, 1).prefill_s for _ in range(reps))
+    ref = reference_generate(family, params, cfg, ps, new_tokens)
+    return {"tokens": ref.tokens, "logits": ref.logits, "ttft_s": ttft,
+            "tpot_s": statistics.median(ref.step_s) if ref.step_s else float("nan"), "kv_bytes": ref.kv_bytes}
 
 
-def _dense_decode(module, params, cfg, pre, first: torch.Tensor, steps: int):
-    """:func:`cpattn.models.generate.decode_dense`, timed per step.
-
-    first: [B]. Returns (tokens [B, steps], logits [B, steps, V], seconds of each step).
-    """
-    cu = pre.cu_seqlens.tolist()
-    longest = max(b - a for a, b in zip(cu, cu[1:]))
-    cache = DenseKVCache.from_packed(pre.k, pre.v, cu, max_len=longest + steps, dv=cfg.kv_dims[2], ik=pre.ik)
-    tok, toks, logits, times = first, [], [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step = cache.step([1] * tok.numel())
-        out = module.forward(params, cfg, tok, step).float()  # [B, V]
-        cache = step.finish()
-        tok = out.argmax(-1)
-        times.append(time.perf_counter() - t0)
-        toks.append(tok)
-        logits.append(out)
-    if not toks:
-        return torch.zeros(first.numel(), 0, dtype=torch.int64), torch.zeros(first.numel(), 0, 0), times
-    return torch.stack(toks, 1), torch.stack(logits, 1), times
-
-
-def prefill_pcp(group: Group, module, params, cfg, tokens: torch.Tensor, cu: list[int]):
-    """This rank's share of a PCP prefill (DSA models: DSA-CP with the head-tail split).
-
-    Returns (first tokens [B], first logits [B, V] float32, step with ``kv[l]``, plan).
-    """
-    b = len(cu) - 1
-    if uses_dsa(cfg):
-        plan = dsa_cp_plan(cu, group.size, split="balanced")
-        step = DSACPStep(group, plan, cfg.kv_dims[2])
-        mine = dsa_cp_shard(tokens, plan, group.rank)
-    else:
-        plan = pcp_plan(cu, group.size)
-        step = PCPStep(group, plan, cfg.kv_dims[2])
-        mine = pcp_shard(tokens, plan, group.rank)
-    idx = plan.token_index[group.rank]  # [T_r] packed ids of my tokens
-    last = torch.tensor(cu[1:]) - 1  # [B] each request's last prompt token
-    hit = idx[:, None] == last[None, :]  # [T_r, B]
-    rows, reqs = hit.nonzero(as_tuple=True)  # my rows that end a request, and which request
-    logits = module.forward(params, cfg, mine, step, logits_index=rows).float()  # [n, V]
-    full = torch.zeros(b, logits.shape[-1], dtype=torch.float32).index_copy(0, reqs, logits)  # [B, V]
-    full = group.all_reduce(full)  # each request's row comes from exactly one rank
-    return full.argmax(-1), full, step, plan
-
-
-def handoff(group: Group, cfg: Any, step, plan, shard: PagedShard, dcp_rank: int, dcp_size: int, cu: list[int]):
-    """Move the prefill KV into this decode rank's shard: all-gather in request order, keep owned blocks."""
-    n = cfg.num_hidden_layers
-    k, v, ik = ([gather_unshard(group, step.kv[l][j], plan) if step.kv[l][j] is not None else None
-                 for l in range(n)] for j in range(3))
-    fill_from_prefill(shard, dcp_rank, dcp_size, k, v, cu, None if ik[0] is None else ik)
-
-
-def _decode_group(group: Group, spec: Spec) -> Group:
-    """The DCP group: all ranks when dcp > 1, else a one-rank group of this process."""
-    return group if spec.dcp > 1 else SimMesh(1).groups()[0]
-
-
-def _decode_loop(run_step, first: torch.Tensor, prompt_lens: list[int], block_table: torch.Tensor, steps: int,
-                 bar: Progress | None, label: str) -> tuple[torch.Tensor, list[float]]:
-    """``steps`` greedy steps through ``run_step(batch, query_lens)``.
-
-    Returns (tokens [B, steps], wall seconds of each step on this rank). Every
-    step ends in collectives, so the ranks move in lockstep.
-    """
-    tok, lens, out, times = first, list(prompt_lens), [], []
-    b = len(lens)
-    for s in range(steps):
-        t0 = time.perf_counter()
-        lens = [m + 1 for m in lens]
-        batch = {"tokens": tok, "seq_lens": torch.tensor(lens), "block_table": block_table}
-        tok, _ = run_step(batch, [1] * b)
-        times.append(time.perf_counter() - t0)
-        out.append(tok)
-        if bar is not None:
-            bar.step(f"{label} decode step {s + 1}/{steps}")
-    return (torch.stack(out, 1) if out else torch.zeros(b, 0, dtype=torch.int64)), times
-
-
-def _tpot(group: Group, times: list[float]) -> float:
+def _tpot(group: Group, times) -> float:
     """Time per output token: the median step time, the slowest rank's."""
     mine = statistics.median(times) if times else float("nan")
     return max(group.all_gather(torch.tensor([mine], dtype=torch.float64)).tolist())
 
 
-def _step_bytes(step_fn, state, fields: dict[str, Field], size: int, q_len: int, dgroup: Group) -> int:
+def _step_bytes(step_fn, state, size: int, dgroup: Group) -> int:
     """Bytes one decode step of ``size`` tokens sends per rank: an all-padding step (no KV write), counted eagerly."""
-    batch = {name: torch.full((size if f.rows == "token" else size // q_len, *f.shape), f.pad, dtype=f.dtype)
-             for name, f in fields.items()}
-    batch["cu_seqlens_q"] = torch.zeros(size // q_len + 1, dtype=torch.int32)
+    fields = step_fields(state["shard"].block_table.shape[1])
+    batch = {name: torch.full((size, *f.shape), f.pad, dtype=f.dtype) for name, f in fields.items()}
+    batch["cu_seqlens_q"] = torch.zeros(size + 1, dtype=torch.int32)
     dgroup.stats.reset()
     step_fn(state, batch)
     return dgroup.stats.total_sent()
@@ -345,19 +215,21 @@ def _step_bytes(step_fn, state, fields: dict[str, Field], size: int, q_len: int,
 def demo_rank(group: Group, spec: Spec) -> dict:
     """The whole demo on one rank of ``group`` (``spec.world_size`` ranks); every rank returns the full result."""
     torch.manual_seed(spec.seed)
-    module, cfg, params = load_model(spec)
+    family, cfg, params = load_model(spec)
+    pre_cfg, dec_cfg = engine_configs(spec, family, cfg)
     tokens, cu = prompts(spec, cfg.vocab_size)
-    plens, steps, nreq = spec.prompt_lens, spec.max_new_tokens - 1, spec.batch
+    batch = Prompts(tokens, tuple(spec.prompt_lens))
+    steps, nreq = spec.max_new_tokens - 1, spec.batch
+    algorithms = Algorithms(dcp_merge=spec.merge)
     rank0 = group.rank == 0
     n_runs = 1 if spec.graph_mode == "none" else 1 + spec.eager_row
-    n_bar = 5 + steps * n_runs
-    bar = Progress(n_bar, enabled=spec.progress and rank0)
+    bar = Progress(5 + steps * n_runs, enabled=spec.progress and rank0)
     res: dict[str, Any] = {}
 
     # 1. the single-device reference, on rank 0 while the others wait
     if rank0:
-        _warm_up_reference(module, params, cfg)
-        res["reference"] = reference(module, params, cfg, tokens, cu, spec.max_new_tokens, spec.reps)
+        reference(family, params, cfg, torch.arange(8) % cfg.vocab_size, [0, 8], 2, 3)  # warm-up
+        res["reference"] = reference(family, params, cfg, tokens, cu, spec.max_new_tokens, spec.reps)
         ref_tokens = res["reference"]["tokens"]
         nums = torch.tensor([res["reference"][k] for k in ("ttft_s", "tpot_s", "kv_bytes")], dtype=torch.float64)
     else:
@@ -369,71 +241,65 @@ def demo_rank(group: Group, spec: Spec) -> dict:
     bar.step("single-device reference")
 
     # 2. prefill engine: PCP over the ranks (or each rank alone)
-    pgroup = group if spec.pcp > 1 else SimMesh(1).groups()[0]
-    _warm_up_prefill(pgroup, module, params, cfg)
+    pg, dg = driver.stage_group(group, spec.pcp), driver.stage_group(group, spec.dcp)
+    warm = Prompts.of([list(range(4 * max(pg.size, 1)))])
+    driver.prefill_fn(pg, family, params, cfg, warm, algorithms, False)  # kernels and gloo links warm
     group.stats.reset()
     times = []
     for _ in range(spec.reps):
-        sec, (first, _, pstep, plan) = _timed(group, lambda: prefill_pcp(pgroup, module, params, cfg, tokens, cu))
+        sec, out = _timed(group, lambda: driver.prefill_fn(pg, family, params, cfg, batch, algorithms, False))
         times.append(sec)
     ttft = statistics.median(times)
     prefill_bytes = group.stats.total_sent() // spec.reps
+    first = out.first_logits.argmax(-1)
     bar.step(f"prefill (PCP={spec.pcp})")
 
     # 3. KV handoff into the decode engine's paged shards (interleave == block size: whole blocks)
-    dgroup = _decode_group(group, spec)
-    n, rank = dgroup.size, dgroup.rank
-    dtype = DTYPES[spec.dtype]
-
     def new_shard():
-        return PagedShard.empty(cfg, seq_lens=[m + steps for m in plens], dcp_size=n, block_size=spec.block_size,
-                                interleave_size=spec.block_size, dtype=dtype)
+        return driver.new_shard(family, cfg, params, batch, steps, dec_cfg, None)
 
     shard = new_shard()
     group.stats.reset()
-    handoff_s, _ = _timed(group, lambda: handoff(pgroup, cfg, pstep, plan, shard, rank, n, cu))
+    handoff_s, _ = _timed(group, lambda: driver.handoff(group, pg, dg, shard, out, algorithms))
     handoff_bytes = group.stats.total_sent()
     bar.step("KV handoff")
 
     # 4. decode engine: DCP, the whole model step captured (FULL_DECODE_ONLY) or eager
-    step_fn = _bind_step(module, cfg, dgroup, spec)
-    fields = decode_fields(shard.block_table.shape[1])
-    graphable = module.__name__.endswith("qwen3")
-    backend = spec.backend if graphable else "eager"
+    step_fn = functools.partial(decode_step, family=family, cfg=cfg, group=dg, merge=spec.merge)
+    backend = graph_backend(spec, family)
     runs: dict[str, dict] = {}
+
+    def on_step(label):
+        return lambda s: bar.step(f"{label} decode step {s}/{steps}")
+
     if spec.graph_mode == "full_decode_only":
-        state = {"params": params, "shard": shard}
-        sizes = list(spec.capture_sizes or [pick_size(capture_sizes(4096), nreq)])  # the bucket holding the batch
-        runner = DecodeRunner(step_fn, state, fields, capture_sizes=sizes, backend=backend)
+        sizes = spec.capture_sizes or (pick_size(capture_sizes(4096), nreq),)  # the bucket holding the batch
+        gcfg = dec_cfg.replace(capture_sizes=tuple(sizes))
         _barrier(group)
         t0 = time.perf_counter()
-        runner.capture()
+        runner = driver.capture(dg, family, params, cfg, shard, batch, gcfg, algorithms, None)
         capture_s = time.perf_counter() - t0
         _barrier(group)
-        bar.step(f"captured sizes {sizes} ({backend})")
-        size = pick_size(runner.sizes, nreq)
-        step_bytes = _step_bytes(step_fn, state, fields, size or nreq, 1, dgroup)
+        bar.step(f"captured sizes {list(sizes)} ({backend})")
+        step_bytes = _step_bytes(step_fn, runner.state, pick_size(runner.sizes, nreq) or nreq, dg)
         _barrier(group)
-        toks, times = _decode_loop(runner, first, plens, shard.block_table, steps, bar, "graph")
-        runs["graph"] = {"tokens": toks, "tpot_s": _tpot(group, times), "capture_s": capture_s,
-                         "stats": runner.stats.as_dict(), "backend": runner.backend.name,
-                         "bytes_per_step": step_bytes, "kv_bytes": shard.kv_bytes()}
+        dec = driver.run_decode(dg, family, params, cfg, shard, batch, first, steps, gcfg, algorithms, None,
+                                on_step("graph"), runner=runner)
+        runs["graph"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "capture_s": capture_s,
+                         "stats": dec.runner, "backend": runner.backend.name, "bytes_per_step": step_bytes,
+                         "kv_bytes": shard.kv_bytes()}
     else:
         bar.step("no capture (graph mode none)")
     if spec.graph_mode == "none" or spec.eager_row:
         eshard = shard if spec.graph_mode == "none" else new_shard()
         if eshard is not shard:
-            handoff(pgroup, cfg, pstep, plan, eshard, rank, n, cu)
-        state = {"params": params, "shard": eshard}
-
-        def eager(batch, query_lens):
-            cu_q = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            return step_fn(state, {**batch, "cu_seqlens_q": cu_q})
-
-        step_bytes = _step_bytes(step_fn, state, fields, nreq, 1, dgroup)
+            driver.handoff(group, pg, dg, eshard, out, algorithms)
+        ecfg = dec_cfg.replace(graph_mode="NONE")
+        step_bytes = _step_bytes(step_fn, {"params": params, "shard": eshard}, nreq, dg)
         _barrier(group)
-        toks, times = _decode_loop(eager, first, plens, eshard.block_table, steps, bar, "eager")
-        runs["eager"] = {"tokens": toks, "tpot_s": _tpot(group, times), "bytes_per_step": step_bytes,
+        dec = driver.run_decode(dg, family, params, cfg, eshard, batch, first, steps, ecfg, algorithms, None,
+                                on_step("eager"))
+        runs["eager"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "bytes_per_step": step_bytes,
                          "kv_bytes": eshard.kv_bytes()}
 
     def per_rank(x: int) -> list[int]:
@@ -443,34 +309,17 @@ def demo_rank(group: Group, spec: Spec) -> dict:
         ttft_s=ttft, handoff_s=handoff_s, prefill_bytes=per_rank(prefill_bytes),
         handoff_bytes=per_rank(handoff_bytes),
         first=first, runs=runs, kv_bytes_per_rank=per_rank(shard.kv_bytes()),
-        decode_backend=backend, whole_step_captured=graphable, model=module.__name__.rsplit(".", 1)[-1],
+        decode_backend=backend, whole_step_captured=family.capturable, model=family.name,
         config=dataclasses.asdict(cfg),
     )
     bar.step("done")
     return res
 
 
-def _bind_step(module, cfg, dgroup, spec):
-    """``step(state, batch)`` for the runner: :func:`decode_step` bound to the model and the DCP group."""
-    return functools.partial(decode_step, model=module, cfg=cfg, group=dgroup, block_size=spec.block_size,
-                             interleave_size=spec.block_size, merge=spec.merge)
-
-
-def _warm_up_prefill(group: Group, module, params, cfg) -> None:
-    """One tiny PCP prefill: kernels, allocator and gloo links warm before TTFT is timed."""
-    n = 4 * max(group.size, 1)
-    prefill_pcp(group, module, params, cfg, torch.arange(n) % cfg.vocab_size, [0, n])
-
-
-def _warm_up_reference(module, params, cfg) -> None:
-    """One tiny single-device run, so the reference's TTFT does not pay for first-call set-up."""
-    reference(module, params, cfg, torch.arange(8) % cfg.vocab_size, [0, 8], 3)
-
-
 # -- checking, reporting, entry points ----------------------------------------------------------
 
 
-def summarize(res: dict, spec: Spec, engines: tuple[ParallelConfig, ParallelConfig, str]) -> dict:
+def summarize(res: dict, spec: Spec, engines: tuple[EngineConfig, EngineConfig]) -> dict:
     """Check every run's tokens against the reference and gather the numbers into one JSON-able dict."""
     ref_tokens = res["reference_tokens"].clone()  # [B, N]
     if spec.perturb_reference:  # testing aid: a reference that cannot match
@@ -497,8 +346,7 @@ def summarize(res: dict, spec: Spec, engines: tuple[ParallelConfig, ParallelConf
     graph = res["runs"].get("graph")
     out = {
         "spec": dataclasses.asdict(spec), "model": res["model"], "config": res["config"],
-        "engines": {"prefill": dataclasses.asdict(engines[0]), "decode": dataclasses.asdict(engines[1]),
-                    "note": engines[2]},
+        "engines": {"prefill": flat(engines[0]), "decode": flat(engines[1])},
         "prompt_lens": spec.prompt_lens, "rows": rows, "checks": checks,
         "tokens_match": all(c["match"] for c in checks.values()),
         "reference_tokens": ref_tokens.tolist(),
@@ -541,13 +389,11 @@ def report(s: dict) -> str:
         f"prefill engine: pcp_size={spec['pcp']} (kv_producer); decode engine: tp=dcp={spec['dcp']}, pcp=1 "
         f"(kv_consumer); block_size = interleave = {spec['block_size']} (whole blocks handed over)",
     ]
-    if s["engines"]["note"]:
-        lines.append(f"  note: {s['engines']['note']}")
     g = s.get("graph")
     if g:
         if s["whole_step_captured"]:
             what = "the whole decode step (embedding, every layer's write_kv + dcp_decode, lm_head, argmax) captured"
-        elif s["model"] != "qwen3":
+        elif s["decode_backend"] == "eager" and spec["backend"] != "eager":
             what = ("decode step through DecodeRunner with the 'eager' backend, not compiled: this model's step "
                     "has data-dependent MoE routing / DSA gathers that no graph can hold")
         else:
@@ -628,21 +474,10 @@ def _spec(a, world: int | None) -> Spec:
                 perturb_reference=a.perturb_reference, reps=a.reps)
 
 
-def _check_model(spec: Spec) -> tuple[ParallelConfig, ParallelConfig, str]:
+def _check_model(spec: Spec) -> tuple[EngineConfig, EngineConfig]:
     """Validate the layout on the host before any rank starts (config only, no weights)."""
-    if spec.model_dir is None:
-        from cpattn.models import qwen3
-
-        cfg = qwen3.Qwen3Config(**EMBEDDED)
-    else:
-        from cpattn.models.common import config_dict
-
-        d = config_dict(spec.model_dir)
-        cfg = getattr(family(d), CONFIG_CLASSES[d["model_type"]]).from_hf(d)
-    if spec.dcp > 1 and not uses_dsa(cfg) and cfg.num_attention_heads % spec.dcp:
-        raise ValueError(f"--dcp {spec.dcp} must divide the model's {cfg.num_attention_heads} attention heads "
-                         "(DCP reuses TP ranks, each holding a slice of the heads)")
-    return engine_configs(spec, cfg)
+    family, cfg = model_config(spec)
+    return engine_configs(spec, family, cfg)
 
 
 def run_rank(group: Group, spec: Spec, threads: int = 1) -> dict:
