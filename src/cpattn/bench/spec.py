@@ -13,10 +13,10 @@ together until the decode side holds the prompt's KV in its DCP layout and
 knows the first token:
 
 - ``pcp+dcp a2a``: PCP prefill over P ranks writing the DCP layout of the
-  same ranks with one owner all-to-all (:mod:`cpattn.models.pcp_dcp`);
+  same ranks with one owner all-to-all (:func:`cpattn.models.generate.pcp_dcp_generate_on_rank`);
 - ``pcp+dcp allgather``: the same with an all-gather of the KV instead;
 - ``pcp -> p/d``: PCP prefill on P ranks, then whole blocks sent point to
-  point to N = P separate decode ranks (:mod:`cpattn.models.disagg`).
+  point to N = P separate decode ranks (:func:`cpattn.models.generate.pd_generate_on_rank`).
 
 Run: ``cpattn bench spec --quick`` (under a minute) or with
 ``--json out.json``.
@@ -32,12 +32,11 @@ import torch
 
 from cpattn.bench.common import table, write_json
 from cpattn.comm.launch import spawn
+from cpattn.engine.drafters import ModelDrafter, NgramDrafter, truncated
 from cpattn.models import qwen3
-from cpattn.models.disagg import pd_generate_on_rank
-from cpattn.models.drafters import ModelDrafter, NgramDrafter, truncated
-from cpattn.models.generate import generate
-from cpattn.models.pcp_dcp import pcp_dcp_config, pcp_dcp_generate_on_rank
-from cpattn.models.speculative import speculative_generate
+from cpattn.models.generate import (
+    generate, pcp_dcp_config, pcp_dcp_generate_on_rank, pd_generate_on_rank, speculative_generate,
+)
 
 
 def spec_model(layers: int = 4):
@@ -100,17 +99,17 @@ def _median_ready(times: list[float]) -> float:
 def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
     """Per exchange: median over reps of this rank's start -> ready time, and its exchange bytes."""
     out = {}
-    config = pcp_dcp_config(cfg, group.size, block_size=block_size, interleave_size=block_size)
+    config = pcp_dcp_config("qwen3", cfg, group.size, block_size=block_size, interleave_size=block_size)
     for exchange in ("a2a", "allgather"):
-        times, facts = [], None
+        times, handoff = [], None
         for rep in range(reps + 1):  # the first run warms up
             group.all_reduce(torch.zeros(1))
             t0 = time.perf_counter()
             res = pcp_dcp_generate_on_rank(group, "qwen3", params, cfg, prompts, 1, config=config, exchange=exchange)
             if rep:
                 times.append(time.perf_counter() - t0)
-            facts = res.prefill
-        out[exchange] = {"ready_s": _median_ready(times), "bytes": facts.exchange_bytes}
+            handoff = res.facts.handoff
+        out[exchange] = {"ready_s": _median_ready(times), "bytes": handoff.bytes_sent}
     return out
 
 
@@ -121,9 +120,9 @@ def pd_rank(world, params, cfg, prompts, block_size, reps, prefill_size):
         last = pd_generate_on_rank(world, "qwen3", params, cfg, prompts, 1, prefill_size=prefill_size,
                                    decode_size=world.size - prefill_size, block_size=block_size)
         if rep:
-            times.append(last.ready_s if not isinstance(last, dict) else last["prefill_s"])
-    kind = "prefill" if isinstance(last, dict) else "decode"
-    nbytes = last["bytes_sent"] if kind == "prefill" else last.bytes_received
+            times.append(last.facts.prefill_s if last.facts.role == "prefill" else last.facts.ttft_s)
+    kind = last.facts.role
+    nbytes = last.facts.handoff.bytes_sent if kind == "prefill" else last.facts.handoff.bytes_received
     return {"role": kind, "ready_s": _median_ready(times), "bytes": nbytes}
 
 
