@@ -1,0 +1,351 @@
+"""DeepSeek-V4 as a pure function (sliding-window + CSA / HCA compressed attention, mHC, hash MoE).
+
+``forward(params, cfg, tokens, attn)`` runs the decoder on one step's packed
+tokens; ``attn`` is an attention step offering ``attn.positions`` [T] and
+``attn.attend(layer, LayerInput) -> [T, H, D]`` (:class:`cpattn.v4.step.V4Step`
+on one device or a DCP rank; the engine may supply others). Per layer::
+
+    streams [T, n_hc, H] --hyper-connection--> x = rms_norm(sum_j pre_j streams_j)
+    q_res = rms_norm(q_a_proj x);  q = rope(rms_norm_unweighted(q_b_proj q_res))   # [T, H, 512]
+    kv = rope(rms_norm(kv_proj x))                                                 # [T, 512], K = V
+    o = attend(q, kv, sinks, compressor inputs, indexer inputs)                    # [T, H, 512]
+    o = rope^-1(o);  out = o_b_proj(grouped o_a_proj(o))                           # g groups of H/g heads
+    streams = post * out + comb^T streams;  then the same around the MoE
+
+RoPE is interleaved on the last ``qk_rope_head_dim`` (64) channels: the
+"main" table (``rope_theta``) for sliding-only layers, the "compress" table
+(``compress_rope_theta``, YaRN) for CSA / HCA layers, their compressed
+entries (at position ``e * m``) and the indexer. The MoE routes by
+``sqrtsoftplus`` scores (top-k on score + bias), or in the first
+``hash_moe`` layers by a fixed ``tid2eid[token]`` table.
+
+Supported: every layer type of the Hugging Face port, RoPE default / YaRN,
+float32 / float64 / bfloat16 parameters. Not supported: FP8 checkpoints,
+the MTP layers (skipped on load).
+
+Example
+-------
+>>> import torch
+>>> from cpattn.models import deepseek_v4 as v4
+>>> cfg = v4.DeepseekV4Config.tiny()
+>>> params = v4.init_params(cfg, seed=0)
+>>> from cpattn.v4.step import V4Step
+>>> step = V4Step(v4.empty_cache(cfg, batch=1, max_len=32), [6])
+>>> v4.forward(params, cfg, torch.arange(6), step).shape
+torch.Size([6, 64])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cpattn.engine.family import KVLayout, ModelFamily
+from cpattn.models.common import config_dict, load_checkpoint, normalize_params, rope_cos_sin, rope_inv_freq
+from cpattn.v4 import blocks
+from cpattn.v4.attention import Compression, LayerInput
+from cpattn.v4.cache import V4Cache, V4Layout
+from cpattn.v4.checkpoint import hf_name
+
+HF_KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+            "heavily_compressed_attention": "hca"}
+_RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+# parameters the reference keeps in float32 whatever the model dtype
+FP32_PARAMS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.weight",
+               "layernorm.weight", "mlp.gate.weight")
+
+
+@dataclass(frozen=True)
+class DeepseekV4Config:
+    """The DeepSeek-V4 hyper-parameters the forward pass reads (Hugging Face names; kinds shortened)."""
+
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    q_lora_rank: int
+    qk_rope_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    layer_types: tuple[str, ...]  # "sliding" | "csa" | "hca"
+    mlp_layer_types: tuple[str, ...]  # "hash_moe" | "moe"
+    routed_scaling_factor: float = 1.5
+    scoring_func: str = "sqrtsoftplus"
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-6
+    rope_main: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_compress: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 160000.0})
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, config: Any) -> DeepseekV4Config:
+        """From a transformers ``DeepseekV4Config``, a config.json dict, or a checkpoint path.
+
+        Older config.json spellings are folded in as transformers does:
+        ``compress_ratios`` (0 / 4 / 128 per layer), ``num_hash_layers``,
+        ``qk_rope_head_dim``, ``compress_rate_csa`` / ``compress_rate_hca``.
+        """
+        d = config_dict(config)
+        if d.get("model_type", "deepseek_v4") != "deepseek_v4":
+            raise ValueError(f"model_type is {d.get('model_type')!r}; cpattn.models.deepseek_v4 expects 'deepseek_v4'")
+        n = d["num_hidden_layers"]
+        rates = dict(d.get("compress_rates") or {})
+        csa = rates.get("compressed_sparse_attention", d.get("compress_rate_csa", 4))
+        hca = rates.get("heavily_compressed_attention", d.get("compress_rate_hca", 128))
+        types = d.get("layer_types")
+        if types is None and d.get("compress_ratios") is not None:
+            types = [_RATIO_KIND[r] for r in d["compress_ratios"]]
+        if types is None:  # the reference default: 2 HCA layers, then HCA / CSA alternating
+            types = ["heavily_compressed_attention"] * min(n, 2) + [
+                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+        mlp_types = d.get("mlp_layer_types")
+        if mlp_types is None:
+            n_hash = d.get("num_hash_layers", 3)
+            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        head_dim = d.get("head_dim", 512)
+        prf = d.get("partial_rotary_factor")
+        rope_dim = int(head_dim * prf) if prf else int(d.get("qk_rope_head_dim", 64))
+        main, comp = _rope_tables(d)
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
+            num_hidden_layers=n, num_attention_heads=d["num_attention_heads"], head_dim=head_dim,
+            q_lora_rank=d["q_lora_rank"], qk_rope_head_dim=rope_dim, n_routed_experts=d["n_routed_experts"],
+            num_experts_per_tok=d["num_experts_per_tok"], layer_types=tuple(HF_KINDS[t] for t in types[:n]),
+            mlp_layer_types=tuple(mlp_types[:n]), routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
+            scoring_func=d.get("scoring_func", "sqrtsoftplus"), csa_ratio=csa, hca_ratio=hca,
+            sliding_window=d.get("sliding_window", 128), o_groups=d.get("o_groups", 8),
+            o_lora_rank=d.get("o_lora_rank", 1024), index_n_heads=d.get("index_n_heads", 64),
+            index_head_dim=d.get("index_head_dim", 128), index_topk=d.get("index_topk", 512),
+            hc_mult=d.get("hc_mult", 4), hc_sinkhorn_iters=d.get("hc_sinkhorn_iters", 20),
+            hc_eps=d.get("hc_eps", 1e-6), swiglu_limit=d.get("swiglu_limit", 10.0),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_main=main, rope_compress=comp,
+            max_position_embeddings=d.get("max_position_embeddings", 1048576),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def tiny(cls, **over) -> DeepseekV4Config:
+        """A tiny test/demo configuration: 3 layers (sliding, CSA, HCA), window 8, ratios 4 / 16."""
+        base = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+                    num_attention_heads=4, head_dim=16, q_lora_rank=24, qk_rope_head_dim=8, n_routed_experts=4,
+                    num_experts_per_tok=2, layer_types=("sliding", "csa", "hca"),
+                    mlp_layer_types=("hash_moe", "moe", "moe"), hca_ratio=16, sliding_window=8, o_groups=2,
+                    o_lora_rank=8, index_n_heads=2, index_head_dim=12, index_topk=3, hc_mult=2, max_position_embeddings=256)
+        base.update(over)
+        return cls(**base)
+
+    def layout(self, *, max_rewind: int = 0, block_size: int = 16) -> V4Layout:
+        """The :class:`~cpattn.v4.cache.V4Layout` of this model's attention state."""
+        return V4Layout(kinds=self.layer_types, head_dim=self.head_dim, window=self.sliding_window,
+                        csa_ratio=self.csa_ratio, hca_ratio=self.hca_ratio, index_head_dim=self.index_head_dim,
+                        max_rewind=max_rewind, block_size=block_size)
+
+
+def _rope_tables(d: dict) -> tuple[dict, dict]:
+    """The "main" and "compress" RoPE settings (YaRN, if any, only on compress; its cos/sin scale forced to 1)."""
+    rp = d.get("rope_parameters") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, comp = dict(rp["main"]), dict(rp["compress"])
+    else:
+        scaling = {k: v for k, v in {**(d.get("rope_scaling") or {}), **rp}.items() if k not in ("main", "compress")}
+        main = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+        comp = {**scaling, "rope_theta": d.get("compress_rope_theta", 160000.0)}
+    for r in (main, comp):
+        r["rope_type"] = r.get("rope_type", r.get("type", "default")) or "default"
+        if r["rope_type"] == "yarn":
+            r.setdefault("attention_factor", 1.0)
+            r.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    return main, comp
+
+
+def empty_cache(cfg: DeepseekV4Config, *, batch: int, max_len: int, max_rewind: int = 0, block_size: int = 16,
+                dtype=torch.float32, device="cpu", **dcp) -> V4Cache:
+    """An empty :class:`~cpattn.v4.cache.V4Cache` (``dcp``: dcp_rank, dcp_size, interleave, seed)."""
+    return V4Cache.empty(cfg.layout(max_rewind=max_rewind, block_size=block_size), batch=batch, max_len=max_len,
+                         dtype=dtype, device=device, **dcp)
+
+
+def _rope(cfg: DeepseekV4Config, table: str, positions: torch.Tensor, dtype: torch.dtype):
+    rope = cfg.rope_main if table == "main" else cfg.rope_compress
+    inv, factor = rope_inv_freq(cfg.qk_rope_head_dim, rope, cfg.max_position_embeddings)
+    return rope_cos_sin(positions, inv, factor, dtype)  # [T, r/2] each
+
+
+def _compression(p: dict, cfg: DeepseekV4Config, pre: str, x: torch.Tensor) -> Compression:
+    """A compressor's projections of x [T, H] and its finish (RMSNorm, compress RoPE at ``e * m``)."""
+    norm = p[pre + "kv_norm.weight"]
+
+    def finish(pooled: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = _rope(cfg, "compress", positions, pooled.dtype)
+        return blocks.rope_tail(blocks.rms_norm(pooled, norm, cfg.rms_norm_eps)[:, None], cos, sin)[:, 0]
+
+    return Compression(F.linear(x, p[pre + "kv_proj.weight"]), F.linear(x, p[pre + "gate_proj.weight"]),
+                       p[pre + "position_bias"], finish)
+
+
+def attention(p: dict, cfg: DeepseekV4Config, layer: int, x: torch.Tensor, attn: Any, ropes: dict) -> torch.Tensor:
+    """One layer's attention block: x [T, H] (after input_layernorm) -> [T, H]."""
+    pre, eps = f"model.layers.{layer}.self_attn.", cfg.rms_norm_eps
+    t, nh, d = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+    kind = cfg.layer_types[layer]
+    cos, sin = ropes["main" if kind == "sliding" else "compress"]
+    q_res = blocks.rms_norm(F.linear(x, p[pre + "q_a_proj.weight"]), p[pre + "q_a_norm.weight"], eps)  # [T, q_lora]
+    q = blocks.rms_norm_unweighted(F.linear(q_res, p[pre + "q_b_proj.weight"]).view(t, nh, d), eps)
+    q = blocks.rope_tail(q, cos, sin)  # [T, H, D]
+    kv = blocks.rms_norm(F.linear(x, p[pre + "kv_proj.weight"]), p[pre + "kv_norm.weight"], eps)
+    kv = blocks.rope_tail(kv[:, None], cos, sin)[:, 0]  # [T, D]
+    inp = LayerInput(q, kv, p[pre + "sinks"], d**-0.5)
+    if kind != "sliding":
+        inp = LayerInput(q, kv, p[pre + "sinks"], d**-0.5, compression=_compression(p, cfg, pre + "compressor.", x))
+    if kind == "csa":
+        ip, hi, di = pre + "compressor.indexer.", cfg.index_n_heads, cfg.index_head_dim
+        cq, sq = ropes["compress"]
+        iq = blocks.rope_tail(F.linear(q_res, p[ip + "q_b_proj.weight"]).view(t, hi, di), cq, sq)  # [T, H_I, D_I]
+        w = F.linear(x, p[ip + "scorer.weights_proj.weight"]).to(torch.promote_types(x.dtype, torch.float32))
+        inp = LayerInput(q, kv, p[pre + "sinks"], d**-0.5, compression=inp.compression, index_q=iq,
+                         index_weights=w * (hi**-0.5 * di**-0.5), index_compression=_compression(p, cfg, ip, x),
+                         topk=cfg.index_topk)
+    o = blocks.rope_tail(attn.attend(layer, inp), cos, -sin)  # [T, H, D]: undo the values' rotation
+    g = cfg.o_groups
+    wa = p[pre + "o_a_proj.weight"].view(g, cfg.o_lora_rank, nh * d // g)  # [G, R, H D / G]
+    grouped = torch.einsum("tgi,gri->tgr", o.reshape(t, g, -1), wa).reshape(t, -1)  # [T, G R]
+    return F.linear(grouped, p[pre + "o_b_proj.weight"])
+
+
+def moe(p: dict, cfg: DeepseekV4Config, layer: int, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """One layer's MoE block (routed experts + the shared expert): x [T, H] -> [T, H]."""
+    pre = f"model.layers.{layer}.mlp."
+    hashed = cfg.mlp_layer_types[layer] == "hash_moe"
+    w, chosen = blocks.route(x, p[pre + "gate.weight"], None if hashed else p[pre + "gate.e_score_correction_bias"],
+                             p[pre + "gate.tid2eid"] if hashed else None, tokens, top_k=cfg.num_experts_per_tok,
+                             scoring=cfg.scoring_func, scaling=cfg.routed_scaling_factor)
+    y = blocks.experts(x, w, chosen, p[pre + "experts.gate_up_proj"], p[pre + "experts.down_proj"], cfg.swiglu_limit)
+    s = pre + "shared_experts."
+    return y + blocks.mlp(x, p[s + "gate_proj.weight"], p[s + "up_proj.weight"], p[s + "down_proj.weight"],
+                          cfg.swiglu_limit)
+
+
+def forward(params: dict[str, torch.Tensor], cfg: DeepseekV4Config, tokens: torch.Tensor, attn: Any, *,
+            logits_index: torch.Tensor | None = None, hidden_layers: tuple[int, ...] | None = None):
+    """Logits [T or T', V] of one step's packed tokens [T] (see the module doc).
+
+    With ``hidden_layers`` also a dict: ``"norm"`` the final-normed hidden
+    state [T, H], and layer i's residual streams [T, n_hc, H].
+    """
+    p, eps = params, cfg.rms_norm_eps
+    hc = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rms_eps=eps)
+    h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
+    streams = h[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()  # [T, n_hc, H]
+    ropes = {t: _rope(cfg, t, attn.positions, h.dtype) for t in ("main", "compress")}
+    keep, hidden = set(hidden_layers or ()), {}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        post, comb, x = blocks.hyper_weights(streams, p[pre + "attn_hc.fn"], p[pre + "attn_hc.base"],
+                                             p[pre + "attn_hc.scale"], **hc)
+        a = attention(p, cfg, i, blocks.rms_norm(x, p[pre + "input_layernorm.weight"], eps), attn, ropes)
+        streams = blocks.hyper_mix(streams, a, post, comb)
+        post, comb, x = blocks.hyper_weights(streams, p[pre + "ffn_hc.fn"], p[pre + "ffn_hc.base"],
+                                             p[pre + "ffn_hc.scale"], **hc)
+        m = moe(p, cfg, i, blocks.rms_norm(x, p[pre + "post_attention_layernorm.weight"], eps), tokens)
+        streams = blocks.hyper_mix(streams, m, post, comb)
+        if i in keep:
+            hidden[i] = streams
+    h = blocks.hyper_head(streams, p["model.hc_head.hc_fn"], p["model.hc_head.hc_base"], p["model.hc_head.hc_scale"],
+                          hc_eps=cfg.hc_eps, rms_eps=eps)
+    h = blocks.rms_norm(h, p["model.norm.weight"], eps)  # [T, H]
+    head = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
+    logits = F.linear(h if logits_index is None else h[logits_index], head)
+    if hidden_layers is None:
+        return logits
+    hidden["norm"] = h
+    return logits, hidden
+
+
+def params_from_state(state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Params from a state dict in Hugging Face or DeepSeek naming (:mod:`cpattn.v4.checkpoint`):
+    MTP weights dropped, per-expert weights stacked, the reference's float32 tensors kept float32."""
+    named = {hf_name(k): v for k, v in state.items() if not (k.startswith("mtp.") or ".mtp." in k)}
+    out = normalize_params(named)
+    if dtype is not None:
+        for k, v in out.items():
+            if v.is_floating_point():
+                out[k] = v.to(torch.float32 if any(s in k for s in FP32_PARAMS) else dtype)
+    return out
+
+
+def load(path: str, *, dtype: torch.dtype | None = None) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
+    """(config, params) from a local checkpoint directory (``config.json`` + ``*.safetensors``)."""
+    config, params = load_checkpoint(path)
+    return DeepseekV4Config.from_hf(config), params_from_state(params, dtype=dtype)
+
+
+def init_params(cfg: DeepseekV4Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Random parameters with the Hugging Face names (norms near 1, biases and sinks random). For demos and tests."""
+    g = torch.Generator().manual_seed(seed)
+    hs, nh, d, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    e, im, hi, di = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.index_n_heads, cfg.index_head_dim
+
+    def rnd(*shape, s=std, mean=0.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * s + mean).to(dt)
+
+    p = {"model.embed_tokens.weight": rnd(cfg.vocab_size, hs), "model.norm.weight": rnd(hs, s=0.1, mean=1.0),
+         "model.hc_head.hc_fn": rnd(n, n * hs, dt=torch.float32), "model.hc_head.hc_base": rnd(n, s=0.1),
+         "model.hc_head.hc_scale": rnd(1, s=0.1, mean=1.0)}
+    if not cfg.tie_word_embeddings:
+        p["lm_head.weight"] = rnd(cfg.vocab_size, hs)
+    for i, kind in enumerate(cfg.layer_types):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        p.update({a + "sinks": rnd(nh, s=1.0), a + "q_a_proj.weight": rnd(cfg.q_lora_rank, hs),
+                  a + "q_a_norm.weight": rnd(cfg.q_lora_rank, s=0.1, mean=1.0), a + "q_b_proj.weight": rnd(nh * d, cfg.q_lora_rank),
+                  a + "kv_proj.weight": rnd(d, hs), a + "kv_norm.weight": rnd(d, s=0.1, mean=1.0),
+                  a + "o_a_proj.weight": rnd(cfg.o_groups * cfg.o_lora_rank, nh * d // cfg.o_groups),
+                  a + "o_b_proj.weight": rnd(hs, cfg.o_groups * cfg.o_lora_rank)})
+        comps = {"csa": [(a + "compressor.", 2 * d, cfg.csa_ratio), (a + "compressor.indexer.", 2 * di, cfg.csa_ratio)],
+                 "hca": [(a + "compressor.", d, cfg.hca_ratio)], "sliding": []}[kind]
+        for c, width, ratio in comps:
+            p.update({c + "kv_proj.weight": rnd(width, hs), c + "gate_proj.weight": rnd(width, hs),
+                      c + "position_bias": rnd(ratio, width, s=0.5), c + "kv_norm.weight": rnd(width // (2 if kind == "csa" else 1), s=0.1, mean=1.0)})
+        if kind == "csa":
+            p[a + "compressor.indexer.q_b_proj.weight"] = rnd(hi * di, cfg.q_lora_rank)
+            p[a + "compressor.indexer.scorer.weights_proj.weight"] = rnd(hi, hs)
+        p.update({m + "gate.weight": rnd(e, hs), m + "experts.gate_up_proj": rnd(e, 2 * im, hs),
+                  m + "experts.down_proj": rnd(e, hs, im), m + "shared_experts.gate_proj.weight": rnd(im, hs),
+                  m + "shared_experts.up_proj.weight": rnd(im, hs), m + "shared_experts.down_proj.weight": rnd(hs, im)})
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            p[m + "gate.tid2eid"] = torch.randint(0, e, (cfg.vocab_size, cfg.num_experts_per_tok), generator=g)
+        else:
+            p[m + "gate.e_score_correction_bias"] = rnd(e, s=0.1, dt=torch.float32)
+        for hc in ("attn_hc.", "ffn_hc."):
+            pre = f"model.layers.{i}.{hc}"
+            p.update({pre + "fn": rnd((2 + n) * n, n * hs, dt=torch.float32), pre + "base": rnd((2 + n) * n, s=0.1),
+                      pre + "scale": rnd(3, s=0.1, mean=1.0)})
+        p[f"model.layers.{i}.input_layernorm.weight"] = rnd(hs, s=0.1, mean=1.0)
+        p[f"model.layers.{i}.post_attention_layernorm.weight"] = rnd(hs, s=0.1, mean=1.0)
+    return p
+
+
+def kv_layouts(cfg: DeepseekV4Config) -> tuple[KVLayout, ...]:
+    """The per-token row of every layer: the K = V window row (D). Compressed entries (one per m
+    tokens) and the rings are V4's own state (:class:`~cpattn.v4.cache.V4Cache`), not per-token rows."""
+    return (KVLayout(1, cfg.head_dim, cfg.head_dim, values_in_keys=True),) * cfg.num_hidden_layers
+
+
+FAMILY = ModelFamily(name="deepseek_v4", config_class=DeepseekV4Config, attention="v4", forward=forward,
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=False)

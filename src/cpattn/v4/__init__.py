@@ -1,0 +1,15 @@
+"""DeepSeek-V4 attention: explicit state, one-device steps and the context-parallel primitives.
+
+- :mod:`cpattn.v4.cache` -- rings, compressed-entry caches and indexer keys
+  as tensors (:class:`V4Cache`), rewindable for speculative decoding;
+- :mod:`cpattn.v4.attention` -- the layer as LSE-merged partials and the
+  sink rule (the sink rides with the window partial);
+- :mod:`cpattn.v4.step` -- one step on one device or one DCP rank (:class:`V4Step`);
+- :mod:`cpattn.v4.pcp` -- prefill context parallel with halos;
+- :mod:`cpattn.v4.kv_bytes` -- exact KV bytes per token, V4 vs V3.2 vs dense MLA;
+- :mod:`cpattn.v4.blocks` -- the model's non-attention blocks (mHC, MoE).
+
+The ops live in the one registry: :mod:`cpattn.ops.compressor`,
+:mod:`cpattn.ops.window_attention`, :mod:`cpattn.ops.rows`
+(float64 references in :mod:`cpattn.ops.v4_ref`).
+"""
