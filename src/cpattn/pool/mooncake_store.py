@@ -192,7 +192,8 @@ class MooncakeStore:
     segment_bytes: memory this client contributes to the pool (0: none;
         its objects would vanish with it, so long-lived memory comes from
         ``cpattn pool serve``).
-    local_buffer_bytes: the client's transfer buffer (Mooncake's minimum is 16 MiB).
+    local_buffer_bytes: the client's transfer buffer; batches are split to fit half of it, and
+        one entry must fit (a DeepSeek-V3 block of 128 tokens is 9 MiB).
     host: this client's address for the transfer engine.
     prefix: prepended to every key (one master can serve several pools).
     put_retry_s: how long a put that finds no space waits for eviction.
@@ -205,7 +206,7 @@ class MooncakeStore:
         master: str,
         *,
         segment_bytes: int = 0,
-        local_buffer_bytes: int = 16 << 20,
+        local_buffer_bytes: int = 64 << 20,
         host: str = "127.0.0.1",
         prefix: str = "cpattn/",
         put_retry_s: float = 0.5,
@@ -217,7 +218,7 @@ class MooncakeStore:
         if not port_open(mhost, int(mport)):
             raise StoreUnavailable(f"no Mooncake master answers at {master} (start one with `cpattn pool serve`)")
         self.master, self.prefix, self.put_retry_s = master, prefix, put_retry_s
-        self.segment_bytes = int(segment_bytes)
+        self.segment_bytes, self.local_buffer_bytes = int(segment_bytes), int(local_buffer_bytes)
         self._client = cls()
         rc = self._client.setup(host, "P2PHANDSHAKE", self.segment_bytes, int(local_buffer_bytes), "tcp", "", master)
         if rc != 0:
@@ -242,7 +243,17 @@ class MooncakeStore:
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        return [v if v else None for v in self._client.get_batch(self._k(keys))]
+        names = self._k(keys)
+        size = self._client.get_size(names[0])  # a pool's entries all have one size
+        self._check(size, "get_size")
+        out: list[bytes | None] = []
+        for chunk in self._chunks(names, max(size, 1)):  # a batch must fit the client's transfer buffer
+            out += [v if v else None for v in self._client.get_batch(chunk)]
+        return out
+
+    def _chunks(self, names: list[str], entry_bytes: int) -> list[list[str]]:
+        n = max(1, self.local_buffer_bytes // 2 // entry_bytes)
+        return [names[i : i + n] for i in range(0, len(names), n)]
 
     def put(self, keys: Sequence[str], blobs: Sequence) -> list[bool]:
         if len(keys) != len(blobs):
@@ -250,8 +261,13 @@ class MooncakeStore:
         if not keys:
             return []
         names = self._k(keys)
-        rc = self._client.put_batch(names, [memoryview(b) for b in blobs])
-        self._check(rc, "put_batch")
+        n = len(self._chunks(names, len(blobs[0]))[0])
+        rc = 0
+        for i in range(0, len(names), n):  # a batch must fit the client's transfer buffer
+            rc = self._client.put_batch(names[i : i + n], [memoryview(b) for b in blobs[i : i + n]])
+            self._check(rc, "put_batch")
+            if rc != 0:
+                break
         if rc == 0:
             return [True] * len(keys)
         kept = []
