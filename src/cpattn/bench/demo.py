@@ -1,22 +1,24 @@
 """``cpattn demo``: a long prompt prefilled with PCP, decoded with DCP in graph mode, checked token for token.
 
-The main job end to end, on P real gloo processes (or under ``torchrun``):
+The main job end to end, on P real gloo processes (or under ``torchrun``),
+composed from the engine's stages (:mod:`cpattn.engine`):
 
 1. **Reference.** Rank 0 runs the model on one device (dense KV cache,
-   eager), as :func:`cpattn.models.generate.prefill_local` and
-   :func:`~cpattn.models.generate.decode_dense` do: the greedy tokens every
-   parallel run must reproduce, and the single-device TTFT / TPOT.
+   eager, :func:`cpattn.engine.reference.reference_generate`): the greedy
+   tokens every parallel run must reproduce, and the single-device TTFT / TPOT.
 2. **Prefill engine (PCP).** Every prompt is split head-tail over the ranks
    (:func:`cpattn.pcp_plan`), each rank runs the whole model on its tokens
-   with :func:`cpattn.pcp_prefill` attention; the first token comes from the
-   last prompt row of each request. TTFT is this phase.
-3. **KV handoff (P/D).** ``cp_kv_cache_interleave_size == block_size``, so
-   every cache block of B consecutive tokens belongs to one decode rank
-   (block k -> rank k % N). The prompt KV is all-gathered and each decode
-   rank keeps its own whole blocks (``fill_from_prefill``).
+   with :func:`cpattn.pcp_prefill` attention (DSA models: DSA-CP); the first
+   token comes from the last prompt row of each request
+   (:func:`cpattn.engine.prefill.prefill`). TTFT is this phase.
+3. **KV hand-off.** ``cp_kv_cache_interleave_size == block_size``, so every
+   cache block of B consecutive tokens belongs to one decode rank (block k ->
+   rank k % N); each prefill row goes straight to its owner in one
+   all-to-all (:func:`cpattn.engine.handoff.exchange`).
 4. **Decode engine (DCP, FULL_DECODE_ONLY).** One decode step of the whole
    model (embedding, every layer with ``write_kv`` + :func:`cpattn.dcp.dcp_decode`,
-   lm_head, argmax) is a pure ``step(state, batch)``; a
+   lm_head, argmax) is a pure ``step(state, batch)``
+   (:func:`cpattn.engine.decode.decode_step`); a
    :class:`cpattn.graphs.DecodeRunner` captures it per capture size with
    the chosen backend ("cpu" = torch.compile inductor, fullgraph) and replays
    it for every uniform decode batch. The DCP metadata (positions, local
@@ -24,16 +26,17 @@ The main job end to end, on P real gloo processes (or under ``torchrun``):
    ``seq_lens`` / ``block_table`` buffers by :func:`cpattn.dcp.plan_tensors`.
    The same step also runs eagerly on a second cache, side by side.
 
-Two engine configs are validated with :class:`cpattn.config.EngineConfig`:
-a prefill engine (``pcp_size=P``, ``kv_role="kv_producer"``) and a decode
-engine (``tp_size=dcp_size=N``, ``pcp_size=1``, ``kv_role="kv_consumer"``),
-since the guide forbids PCP and DCP in one engine. Both share the ranks.
+Two engine configs are built and validated first
+(:func:`cpattn.engine.driver.engine_configs`): a prefill engine
+(``pcp_size=P``, ``kv_role="kv_producer"``) and a decode engine
+(``tp_size=dcp_size=N``, ``pcp_size=1``, ``kv_role="kv_consumer"``), since
+the guide forbids PCP and DCP in one engine. Both share the ranks.
 
 Exit status 0 only when every parallel run's tokens equal the reference's.
-DeepSeek-V3 / V3.2 checkpoints (``--model``) run too, but their decode step
-has data-dependent MoE routing (and DSA key gathering) that no graph can
-hold: in graph mode they go through the runner with the "eager" backend
-(persistent buffers, padding, no compiler), and the output says so.
+Checkpoints of other families (``--model``) run too; a family whose decode
+step is not capturable (data-dependent MoE routing, DSA key gathering) goes
+through the runner with the "eager" backend (persistent buffers, padding, no
+compiler), and the output says so.
 
 Usage::
 
@@ -406,7 +409,7 @@ def report(s: dict) -> str:
                      f"padded rows {st['padded_tokens']}")
     else:
         lines.append("graph mode none: decode steps run eagerly")
-    lines.append(f"KV handoff (all-gather, keep own blocks): {s['handoff_ms']:.1f} ms")
+    lines.append(f"KV handoff (rows to their DCP owners, one all-to-all): {s['handoff_ms']:.1f} ms")
     lines.append("")
     cols = ["run", "ranks", "TTFT_ms", "TPOT_ms", "KV_bytes_per_rank", "prefill_sent", "handoff_sent",
             "decode_sent_per_step", "TTFT_x", "TPOT_x", "tokens"]
