@@ -14,6 +14,7 @@ def test_bench_comm_algorithms_agree(tmp_path, capsys):
     }
     for r in rows:
         assert r["max_abs_diff"] <= 1e-5 and r["native_ms"] > 0 and r["a2a_ms"] > 0, r
+        assert r["ratio_low"] <= r["ratio"] <= r["ratio_high"], r  # a ratio comes with its spread
     assert "ratio" in capsys.readouterr().out
 
 
@@ -40,3 +41,58 @@ def test_bench_paged_times_every_path_and_names_the_pick():
     assert row["small_ms"] > 0 and row["flash_ms"] > 0 and row["traced_ms"] > 0
     assert (row["eager_pick"], row["graph_pick"]) == ("small", "traced")  # 8 rows x 256 keys x 2 x 32
     assert row["eager_vs_best"] == row["small_ms"] / min(row["small_ms"], row["flash_ms"])  # the picked path's time
+
+
+def test_ratios_never_divide_by_a_zero_time():
+    import math
+
+    from cpattn.bench.common import Samples, ratio, safe_div
+
+    r = ratio(Samples((1.0, 2.0)), Samples((0.0, 1.0)))  # a zero time gives NaN, never ZeroDivisionError
+    assert math.isnan(safe_div(1.0, 0.0)) and math.isnan(r.best) and r.low == r.high == 2.0
+    assert ratio(Samples((2.0, 4.0, 3.0)), Samples((1.0, 2.0, 1.0))).as_dict() == {
+        "best": 2.0, "low": 2.0, "median": 2.0, "high": 3.0}
+
+
+def test_measure_interleaves_rounds_and_takes_the_slowest_rank():
+    import torch
+
+    import cpattn
+    from cpattn.bench.common import measure
+
+    order = []
+
+    def rank_fn(group):
+        fns = {n: (lambda n=n: order.append((group.rank, n))) for n in "abc"}
+        if group.rank == 1:
+            fns["a"] = lambda: torch.ones(1 << 16).cumsum(0)  # rank 1 is the slow one for "a"
+        return measure(fns, reps=3, group=group, warmup=0)
+
+    s0, s1 = cpattn.simulate(2, rank_fn)
+    assert s0["a"].wall == s1["a"].wall  # both ranks see the slowest rank's samples
+    assert [n for r, n in order if r == 0] == list("abc" "bca" "cab")  # round i starts with function i
+
+
+def test_bench_dcp_tiny_run_reports_ratios_with_spread_and_constant_merge_bytes(tmp_path, capsys):
+    from cpattn.bench import dcp
+
+    out = tmp_path / "dcp.json"
+    argv = ["--contexts", "256,512", "--batch", "1", "--reps", "2", "--dtype", "fp32", "--block-size", "16",
+            "--cp-kv-cache-interleave-size", "16", "--json", str(out)]
+    assert dcp.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    timed = [r for r in rows if "ratio" in r]
+    assert timed and all(r["ratio"]["low"] <= r["ratio"]["median"] <= r["ratio"]["high"] for r in timed)
+    merges = {r["context"]: r["merge"] for r in rows if r["metric"] == "bytes_sent_ag_rs"}
+    assert merges[256] == merges[512] > 0
+    assert "independent of context length" in capsys.readouterr().out
+
+
+def test_bench_dsa_cp_prefill_tiny_run_has_spreads_and_exact_work():
+    from cpattn.bench import dsa
+
+    rows = dsa.cp_prefill(n_tok=64, heads=2, h_i=2, topk=16, reps=2, tp=2, timeout_s=60)
+    assert [(r["ranks"], r["split"]) for r in rows] == [(1, "-"), (2, "contiguous"), (2, "balanced")]
+    for r in rows:
+        assert r["speedup_low"] <= r["speedup"] <= r["speedup_high"] and r["time_s"] > 0, r
+    assert rows[2]["indexer_imbalance"] == 1.0 and rows[1]["indexer_imbalance"] > 1.0  # head-tail balances

@@ -2,10 +2,22 @@
 
 Commands are looked up in a table and imported lazily, so ``cpattn --help``
 is instant and a benchmark's imports cost nothing until it runs.
+
+Exit status: 0 success; 1 the command ran but a check failed or a rank
+failed (the reason is printed, without the launcher's own traceback); 2 a
+usage error (one line on stderr naming the flag, the value and the rule);
+130 interrupted.
+
+Example
+-------
+>>> main(["bench", "nonsense"])  # doctest: +SKIP
+cpattn bench: error: unknown benchmark 'nonsense'; choose one of comm, dcp, dsa, graph, paged, pcp, spec
+2
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -16,12 +28,12 @@ COMMANDS = {
 }
 BENCHMARKS = {
     "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),
-    "dcp": ("cpattn.bench.dcp:main", "64K-context DCP decode: one rank vs DCP=2, merge traffic, paged vs contiguous"),
+    "dcp": ("cpattn.bench.dcp:main", "64K-context DCP decode: one rank vs DCP ranks, merge traffic, paged vs contiguous"),
     "paged": ("cpattn.bench.paged:main", "CPU paged attention: batched vs flash-loop vs compiled paths, and dispatch's pick"),
     "comm": ("cpattn.bench.comm:main", "gloo collectives: the backend's own algorithms vs DistGroup's all_to_all ones"),
     "graph": ("cpattn.bench.graph:main", "decode step: eager vs graph-captured (DCP demo program on gloo)"),
     "spec": ("cpattn.bench.spec:main", "speculative acceptance per drafter/k; TTFT PCP+DCP vs PCP prefill + P/D transfer"),
-    "dsa": ("cpattn.bench.dsa:main", "DSA decode vs dense MLA at 32K/64K, FP8 selection, DSA-CP prefill on 2 ranks"),
+    "dsa": ("cpattn.bench.dsa:main", "DSA decode vs dense MLA at 32K/64K, FP8 selection, DSA-CP prefill on TP ranks"),
 }
 
 
@@ -37,26 +49,55 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _unknown(prog: str, what: str, name: str, valid: list[str]) -> int:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    print(f"{prog}: error: unknown {what} {name!r}; choose one of {', '.join(sorted(valid))}{hint} "
+          f"(see cpattn --help)", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``cpattn ARGV``; return the exit status (see module doc)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
-        if not rest or rest[0] not in BENCHMARKS:
-            print(f"cpattn bench: choose one of {sorted(BENCHMARKS)}\n\n{_usage()}", file=sys.stderr)
+        if not rest:
+            print(f"cpattn bench: error: name a benchmark: {', '.join(BENCHMARKS)} (see cpattn --help)",
+                  file=sys.stderr)
             return 2
-        return _exit_code(_load(BENCHMARKS[rest[0]][0])(rest[1:]))
-    if cmd not in COMMANDS:
-        print(f"cpattn: unknown command {cmd!r}; valid: {sorted(COMMANDS) + ['bench']}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    return _exit_code(_load(COMMANDS[cmd][0])(rest))
+        if rest[0] in ("-h", "--help"):
+            print(_usage())
+            return 0
+        if rest[0] not in BENCHMARKS:
+            return _unknown("cpattn bench", "benchmark", rest[0], list(BENCHMARKS))
+        prog, target, rest = f"cpattn bench {rest[0]}", BENCHMARKS[rest[0]][0], rest[1:]
+    elif cmd in COMMANDS:
+        prog, target = f"cpattn {cmd}", COMMANDS[cmd][0]
+    else:
+        return _unknown("cpattn", "command", cmd, [*COMMANDS, "bench"])
+    return _run(prog, target, rest)
+
+
+def _run(prog: str, target: str, argv: list[str]) -> int:
+    from cpattn.comm.launch import SpawnError
+
+    try:
+        return _exit_code(_load(target)(argv))
+    except SpawnError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _exit_code(result) -> int:
     """A command's exit status: its int result, 0 for anything else (some return their result dict)."""
-    return result if isinstance(result, int) else 0
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
 if __name__ == "__main__":

@@ -10,66 +10,79 @@ alternating the two so drift in machine load hits both alike, and checks
 that they agree. ``ratio = native / a2a`` (> 1: a2a is faster). all_to_all
 itself is the same call under both: its ratio shows the run's noise.
 
+Each cell is the median of ``--reps`` interleaved samples (a sample is
+``--inner`` back-to-back calls, started together on a barrier, the slowest
+rank's time); ``ratio`` is the median of the per-sample ratios with their
+low-high range, so a reader sees what is noise: compare the all_to_all
+control row's range with the others.
+
 Usage::
 
-    cpattn bench comm                 # 2 gloo ranks x 1 thread
-    cpattn bench comm --quick         # decode-sized messages only, a few seconds
-    cpattn bench comm --ranks 4 --json out.json
+    cpattn bench comm                       # 2 gloo ranks x 1 thread
+    cpattn bench comm --quick               # decode-sized messages only, a few seconds
+    cpattn bench comm --world-size 4 --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 
 import torch
 
-from cpattn.bench.common import back_to_back, table, write_json
+from cpattn.bench import args as cli
+from cpattn.bench.common import measure, ratio, table, write_json
 from cpattn.comm.dist import DistGroup
 from cpattn.comm.launch import spawn
 
-SIZES = [4 << 10, 32 << 10, 256 << 10, 2 << 20, 8 << 20]  # bytes per rank's input (float32)
+SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 8 << 20)  # bytes per rank's input (float32)
 KINDS = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 
 
-def bench_rank(group, sizes, reps):
+def bench_rank(group, sizes, reps, inner=5):
     """Rank function: time native vs a2a for every kind and size; returns rows (rank 0's are printed)."""
     groups = {"native": DistGroup(algorithm="native"), "a2a": DistGroup(algorithm="a2a", small_bytes=1 << 62)}
-    once = back_to_back(group)
     gen = torch.Generator().manual_seed(group.rank)
     rows = []
     for nbytes in sizes:
-        x = torch.randn(group.size, nbytes // 4 // group.size, generator=gen)  # dim 0 divisible by N
+        x = torch.randn(group.size, max(nbytes // 4 // group.size, 1), generator=gen)  # dim 0 divisible by N
         for kind in KINDS:
             calls = {algo: (lambda g=g: getattr(g, kind)(x)) for algo, g in groups.items()}
             diff = (calls["native"]() - calls["a2a"]()).abs().max().item()
-            times = {algo: [] for algo in calls}
-            for _ in range(reps):
-                for algo, fn in calls.items():
-                    times[algo].append(once(fn))
-            nat, a2a = (statistics.median(times[a]) for a in ("native", "a2a"))
-            rows.append({"bytes": nbytes, "collective": kind, "native_ms": 1e3 * nat, "a2a_ms": 1e3 * a2a,
-                         "ratio": nat / a2a, "max_abs_diff": diff})
+            s = measure(calls, reps, group=group, inner=inner)
+            r = ratio(s["native"], s["a2a"])
+            rows.append({"bytes": nbytes, "collective": kind, "native_ms": 1e3 * s["native"].median,
+                         "a2a_ms": 1e3 * s["a2a"].median, "ratio": r.median, "ratio_low": r.low,
+                         "ratio_high": r.high, "ratio_best": r.best, "max_abs_diff": diff})
     return rows
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="cpattn bench comm", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4 KiB and 32 KiB messages only")
-    ap.add_argument("--ranks", type=int, default=2, help="gloo processes (one thread each)")
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES,
-                    help="input bytes per rank, comma-separated")
-    ap.add_argument("--json", default=None, help="write results as JSON here ('-' for stdout)")
-    args = ap.parse_args(argv)
+    """``cpattn bench comm``: print native vs a2a per collective and size; JSON with ``--json``."""
+    p = cli.parser("cpattn bench comm", __doc__)
+    cli.add_quick(p, "4 KiB and 32 KiB messages only")
+    p.add_argument("--world-size", type=cli.positive_int, default=2, metavar="N",
+                   help="gloo processes, one thread each (these ranks have no parallel role)")
+    p.add_argument("--reps", type=cli.positive_int, default=15, help="interleaved samples per cell")
+    p.add_argument("--inner", type=cli.positive_int, default=5, help="back-to-back calls per sample")
+    p.add_argument("--sizes", type=cli.int_list, default=SIZES, metavar="BYTES,...",
+                   help="input bytes per rank, comma-separated")
+    cli.add_json(p)
+    cli.add_timeout(p)
+    args = p.parse_args(argv)
+    if args.world_size < 2:
+        cli.bad_value(p.prog, "--world-size", args.world_size, "at least 2 ranks (a collective needs peers)",
+                      "pass --world-size 2 or more")
     if args.quick:
         args.sizes = SIZES[:2]
     t0 = time.perf_counter()
-    res = spawn(args.ranks, bench_rank, args.sizes, args.reps, threads=1, timeout_s=900)
-    print(f"gloo, {args.ranks} ranks x 1 thread, median of {args.reps} samples of 5 back-to-back calls "
-          f"(run {time.perf_counter() - t0:.0f} s)")
-    print(table(res[0], ["bytes", "collective", "native_ms", "a2a_ms", "ratio", "max_abs_diff"]))
+    with cli.report_to(args.json):
+        res = spawn(args.world_size, bench_rank, args.sizes, args.reps, args.inner, threads=1, timeout_s=args.timeout)
+        print(f"gloo, {args.world_size} ranks x 1 thread; each cell the median of {args.reps} interleaved samples of "
+              f"{args.inner} back-to-back calls (slowest rank); ratio = native / a2a (> 1: a2a faster), median "
+              f"[low-high] of per-sample ratios (run {time.perf_counter() - t0:.0f} s)")
+        shown = [{**r, "ratio [low-high]": f"{r['ratio']:.3g} [{r['ratio_low']:.3g}-{r['ratio_high']:.3g}]"}
+                 for r in res[0]]
+        print(table(shown, ["bytes", "collective", "native_ms", "a2a_ms", "ratio [low-high]", "max_abs_diff"]))
     write_json(args.json, {"config": vars(args), "rows": res[0]})
     return 0
 

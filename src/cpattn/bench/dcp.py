@@ -1,30 +1,32 @@
-"""Benchmark: DCP decode (issue 3, item 8), side by side in one run.
+"""Benchmark: DCP decode at long context, one rank vs DCP ranks, side by side in one run.
 
 Decode step at long context, GQA (32 q heads, 8 kv heads, dim 128), batch 4:
 
-- one rank vs DCP = 2 on two gloo processes with one thread each (attention
-  time and whole step, ``ag_rs`` and ``a2a`` merges), timed inside the ranks
-  after a barrier, median of several repetitions;
+- one rank vs DCP = N on N gloo processes with one thread each (attention
+  time and whole step, ``ag_rs`` and ``a2a`` merges). Rank 0 also plays the
+  single rank (the others wait meanwhile); the one-rank and DCP runs are
+  timed in interleaved rounds, each sample started on a barrier and taken
+  as the slowest rank's; ratios are the median [low-high] of the per-round
+  ratios, in wall time and in process CPU time (robust to a shared machine);
 - KV bytes per rank (tokens held, exact) and merge bytes per rank per step
   from ``group.stats`` at every context length (they must not grow with it);
 - paged vs contiguous cache attention on one rank.
 
 Usage::
 
-    cpattn bench dcp             # 16K and 64K context
-    cpattn bench dcp --quick     # small sizes, < 60 s
-    cpattn bench dcp --json out.json
+    cpattn bench dcp                 # 16K and 64K context, DCP = 2
+    cpattn bench dcp --quick         # small sizes, < 60 s
+    cpattn bench dcp --dcp 4 --dtype fp32 --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import time
 
 import torch
 
+from cpattn.bench import args as cli
+from cpattn.bench.common import DTYPES, Samples, measure, ratio, write_json
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh
 from cpattn.dcp import dcp_decode, dcp_plan
@@ -32,14 +34,7 @@ from cpattn.layout.dcp import dcp_local_lens
 from cpattn.ops import attention_with_lse
 from cpattn.ops.paged import paged_attention_with_lse
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _timed(fn):
-    """(wall seconds, CPU seconds of this process) of one call of fn."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - t0, time.process_time() - c0
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def _build_shard(cfg, ctx, n, rank, gen):
@@ -47,7 +42,7 @@ def _build_shard(cfg, ctx, n, rank, gen):
     b, hkv, d, bs, inter = cfg["batch"], cfg["hkv"], cfg["d"], cfg["block_size"], cfg["interleave"]
     dtype = DTYPES[cfg["dtype"]]
     local = dcp_local_lens(torch.full((b,), ctx), n, inter)  # [B, N]
-    mb = -(-int(local.max()) // bs)
+    mb = max(-(-int(local.max()) // bs), 1)
     nb = b * mb
     table = torch.randperm(nb, generator=gen).view(b, mb)
     k_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
@@ -59,17 +54,12 @@ def _build_shard(cfg, ctx, n, rank, gen):
 
 
 def rank_main(group, cfg):
-    """A rank of the DCP=2 group; rank 0 also plays the single rank (rank 1 waits meanwhile).
-
-    Every repetition runs the one-rank step and the DCP=2 step back to back,
-    each after a barrier, so both see the same machine load.
-    """
+    """A rank of the DCP group; rank 0 also plays the single rank (the others wait meanwhile)."""
     n, r = group.size, group.rank
     solo = SimMesh(1).groups()[0]  # a group of one: the single-rank baseline
     gen = torch.Generator().manual_seed(1234 + r)
     b, hq, d = cfg["batch"], cfg["hq"], cfg["d"]
     dtype = DTYPES[cfg["dtype"]]
-    barrier = lambda: group.all_reduce(torch.zeros(1))  # noqa: E731
     out = {}
     for ctx in cfg["contexts"]:
         mine = _build_shard(cfg, ctx, n, r, gen)
@@ -77,42 +67,36 @@ def rank_main(group, cfg):
         q = torch.randn(b, hq // n, d, generator=gen).to(dtype)  # this rank's TP heads
         q_all = torch.randn(b, hq, d, generator=gen).to(dtype)  # all heads (what the gather delivers)
 
-        def attn(sh):
+        def attn(sh, who):
             m = sh["meta"]
-            return paged_attention_with_lse(q_all, sh["k"], sh["v"], sh["table"], m.req_indices, m.kv_lens[0 if sh is full else r])
+            return paged_attention_with_lse(q_all, sh["k"], sh["v"], sh["table"], m.req_indices, m.kv_lens[who])
 
         def step(sh, g, merge, qq):
             return dcp_decode(qq, (sh["k"], sh["v"]), sh["meta"], group=g, merge=merge)
 
+        noop = lambda: None  # noqa: E731
         runs = {
-            "attn": (lambda: attn(full), lambda: attn(mine)),
-            "step_ag_rs": (lambda: step(full, solo, "ag_rs", q_all), lambda: step(mine, group, "ag_rs", q)),
-            "step_a2a": (lambda: step(full, solo, "a2a", q_all), lambda: step(mine, group, "a2a", q)),
+            "attn_one": (lambda: attn(full, 0)) if r == 0 else noop,
+            "attn_dcp": lambda: attn(mine, r),
+            "step_ag_rs_one": (lambda: step(full, solo, "ag_rs", q_all)) if r == 0 else noop,
+            "step_ag_rs_dcp": lambda: step(mine, group, "ag_rs", q),
+            "step_a2a_one": (lambda: step(full, solo, "a2a", q_all)) if r == 0 else noop,
+            "step_a2a_dcp": lambda: step(mine, group, "a2a", q),
         }
-        times = {f"{k}_{w}{c}": [] for k in runs for w in ("one", "dcp") for c in ("", "_cpu")}
-        for rep in range(cfg["reps"] + 1):  # rep 0 warms up
-            for key, (one_fn, dcp_fn) in runs.items():
-                barrier()
-                t_one = _timed(one_fn) if r == 0 else (0.0, 0.0)
-                barrier()
-                t_dcp = _timed(dcp_fn)
-                if rep:
-                    for who, t in (("one", t_one), ("dcp", t_dcp)):
-                        times[f"{key}_{who}"].append(t[0])
-                        times[f"{key}_{who}_cpu"].append(t[1])
-        rec = {k: statistics.median(v) for k, v in times.items()}
-        rec.update(kv_bytes=mine["kv_bytes"], kv_tokens=mine["held"],
-                   kv_bytes_allocated=mine["k"].nbytes + mine["v"].nbytes)
+        samples = measure(runs, cfg["reps"], group=group, warmup=1)
+        rec = {"samples": {k: Samples(s.wall, s.cpu) for k, s in samples.items()},
+               "kv_bytes": mine["kv_bytes"], "kv_tokens": mine["held"],
+               "kv_bytes_allocated": mine["k"].nbytes + mine["v"].nbytes}
         if full is not None:
             rec.update(kv_bytes_one=full["kv_bytes"])
         for merge in ("ag_rs", "a2a"):
             group.stats.reset()
             step(mine, group, merge, q)
             rec[f"bytes_{merge}"] = group.stats.as_dict()
-        barrier()
+        group.all_reduce(torch.zeros(1))
         if r == 0 and cfg["paged_vs_contiguous"]:
             rec.update(_paged_vs_contiguous(full, q_all, cfg))
-        barrier()
+        group.all_reduce(torch.zeros(1))
         out[ctx] = rec
         del mine, full
     return out
@@ -128,7 +112,7 @@ def _folded_contiguous(q, k, v, scale):
 
 
 def _paged_vs_contiguous(sh, q_all, cfg):
-    """One rank: the same attention on contiguous copies of the paged cache (median of reps)."""
+    """One rank: the same attention on contiguous copies of the paged cache, interleaved (CPU time)."""
     k_cache, v_cache, table, meta = sh["k"], sh["v"], sh["table"], sh["meta"]
     b, kv_lens = table.shape[0], meta.kv_lens[0]
     ctx = int(kv_lens.max())
@@ -140,96 +124,113 @@ def _paged_vs_contiguous(sh, q_all, cfg):
     cu_k = cu_q * ctx
     scale = cfg["d"] ** -0.5
     fns = {
-        "paged_s": lambda: paged_attention_with_lse(q_all, k_cache, v_cache, table, meta.req_indices, kv_lens,
+        "paged": lambda: paged_attention_with_lse(q_all, k_cache, v_cache, table, meta.req_indices, kv_lens,
+                                                  softmax_scale=scale),
+        "contig_varlen": lambda: attention_with_lse(q_all, k_flat, v_flat, cu_q, cu_k, causal=False,
                                                     softmax_scale=scale),
-        "contig_varlen_s": lambda: attention_with_lse(q_all, k_flat, v_flat, cu_q, cu_k, causal=False,
-                                                      softmax_scale=scale),
-        "contig_folded_s": lambda: [_folded_contiguous(q_all[i], ks[i], vs[i], scale) for i in range(b)],
+        "contig_folded": lambda: [_folded_contiguous(q_all[i], ks[i], vs[i], scale) for i in range(b)],
     }
-    times = {k: [] for k in fns}
-    for rep in range(cfg["reps"] + 1):
-        for k, fn in fns.items():
-            t = _timed(fn)[1]  # CPU time: one thread, so the fair measure on a shared machine
-            if rep:
-                times[k].append(t)
-    res = {k: statistics.median(v) for k, v in times.items()}
-    got, _ = fns["paged_s"]()
-    want, _ = fns["contig_varlen_s"]()
-    res["paged_vs_contig_maxdiff"] = (got.float() - want.float()).abs().max().item()
-    return res
+    s = measure(fns, cfg["reps"], warmup=1)
+    got, want = s["paged"].result[0], s["contig_varlen"].result[0]
+    return {"contiguous_over_paged": {k: ratio(s[k], s["paged"], clock="cpu").as_dict()
+                                      for k in ("contig_folded", "contig_varlen")},
+            "paged_cpu_s": min(s["paged"].cpu),
+            "paged_vs_contig_maxdiff": (got.float() - want.float()).abs().max().item()}
 
 
-def _bytes(rec, merge, cfg, n=2):
+def _bytes(rec, merge, cfg, n):
     """(merge bytes, query-gather bytes) one rank sends per step, from group.stats."""
     total = sum(rec[f"bytes_{merge}"]["bytes_sent"].values())
     q_gather = cfg["batch"] * cfg["hq"] // n * cfg["d"] * DTYPES[cfg["dtype"]].itemsize * (n - 1)
     return total - q_gather, q_gather
 
 
+def _parser():
+    p = cli.parser("cpattn bench dcp", __doc__)
+    cli.add_quick(p, "batch 2, contexts 2K and 8K, 3 rounds (< 60 s)")
+    cli.add_parallel(p, dcp=2, block_size=128, interleave=128,
+                     helps={"dcp": "DCP ranks: gloo processes, one thread each (DCP reuses the TP ranks: TP = DCP)"})
+    p.add_argument("--contexts", type=cli.int_list, default=(16384, 65536), metavar="N,...",
+                   help="cached tokens per request, comma-separated")
+    p.add_argument("--batch", type=cli.positive_int, default=4, help="decode requests")
+    cli.add_dtype(p, default="bfloat16", help="KV cache and query dtype")
+    p.add_argument("--reps", type=cli.positive_int, default=5, help="interleaved timing rounds")
+    cli.add_json(p)
+    cli.add_timeout(p)
+    return p
+
+
 def main(argv=None):
     """Run the DCP benchmark and print a table of side-by-side ratios."""
-    p = argparse.ArgumentParser(prog="cpattn bench dcp", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--reps", type=int, default=None)
+    p = _parser()
     args = p.parse_args(argv)
-    cfg = dict(batch=4, hq=32, hkv=8, d=128, block_size=128, interleave=128, dtype=args.dtype,
-               contexts=[16384, 65536], reps=args.reps or 5, paged_vs_contiguous=True)
+    n = args.decode_context_parallel_size
     if args.quick:
-        cfg.update(batch=2, contexts=[2048, 8192], reps=args.reps or 3)
+        args.batch, args.contexts, args.reps = 2, (2048, 8192), min(args.reps, 3)
+    if n < 2:
+        cli.bad_value(p.prog, "--decode-context-parallel-size/--dcp", n, "at least 2 (this benchmark compares "
+                      "DCP against one rank)", "pass --dcp 2 or more")
+    cli.check_engine(p.prog, {"tp_size": "--decode-context-parallel-size/--dcp"}, tp_size=n, dcp_size=n,
+                     attention="gqa", num_attention_heads=HEADS, num_kv_heads=KV_HEADS, tp_splits_kv_heads=False,
+                     block_size=args.block_size, cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size)
+    cfg = dict(batch=args.batch, hq=HEADS, hkv=KV_HEADS, d=HEAD_DIM, block_size=args.block_size,
+               interleave=args.cp_kv_cache_interleave_size, dtype=args.dtype, contexts=list(args.contexts),
+               reps=args.reps, paged_vs_contiguous=True)
     t0 = time.time()
-    ranks = spawn(2, rank_main, cfg, threads=1, timeout_s=1800)
-    res = {"config": cfg, "ranks": ranks}
+    with cli.report_to(args.json):
+        ranks = spawn(n, rank_main, cfg, threads=1, timeout_s=args.timeout)
+        rows = _report(cfg, ranks, n)
+        print(f"({time.time() - t0:.0f} s)")
+    write_json(args.json, {"config": cfg, "dcp": n, "rows": rows})
+    return 0
 
+
+def _report(cfg, ranks, n) -> list[dict]:
     print(f"DCP decode step: batch {cfg['batch']}, GQA {cfg['hq']} q / {cfg['hkv']} kv heads x {cfg['d']}, "
-          f"{cfg['dtype']}, block = interleave = {cfg['block_size']}; gloo, 1 thread per rank; median of "
-          f"{cfg['reps']} interleaved reps (DCP time = slower rank; CPU ms = process CPU time, robust to a "
-          "shared machine; wall ms suffers when other jobs hold the cores)")
-    hdr = f"{'context':>8} | {'metric':<30} | {'1 rank':>10} | {'DCP=2':>10} | {'DCP/1':>6}"
+          f"{cfg['dtype']}, block {cfg['block_size']}, interleave {cfg['interleave']}; gloo, {n} ranks x 1 thread. "
+          f"Medians of {cfg['reps']} interleaved rounds (slowest rank); DCP/1 = median [low-high] of per-round "
+          "ratios; CPU ms = process CPU time, robust to a shared machine")
+    hdr = f"{'context':>8} | {'metric':<30} | {'1 rank':>10} | {f'DCP={n}':>10} | DCP/1 [low-high]"
     print(hdr)
-    print("-" * len(hdr))
+    print("-" * (len(hdr) + 8))
     rows = []
-
-    def row(ctx, name, one, dcp, extra=""):
-        ratio = dcp / one if one else float("nan")
-        print(f"{ctx:>8} | {name:<30} | {one:>10.2f} | {dcp:>10.2f} | {ratio:>6.3f} {extra}")
-        rows.append({"context": ctx, "metric": name, "one_rank": one, "dcp2": dcp, "ratio": ratio})
-
     for ctx in cfg["contexts"]:
-        a, both = ranks[0][ctx], [ranks[0][ctx], ranks[1][ctx]]
-        for key, name in (("attn", "attention"), ("step_ag_rs", "step, merge=ag_rs"),
-                          ("step_a2a", "step, merge=a2a")):
-            for c, what in (("", "wall ms"), ("_cpu", "CPU ms")):
-                row(ctx, f"{name} ({what})", a[f"{key}_one{c}"] * 1e3, max(x[f"{key}_dcp{c}"] for x in both) * 1e3)
+        a = ranks[0][ctx]
+        s = a["samples"]  # already the slowest rank's, sample by sample
+        for key, name in (("attn", "attention"), ("step_ag_rs", "step, merge=ag_rs"), ("step_a2a", "step, merge=a2a")):
+            for clock, what in (("wall", "wall ms"), ("cpu", "CPU ms")):
+                one, dcp = s[f"{key}_one"], s[f"{key}_dcp"]
+                r = ratio(dcp, one, clock=clock)
+                med = lambda x: sorted(x.of(clock))[len(x.of(clock)) // 2] * 1e3  # noqa: E731
+                print(f"{ctx:>8} | {name + ' (' + what + ')':<30} | {med(one):>10.2f} | {med(dcp):>10.2f} | {r}")
+                rows.append({"context": ctx, "metric": f"{key}_{clock}_ms", "one_rank": med(one), "dcp": med(dcp),
+                             "ratio": r.as_dict()})
         unit = cfg["interleave"] * cfg["hkv"] * cfg["d"] * 2 * DTYPES[cfg["dtype"]].itemsize
-        worst = max(abs(x["kv_bytes"] - a["kv_bytes_one"] / 2) for x in both) / unit
-        row(ctx, "KV bytes held/rank (MiB)", a["kv_bytes_one"] / 2**20, max(x["kv_bytes"] for x in both) / 2**20,
-            f"(off half by {worst:.2f} interleave units)")
+        both = [x[ctx] for x in ranks]
+        worst = max(abs(x["kv_bytes"] - a["kv_bytes_one"] / n) for x in both) / unit
+        held = max(x["kv_bytes"] for x in both)
+        print(f"{ctx:>8} | {'KV bytes held/rank (MiB)':<30} | {a['kv_bytes_one'] / 2**20:>10.2f} | "
+              f"{held / 2**20:>10.2f} | {held / a['kv_bytes_one']:.3f} (off 1/{n} by {worst:.2f} interleave units)")
+        rows.append({"context": ctx, "metric": "kv_bytes_per_rank", "one_rank": a["kv_bytes_one"], "dcp": held})
         for m in ("ag_rs", "a2a"):
-            merge_b, q_b = _bytes(a, m, cfg)
+            merge_b, q_b = _bytes(a, m, cfg, n)
             kinds = ", ".join(f"{k} {v}" for k, v in a[f"bytes_{m}"]["bytes_sent"].items())
             print(f"{ctx:>8} | {'bytes sent/rank, ' + m:<30} | merge {merge_b} + query gather {q_b}  ({kinds})")
             rows.append({"context": ctx, "metric": f"bytes_sent_{m}", "merge": merge_b, "query_gather": q_b})
-        if "paged_s" in a:
-            pg = a["paged_s"]
-            print(f"{ctx:>8} | {'paged vs contiguous, 1 rank':<30} | contiguous / paged CPU time: "
-                  f"aten flash, GQA folded {a['contig_folded_s'] / pg:.2f}x; attention_with_lse "
-                  f"{a['contig_varlen_s'] / pg:.2f}x  (paged {pg * 1e3:.1f} ms, max diff {a['paged_vs_contig_maxdiff']:.1e})")
-            rows.append({"context": ctx, "metric": "contiguous_over_paged", "folded_flash": a["contig_folded_s"] / pg,
-                         "attention_with_lse": a["contig_varlen_s"] / pg})
+        if "contiguous_over_paged" in a:
+            c = a["contiguous_over_paged"]
+            fmt = lambda d: f"{d['median']:.2f}x [{d['low']:.2f}-{d['high']:.2f}]"  # noqa: E731
+            print(f"{ctx:>8} | {'paged vs contiguous, 1 rank':<30} | contiguous / paged CPU time: aten flash, GQA "
+                  f"folded {fmt(c['contig_folded'])}; attention_with_lse {fmt(c['contig_varlen'])}  (paged "
+                  f"{a['paged_cpu_s'] * 1e3:.1f} ms, max diff {a['paged_vs_contig_maxdiff']:.1e})")
+            rows.append({"context": ctx, "metric": "contiguous_over_paged", **c})
     c0, c1 = cfg["contexts"][0], cfg["contexts"][-1]
     for m in ("ag_rs", "a2a"):
-        b0, b1 = _bytes(ranks[0][c0], m, cfg)[0], _bytes(ranks[0][c1], m, cfg)[0]
+        b0, b1 = _bytes(ranks[0][c0], m, cfg, n)[0], _bytes(ranks[0][c1], m, cfg, n)[0]
         print(f"merge bytes/rank ({m}): {b0} at {c0} tokens, {b1} at {c1} -> "
               f"{'independent of' if b0 == b1 else 'CHANGES with'} context length")
-    print(f"({time.time() - t0:.0f} s)")
-    res["rows"] = rows
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-    return res
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

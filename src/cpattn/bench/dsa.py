@@ -10,24 +10,33 @@ decode as two plain matmuls (heads as rows), a second baseline. Also the
 exact FLOP ratio, the indexer's share of the DSA time, and how often an FP8
 (e4m3) indexer changes the selected set on random data.
 
-Part 2 -- DSA-CP prefill of one request on 2 gloo ranks vs 1 rank (1 thread
-each), contiguous vs head-tail balanced split: wall time (max over ranks),
-the exact per-rank indexer / attention work, and all-gather bytes per rank.
+Part 2 -- DSA-CP prefill of one request on TP gloo ranks (DSA-CP reuses
+the TP ranks; 1 thread each) vs 1 rank, contiguous vs head-tail balanced
+split: wall and CPU time (slowest rank), the exact per-rank indexer /
+attention work, and all-gather bytes per rank. Rank 0 also runs the
+one-rank baseline, interleaved with both splits.
 
-Every ratio is measured side by side in one run (the machine is shared).
+Every ratio is measured side by side in one run (the machine is shared), in
+interleaved rounds (:func:`cpattn.bench.common.measure`); part 1 reports
+best-of times, part 2 the median [low-high] of per-round ratios.
 
-    cpattn bench dsa [--quick] [--json out.json]
+Usage::
+
+    cpattn bench dsa                  # 32K and 64K context; DSA-CP on 2 ranks
+    cpattn bench dsa --quick          # small sizes, well under a minute
+    cpattn bench dsa --tp 4 --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
+import statistics
 
 import torch
 
+from cpattn.bench import args as cli
+from cpattn.bench.common import Samples, measure, ratio, safe_div, write_json
 from cpattn.comm.launch import spawn
+from cpattn.comm.sim import SimMesh
 from cpattn.dsa import dsa_cp_attention, dsa_cp_plan, dsa_cp_shard, dsa_cp_work
 from cpattn.ops import attention_with_lse
 from cpattn.ops.dsa import (
@@ -40,17 +49,6 @@ from cpattn.ops.dsa import (
 
 D_QK, D_V, H_I, D_I = 576, 512, 64, 128
 SCALE = mla_softmax_scale(192, 40, 1.0)  # DeepSeek-V3.2: qk_head_dim 192, YaRN factor 40
-
-
-def best_of(fn, reps: int, budget_s: float = 0.5) -> float:
-    """Minimum wall time over at least ``reps`` calls (more while under ``budget_s``), after a warm-up."""
-    fn()
-    times: list[float] = []
-    while len(times) < reps or (sum(times) < budget_s and len(times) < 50):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 # ----------------------------------------------------------------------------- part 1: decode
@@ -88,15 +86,16 @@ def decode_case(ctx: int, heads: int, topk: int, reps: int) -> dict:
         p = torch.softmax((q[0] @ cache.T) * SCALE, dim=-1)  # [H, S]
         return p @ cache[:, :D_V]
 
-    t = {name: best_of(fn, reps) for name, fn in
-         (("indexer", indexer), ("topk", select), ("sparse", sparse), ("dsa", dsa), ("dense", dense),
-          ("dense_mm", dense_mm))}
+    samples = measure({"indexer": indexer, "topk": select, "sparse": sparse, "dsa": dsa, "dense": dense,
+                       "dense_mm": dense_mm}, reps, warmup=1)
+    t = {name: s.best for name, s in samples.items()}
     flops_dense = 2 * heads * s * (D_QK + D_V)
     flops_dsa = 2 * H_I * D_I * s + 2 * heads * topk * (D_QK + D_V)
     return {
         "context": ctx, "heads": heads, "topk": topk, **{f"t_{k}_ms": v * 1e3 for k, v in t.items()},
-        "speedup_vs_dense": t["dense"] / t["dsa"], "speedup_vs_dense_mm": t["dense_mm"] / t["dsa"],
-        "indexer_share": t["indexer"] / (t["indexer"] + t["topk"] + t["sparse"]),
+        "speedup_vs_dense": safe_div(t["dense"], t["dsa"]), "speedup_vs_dense_mm": safe_div(t["dense_mm"], t["dsa"]),
+        "speedup_vs_dense_spread": ratio(samples["dense"], samples["dsa"]).as_dict(),
+        "indexer_share": safe_div(t["indexer"], t["indexer"] + t["topk"] + t["sparse"]),
         "flop_ratio": flops_dense / flops_dsa,
     }
 
@@ -120,92 +119,121 @@ def cp_inputs(n_tok: int, heads: int, h_i: int, seed: int = 0) -> list[torch.Ten
             torch.randn(n_tok, D_I, generator=g)]
 
 
-def cp_rank(group, n_tok: int, heads: int, h_i: int, topk: int, split: str, reps: int) -> dict:
-    """Time dsa_cp_attention on this rank (best of reps, after a warm-up)."""
-    plan = dsa_cp_plan([0, n_tok], group.size, split=split)
-    mine = [dsa_cp_shard(x, plan, group.rank) for x in cp_inputs(n_tok, heads, h_i)]
-    run = lambda: dsa_cp_attention(*mine, plan, group=group, topk=topk, softmax_scale=SCALE,  # noqa: E731
-                                   value_dim=D_V)
-    run()
-    group.stats.reset()
-    times, cpu = [], []
-    for _ in range(reps):
-        group.all_reduce(torch.zeros(1))  # line the ranks up
-        t, c = time.perf_counter(), time.process_time()
-        run()
-        times.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    return {"time": min(times), "cpu": min(cpu), "gather_bytes": group.stats.bytes_sent.get("all_gather", 0) // reps}
+def cp_rank(group, n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> dict:
+    """Rank function: the one-rank baseline (rank 0), contiguous and balanced DSA-CP, interleaved rounds."""
+    inputs = cp_inputs(n_tok, heads, h_i)
+    solo = SimMesh(1).groups()[0]
 
+    def runner(split, g, rank):
+        plan = dsa_cp_plan([0, n_tok], g.size, split=split)
+        mine = [dsa_cp_shard(x, plan, rank) for x in inputs]
+        return lambda: dsa_cp_attention(*mine, plan, group=g, topk=topk, softmax_scale=SCALE, value_dim=D_V)
 
-def cp_prefill(n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> list[dict]:
-    rows = []
-    one = spawn(1, cp_rank, n_tok, heads, h_i, topk, "contiguous", reps)
-    t1, c1 = one[0]["time"], one[0]["cpu"]
-    rows.append({"ranks": 1, "split": "-", "time_s": t1, "speedup": 1.0, "cpu_s": c1, "cpu_speedup": 1.0,
-                 "indexer_imbalance": 1.0, "attention_imbalance": 1.0, "gather_MB_per_rank": 0.0})
+    runs = {"one": runner("contiguous", solo, 0) if group.rank == 0 else (lambda: None)}
+    runs.update({split: runner(split, group, group.rank) for split in ("contiguous", "balanced")})
+    samples = measure(runs, reps, group=group, warmup=1)
+    gather = {}
     for split in ("contiguous", "balanced"):
-        res = spawn(2, cp_rank, n_tok, heads, h_i, topk, split, reps)
-        work = dsa_cp_work(dsa_cp_plan([0, n_tok], 2, split=split), topk)
-        imb = lambda key: max(w[key] for w in work) / (sum(w[key] for w in work) / 2)  # noqa: E731
-        t2, c2 = max(r["time"] for r in res), max(r["cpu"] for r in res)
-        rows.append({"ranks": 2, "split": split, "time_s": t2, "speedup": t1 / t2, "cpu_s": c2, "cpu_speedup": c1 / c2,
-                     "indexer_imbalance": imb("indexer_keys"), "attention_imbalance": imb("attended_keys"),
-                     "gather_MB_per_rank": max(r["gather_bytes"] for r in res) / 2**20})
+        group.stats.reset()
+        runs[split]()
+        gather[split] = group.stats.bytes_sent.get("all_gather", 0)
+    return {"samples": {k: Samples(s.wall, s.cpu) for k, s in samples.items()}, "gather_bytes": gather}
+
+
+def cp_prefill(n_tok: int, heads: int, h_i: int, topk: int, reps: int, tp: int = 2,
+               timeout_s: float = cli.TIMEOUT_S) -> list[dict]:
+    """DSA-CP prefill on ``tp`` gloo ranks vs one rank, both splits: one row per configuration."""
+    res = spawn(tp, cp_rank, n_tok, heads, h_i, topk, reps, threads=1, timeout_s=timeout_s)
+    s = res[0]["samples"]  # the slowest rank's, sample by sample
+    one = s["one"]
+    rows = [{"ranks": 1, "split": "-", "time_s": one.median, "speedup": 1.0, "speedup_low": 1.0, "speedup_high": 1.0,
+             "cpu_s": statistics.median(one.cpu), "cpu_speedup": 1.0, "indexer_imbalance": 1.0,
+             "attention_imbalance": 1.0, "gather_MB_per_rank": 0.0}]
+    for split in ("contiguous", "balanced"):
+        work = dsa_cp_work(dsa_cp_plan([0, n_tok], tp, split=split), topk)
+        imb = lambda key: max(w[key] for w in work) / (sum(w[key] for w in work) / tp)  # noqa: E731
+        wall, cpu = ratio(one, s[split]), ratio(one, s[split], clock="cpu")
+        rows.append({"ranks": tp, "split": split, "time_s": s[split].median, "speedup": wall.median,
+                     "speedup_low": wall.low, "speedup_high": wall.high, "cpu_s": statistics.median(s[split].cpu),
+                     "cpu_speedup": cpu.median, "indexer_imbalance": imb("indexer_keys"),
+                     "attention_imbalance": imb("attended_keys"),
+                     "gather_MB_per_rank": max(r["gather_bytes"][split] for r in res) / 2**20})
     return rows
 
 
 # ----------------------------------------------------------------------------- main
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="cpattn bench dsa", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, finishes in well under a minute")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--threads", type=int, default=1,
+def _parser():
+    ap = cli.parser("cpattn bench dsa", __doc__)
+    cli.add_quick(ap, "16K context, 1K-token DSA-CP prefill: well under a minute")
+    cli.add_parallel(ap, tp=2, helps={"tp": "TP ranks for the DSA-CP prefill (DSA-CP reuses the TP ranks): gloo "
+                                            "processes, one thread each"})
+    ap.add_argument("--threads", type=cli.positive_int, default=1,
                     help="intra-op threads for part 1 (1: stable on a shared machine)")
+    ap.add_argument("--reps", type=cli.positive_int, default=None,
+                    help="interleaved timing rounds (None: 3, or 2 with --quick)")
+    cli.add_json(ap)
+    cli.add_timeout(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    """``cpattn bench dsa``: DSA decode vs dense MLA, FP8 selection, DSA-CP prefill; JSON with ``--json``."""
+    ap = _parser()
     args = ap.parse_args(argv)
+    tp = args.tensor_parallel_size
+    if tp < 2:
+        cli.bad_value(ap.prog, "--tensor-parallel-size/--tp", tp, "at least 2 (DSA-CP splits tokens over the TP "
+                      "ranks and is compared against one rank)", "pass --tp 2 or more")
+    cli.check_engine(ap.prog, tp_size=tp, attention="dsa", enable_dsa_cp=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.quick:
-        contexts, head_counts, reps, topk = [16384], [16, 128], 2, 2048
-        prefill = dict(n_tok=1024, heads=16, h_i=16, topk=256, reps=1)
+        contexts, head_counts, reps, topk = [16384], [16, 128], args.reps or 2, 2048
+        prefill = dict(n_tok=1024, heads=16, h_i=16, topk=256, reps=args.reps or 2)
         fp8 = dict(ctx=8192, topk=2048, queries=4)
     else:
-        contexts, head_counts, reps, topk = [32768, 65536], [16, 128], 3, 2048
-        prefill = dict(n_tok=4096, heads=16, h_i=64, topk=512, reps=2)
+        contexts, head_counts, reps, topk = [32768, 65536], [16, 128], args.reps or 3, 2048
+        prefill = dict(n_tok=4096, heads=16, h_i=64, topk=512, reps=args.reps or 3)
         fp8 = dict(ctx=32768, topk=2048, queries=16)
 
+    with cli.report_to(args.json):
+        result = _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8)
+    write_json(args.json, result)
+    return 0
+
+
+def _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8) -> dict:
     decode = [decode_case(c, h, topk, reps) for c in contexts for h in head_counts]
     print(f"\nDSA decode, 1 query, k={topk}, Dqk={D_QK}/Dv={D_V}, indexer {H_I}x{D_I}, "
-          f"{args.threads} threads (best of {reps})")
+          f"{args.threads} threads (best of {reps} interleaved rounds; x dense [low-high]: per-round ratios)")
     print(f"{'context':>8} {'heads':>5} {'dense ms':>9} {'dense-mm':>9} {'DSA ms':>8} {'indexer':>8} "
-          f"{'topk':>6} {'sparse':>7} {'x dense':>8} {'x mm':>6} {'idx share':>9} {'FLOP x':>7}")
+          f"{'topk':>6} {'sparse':>7} {'x dense':>8} {'x mm':>6} {'idx share':>9} {'FLOP x':>7}  x dense [low-high]")
     for r in decode:
+        sp = r["speedup_vs_dense_spread"]
         print(f"{r['context']:>8} {r['heads']:>5} {r['t_dense_ms']:>9.1f} {r['t_dense_mm_ms']:>9.1f} "
               f"{r['t_dsa_ms']:>8.1f} {r['t_indexer_ms']:>8.1f} {r['t_topk_ms']:>6.1f} {r['t_sparse_ms']:>7.1f} "
               f"{r['speedup_vs_dense']:>8.1f} {r['speedup_vs_dense_mm']:>6.1f} {r['indexer_share']:>9.0%} "
-              f"{r['flop_ratio']:>7.1f}")
+              f"{r['flop_ratio']:>7.1f}  {sp['median']:.1f} [{sp['low']:.1f}-{sp['high']:.1f}]")
 
     fp8_res = fp8_case(**fp8)
     print(f"\nFP8 e4m3 indexer vs fp32 (random data, {fp8['queries']} queries, {fp8['ctx']} keys, k={fp8['topk']}): "
           f"selected set differs in {fp8_res['rows_differ']:.0%} of queries, recall {fp8_res['recall']:.4f}")
 
-    cp = cp_prefill(**prefill)
+    cp = cp_prefill(**prefill, tp=tp, timeout_s=args.timeout)
     print(f"\nDSA-CP prefill, one request of {prefill['n_tok']} tokens, {prefill['heads']} heads, indexer "
-          f"{prefill['h_i']}x{D_I}, k={prefill['topk']}, gloo, 1 thread per rank (best of {prefill['reps']})")
-    print("(wall: slowest rank; cpu: its process CPU time, the speedup on dedicated cores)")
-    print(f"{'ranks':>5} {'split':>10} {'wall s':>7} {'x wall':>7} {'cpu s':>6} {'x cpu':>6} {'indexer max/mean':>16} "
-          f"{'attn max/mean':>13} {'gather MB/rank':>14}")
+          f"{prefill['h_i']}x{D_I}, k={prefill['topk']}, gloo, 1 thread per rank (medians of {prefill['reps']} "
+          "interleaved rounds)")
+    print("(wall: slowest rank; cpu: its process CPU time, the speedup on dedicated cores; x wall [low-high]: "
+          "per-round ratios)")
+    print(f"{'ranks':>5} {'split':>10} {'wall s':>7} {'x wall':>7} {'[low-high]':>12} {'cpu s':>6} {'x cpu':>6} "
+          f"{'indexer max/mean':>16} {'attn max/mean':>13} {'gather MB/rank':>14}")
     for r in cp:
-        print(f"{r['ranks']:>5} {r['split']:>10} {r['time_s']:>7.2f} {r['speedup']:>7.2f} {r['cpu_s']:>6.2f} "
-              f"{r['cpu_speedup']:>6.2f} "
-              f"{r['indexer_imbalance']:>16.3f} {r['attention_imbalance']:>13.3f} {r['gather_MB_per_rank']:>14.2f}")
-
-    result = {"decode": decode, "fp8": fp8_res, "dsa_cp_prefill": cp, "quick": args.quick}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+        spread = f"[{r['speedup_low']:.2f}-{r['speedup_high']:.2f}]"
+        print(f"{r['ranks']:>5} {r['split']:>10} {r['time_s']:>7.2f} {r['speedup']:>7.2f} {spread:>12} "
+              f"{r['cpu_s']:>6.2f} {r['cpu_speedup']:>6.2f} {r['indexer_imbalance']:>16.3f} "
+              f"{r['attention_imbalance']:>13.3f} {r['gather_MB_per_rank']:>14.2f}")
+    return {"decode": decode, "fp8": fp8_res, "dsa_cp_prefill": cp, "quick": args.quick, "tp": tp}
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Benchmark: graph-captured decode steps vs eager (issue 5, item 5), side by side in one run.
+"""Benchmark: graph-captured decode steps vs eager, side by side in one run.
 
 The demo decode program of :mod:`cpattn.graphs.demo_program` (L layers of
 rmsnorm, q/k/v projections with rope, ``write_kv``, ``dcp_decode``, output
@@ -16,29 +16,30 @@ projection with a TP all-reduce) runs on a DCP group of real gloo processes
   output all-reduce, run back to back on tensors of the step's shapes);
   ``bound = eager / comm`` is the speedup if all compute were free.
 
-Each timing is the median over repetitions (``speedup_min`` compares the
-fastest repetitions, which is steadier on a loaded machine); a repetition is
-five back-to-back calls framed by two barriers, so it is the slowest
-rank's and the barriers are not charged to a single step; eager, graph and
-the bound measurements alternate, so drift in machine load hits all alike.
+Eager, graph and the collectives are timed in interleaved rounds
+(:func:`cpattn.bench.common.measure`): a sample is five back-to-back calls
+started together on a barrier, the slowest rank's time, so drift in machine
+load hits all alike and no barrier is charged to a step. Times are medians;
+``speedup`` is the median [low-high] of the per-round eager / graph ratios,
+``speedup_best`` fastest eager / fastest graph (steadier on a loaded machine).
 A CUDA section (one device, DCP = 1, CUDA graphs) runs when a GPU is present.
 
 Usage::
 
-    cpattn bench graph            # 4 layers, batch 1/8/32, 256-token context
-    cpattn bench graph --quick    # 2 layers, batch 8 (one compile per rank), < 60 s
-    cpattn bench graph --json out.json
+    cpattn bench graph              # 4 layers, batch 1/8/32, 256-token context, DCP = 2
+    cpattn bench graph --quick      # 2 layers, batch 8 (one compile per rank), < 60 s
+    cpattn bench graph --dcp 4 --heads 8 --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import sys
 import time
 
 import torch
 
-from cpattn.bench.common import back_to_back, table, write_json
+from cpattn.bench import args as cli
+from cpattn.bench.common import measure, ratio, table, write_json
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh
 from cpattn.graphs import DecodeRunner
@@ -46,11 +47,12 @@ from cpattn.graphs import demo_program as dp
 
 
 def _config(args) -> dp.ProgramConfig:
-    local = -(-(args.context + 1) // args.dcp)  # tokens per rank per request
+    local = -(-(args.context + 1) // args.decode_context_parallel_size)  # tokens per rank per request
     max_blocks = -(-local // args.block_size) + 1
     return dp.ProgramConfig(
         num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim, block_size=args.block_size, interleave_size=1, max_blocks=max_blocks,
+        head_dim=args.head_dim, block_size=args.block_size, interleave_size=args.cp_kv_cache_interleave_size,
+        max_blocks=max_blocks,
         num_blocks=max(args.batches) * max_blocks, merge=args.merge,
     )
 
@@ -72,29 +74,24 @@ def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"
         prefill = {"x": torch.randn(n * context, cfg.hidden, generator=gen), "seq_lens": torch.full((n,), context),
                    "block_table": block_table[reqs]}
         runner(prefill, [context] * n)
-    once = back_to_back(group, device)
     rows = []
     for b in batches:
         batch = {"x": torch.randn(b, cfg.hidden, generator=gen).to(device),
                  "seq_lens": torch.full((b,), context + 1, device=device), "block_table": block_table[:b].to(device)}
         full = {**batch, "cu_seqlens_q": torch.arange(b + 1, dtype=torch.int32, device=device)}
-        eager = lambda: step(state, full)  # noqa: E731
-        graph = lambda: runner(batch, [1] * b)  # noqa: E731
-        comm = _collectives(group, cfg, b, device)
-        for fn in (eager, graph, comm):  # warm-up
-            fn()
-        te, tg, tc = [], [], []
-        for _ in range(reps):  # alternate, so drift in machine load hits all alike
-            te.append(once(eager))
-            tg.append(once(graph))
-            tc.append(once(comm))
-        e, g = statistics.median(te), statistics.median(tg)
-        c = cfg.num_layers * statistics.median(tc)
+        fns = {"eager": lambda: step(state, full), "graph": lambda: runner(batch, [1] * b),
+               "comm": _collectives(group, cfg, b, device)}
+        s = measure(fns, reps, group=group, inner=5, warmup=1, device=device)
+        speedup, bound = ratio(s["eager"], s["graph"]), ratio(s["eager"], s["comm"])
         rows.append({
-            "batch": b, "eager_ms": 1e3 * e, "graph_ms": 1e3 * g, "speedup": e / g, "speedup_min": min(te) / min(tg),
-            "comm_ms": 1e3 * c, "bound": e / max(c, 1e-12),
+            "batch": b, "eager_ms": 1e3 * s["eager"].median, "graph_ms": 1e3 * s["graph"].median,
+            "speedup": speedup.median, "speedup_low": speedup.low, "speedup_high": speedup.high,
+            "speedup_best": speedup.best, "comm_ms": 1e3 * cfg.num_layers * s["comm"].median,
+            "bound": bound.median / cfg.num_layers,
         })
-    assert runner.stats.graph >= len(batches) * reps, runner.stats.as_dict()
+    if runner.stats.graph < len(batches) * reps:
+        raise RuntimeError(f"bench graph: expected every timed step to replay a graph; runner stats "
+                           f"{runner.stats.as_dict()}")
     return {"rows": rows, "capture_s": capture_s, "compiles": runner.backend.compiles, "stats": runner.stats.as_dict()}
 
 
@@ -119,50 +116,90 @@ def _collectives(group, cfg, b, device):
     return run
 
 
-COLUMNS = ["batch", "eager_ms", "graph_ms", "speedup", "speedup_min", "comm_ms", "bound"]
+COLUMNS = ["batch", "eager_ms", "graph_ms", "speedup [low-high]", "speedup_best", "comm_ms", "bound"]
+
+
+def _parser():
+    p = cli.parser("cpattn bench graph", __doc__)
+    cli.add_quick(p, "2 layers, batch 8, 64-token context, 15 rounds (< 60 s)")
+    cli.add_parallel(p, dcp=2, block_size=16, interleave=1,
+                     helps={"dcp": "DCP ranks: gloo processes, one thread each; the program's TP group too (TP = DCP)"})
+    p.add_argument("--layers", type=cli.positive_int, default=4, help="decoder layers of the program")
+    p.add_argument("--batches", type=cli.int_list, default=(1, 8, 32), metavar="B,...",
+                   help="decode batch sizes to time (each one a capture size), comma-separated")
+    p.add_argument("--context", type=cli.positive_int, default=256, help="cached tokens per request")
+    p.add_argument("--hidden", type=cli.positive_int, default=256, help="hidden size")
+    p.add_argument("--heads", type=cli.positive_int, default=8, help="query heads (a multiple of --dcp)")
+    p.add_argument("--kv-heads", type=cli.positive_int, default=2, help="key/value heads (a divisor of --heads)")
+    p.add_argument("--head-dim", type=cli.positive_int, default=32, help="head dim (even: rotary embedding)")
+    p.add_argument("--merge", default="ag_rs", choices=["ag_rs", "a2a"], help="DCP partial merge")
+    p.add_argument("--reps", type=cli.positive_int, default=30, help="interleaved timing rounds")
+    p.add_argument("--backend", default="cpu",
+                   help="graph backend for the CPU section (cpu = inductor; see cpattn.graphs.backends())")
+    cli.add_json(p)
+    cli.add_timeout(p)
+    return p
+
+
+def _validate(p, args) -> None:
+    from cpattn.graphs.backends import backends
+
+    if args.backend not in backends():
+        cli.bad_value(p.prog, "--backend", repr(args.backend), f"one of {', '.join(backends())}",
+                      "pick a backend from that list (cpu = inductor)")
+    if args.heads % args.kv_heads:
+        cli.bad_value(p.prog, "--kv-heads", f"{args.kv_heads} with --heads {args.heads}",
+                      "--heads is a multiple of --kv-heads", f"use --kv-heads in "
+                      f"{[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
+    if args.head_dim % 2:
+        cli.bad_value(p.prog, "--head-dim", args.head_dim, "an even number (rotary embedding pairs dims)",
+                      f"use --head-dim {args.head_dim + 1}")
+    n = args.decode_context_parallel_size
+    cli.check_engine(p.prog, {"tp_size": "--decode-context-parallel-size/--dcp"}, tp_size=n, dcp_size=n,
+                     attention="gqa", num_attention_heads=args.heads, num_kv_heads=args.kv_heads,
+                     tp_splits_kv_heads=False, block_size=args.block_size,
+                     cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size, capture_sizes=args.batches)
+
+
+def _shown(rows):
+    return [{**r, "speedup [low-high]": f"{r['speedup']:.3g} [{r['speedup_low']:.3g}-{r['speedup_high']:.3g}]"}
+            for r in rows]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="cpattn bench graph", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 layers, batch 8, 64-token context (< 60 s)")
-    ap.add_argument("--json", default=None, help="write results as JSON here ('-' for stdout)")
-    ap.add_argument("--dcp", type=int, default=2, help="DCP (= TP) ranks, gloo processes")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    ap.add_argument("--context", type=int, default=256, help="cached tokens per request")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--merge", default="ag_rs", choices=["ag_rs", "a2a"])
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--backend", default="cpu", help="graph backend for the CPU section (cpu = inductor)")
-    args = ap.parse_args(argv)
+    """``cpattn bench graph``: eager vs captured decode steps on DCP gloo ranks (and CUDA when present)."""
+    p = _parser()
+    args = p.parse_args(argv)
     if args.quick:
-        args.layers, args.batches, args.context, args.reps = 2, [8], 64, 15
+        args.layers, args.batches, args.context, args.reps = 2, (8,), 64, 15
+    _validate(p, args)
     cfg = _config(args)
     params = dp.init_params(cfg)
     out = {"config": {**vars(args), "program": cfg.__dict__}}
+    n = args.decode_context_parallel_size
 
     t0 = time.perf_counter()
-    res = spawn(args.dcp, bench_rank, cfg, params, args.batches, args.context, args.reps, args.backend,
-                threads=1, timeout_s=900)
-    r0 = res[0]
-    print(f"CPU, DCP = {args.dcp} gloo ranks x 1 thread, {args.layers} layers, context {args.context}, "
-          f"backend {args.backend!r}: capture {r0['capture_s']:.1f} s for {r0['compiles']} programs "
-          f"(run {time.perf_counter() - t0:.0f} s)")
-    print(table(r0["rows"], COLUMNS))
-    out["cpu"] = res
+    with cli.report_to(args.json):
+        print(f"capturing {len(args.batches)} program(s) per rank with backend {args.backend!r} (compiling takes "
+              f"tens of seconds), then timing {args.reps} rounds", file=sys.stderr)
+        res = spawn(n, bench_rank, cfg, params, list(args.batches), args.context, args.reps, args.backend,
+                    threads=1, timeout_s=args.timeout)
+        r0 = res[0]
+        print(f"CPU, DCP = {n} gloo ranks x 1 thread, {args.layers} layers, context {args.context}, "
+              f"backend {args.backend!r}: capture {r0['capture_s']:.1f} s for {r0['compiles']} programs "
+              f"(run {time.perf_counter() - t0:.0f} s); medians of {args.reps} interleaved rounds of 5 calls; "
+              "speedup = eager / graph, median [low-high] of per-round ratios; bound = eager / comm")
+        print(table(_shown(r0["rows"]), COLUMNS))
+        out["cpu"] = res
 
-    if torch.cuda.is_available():  # pragma: no cover - needs a GPU
-        group = SimMesh(1).groups()[0]
-        cuda = bench_rank(group, cfg, params, args.batches, args.context, args.reps, "cuda", device="cuda")
-        print(f"\nCUDA ({torch.cuda.get_device_name()}), one device, CUDA graphs: capture {cuda['capture_s']:.1f} s")
-        print(table(cuda["rows"], COLUMNS))
-        out["cuda"] = cuda
-    else:
-        print("\nCUDA section skipped: torch.cuda.is_available() is False")
+        if torch.cuda.is_available():  # pragma: no cover - needs a GPU
+            group = SimMesh(1).groups()[0]
+            cuda = bench_rank(group, cfg, params, list(args.batches), args.context, args.reps, "cuda", device="cuda")
+            print(f"\nCUDA ({torch.cuda.get_device_name()}), one device, CUDA graphs: capture {cuda['capture_s']:.1f} s")
+            print(table(_shown(cuda["rows"]), COLUMNS))
+            out["cuda"] = cuda
+        else:
+            print("\nCUDA section skipped: torch.cuda.is_available() is False")
     write_json(args.json, out)
     return 0
 

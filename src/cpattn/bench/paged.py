@@ -1,7 +1,8 @@
 """Benchmark: the CPU paths of ``paged_attention_with_lse``, side by side, and which one dispatch picks.
 
 For a grid of decode batches (query rows T, visible keys L per row, kv heads
-x head dim, float32 / bfloat16) one thread times, best of several calls:
+x head dim, float32 / bfloat16) one thread times the three paths in
+interleaved rounds and reports each one's best:
 
 - ``small_ms``: the batched small path (one gather of every row's keys, two
   batched matmuls), eager;
@@ -18,17 +19,18 @@ Usage::
 
     cpattn bench paged            # the full grid (~2 min)
     cpattn bench paged --quick    # float32, four shapes
+    cpattn bench paged --quick --json -
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 
 import torch
 
-from cpattn.bench.common import table, write_json
+from cpattn.bench import args as cli
+from cpattn.bench.common import measure, safe_div, table, write_json
 from cpattn.ops import paged
 from cpattn.ops.paged import paged_attention_with_lse
 
@@ -37,16 +39,6 @@ HEADS = [(8, 128, 4, 128), (2, 32, 4, 16), (1, 32, 4, 16), (1, 576, 16, 64)]
 ROWS = [1, 8, 64]
 KEYS = [256, 2048]
 MAX_ELEMS = 1 << 23  # skip shapes whose gathered keys exceed this (the small path would take seconds)
-
-
-def _best(fn, reps):
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return 1e3 * best
 
 
 def _case(hkv, d, g, bs, t, keys, dtype):
@@ -67,25 +59,30 @@ def run(dtypes, heads, rows, keys, reps):
             continue
         args = _case(hkv, d, g, bs, t, n, dtype)
         scale = d**-0.5
-        small = _best(lambda: paged._paged_small(*args, scale), reps)
-        with_limits = (paged.SMALL_ELEMS, paged.SMALL_ROW_ELEMS)
-        paged.SMALL_ELEMS = -1  # the kernel's flash loop
-        try:
-            flash = _best(lambda: paged._paged_cpu(*args, scale), reps)
-        finally:
-            paged.SMALL_ELEMS, paged.SMALL_ROW_ELEMS = with_limits
         torch._dynamo.reset()
         compiled = torch.compile(paged._paged_traced, backend="inductor", fullgraph=True, dynamic=False)
-        traced = _best(lambda: compiled(*args, scale), reps)
+
+        def flash(args=args, scale=scale):
+            with_limits = (paged.SMALL_ELEMS, paged.SMALL_ROW_ELEMS)
+            paged.SMALL_ELEMS = -1  # the kernel's flash loop
+            try:
+                return paged._paged_cpu(*args, scale)
+            finally:
+                paged.SMALL_ELEMS, paged.SMALL_ROW_ELEMS = with_limits
+
+        s = measure({"small": lambda: paged._paged_small(*args, scale), "flash": flash,
+                     "traced": lambda: compiled(*args, scale)}, reps, warmup=1)
+        small, flash_ms, traced = (1e3 * s[k].best for k in ("small", "flash", "traced"))
         eager_pick = "small" if paged._small(args[0], args[1], args[2], n) else "flash"
         graph_pick = "traced" if paged._traceable(*args) else "op"
-        eager_ms = small if eager_pick == "small" else flash
+        eager_ms = small if eager_pick == "small" else flash_ms
         graph_ms = traced if graph_pick == "traced" else eager_ms  # an opaque op runs the eager kernel
         out.append({
             "dtype": str(dtype).removeprefix("torch."), "hkv x d": f"{hkv} x {d}", "T": t, "L": n,
-            "small_ms": small, "flash_ms": flash, "traced_ms": traced,
+            "small_ms": small, "flash_ms": flash_ms, "traced_ms": traced,
             "eager_pick": eager_pick, "graph_pick": graph_pick,
-            "eager_vs_best": eager_ms / min(small, flash), "graph_vs_best": graph_ms / min(traced, eager_ms),
+            "eager_vs_best": safe_div(eager_ms, min(small, flash_ms)),
+            "graph_vs_best": safe_div(graph_ms, min(traced, eager_ms)),
         })
     return out
 
@@ -95,21 +92,23 @@ COLUMNS = ["dtype", "hkv x d", "T", "L", "small_ms", "flash_ms", "traced_ms", "e
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="cpattn bench paged", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="float32, two head shapes, T in {1, 8}, L in {256, 2048}")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", default=None, help="write results as JSON here ('-' for stdout)")
+    """``cpattn bench paged``: time every CPU path of paged attention and name dispatch's pick."""
+    ap = cli.parser("cpattn bench paged", __doc__)
+    cli.add_quick(ap, "float32, two head shapes, T in {1, 8}, L in {256, 2048}")
+    ap.add_argument("--reps", type=cli.positive_int, default=5, help="interleaved rounds per shape (best is shown)")
+    cli.add_json(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dtypes, heads, rows = [torch.float32, torch.bfloat16], HEADS, ROWS
     if args.quick:
         dtypes, heads, rows = [torch.float32], HEADS[:2], ROWS[:2]
     t0 = time.perf_counter()
-    res = run(dtypes, heads, rows, KEYS, args.reps)
-    print(f"paged_attention_with_lse on the CPU, 1 thread, best of {args.reps}; SMALL_ELEMS = {paged.SMALL_ELEMS}, "
-          f"SMALL_ROW_ELEMS = {paged.SMALL_ROW_ELEMS} (run {time.perf_counter() - t0:.0f} s)")
-    print(table(res, COLUMNS))
-    print("*_vs_best: time of the path picked / the fastest candidate (eager: small or flash; graph: traced or the op)")
+    with cli.report_to(args.json):
+        res = run(dtypes, heads, rows, KEYS, args.reps)
+        print(f"paged_attention_with_lse on the CPU, 1 thread, best of {args.reps} interleaved rounds; SMALL_ELEMS = "
+              f"{paged.SMALL_ELEMS}, SMALL_ROW_ELEMS = {paged.SMALL_ROW_ELEMS} (run {time.perf_counter() - t0:.0f} s)")
+        print(table(res, COLUMNS))
+        print("*_vs_best: time of the path picked / the fastest candidate (eager: small or flash; graph: traced or the op)")
     write_json(args.json, {"config": {**vars(args), "SMALL_ELEMS": paged.SMALL_ELEMS,
                                       "SMALL_ROW_ELEMS": paged.SMALL_ROW_ELEMS}, "rows": res})
     return 0

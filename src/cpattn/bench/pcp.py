@@ -4,21 +4,35 @@ Serves both the main job (``cpattn prefill``: small default sizes, checked)
 and the benchmark (``cpattn bench pcp``: 16K tokens, 32/8 heads, dim 128,
 plus PyTorch's own ring attention on the same inputs). Every rank builds the
 same seeded global inputs and takes its shard, so nothing large is pickled.
+The one-rank baseline runs on rank 0 inside the same run, interleaved with
+the PCP methods (the other ranks wait meanwhile), so every ratio pairs
+samples taken side by side.
+
+Usage::
+
+    cpattn prefill                               # 2 ranks, three uneven requests, checked vs one rank
+    cpattn prefill --pcp 4 --seq-lens 5000,17 --heads 8 --kv-heads 2
+    cpattn bench pcp                             # 16K tokens, P = 2, vs PyTorch's ring attention
+    cpattn bench pcp --quick --json -            # 4K tokens; only JSON on stdout
 """
 
 from __future__ import annotations
 
-import argparse
 import platform
 from dataclasses import asdict, dataclass
 
 import torch
 
-from cpattn.bench.common import DTYPES, Progress, table, time_ranks, write_json
+from cpattn.bench import args as cli
+from cpattn.bench.common import DTYPES, Progress, Samples, measure, ratio, table, write_json
 from cpattn.comm.launch import spawn
 from cpattn.layout.pcp import causal_pairs, contiguous_causal_pairs, pcp_plan, pcp_shard, pcp_unshard
 from cpattn.ops import attention_with_lse
 from cpattn.pcp import pcp_prefill
+
+# the full-size run the README's targets are stated for
+FULL_SIZE = dict(pcp=2, seq_lens=(16384,), heads=32, kv_heads=8, head_dim=128)
+TARGETS = {"ring_vs_one_rank": 0.53, "ring_vs_torch_ring": 1.0}
 
 
 @dataclass(frozen=True)
@@ -49,13 +63,8 @@ def _warm_up(group) -> None:
     x = pcp_shard(small, plan, group.rank)
     for method in ("ring", "allgather"):
         pcp_prefill(x, x, x, plan, group=group, method=method)
-
-
-def _single_rank(group, spec: Spec):
-    _warm_up(group)
-    q, k, v, cu = spec.inputs()
-    sec, (out, _) = time_ranks(group, lambda: attention_with_lse(q, k, v, cu, cu, causal=True), spec.reps)
-    return {"time": sec, "out": out}
+    cu = torch.tensor([0, small.shape[0]], dtype=torch.int32)
+    attention_with_lse(small, small, small, cu, cu, causal=True)
 
 
 def _torch_ring(group, q, k, v, rotate: str):
@@ -70,53 +79,68 @@ def _torch_ring(group, q, k, v, rotate: str):
     return out[0].transpose(0, 1)
 
 
-def _pcp_ranks(group, spec: Spec, methods: tuple[str, ...], peer: bool):
+def _ranks(group, spec: Spec, methods: tuple[str, ...], peer: bool):
+    """Rank function: the one-rank baseline (rank 0) and every PCP method, timed in interleaved rounds."""
     _warm_up(group)
-    q, k, v, cu = spec.inputs()
+    q_all, k_all, v_all, cu = spec.inputs()
     plan = pcp_plan(cu, group.size)
     s = lambda x: pcp_shard(x, plan, group.rank)  # noqa: E731
-    q, k, v = s(q), s(k), s(v)
-    res, outs = {}, {}
-    runs = {m: (lambda m=m: pcp_prefill(q, k, v, plan, group=group, method=m)) for m in methods}
+    q, k, v = s(q_all), s(k_all), s(v_all)
+    one = lambda: attention_with_lse(q_all, k_all, v_all, cu, cu, causal=True)[0]  # noqa: E731
+    runs = {"one rank": one if group.rank == 0 else (lambda: None)}
+    runs.update({m: (lambda m=m: pcp_prefill(q, k, v, plan, group=group, method=m)) for m in methods})
     if peer and len(spec.seq_lens) == 1 and spec.seq_lens[0] % (2 * group.size) == 0 and spec.head_dim == spec.v_head_dim:
         for rotate in ("alltoall", "allgather"):
             runs[f"torch-ring({rotate})"] = lambda r=rotate: _torch_ring(group, q, k, v, r)
-    for name, fn in runs.items():
+    samples = measure(runs, spec.reps, group=group, warmup=0)
+    sent = {}
+    for m in methods:
         group.stats.reset()
-        sec, out = time_ranks(group, fn, spec.reps)
-        sent = group.stats.total_sent() // spec.reps if name in methods else None
-        res[name] = {"time": sec, "bytes_sent": sent}
-        outs[name] = out
-    first = outs[methods[0]]
-    for name, out in outs.items():  # agreement of every method with the first, on this rank's rows
-        res[name]["max_diff_vs_" + methods[0]] = (out.double() - first.double()).abs().max().item() if out.numel() else 0.0
-    return {"res": res, "out": first}
+        pcp_prefill(q, k, v, plan, group=group, method=m)
+        sent[m] = group.stats.total_sent()
+    first = samples[methods[0]].result
+    diffs = {name: (s.result.double() - first.double()).abs().max().item() if first.numel() else 0.0
+             for name, s in samples.items() if name != "one rank"}
+    del q_all, k_all, v_all
+    return {"samples": {n: Samples(s.wall, s.cpu) for n, s in samples.items()}, "bytes_sent": sent,
+            "diffs": diffs, "out": first, "single": samples["one rank"].result if group.rank == 0 else None}
 
 
-def run(world_size: int, spec: Spec, methods=("ring", "allgather"), peer=False, progress=True) -> dict:
-    """Run one rank vs ``world_size`` gloo ranks (one thread each) and collect every number."""
-    bar = Progress(2, enabled=progress)
-    single = spawn(1, _single_rank, spec, threads=1)[0]
-    bar.step("single rank done")
-    ranks = spawn(world_size, _pcp_ranks, spec, tuple(methods), peer, threads=1)
-    bar.step(f"{world_size} ranks done")
+def run(world_size: int, spec: Spec, methods=("ring", "allgather"), peer=False, progress=True,
+        timeout_s: float = cli.TIMEOUT_S) -> dict:
+    """One rank vs ``world_size`` gloo ranks (one thread each), interleaved; collect every number."""
+    bar = Progress(1, enabled=progress)
+    bar.note(f"running {world_size} gloo ranks: one-rank baseline and {', '.join(methods)}, {spec.reps} rounds")
+    ranks = spawn(world_size, _ranks, spec, tuple(methods), peer, threads=1, timeout_s=timeout_s)
+    bar.step("done")
     plan = pcp_plan(spec.inputs()[3], world_size)
     out = pcp_unshard([r["out"] for r in ranks], plan)
-    err = (out.double() - single["out"].double()).abs().max().item()
-    scale = single["out"].double().abs().max().item()
+    single = ranks[0]["single"]
+    err = (out.double() - single.double()).abs().max().item()
+    scale = single.double().abs().max().item()
     flops = lambda pairs: 4 * pairs * spec.heads * spec.head_dim  # noqa: E731
     zig = [flops(causal_pairs(plan, r)) for r in range(world_size)]
     cont = [flops(contiguous_causal_pairs(list(spec.seq_lens), world_size, r)) for r in range(world_size)]
+    samples = ranks[0]["samples"]  # already the slowest rank's, sample by sample
+    base = samples["one rank"]
     rows = []
-    for name in ranks[0]["res"]:
-        t = max(r["res"][name]["time"] for r in ranks)
-        sent = [r["res"][name]["bytes_sent"] for r in ranks]
-        diff = max(r["res"][name][f"max_diff_vs_{methods[0]}"] for r in ranks)
-        rows.append({"method": name, "time_s": t, "vs_one_rank": t / single["time"],
-                     "bytes_sent_per_rank": max(sent) if sent[0] is not None else "n/a",
-                     f"max|diff| vs {methods[0]}": diff})
+    for name, s in samples.items():
+        if name == "one rank":
+            continue
+        r = ratio(s, base)
+        rows.append({"method": name, "time_s": s.median, "vs_one_rank": r.median, "vs_one_rank_low": r.low,
+                     "vs_one_rank_high": r.high, "vs_one_rank_best": r.best,
+                     "bytes_sent_per_rank": max(x["bytes_sent"][name] for x in ranks) if name in methods else "n/a",
+                     f"max|diff| vs {methods[0]}": max(x["diffs"][name] for x in ranks)})
+    peers = [n for n in samples if n.startswith("torch-ring")]
+    vs_peer = None
+    if peers and "ring" in samples:
+        best = min(peers, key=lambda n: samples[n].median)
+        vs_peer = {"peer": best, **ratio(samples["ring"], samples[best]).as_dict()}
     return {
-        "spec": asdict(spec), "world_size": world_size, "single_rank_time_s": single["time"],
+        "spec": asdict(spec), "world_size": world_size, "single_rank_time_s": base.median,
+        "ring_vs_torch_ring": vs_peer,
+        "single_rank_samples_s": list(base.wall),
         "max_abs_err_vs_single_rank": err, "output_max_abs": scale,
         "flops_per_rank": zig, "flops_max_over_mean": max(zig) / (sum(zig) / len(zig)),
         "contiguous_flops_max_over_mean": max(cont) / (sum(cont) / len(cont)),
@@ -133,27 +157,46 @@ def report(result: dict) -> str:
         f"(outputs up to {result['output_max_abs']:.3g})\n"
         f"attention FLOPs per rank: {[f'{f:.3g}' for f in result['flops_per_rank']]}  max/mean = "
         f"{result['flops_max_over_mean']:.4f} (contiguous split: {result['contiguous_flops_max_over_mean']:.4f})\n"
-        f"single rank: {result['single_rank_time_s']:.3f} s\n"
+        f"single rank: {result['single_rank_time_s']:.3f} s (median of {s['reps']}); vs_one_rank = median of "
+        f"per-round ratios [low, high], best = fastest / fastest\n"
     )
-    cols = ["method", "time_s", "vs_one_rank", "bytes_sent_per_rank", f"max|diff| vs {result['rows'][0]['method']}"]
-    return head + table(result["rows"], cols)
+    first = result["rows"][0]["method"]
+    shown = [{**r, "vs one rank [low-high]": f"{r['vs_one_rank']:.3g} [{r['vs_one_rank_low']:.3g}-"
+              f"{r['vs_one_rank_high']:.3g}]", "best": r["vs_one_rank_best"]} for r in result["rows"]]
+    cols = ["method", "time_s", "vs one rank [low-high]", "best", "bytes_sent_per_rank", f"max|diff| vs {first}"]
+    return head + table(shown, cols)
 
 
-def parser(prog: str, defaults: dict) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", "-P", type=int, default=defaults["world_size"], help="PCP ranks (gloo processes)")
-    p.add_argument("--seq-lens", type=lambda s: tuple(int(x) for x in s.split(",")), default=defaults["seq_lens"],
-                   help="comma-separated new-token counts per request")
-    p.add_argument("--heads", type=int, default=defaults["heads"])
-    p.add_argument("--kv-heads", type=int, default=defaults["kv_heads"])
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--v-head-dim", type=int, default=None, help="defaults to --head-dim (MLA: 576 / 512)")
-    p.add_argument("--method", choices=["ring", "allgather", "both"], default="both")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--reps", type=int, default=defaults["reps"])
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
-    p.add_argument("--no-progress", action="store_true")
+def parser(prog: str, doc_defaults: dict):
+    p = cli.parser(prog, __doc__)
+    cli.add_parallel(p, pcp=doc_defaults["pcp"],
+                     helps={"pcp": "PCP ranks: gloo processes, one thread each"})
+    p.add_argument("--seq-lens", type=cli.int_list, default=doc_defaults["seq_lens"], metavar="N,N,...",
+                   help="new-token count of each request, comma-separated")
+    p.add_argument("--heads", type=cli.positive_int, default=doc_defaults["heads"], help="query heads")
+    p.add_argument("--kv-heads", type=cli.positive_int, default=doc_defaults["kv_heads"],
+                   help="key/value heads (a divisor of --heads)")
+    p.add_argument("--head-dim", type=cli.positive_int, default=128, help="query/key head dim")
+    p.add_argument("--v-head-dim", type=cli.positive_int, default=None,
+                   help="value head dim (None: --head-dim; MLA: 576 / 512)")
+    p.add_argument("--method", choices=["ring", "allgather", "both"], default="both", help="PCP schedule(s) to run")
+    cli.add_dtype(p)
+    p.add_argument("--reps", type=cli.positive_int, default=doc_defaults["reps"],
+                   help="interleaved timing rounds (each: one rank, then every method)")
+    cli.add_json(p)
+    cli.add_timeout(p)
+    cli.add_progress(p)
     return p
+
+
+def _validate(prog: str, a) -> None:
+    if a.heads % a.kv_heads:
+        divs = [d for d in range(1, a.heads + 1) if a.heads % d == 0]
+        cli.bad_value(prog, "--kv-heads", f"{a.kv_heads} with --heads {a.heads}",
+                      "--heads is a multiple of --kv-heads (each KV head serves a whole group of query heads)",
+                      f"use --kv-heads in {divs}")
+    cli.check_engine(prog, pcp_size=a.prefill_context_parallel_size, attention="gqa",
+                     num_attention_heads=a.heads, num_kv_heads=a.kv_heads)
 
 
 def _spec(a) -> Spec:
@@ -165,31 +208,55 @@ def _methods(a) -> tuple[str, ...]:
 
 
 def prefill_main(argv=None) -> int:
-    """``cpattn prefill``: the main job. Checks PCP against one rank and prints the numbers."""
-    a = parser("cpattn prefill", dict(world_size=2, seq_lens=(3072, 1000, 37), heads=8, kv_heads=2, reps=1)).parse_args(argv)
-    result = run(a.world_size, _spec(a), _methods(a), peer=False, progress=not a.no_progress)
-    print(report(result))
-    tol = 1e-4 if a.dtype in ("float32", "float64") else 5e-2
-    ok = result["max_abs_err_vs_single_rank"] <= tol * max(1.0, result["output_max_abs"])
-    print(f"\nexact vs single rank (tolerance {tol:g}): {'yes' if ok else 'NO'}")
+    """``cpattn prefill``: the main job. Checks PCP against one rank and prints the numbers; 1 if not exact."""
+    prog = "cpattn prefill"
+    a = parser(prog, dict(pcp=2, seq_lens=(3072, 1000, 37), heads=8, kv_heads=2, reps=1)).parse_args(argv)
+    _validate(prog, a)
+    with cli.report_to(a.json):
+        result = run(a.prefill_context_parallel_size, _spec(a), _methods(a), peer=False,
+                     progress=not a.no_progress, timeout_s=a.timeout)
+        print(report(result))
+        tol = 1e-4 if a.dtype in ("float32", "float64") else 5e-2
+        ok = result["max_abs_err_vs_single_rank"] <= tol * max(1.0, result["output_max_abs"])
+        result["exact"] = ok
+        print(f"\nexact vs single rank (tolerance {tol:g}): {'yes' if ok else 'NO'}")
     write_json(a.json, result)
     return 0 if ok else 1
 
 
+def _is_full_size(a) -> bool:
+    return (a.prefill_context_parallel_size, a.seq_lens, a.heads, a.kv_heads, a.head_dim) == tuple(FULL_SIZE.values())
+
+
 def bench_main(argv=None) -> int:
     """``cpattn bench pcp``: 16K-token causal GQA prefill, ours (ring, all-gather) vs PyTorch's ring attention."""
-    p = parser("cpattn bench pcp", dict(world_size=2, seq_lens=(16384,), heads=32, kv_heads=8, reps=2))
-    p.add_argument("--quick", action="store_true", help="4K tokens, one rep")
+    prog = "cpattn bench pcp"
+    p = parser(prog, dict(pcp=FULL_SIZE["pcp"], seq_lens=FULL_SIZE["seq_lens"], heads=FULL_SIZE["heads"],
+                          kv_heads=FULL_SIZE["kv_heads"], reps=3))
+    cli.add_quick(p, "4K tokens instead of 16K (the targets apply to the full-size run only)")
     a = p.parse_args(argv)
     if a.quick:
-        a.seq_lens, a.reps = (4096,), 1
-    result = run(a.world_size, _spec(a), _methods(a), peer=True, progress=not a.no_progress)
-    print(report(result))
-    ring = next((r for r in result["rows"] if r["method"] == "ring"), None)
-    peers = [r for r in result["rows"] if r["method"].startswith("torch-ring")]
-    if ring and peers:
-        best = min(peers, key=lambda r: r["time_s"])
-        print(f"\nring vs one rank: {ring['vs_one_rank']:.3f}x (target <= 0.53); "
-              f"ring vs {best['method']}: {ring['time_s'] / best['time_s']:.3f}x (target <= 1.0)")
+        a.seq_lens = (4096,)
+    _validate(prog, a)
+    with cli.report_to(a.json):
+        result = run(a.prefill_context_parallel_size, _spec(a), _methods(a), peer=True,
+                     progress=not a.no_progress, timeout_s=a.timeout)
+        print(report(result))
+        ring = next((r for r in result["rows"] if r["method"] == "ring"), None)
+        peer = result["ring_vs_torch_ring"]
+        if ring and peer:
+            line = (f"\nring vs one rank: {ring['vs_one_rank']:.3f}x [{ring['vs_one_rank_low']:.3f}-"
+                    f"{ring['vs_one_rank_high']:.3f}]; ring vs {peer['peer']}: {peer['median']:.3f}x "
+                    f"[{peer['low']:.3f}-{peer['high']:.3f}] (median [low-high] of per-round ratios)")
+            if _is_full_size(a):
+                line += f"; targets: <= {TARGETS['ring_vs_one_rank']} and <= {TARGETS['ring_vs_torch_ring']}"
+            else:
+                line += (f"\n(the targets <= {TARGETS['ring_vs_one_rank']}x one rank and "
+                         f"<= {TARGETS['ring_vs_torch_ring']}x PyTorch's ring are for the full-size run: "
+                         f"{FULL_SIZE['seq_lens'][0]} tokens, P = {FULL_SIZE['pcp']}, heads "
+                         f"{FULL_SIZE['heads']}/{FULL_SIZE['kv_heads']} x {FULL_SIZE['head_dim']}; smaller runs "
+                         f"pay a larger share of fixed costs)")
+            print(line)
+            result["targets_apply"] = _is_full_size(a)
     write_json(a.json, result)
     return 0

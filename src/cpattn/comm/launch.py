@@ -3,27 +3,74 @@
 Used by the tests (real gloo ranks), the CLI and the benchmarks. Each rank
 runs ``fn(group, *args, **kwargs)`` with a :class:`~cpattn.comm.dist.DistGroup`
 and ``torch.set_num_threads(threads)``; results travel back through
-``torch.save`` files. A rank that raises, dies or exceeds ``timeout_s`` makes
-:func:`spawn` raise with that rank's traceback, never hang.
+``torch.save`` files.
+
+The parent watches every rank until all have finished, and never waits on
+a rank that cannot finish:
+
+- each rank runs a heartbeat thread that stamps a shared clock every
+  ``BEAT_S`` seconds. A stopped process (SIGSTOP, a debugger, swapped out)
+  stops all its threads, so a rank whose stamp is older than ``timeout_s``
+  is reported as stalled, with its process state from ``/proc`` on Linux;
+- every collective waits at most ``timeout_s`` (the torch.distributed
+  timeout), so ranks that are alive but wait on each other end in an error;
+- a rank that raises or dies ends the run: the others get ``GRACE_S``
+  seconds to finish on their own, then every rank still running is killed
+  with its whole process group (compile workers included). A rank that
+  raised is reported with its traceback, a rank killed by a signal with the
+  signal's name.
+
+Worker processes write their stdout to stderr, so the parent's stdout
+carries only what the parent prints (``--json -`` stays pure JSON).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+BEAT_S = 0.5  # heartbeat period of every rank
+STARTUP_S = 60.0  # allowance for a rank's start-up (interpreter, import torch) before its first heartbeat
+GRACE_S = 5.0  # after one rank failed, how long the others may take to end on their own
+POLL_S = 0.1  # how often the parent looks at the ranks
+
 
 class SpawnError(RuntimeError):
-    """A spawned rank failed, died, or timed out."""
+    """A spawned rank failed, died or stalled.
+
+    ``failures`` holds one :class:`RankFailure` per rank that did not
+    finish, the cause first (a stalled rank, or the first rank that
+    raised or died); ``ranks`` their rank numbers in that order.
+    """
+
+    def __init__(self, message: str, failures: list[RankFailure] | None = None):
+        super().__init__(message)
+        self.failures = list(failures or [])
+        self.ranks = [f.rank for f in self.failures]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank did not finish: ``kind`` is "stalled", "raised", "died", "not started" or "ended"."""
+
+    rank: int
+    kind: str
+    detail: str  # one line
+    traceback: str = ""
+    at: float = 0.0  # time.monotonic() when it failed (or was found failed)
 
 
 def _free_port() -> int:
@@ -32,7 +79,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, threads, timeout_s, out_dir, fn, args, kwargs):
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this process when the parent dies (no orphans after a SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _heartbeat(beats, rank: int) -> None:
+    while True:
+        beats[rank] = time.monotonic()
+        time.sleep(BEAT_S)
+
+
+def _worker(rank, world_size, port, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs):
+    os.setpgrp()  # own process group: the parent ends this rank and everything it started at once
+    _die_with_parent()
+    threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True, name="cpattn-heartbeat").start()
+    os.dup2(2, 1)  # stdout belongs to the parent
+    sys.stdout = sys.stderr
     import torch.distributed as dist
 
     from cpattn.comm.dist import DistGroup
@@ -49,9 +119,147 @@ def _worker(rank, world_size, port, backend, threads, timeout_s, out_dir, fn, ar
             dist.barrier()
         finally:
             dist.destroy_process_group()
-        torch.save({"ok": True, "result": result}, path)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        record = {"ok": True, "result": result}
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        record = {"ok": False, "error": (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300],
+                  "traceback": traceback.format_exc(), "at": time.monotonic()}
+    torch.save(record, path + ".tmp")
+    os.replace(path + ".tmp", path)  # the parent never reads half a file
+
+
+def process_state(pid: int) -> str:
+    """A process's state in words, from ``/proc/<pid>/stat`` (Linux); "unknown" elsewhere.
+
+    Example
+    -------
+    >>> import os
+    >>> process_state(os.getpid()) in ("running", "sleeping", "unknown")
+    True
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    names = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped", "t": "stopped by a tracer",
+             "Z": "zombie", "X": "dead"}
+    return names.get(code, code)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+class _Watch:
+    """The parent's view of the ranks: processes, heartbeats, result files."""
+
+    def __init__(self, procs, beats, out_dir, timeout_s, started):
+        self.procs, self.beats, self.out_dir = procs, beats, out_dir
+        self.timeout_s, self.started = timeout_s, started
+        self.records: dict[int, dict] = {}
+
+    def record(self, r: int) -> dict | None:
+        if r not in self.records:
+            path = os.path.join(self.out_dir, f"rank{r}.pt")
+            if os.path.exists(path):
+                self.records[r] = torch.load(path, weights_only=False)
+        return self.records.get(r)
+
+    def silent_for(self, r: int, now: float) -> float:
+        """Seconds since rank r's last heartbeat (since the launch if it never beat)."""
+        last = self.beats[r]
+        return now - (last if last > 0 else self.started)
+
+    def stalled(self, r: int, now: float, bound: float) -> RankFailure | None:
+        p = self.procs[r]
+        if not p.is_alive():
+            return None
+        silent = self.silent_for(r, now)
+        state = process_state(p.pid)
+        if self.beats[r] <= 0:
+            if silent > bound + STARTUP_S:
+                return RankFailure(r, "not started", f"rank {r} did not start within {silent:.0f} s "
+                                   f"(process state: {state})", at=now)
+            return None
+        if silent > bound:
+            return RankFailure(r, "stalled", f"rank {r} stopped responding (no heartbeat for {silent:.0f} s, "
+                               f"bound {self.timeout_s:g} s; process state: {state})", at=now - silent)
+        return None
+
+    def exited(self, r: int) -> RankFailure | None:
+        """A failure for a rank that has exited without a result; None while it runs or when it succeeded."""
+        p = self.procs[r]
+        if p.is_alive():
+            return None
+        rec = self.record(r)
+        if rec is not None:
+            if rec["ok"]:
+                return None
+            return RankFailure(r, "raised", f"rank {r} raised {rec['error']}", rec["traceback"], rec["at"])
+        code = p.exitcode
+        died = self.beats[r] if self.beats[r] > 0 else time.monotonic()  # it died within BEAT_S of its last beat
+        if code is not None and code < 0:
+            return RankFailure(r, "died", f"rank {r} was killed by {_signal_name(code)} (exit code {code})", at=died)
+        return RankFailure(r, "died", f"rank {r} exited with code {code} without a result", at=died)
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+    for p in procs:
+        p.join(10.0)
+        if p.is_alive():  # pragma: no cover - the kernel did not reap it in time
+            p.kill()
+            p.join()
+
+
+def _watch(w: _Watch) -> list[RankFailure]:
+    """Poll until every rank has finished or one failed; return the failures, the cause first."""
+    n = len(w.procs)
+    failures: dict[int, RankFailure] = {}
+    first_failure_at = None
+    while True:
+        now = time.monotonic()
+        for r in range(n):
+            if r in failures:
+                continue
+            f = w.exited(r) or w.stalled(r, now, w.timeout_s)
+            if f is not None:
+                failures[r] = f
+                first_failure_at = first_failure_at or now
+        running = [r for r in range(n) if w.procs[r].is_alive() and r not in failures]
+        if not running:
+            break
+        if first_failure_at is not None:
+            # a live rank silent for a while is the likely cause of the others' errors: name it now
+            for r in running:
+                if w.beats[r] > 0 and w.silent_for(r, now) > max(10 * BEAT_S, w.timeout_s / 2):
+                    failures[r] = w.stalled(r, now, 0.0)
+            if now - first_failure_at > GRACE_S or all(r in failures for r in running):
+                for r in running:
+                    failures.setdefault(r, RankFailure(r, "ended", f"rank {r} was still running and was ended", at=now))
+                break
+        time.sleep(POLL_S)
+    order = {"stalled": 0, "not started": 0, "raised": 1, "died": 1, "ended": 2}
+    return sorted(failures.values(), key=lambda f: (order[f.kind], f.at, f.rank))
+
+
+def _message(world_size: int, fn, failures: list[RankFailure]) -> str:
+    name = getattr(fn, "__name__", repr(fn))
+    cause, rest = failures[0], failures[1:]
+    lines = [f"spawn({world_size}, {name}): {cause.detail}"]
+    if rest:
+        lines.append("then: " + "; ".join(f.detail for f in rest))
+    if cause.traceback:
+        lines.append(f"rank {cause.rank}'s traceback:\n{cause.traceback.rstrip()}")
+    return "\n".join(lines)
 
 
 def spawn(
@@ -67,6 +275,18 @@ def spawn(
 
     ``fn`` must be importable (a module-level function) and its arguments and
     results picklable. ``threads`` sets each rank's intra-op threads.
+    ``timeout_s`` bounds every wait (module doc): a rank silent (no
+    heartbeat) for that long, or a collective waiting that long, ends the
+    run with a :class:`SpawnError` naming the rank; a whole run may take
+    longer as long as every rank keeps responding.
+
+    Raises
+    ------
+    SpawnError
+        A rank raised (its traceback is in the message, once), died (with
+        the signal's name), stalled or did not start; ``.failures`` lists
+        every rank that did not finish, the cause first. No worker process
+        outlives the call.
 
     Example
     -------
@@ -76,43 +296,29 @@ def spawn(
     >>> spawn(2, ranks)  # doctest: +SKIP
     [0, 1]
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"spawn: world_size must be an int >= 1; got {world_size!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"spawn: timeout_s must be > 0 seconds; got {timeout_s!r}")
     ctx = mp.get_context("spawn")
+    beats = ctx.Array("d", world_size, lock=False)  # monotonic time of each rank's last heartbeat; 0: none yet
     with tempfile.TemporaryDirectory(prefix="cpattn-spawn-") as out_dir:
         port = _free_port()
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, backend, threads, timeout_s, out_dir, fn, args, kwargs),
+                args=(r, world_size, port, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs),
                 daemon=True,
             )
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s + 60.0  # + start-up
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results, errors = [], []
-        for r, p in enumerate(procs):
-            path = os.path.join(out_dir, f"rank{r}.pt")
-            if not os.path.exists(path):
-                why = "timed out" if r in alive else f"died with exit code {p.exitcode}"
-                errors.append(f"rank {r} {why} without a result")
-                results.append(None)
-                continue
-            rec = torch.load(path, weights_only=False)
-            if rec["ok"]:
-                results.append(rec["result"])
-            else:
-                errors.append(f"rank {r} raised:\n{rec['error']}")
-                results.append(None)
-        if errors:
-            raise SpawnError(f"spawn({world_size}, {getattr(fn, '__name__', fn)}) failed:\n" + "\n".join(errors))
-        return results
+        watch = _Watch(procs, beats, out_dir, timeout_s, time.monotonic())
+        try:
+            for p in procs:
+                p.start()
+            failures = _watch(watch)
+        finally:
+            _kill(procs)
+        if failures:
+            raise SpawnError(_message(world_size, fn, failures), failures)
+        return [watch.record(r)["result"] for r in range(world_size)]
