@@ -24,7 +24,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_oracle import NEW_TOKENS, PROMPT_LENS, VOCAB, Reference, check_hidden, forward_logits, perturbed, rel_err  # noqa: E402,E501
+from hf_oracle import (  # noqa: E402
+    NEW_TOKENS, PROMPT_LENS, VOCAB, Reference, check_hidden, forward_logits, perturbed, rel_err,
+)
 
 from cpattn.models import deepseek_v2, load_checkpoint, qwen3_moe  # noqa: E402
 from cpattn.models.generate import generate  # noqa: E402
@@ -82,7 +84,7 @@ def reference(name: str) -> Reference:
 
 FULL = [(1, 1), (2, 1), (3, 1), (1, 2), (1, 3)]
 CASES = [(n, p, d) for n in ("qwen3_moe", "deepseek_v2") for p, d in FULL] + \
-        [("deepseek_v2_lite", p, d) for p, d in [(1, 1), (2, 1), (1, 3)]]
+        [("deepseek_v2_lite", p, d) for p, d in [(1, 1), (2, 1), (3, 1), (1, 3)]]  # (1, 2): refused below
 
 
 @pytest.mark.parametrize("name,pcp,dcp", CASES, ids=[f"{n}-pcp{p}-dcp{d}" for n, p, d in CASES])
@@ -120,7 +122,8 @@ def test_layer_kinds_follow_hf():
         cfg = deepseek_v2_lite_config(num_hidden_layers=4, first_k_dense_replace=k)
         want = tuple("sparse" if hasattr(layer.mlp, "gate") else "dense"
                      for layer in transformers.DeepseekV2ForCausalLM(cfg).model.layers)
-        assert deepseek_v2.DeepseekV2Config.from_hf(cfg).mlp_layer_types == want == ("dense",) * k + ("sparse",) * (4 - k)
+        assert want == ("dense",) * k + ("sparse",) * (4 - k)
+        assert deepseek_v2.DeepseekV2Config.from_hf(cfg).mlp_layer_types == want
 
 
 @pytest.mark.parametrize("name,over", [

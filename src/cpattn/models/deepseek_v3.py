@@ -281,7 +281,8 @@ def mla_attend(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, laye
 def decoder(params: dict[str, torch.Tensor], cfg: DeepseekV3Config, tokens: torch.Tensor, attn: Any,
             attend, *, mlp=mlp, logits_index: torch.Tensor | None = None,
             hidden_layers: tuple[int, ...] | None = None) -> torch.Tensor | tuple[torch.Tensor, dict]:
-    """The DeepSeek trunk shared by V2, V3 and V3.2: MLA + MoE/MLP layers in :func:`~cpattn.models.common.pre_norm_decoder`.
+    """The DeepSeek trunk shared by V2, V3 and V3.2: MLA + MoE/MLP layers in
+    :func:`~cpattn.models.common.pre_norm_decoder`.
 
     ``attend(p, cfg, pre, layer, x, q, kv, q_lora, cos, sin, attn) -> o_lat [T, Hq, r]``
     is the attention part that differs (dense MLA here, DSA in V3.2);
