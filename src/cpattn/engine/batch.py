@@ -39,11 +39,11 @@ class Prompts:
         seqs = []
         for b, p in enumerate(prompts):
             t = torch.as_tensor(p)
+            if t.numel() == 0:
+                raise ValueError(f"prompt {b} is empty; every request needs at least one token")
             if t.is_floating_point() or t.dtype == torch.bool or t.dim() > 1:
                 raise ValueError(f"prompt {b} must be a 1-D sequence of int token ids; got {t.dtype} {tuple(t.shape)}")
             t = t.to(torch.int64).flatten()
-            if t.numel() == 0:
-                raise ValueError(f"prompt {b} is empty; every request needs at least one token")
             if vocab_size is not None and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
                 bad = int(t[(t < 0) | (t >= vocab_size)][0])
                 raise ValueError(f"prompt {b} holds token id {bad}; token ids must be in [0, {vocab_size})")

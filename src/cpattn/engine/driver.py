@@ -56,6 +56,7 @@ from cpattn.engine.kv_rows import row_width
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill
+from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.result import Generation, RunFacts
 
 
@@ -176,16 +177,22 @@ def _prepare(model, params, cfg, prompts, max_new_tokens, prefill_cfg, decode_cf
 
 def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
                      prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(),
-                     drafter=None, prompt_logits: bool = True, on_step=None) -> Generation:
+                     drafter=None, prompt_logits: bool = True, prefix: Prefix | None = None,
+                     on_step=None) -> Generation:
     """One rank of a run over a real (or simulated) world; call it on every rank (see module doc).
 
     prompts: B token lists; max_new_tokens: N >= 1 greedy tokens per prompt
-    (the first from the prefill). Picklable arguments only (``model`` may be
-    the family name), so it serves :func:`cpattn.comm.launch.spawn` and torchrun.
+    (the first from the prefill). prefix: cached KV of each prompt's first
+    ``prefix.context_lens[b]`` tokens, on every rank (engines on the same
+    ranks); only the rest is prefilled (prompt logits then cover the rest).
+    Picklable arguments only (``model`` may be the family name), so it
+    serves :func:`cpattn.comm.launch.spawn` and torchrun.
     """
     topology = checks.topology(prefill, decode, world.size)
     family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size, topology)
     if topology == "disaggregated":
+        if prefix is not None:
+            raise ValueError("a cached prefix is supported with both engines on the same ranks, not across P/D")
         return _disaggregated(world, family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
                               on_step)
     steps = max_new_tokens - 1
@@ -194,10 +201,10 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     world.all_reduce(torch.zeros(1)) if world.size > 1 else None  # start together: times are from here
     sent0 = world.stats.total_sent()
     t0 = time.perf_counter()
-    out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits)
+    out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, prefix)
     prefill_s, sent1 = time.perf_counter() - t0, world.stats.total_sent()
     shard = new_shard(family, cfg, params, p, steps, decode, drafter)
-    facts = handoff(world, pg, dg, shard, out, algorithms)
+    facts = handoff(world, pg, dg, shard, out, algorithms, prefix)
     ttft = time.perf_counter() - t0
     sent2 = world.stats.total_sent()
     dec = run_decode(dg, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
@@ -209,18 +216,26 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     return _generation(out.first_logits, dec, out.prompt_logits, run)
 
 
-def prefill_fn(pg: Group, family, params, cfg, p: Prompts, algorithms: Algorithms, prompt_logits: bool) -> PrefillOut:
+def prefill_fn(pg: Group, family, params, cfg, p: Prompts, algorithms: Algorithms, prompt_logits: bool,
+               prefix: Prefix | None = None) -> PrefillOut:
     """The prefill stage as the driver calls it (a seam for timing harnesses)."""
-    return prefill(pg, family, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits)
+    return prefill(pg, family, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits, prefix=prefix)
 
 
 def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillOut,
-            algorithms: Algorithms = Algorithms()) -> HandoffFacts:
+            algorithms: Algorithms = Algorithms(), prefix: Prefix | None = None) -> HandoffFacts:
     """Put the prefill rows of ``out`` into this rank's decode shard (engines on the same ranks).
 
     pg / dg: this rank's prefill and decode groups (:func:`stage_group`).
+    prefix: the cached prefix the prefill started from (every rank holds it);
+    each decode rank keeps the prefix rows it owns.
     """
     psize, nsize = pg.size, dg.size
+    if prefix is not None:
+        ctx = prefix.context_lens
+        req = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(ctx, dtype=torch.int64))
+        pos = torch.cat([torch.arange(c) for c in ctx]) if sum(ctx) else torch.zeros(0, dtype=torch.int64)
+        place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=nsize)
     if psize > 1 and nsize > 1:  # both over the world: rows go straight to their owners
         rows, req, pos, facts = exchange(world, out.rows, out.plan, prefill_size=psize, decode_size=nsize,
                                          interleave_size=shard.interleave_size, width=row_width(shard.layouts),
