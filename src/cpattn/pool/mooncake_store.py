@@ -29,7 +29,10 @@ Facts this module rests on (from the package itself, version 0.3.13):
   the segments it evicts ``eviction_ratio`` (5 %) of the objects, oldest
   lease first; an object under lease (``default_kv_lease_ttl`` after a
   put or read) is not evicted. A put that finds no space is retried here for
-  ``put_retry_s`` while eviction runs, then reported as not kept.
+  ``put_retry_s`` while eviction runs, then reported as not kept. A read
+  whose transfer outlasts the lease fails (``LEASE_EXPIRED``): a miss, so the
+  lease must be well above one block's transfer time (``cpattn pool serve``
+  uses 1 s; a 9 MiB block moves in ~50 ms here).
 - With the master gone a call fails with -900 within about 4.5 s (the
   client's own RPC timeouts); setting a client up against a missing master
   retries ``MC_STORE_CLIENT_SETUP_RETRIES`` times (default 20, ~90 s), which
