@@ -68,11 +68,18 @@ class Served:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        try:  # never leave a master behind
-            os.kill(self.master_pid, signal.SIGKILL)
-        except (ProcessLookupError, AttributeError):
-            pass
+        self.kill_master()  # never leave a master behind
         return self.proc.returncode
+
+    def kill_master(self):
+        """SIGKILL our master, checking first that the pid still names a mooncake_master."""
+        try:
+            with open(f"/proc/{self.master_pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if b"mooncake_master" in cmdline and f"-rpc_port={self.port}".encode() in cmdline:
+                os.kill(self.master_pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, AttributeError):
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +209,7 @@ def test_master_killed_mid_run_degrades_to_misses_with_one_warning():
         pool = open_pool(served.spec, IDENT)
         keys = pool.keys(list(range(16 * 4)))
         assert pool.store(keys, blocks(4)) == 4 and pool.lookup(keys) == 4
-        os.kill(served.master_pid, signal.SIGKILL)
+        served.kill_master()
         t0 = time.monotonic()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
