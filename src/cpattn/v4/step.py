@@ -204,8 +204,10 @@ class V4Step:
                                inp.topk, max(lens, default=0))  # [T, k] entry ids
             rows = torch.where(local >= 0, plan.key_cu[self.req][:, None] + local, -1)
         else:
-            sharded = ShardedKeys(keys.new_zeros(0, 1), keys, plan.key_ids, plan.key_cu)  # latent unused for top-k
-            _, rows = dsa_dcp_topk(inp.index_q, inp.index_weights, plan.entry_visible - 1, self.cu_q, sharded,
+            # key "position" e + 1 <= row "position" (p + 1) // m: entry e is visible (no negative positions);
+            # ids shifted by one keep their order, so the (score desc, id asc) selection is unchanged
+            sharded = ShardedKeys(keys.new_empty(keys.shape[0], 0), keys, plan.key_ids + 1, plan.key_cu)  # no latent rows: entries stay paged
+            _, rows = dsa_dcp_topk(inp.index_q, inp.index_weights, plan.entry_visible, self.cu_q, sharded,
                                    group=self.group, topk=inp.topk)  # rows of `keys` this rank owns
         slots = torch.where(rows >= 0, plan.key_slots[rows.clamp(min=0)] if plan.key_slots.numel() else rows, -1)
         return sparse_partial(inp.q, c.entries[layer], slots, inp.scale)
