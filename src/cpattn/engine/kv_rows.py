@@ -39,11 +39,11 @@ def pack_rows(layouts: tuple[KVLayout, ...], k: list[torch.Tensor], v: list[torc
     t = k[0].shape[0]
     parts = []
     for lay, kl, vl, il in zip(layouts, k, v, k_index):
-        parts.append(kl.reshape(t, -1))  # [T, Hkv*Dk]
+        parts.append(kl.reshape(t, lay.num_kv_heads * lay.head_dim))  # [T, Hkv*Dk] (T may be 0)
         if not lay.values_in_keys:
-            parts.append(vl.reshape(t, -1))  # [T, Hkv*Dv]
+            parts.append(vl.reshape(t, lay.num_kv_heads * lay.v_head_dim))  # [T, Hkv*Dv]
         if lay.index_head_dim:
-            parts.append(il.reshape(t, -1).to(kl.dtype))  # [T, D_I]
+            parts.append(il.reshape(t, lay.index_head_dim).to(kl.dtype))  # [T, D_I]
     return torch.cat(parts, dim=1)
 
 

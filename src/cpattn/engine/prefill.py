@@ -28,6 +28,7 @@ Example
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +84,7 @@ def gather_unshard(group: Group, x: torch.Tensor, plan: Any) -> torch.Tensor:
     ``num_tokens``, ``max_tokens`` and ``restore_index``.
     """
     t_max = plan.max_tokens
-    flat = x.reshape(x.shape[0], -1)  # [T_r, F]
+    flat = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # [T_r, F] (T_r may be 0)
     flat = torch.nn.functional.pad(flat, (0, 0, 0, t_max - flat.shape[0]))  # [t_max, F]
     everything = group.all_gather(flat)  # [P * t_max, F], rank-major
     rows = torch.cat([everything[j * t_max : j * t_max + m] for j, m in enumerate(plan.num_tokens)])

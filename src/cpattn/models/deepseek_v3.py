@@ -216,7 +216,7 @@ def mla_output(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, o_la
     nh, nope, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
     w_uv = p[pre + "kv_b_proj.weight"].view(nh, nope + cfg.v_head_dim, r)[:, nope:]  # [Hq, v, r]
     o = torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, Hq, v]
-    return F.linear(o.reshape(o.shape[0], -1), p[pre + "o_proj.weight"])
+    return F.linear(o.reshape(o.shape[0], nh * cfg.v_head_dim), p[pre + "o_proj.weight"])  # T may be 0
 
 
 def mlp(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, layer: int, x: torch.Tensor) -> torch.Tensor:

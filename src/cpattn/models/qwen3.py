@@ -162,13 +162,14 @@ def attention_block(p: dict[str, torch.Tensor], cfg: Qwen3Config, layer: int, x:
     """
     t, hd, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
     pre = f"model.layers.{layer}.self_attn."
-    q = _linear(x, p, pre + "q_proj").view(t, -1, hd)  # [T, Hq, hd]
-    k = _linear(x, p, pre + "k_proj").view(t, -1, hd)  # [T, Hkv, hd]
-    v = _linear(x, p, pre + "v_proj").view(t, -1, hd)  # [T, Hkv, hd]
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads  # explicit: a rank may hold T = 0 tokens
+    q = _linear(x, p, pre + "q_proj").view(t, hq, hd)  # [T, Hq, hd]
+    k = _linear(x, p, pre + "k_proj").view(t, hkv, hd)  # [T, Hkv, hd]
+    v = _linear(x, p, pre + "v_proj").view(t, hkv, hd)  # [T, Hkv, hd]
     q = rope_half(rms_norm(q, p[pre + "q_norm.weight"], eps), cos, sin)
     k = rope_half(rms_norm(k, p[pre + "k_norm.weight"], eps), cos, sin)
     o = attn(layer, q, k, v, hd**-0.5)  # [T, Hq, hd]
-    return _linear(o.reshape(t, -1), p, pre + "o_proj")
+    return _linear(o.reshape(t, hq * hd), p, pre + "o_proj")
 
 
 def _linear(x: torch.Tensor, p: dict[str, torch.Tensor], name: str) -> torch.Tensor:
