@@ -11,6 +11,7 @@ import sys
 from cpattn.ops import registry
 from cpattn.ops.attention import attention_with_lse
 from cpattn.ops.merge import merge_attn_states
+from cpattn.ops.mla_preprocess import mla_preprocess, mla_weights
 from cpattn.ops.paged import paged_attention_with_lse, write_kv, write_kv_mla
 from cpattn.ops.dsa import indexer_scores, mla_softmax_scale, sparse_mla_attention_with_lse, topk_indices
 
@@ -22,9 +23,10 @@ def enable_npu() -> None:
     imported unless asked for; installing it without Ascend's CANN toolkit
     breaks ``import torch``. Untested on hardware.
     """
-    from cpattn.ops import npu
+    from cpattn.ops import mla_preprocess_npu, npu
 
     npu.register()
+    mla_preprocess_npu.register()
 
 
 if "torch_npu" in sys.modules:  # the user already imported it: register now
@@ -32,6 +34,7 @@ if "torch_npu" in sys.modules:  # the user already imported it: register now
 
 __all__ = [
     "attention_with_lse", "merge_attn_states", "paged_attention_with_lse", "write_kv", "write_kv_mla",
-    "indexer_scores", "topk_indices", "sparse_mla_attention_with_lse", "mla_softmax_scale",
+    "indexer_scores", "topk_indices", "sparse_mla_attention_with_lse", "mla_softmax_scale", "mla_preprocess",
+    "mla_weights",
     "registry", "enable_npu",
 ]

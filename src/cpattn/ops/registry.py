@@ -165,7 +165,7 @@ def decompositions() -> dict[str, tuple[str, ...]]:
     -------
     >>> import cpattn.ops
     >>> sorted(decompositions())
-    ['merge_attn_states', 'merge_into', 'paged_attention_with_lse', 'write_kv', 'write_kv_mla']
+    ['merge_attn_states', 'merge_into', 'mla_preprocess', 'paged_attention_with_lse', 'write_kv', 'write_kv_mla']
     """
     return {name: devices for name, (_, devices, _) in _DECOMPOSITIONS.items()}
 
