@@ -39,7 +39,8 @@ def test_dcp_matches_one_device(kind, n, interleave):
     for r, (outs, lens) in enumerate(ranks):
         assert lens == tuple(LENGTHS)
         for b in range(2):
-            torch.testing.assert_close(outs[b], one[b], rtol=1e-12, atol=1e-12, msg=lambda m: f"rank {r}, request {b}: {m}")
+            torch.testing.assert_close(outs[b], one[b], rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"rank {r}, request {b}: {m}")
 
 
 def test_dcp_entry_caches_are_sharded():

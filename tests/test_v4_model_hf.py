@@ -13,7 +13,11 @@ the window and the HCA ratio) and 37 (longer than both), packed in one batch:
   DESIGN.md §5), and counted;
 - the same from a checkpoint directory (config.json + safetensors);
 - a step of k speculative tokens then a rewind of k leaves the cache's
-  live state bit-identical and the following tokens unchanged.
+  live state bit-identical and the following tokens unchanged;
+- speculative greedy decoding (draft k, verify 1 + k rows, rewind the
+  rejected) emits exactly the reference's greedy tokens, which the
+  reference itself cannot do (its compressor state cannot be rewound);
+- the whole model with DCP steps (N = 2) decodes like one device.
 
 16 indexer heads: with ReLU scores, few heads give exact score ties (all
 heads negative -> 0), where the reference's ``torch.topk`` picks an
@@ -61,16 +65,18 @@ def hf_model(seed: int = 0):
     return model
 
 
-def greedy(params, cfg, prompts, n_new, cache):
-    """Prefill every prompt in one packed step, then n_new one-token steps: (prompt logits, tokens, logits)."""
-    step = V4Step(cache, [p.numel() for p in prompts])
+def greedy(params, cfg, prompts, n_new, cache, group=None):
+    """Prefill every prompt in one packed step, then n_new one-token steps: (prompt logits, tokens, logits).
+
+    With a DCP ``group`` every rank runs the same loop over its shard of the cache."""
+    step = V4Step(cache, [p.numel() for p in prompts], group)
     logits = v4.forward(params, cfg, torch.cat(prompts), step)  # [sum L, V]
     cache = step.finish()
     ends = torch.tensor([p.numel() for p in prompts]).cumsum(0) - 1
     tok, toks, steps = logits[ends].argmax(-1), [], [logits[ends]]
     for _ in range(n_new - 1):
         toks.append(tok)
-        step = V4Step(cache, [1] * len(prompts))
+        step = V4Step(cache, [1] * len(prompts), group)
         out = v4.forward(params, cfg, tok, step)
         cache = step.finish()
         steps.append(out)
@@ -93,7 +99,8 @@ class Ref:
             for p in self.prompts:
                 self.prompt_logits.append(self.hf(p[None]).logits[0])
                 out = self.hf.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=NEW,
-                                       do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+                                       do_sample=False, pad_token_id=0, output_logits=True,
+                                       return_dict_in_generate=True)
                 self.tokens.append(out.sequences[0, p.numel():])
                 self.logits.append(torch.stack(out.logits, 1)[0])
 
@@ -102,7 +109,8 @@ class Ref:
         for b, p in enumerate(self.prompts):
             got = prompt_logits[at : at + p.numel()]
             at += p.numel()
-            assert rel(got, self.prompt_logits[b]) <= 1e-4, f"request {b}: prompt logits off by {rel(got, self.prompt_logits[b]):.2e}"
+            err = rel(got, self.prompt_logits[b])
+            assert err <= 1e-4, f"request {b}: prompt logits off by {err:.2e}"
             diff = (tokens[b] != self.tokens[b]).nonzero()
             n = NEW if diff.numel() == 0 else int(diff[0]) + 1
             assert rel(logits[b, :n], self.logits[b][:n]) <= 1e-4, f"request {b}: decode logits off"
@@ -130,7 +138,8 @@ def test_config_and_rope_tables_match_hf():
     rot = r.hf.model.rotary_emb
     for name, table in (("main", cfg.rope_main), ("compress", cfg.rope_compress)):
         inv, factor = v4.rope_inv_freq(cfg.qk_rope_head_dim, table, cfg.max_position_embeddings)
-        assert torch.equal(inv, getattr(rot, f"{name}_inv_freq")) and factor == getattr(rot, f"{name}_attention_scaling")
+        assert torch.equal(inv, getattr(rot, f"{name}_inv_freq"))
+        assert factor == getattr(rot, f"{name}_attention_scaling")
 
 
 def test_prompt_logits_and_greedy_tokens_match_hf():
@@ -192,3 +201,60 @@ def test_rewind_past_max_rewind_is_refused():
     v4.forward(v4.params_from_state(ref().hf.state_dict()), cfg, torch.arange(6), step)
     with pytest.raises(ValueError, match="max_rewind=2"):
         step.finish().rewind([3])
+
+
+def test_speculative_greedy_equals_plain_greedy():
+    """Draft k = 3 tokens (the reference's own, some replaced), verify 1 + k rows in one step, keep the
+    accepted prefix plus the correction, rewind the rest: the tokens are HF's greedy ones."""
+    r = ref()
+    cfg = v4.DeepseekV4Config.from_hf(r.hf.config)
+    params = v4.params_from_state(r.hf.state_dict())
+    k, vocab = 3, cfg.vocab_size
+    g = torch.Generator().manual_seed(11)
+    cache = v4.empty_cache(cfg, batch=2, max_len=96, max_rewind=k, block_size=4, seed=6)
+    step = V4Step(cache, [p.numel() for p in r.prompts])
+    logits = v4.forward(params, cfg, torch.cat(r.prompts), step)
+    cache = step.finish()
+    last = logits[torch.tensor([p.numel() for p in r.prompts]).cumsum(0) - 1].argmax(-1)  # [2]
+    out, rejected = [[int(last[b])] for b in range(2)], 0
+    while min(len(o) for o in out) < NEW:
+        drafts = []
+        for b in range(2):
+            true = r.tokens[b][len(out[b]) : len(out[b]) + k]
+            true = torch.cat([true, torch.zeros(k - true.numel(), dtype=torch.long)])
+            wrong = torch.rand(k, generator=g) < 0.3
+            drafts.append(torch.where(wrong, (true + 1) % vocab, true))
+        step = V4Step(cache, [1 + k, 1 + k])
+        pred = v4.forward(params, cfg, torch.cat([torch.cat([last[b : b + 1], drafts[b]]) for b in range(2)]),
+                          step).argmax(-1).view(2, 1 + k)
+        cache, back = step.finish(), []
+        for b in range(2):
+            a = int((pred[b, :k] == drafts[b]).long().cumprod(0).sum())  # accepted drafts
+            out[b] += drafts[b][:a].tolist() + [int(pred[b, a])]
+            last[b] = pred[b, a]
+            back.append(k - a)
+        rejected += sum(back)
+        cache = cache.rewind(back)
+    assert rejected > 0  # the rewinds were exercised
+    for b in range(2):
+        assert out[b][:NEW] == r.tokens[b].tolist(), f"request {b}"
+
+
+def test_dcp_generation_matches_one_device():
+    """The whole model with DCP steps (N = 2, entries sharded, window heads split): the same tokens and
+    logits as one device."""
+    import cpattn
+
+    r = ref()
+    cfg = v4.DeepseekV4Config.from_hf(r.hf.config)
+    params = v4.params_from_state(r.hf.state_dict())
+    one = greedy(params, cfg, r.prompts, 12, v4.empty_cache(cfg, batch=2, max_len=96, block_size=4))
+
+    def rank(group):
+        cache = v4.empty_cache(cfg, batch=2, max_len=96, block_size=4, dcp_rank=group.rank, dcp_size=2, seed=group.rank)
+        return greedy(params, cfg, r.prompts, 12, cache, group)[:3]
+
+    for got in cpattn.simulate(2, rank):
+        assert torch.equal(got[1], one[1])
+        torch.testing.assert_close(got[0], one[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[2], one[2], rtol=1e-5, atol=1e-5)

@@ -121,8 +121,8 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.cpattn.gated_pool, (kv[:, :6], gate[:, :6], bias[:, :6], rows, None))
     q, cache, table, req, starts, ends, sinks = ring_case()
     cache = cache.nan_to_num(0.0)
-    torch.library.opcheck(torch.ops.cpattn.window_attention_with_lse, (q, cache, cache, table, req, starts, ends, 0.3, sinks))
-    torch.library.opcheck(torch.ops.cpattn.window_attention_with_lse, (q, cache, cache, table, req, starts, ends, 0.3, None))
+    torch.library.opcheck(torch.ops.cpattn.window_attention_with_lse,
+                          (q, cache, cache, table, req, starts, ends, 0.3, sinks))
     torch.library.opcheck(torch.ops.cpattn.write_rows, (cache.clone(), torch.randn(2, 2, 8), torch.tensor([3, -1])))
 
 

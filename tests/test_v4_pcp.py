@@ -20,7 +20,9 @@ import cpattn
 from cpattn.v4.attention import Compression, LayerInput
 from cpattn.v4.cache import V4Cache
 from cpattn.v4.pcp import v4_pcp_attention, v4_pcp_plan
-from test_v4_attention import CSA, D, DI, HCA, WINDOW, finish_fn, layout, make_layer, oracle_entries, packed_input, run_steps
+from test_v4_attention import (
+    CSA, D, DI, HCA, WINDOW, finish_fn, layout, make_layer, oracle_entries, packed_input, run_steps,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LENS = (45, 13)

@@ -113,8 +113,9 @@ class DeepseekV4Config:
         if types is None and d.get("compress_ratios") is not None:
             types = [_RATIO_KIND[r] for r in d["compress_ratios"]]
         if types is None:  # the reference default: 2 HCA layers, then HCA / CSA alternating
-            types = ["heavily_compressed_attention"] * min(n, 2) + [
-                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+            alternate = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                         for i in range(max(n - 2, 0))]
+            types = ["heavily_compressed_attention"] * min(n, 2) + alternate
         mlp_types = d.get("mlp_layer_types")
         if mlp_types is None:
             n_hash = d.get("num_hash_layers", 3)
@@ -147,7 +148,8 @@ class DeepseekV4Config:
                     num_attention_heads=4, head_dim=16, q_lora_rank=24, qk_rope_head_dim=8, n_routed_experts=4,
                     num_experts_per_tok=2, layer_types=("sliding", "csa", "hca"),
                     mlp_layer_types=("hash_moe", "moe", "moe"), hca_ratio=16, sliding_window=8, o_groups=2,
-                    o_lora_rank=8, index_n_heads=2, index_head_dim=12, index_topk=3, hc_mult=2, max_position_embeddings=256)
+                    o_lora_rank=8, index_n_heads=2, index_head_dim=12, index_topk=3, hc_mult=2,
+                    max_position_embeddings=256)
         base.update(over)
         return cls(**base)
 
@@ -296,7 +298,9 @@ def load(path: str, *, dtype: torch.dtype | None = None) -> tuple[DeepseekV4Conf
     return DeepseekV4Config.from_hf(config), params_from_state(params, dtype=dtype)
 
 
-def init_params(cfg: DeepseekV4Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def init_params(
+    cfg: DeepseekV4Config, *, seed: int = 0, std: float = 0.02, dtype=torch.float32
+) -> dict[str, torch.Tensor]:
     """Random parameters with the Hugging Face names (norms near 1, biases and sinks random). For demos and tests."""
     g = torch.Generator().manual_seed(seed)
     hs, nh, d, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
@@ -313,15 +317,17 @@ def init_params(cfg: DeepseekV4Config, *, seed: int = 0, std: float = 0.02, dtyp
     for i, kind in enumerate(cfg.layer_types):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         p.update({a + "sinks": rnd(nh, s=1.0), a + "q_a_proj.weight": rnd(cfg.q_lora_rank, hs),
-                  a + "q_a_norm.weight": rnd(cfg.q_lora_rank, s=0.1, mean=1.0), a + "q_b_proj.weight": rnd(nh * d, cfg.q_lora_rank),
+                  a + "q_a_norm.weight": rnd(cfg.q_lora_rank, s=0.1, mean=1.0),
+                  a + "q_b_proj.weight": rnd(nh * d, cfg.q_lora_rank),
                   a + "kv_proj.weight": rnd(d, hs), a + "kv_norm.weight": rnd(d, s=0.1, mean=1.0),
                   a + "o_a_proj.weight": rnd(cfg.o_groups * cfg.o_lora_rank, nh * d // cfg.o_groups),
                   a + "o_b_proj.weight": rnd(hs, cfg.o_groups * cfg.o_lora_rank)})
         comps = {"csa": [(a + "compressor.", 2 * d, cfg.csa_ratio), (a + "compressor.indexer.", 2 * di, cfg.csa_ratio)],
                  "hca": [(a + "compressor.", d, cfg.hca_ratio)], "sliding": []}[kind]
         for c, width, ratio in comps:
+            out = width // 2 if kind == "csa" else width  # CSA pools two series into one
             p.update({c + "kv_proj.weight": rnd(width, hs), c + "gate_proj.weight": rnd(width, hs),
-                      c + "position_bias": rnd(ratio, width, s=0.5), c + "kv_norm.weight": rnd(width // (2 if kind == "csa" else 1), s=0.1, mean=1.0)})
+                      c + "position_bias": rnd(ratio, width, s=0.5), c + "kv_norm.weight": rnd(out, s=0.1, mean=1.0)})
         if kind == "csa":
             p[a + "compressor.indexer.q_b_proj.weight"] = rnd(hi * di, cfg.q_lora_rank)
             p[a + "compressor.indexer.scorer.weights_proj.weight"] = rnd(hi, hs)

@@ -137,7 +137,10 @@ def gated_pool(
         )
     if prev_rows is not None:
         if prev_rows.shape != rows.shape or prev_rows.is_floating_point():
-            raise ValueError(f"prev_rows must be an int [W, m] like rows {tuple(rows.shape)}; got {tuple(prev_rows.shape)}")
+            raise ValueError(
+                f"prev_rows must be an int [W, m] like rows {tuple(rows.shape)}; got {prev_rows.dtype} "
+                f"{tuple(prev_rows.shape)}"
+            )
         if kv.shape[1] % 2:
             raise ValueError(f"overlapping windows need C = 2D channels (Ca | Cb); got C = {kv.shape[1]}")
     return registry.call("gated_pool", kv, gate, position_bias, rows, prev_rows)

@@ -57,7 +57,8 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
     if cache.dim() < 3 or not cache.is_contiguous():
         raise ValueError(f"cache must be a contiguous [num_blocks, block_size, *row] tensor; got {tuple(cache.shape)}")
     if rows.shape[1:] != cache.shape[2:]:
-        raise ValueError(f"rows {tuple(rows.shape)} must be [T, {', '.join(map(str, cache.shape[2:]))}] like the cache rows")
+        row = ", ".join(map(str, cache.shape[2:]))
+        raise ValueError(f"rows {tuple(rows.shape)} must be [T, {row}] like the cache rows")
     if slots.shape != (rows.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be int32/int64 [T={rows.shape[0]}]; got {slots.dtype} {tuple(slots.shape)}")
     registry.call("write_rows", cache, rows, slots)

@@ -191,7 +191,9 @@ def window_attention_with_lse(
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k_cache.shape[2]})")
     if block_table.dim() != 2 or block_table.is_floating_point():
-        raise ValueError(f"block_table must be an int [B, n] tensor; got {block_table.dtype} {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must be an int [B, n] tensor; got {block_table.dtype} {tuple(block_table.shape)}"
+        )
     for name, x in (("req_indices", req_indices), ("kv_starts", kv_starts), ("kv_ends", kv_ends)):
         if x.shape != (q.shape[0],) or x.is_floating_point():
             raise ValueError(f"{name} must be an int [T={q.shape[0]}] tensor; got {x.dtype} {tuple(x.shape)}")

@@ -244,7 +244,8 @@ class V4Cache:
                 out[f"{l}.index_keys"] = self.index_keys[l]
             for name, t, tab in rings:
                 back = lay.back(tab)
-                pos = torch.tensor([[n - back + j for j in range(back)] for n in self.seq_lens], device=dev)  # [B, back]
+                pos = torch.tensor([[n - back + j for j in range(back)] for n in self.seq_lens],
+                                   device=dev)  # [B, back]
                 req = torch.arange(self.batch, device=dev)[:, None].expand_as(pos)
                 rows = t.view(-1, *t.shape[2:])[ring_slots(self.tables[tab], bs, req.reshape(-1),
                                                            pos.clamp(min=0).reshape(-1))]

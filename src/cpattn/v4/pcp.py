@@ -156,7 +156,8 @@ def _scratch(rows: torch.Tensor, halo: HaloPlan, rank: int, per: int, bs: int, g
     table = torch.arange(n_chunks * per, device=rows.device).view(n_chunks, per)
     ring = torch.full((n_chunks * per, bs, *rows.shape[1:]), float("nan"), dtype=rows.dtype, device=rows.device)
     if n_chunks:
-        write_rows(ring, ext, ring_slots(table, bs, halo.ext_chunk[rank].to(rows.device), halo.ext_pos[rank].to(rows.device)))
+        dev = rows.device
+        write_rows(ring, ext, ring_slots(table, bs, halo.ext_chunk[rank].to(dev), halo.ext_pos[rank].to(dev)))
     return ring, table
 
 

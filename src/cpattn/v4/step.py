@@ -206,7 +206,8 @@ class V4Step:
         else:
             # key "position" e + 1 <= row "position" (p + 1) // m: entry e is visible (no negative positions);
             # ids shifted by one keep their order, so the (score desc, id asc) selection is unchanged
-            sharded = ShardedKeys(keys.new_empty(keys.shape[0], 0), keys, plan.key_ids + 1, plan.key_cu)  # no latent rows: entries stay paged
+            # no latent rows: the entries stay in their paged cache
+            sharded = ShardedKeys(keys.new_empty(keys.shape[0], 0), keys, plan.key_ids + 1, plan.key_cu)
             _, rows = dsa_dcp_topk(inp.index_q, inp.index_weights, plan.entry_visible, self.cu_q, sharded,
                                    group=self.group, topk=inp.topk)  # rows of `keys` this rank owns
         slots = torch.where(rows >= 0, plan.key_slots[rows.clamp(min=0)] if plan.key_slots.numel() else rows, -1)
@@ -215,7 +216,8 @@ class V4Step:
     def finish(self) -> V4Cache:
         """The cache after this step: lengths advanced (tensors were written in place)."""
         lens = tuple(l + n for l, n in zip(self.context_lens, self.query_lens))
-        return replace(self.cache, seq_lens=lens, high_water=tuple(max(h, n) for h, n in zip(self.cache.high_water, lens)))
+        high = tuple(max(h, n) for h, n in zip(self.cache.high_water, lens))
+        return replace(self.cache, seq_lens=lens, high_water=high)
 
 
 def dcp_merge(out: torch.Tensor, lse: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
