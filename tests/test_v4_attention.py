@@ -151,6 +151,12 @@ def test_step_matches_oracle(kind, dtype):
         torch.testing.assert_close(outs[b].double(), want, rtol=tol, atol=tol)
 
 
+def test_step_beyond_max_len_is_refused():
+    cache = V4Cache.empty(layout("hca"), batch=1, max_len=16)
+    with pytest.raises(ValueError, match="max_len=16"):
+        V4Step(cache, [17])
+
+
 def test_csa_selection_is_active():
     """Top-3 of up to 9 entries: the oracle with every entry differs, so the CSA test checks the selection."""
     x = make_layer("csa", 38)

@@ -87,6 +87,15 @@ def test_window_attention_matches_reference(with_sinks, dtype):
     assert torch.isfinite(out).all()
 
 
+def test_window_attention_propagates_nan_in_a_visible_key():
+    q, cache, table, req, starts, ends, sinks = ring_case()
+    bad = cache.clone()
+    bad.view(-1, 2, 8)[int(table[1, 0]) * 4 + 2, 0, 3] = NAN  # request 1, position 2, kv head 0
+    out, lse = window_attention_with_lse(q, bad, bad, table, req, starts, ends, softmax_scale=0.3, sinks=sinks)
+    assert torch.isnan(out[3, :2]).any() and torch.isfinite(out[3, 2:]).all()  # row 3 sees position 2
+    assert torch.isfinite(out[[0, 1, 2, 4, 6]]).all()  # rows that do not see it
+
+
 def test_window_sink_is_a_zero_valued_partial():
     """window_attention(sinks) == merge(window_attention(no sink), (0, sink))."""
     from cpattn.ops.merge import merge_attn_states

@@ -72,6 +72,16 @@ def test_pcp_matches_one_device(kind, p):
                 torch.testing.assert_close(res.index_keys[at : at + n // m], keys, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("lens,p", [((3,), 4), ((17, 0, 5), 3)])
+def test_pcp_ranks_without_tokens_and_empty_requests(lens, p):
+    xs, inp, plan, ranks = prefill("csa", lens, p)
+    assert 0 in plan.pcp.num_tokens or 0 in lens
+    got = cpattn.pcp_unshard([res.out for res, _ in ranks], plan.pcp)
+    one, _ = run_steps(V4Cache.empty(layout("csa"), batch=len(lens), max_len=64, dtype=torch.float64), xs,
+                       [list(lens)], "csa")
+    torch.testing.assert_close(got, torch.cat(one), rtol=1e-12, atol=1e-12)
+
+
 def test_sliding_halo_bytes_do_not_grow_with_the_prompt():
     """Halo traffic of a sliding layer: (W - 1) rows of D float64 per chunk start, for 48 or 480 tokens."""
     sent = []

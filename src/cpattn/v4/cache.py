@@ -110,6 +110,7 @@ class V4Cache:
     dcp_rank: int = 0
     dcp_size: int = 1
     interleave: int = 1
+    max_len: int = 0  # tokens per request the entry caches can hold (0: unchecked)
 
     @classmethod
     def empty(
@@ -162,7 +163,7 @@ class V4Cache:
             ik.append(blank(tables["ent_csa"], di) if k == "csa" else None)
         zeros = (0,) * batch
         return cls(lay, tuple(win), tuple(raw), tuple(iraw), tuple(ent), tuple(ik), tables, zeros, zeros,
-                   dcp_rank, dcp_size, interleave)
+                   dcp_rank, dcp_size, interleave, max_len)
 
     @property
     def batch(self) -> int:

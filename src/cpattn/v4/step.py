@@ -94,6 +94,12 @@ class V4Step:
         self.cache, self.group = cache, group
         self.query_lens = [int(n) for n in query_lens]
         self.context_lens = list(cache.seq_lens)
+        for b, (l, n) in enumerate(zip(self.context_lens, self.query_lens)):
+            if n < 0 or (cache.max_len and l + n > cache.max_len):
+                raise ValueError(
+                    f"request {b}: {l} cached + {n} new tokens; a step adds >= 0 tokens and the cache holds at "
+                    f"most max_len={cache.max_len} per request. Build the cache with a larger max_len"
+                )
         dev = cache.tables["window"].device
         self.req = torch.repeat_interleave(torch.arange(cache.batch), torch.tensor(self.query_lens)).to(dev)
         self.positions = torch.cat(
