@@ -4,10 +4,15 @@
   as tensors (:class:`V4Cache`), rewindable for speculative decoding;
 - :mod:`cpattn.v4.attention` -- the layer as LSE-merged partials and the
   sink rule (the sink rides with the window partial);
+- :mod:`cpattn.v4.ring` -- the paged ring buffers (window, compressor state);
 - :mod:`cpattn.v4.step` -- one step on one device or one DCP rank (:class:`V4Step`);
-- :mod:`cpattn.v4.pcp` -- prefill context parallel with halos;
+- :mod:`cpattn.v4.halo`, :mod:`cpattn.v4.pcp` -- prefill context parallel with halos;
 - :mod:`cpattn.v4.kv_bytes` -- exact KV bytes per token, V4 vs V3.2 vs dense MLA;
-- :mod:`cpattn.v4.blocks` -- the model's non-attention blocks (mHC, MoE).
+- :mod:`cpattn.v4.blocks` -- the model's non-attention blocks (mHC, MoE);
+- :mod:`cpattn.v4.checkpoint` -- DeepSeek checkpoint names to Hugging Face names.
+
+The model is :mod:`cpattn.models.deepseek_v4`; the design and the measured
+tables are in docs/deepseek_v4.md.
 
 The ops live in the one registry: :mod:`cpattn.ops.compressor`,
 :mod:`cpattn.ops.window_attention`, :mod:`cpattn.ops.rows`
