@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                    help="gloo processes, one thread each (these ranks have no parallel role)")
     p.add_argument("--reps", type=cli.positive_int, default=15, help="interleaved samples per cell")
     p.add_argument("--inner", type=cli.positive_int, default=5, help="back-to-back calls per sample")
-    p.add_argument("--sizes", type=cli.int_list, default=SIZES, metavar="BYTES,...",
+    p.add_argument("--sizes", type=cli.int_list, default=",".join(map(str, SIZES)), metavar="BYTES,...",
                    help="input bytes per rank, comma-separated")
     cli.add_json(p)
     cli.add_timeout(p)

@@ -150,7 +150,7 @@ def _parser():
     cli.add_quick(p, "batch 2, contexts 2K and 8K, 3 rounds (< 60 s)")
     cli.add_parallel(p, dcp=2, block_size=128, interleave=128,
                      helps={"dcp": "DCP ranks: gloo processes, one thread each (DCP reuses the TP ranks: TP = DCP)"})
-    p.add_argument("--contexts", type=cli.int_list, default=(16384, 65536), metavar="N,...",
+    p.add_argument("--contexts", type=cli.int_list, default="16384,65536", metavar="N,...",
                    help="cached tokens per request, comma-separated")
     p.add_argument("--batch", type=cli.positive_int, default=4, help="decode requests")
     cli.add_dtype(p, default="bfloat16", help="KV cache and query dtype")

@@ -125,7 +125,7 @@ def _parser():
     cli.add_parallel(p, dcp=2, block_size=16, interleave=1,
                      helps={"dcp": "DCP ranks: gloo processes, one thread each; the program's TP group too (TP = DCP)"})
     p.add_argument("--layers", type=cli.positive_int, default=4, help="decoder layers of the program")
-    p.add_argument("--batches", type=cli.int_list, default=(1, 8, 32), metavar="B,...",
+    p.add_argument("--batches", type=cli.int_list, default="1,8,32", metavar="B,...",
                    help="decode batch sizes to time (each one a capture size), comma-separated")
     p.add_argument("--context", type=cli.positive_int, default=256, help="cached tokens per request")
     p.add_argument("--hidden", type=cli.positive_int, default=256, help="hidden size")

@@ -33,6 +33,7 @@ from cpattn.pcp import pcp_prefill
 # the full-size run the README's targets are stated for
 FULL_SIZE = dict(pcp=2, seq_lens=(16384,), heads=32, kv_heads=8, head_dim=128)
 TARGETS = {"ring_vs_one_rank": 0.53, "ring_vs_torch_ring": 1.0}
+ONE_RANK_WAIT_S = 1800.0  # collectives' bound: ranks 1.. wait this long at most for rank 0's one-rank run
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,9 @@ def run(world_size: int, spec: Spec, methods=("ring", "allgather"), peer=False, 
     """One rank vs ``world_size`` gloo ranks (one thread each), interleaved; collect every number."""
     bar = Progress(1, enabled=progress)
     bar.note(f"running {world_size} gloo ranks: one-rank baseline and {', '.join(methods)}, {spec.reps} rounds")
-    ranks = spawn(world_size, _ranks, spec, tuple(methods), peer, threads=1, timeout_s=timeout_s)
+    # while rank 0 alone runs the one-rank baseline the others wait in a barrier: give collectives room
+    ranks = spawn(world_size, _ranks, spec, tuple(methods), peer, threads=1, timeout_s=timeout_s,
+                  collective_timeout_s=max(timeout_s, ONE_RANK_WAIT_S))
     bar.step("done")
     plan = pcp_plan(spec.inputs()[3], world_size)
     out = pcp_unshard([r["out"] for r in ranks], plan)
@@ -171,7 +174,7 @@ def parser(prog: str, doc_defaults: dict):
     p = cli.parser(prog, __doc__)
     cli.add_parallel(p, pcp=doc_defaults["pcp"],
                      helps={"pcp": "PCP ranks: gloo processes, one thread each"})
-    p.add_argument("--seq-lens", type=cli.int_list, default=doc_defaults["seq_lens"], metavar="N,N,...",
+    p.add_argument("--seq-lens", type=cli.int_list, default=",".join(map(str, doc_defaults["seq_lens"])), metavar="N,N,...",
                    help="new-token count of each request, comma-separated")
     p.add_argument("--heads", type=cli.positive_int, default=doc_defaults["heads"], help="query heads")
     p.add_argument("--kv-heads", type=cli.positive_int, default=doc_defaults["kv_heads"],

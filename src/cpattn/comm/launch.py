@@ -13,7 +13,8 @@ a rank that cannot finish:
   stops all its threads, so a rank whose stamp is older than ``timeout_s``
   is reported as stalled, with its process state from ``/proc`` on Linux;
 - every collective waits at most ``timeout_s`` (the torch.distributed
-  timeout), so ranks that are alive but wait on each other end in an error;
+  timeout; ``collective_timeout_s`` sets it apart), so ranks that are alive
+  but wait on each other forever end in an error;
 - a rank that raises or dies ends the run: the others get ``GRACE_S``
   seconds to finish on their own, then every rank still running is killed
   with its whole process group (compile workers included). A rank that
@@ -269,6 +270,7 @@ def spawn(
     backend: str = "gloo",
     threads: int = 1,
     timeout_s: float = 300.0,
+    collective_timeout_s: float | None = None,
     **kwargs: Any,
 ) -> list:
     """Run ``fn(group, *args, **kwargs)`` in ``world_size`` fresh processes; return per-rank results.
@@ -278,7 +280,11 @@ def spawn(
     ``timeout_s`` bounds every wait (module doc): a rank silent (no
     heartbeat) for that long, or a collective waiting that long, ends the
     run with a :class:`SpawnError` naming the rank; a whole run may take
-    longer as long as every rank keeps responding.
+    longer as long as every rank keeps responding. ``collective_timeout_s``
+    (default ``timeout_s``) sets the collectives' bound alone, for programs
+    where some ranks legitimately wait long (e.g. while rank 0 alone runs a
+    one-rank baseline); a stopped or dead rank is still named after
+    ``timeout_s``.
 
     Raises
     ------
@@ -298,8 +304,10 @@ def spawn(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"spawn: world_size must be an int >= 1; got {world_size!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"spawn: timeout_s must be > 0 seconds; got {timeout_s!r}")
+    collective_timeout_s = timeout_s if collective_timeout_s is None else collective_timeout_s
+    for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
+        if not value > 0:
+            raise ValueError(f"spawn: {name} must be > 0 seconds; got {value!r}")
     ctx = mp.get_context("spawn")
     beats = ctx.Array("d", world_size, lock=False)  # monotonic time of each rank's last heartbeat; 0: none yet
     with tempfile.TemporaryDirectory(prefix="cpattn-spawn-") as out_dir:
@@ -307,7 +315,7 @@ def spawn(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs),
+                args=(r, world_size, port, backend, threads, collective_timeout_s, out_dir, beats, fn, args, kwargs),
                 daemon=True,
             )
             for r in range(world_size)
