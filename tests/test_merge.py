@@ -1,4 +1,4 @@
-"""merge_attn_states: exact against a float64 logsumexp, overflow-safe, empty partials."""
+"""merge_attn_states / merge_into: exact against a float64 logsumexp, overflow-safe, empty partials, NaN."""
 
 import pytest
 import torch
@@ -45,22 +45,54 @@ def test_all_empty_gives_zero_and_minus_inf():
     assert (out == 0).all() and (lse == float("-inf")).all()
 
 
-def test_nan_and_inf_lse_count_as_empty():
+def test_only_minus_inf_is_empty_and_nan_propagates():
+    """-inf marks an empty partial (its garbage output ignored); a NaN or +inf LSE is data: that row is NaN."""
     o = torch.randn(3, 4, 2, 8)
     l = torch.randn(3, 4, 2)
     o_bad, l_bad = o.clone(), l.clone()
-    l_bad[1, 0] = float("nan")
-    l_bad[2, 1] = float("inf")
-    o_bad[1, 0] = float("nan")
-    keep = torch.ones(3, 4, 2, dtype=torch.bool)
-    keep[1, 0] = False
-    keep[2, 1] = False
+    l_bad[0, 3] = float("-inf")  # empty partial with garbage output
+    o_bad[0, 3] = float("nan")
+    l_bad[1, 0] = float("nan")  # NaN from the data
+    l_bad[2, 1, 0] = float("inf")
     out, lse = merge_attn_states(o_bad, l_bad)
+    nan_rows = torch.zeros(4, 2, dtype=torch.bool)
+    nan_rows[0] = True
+    nan_rows[1, 0] = True
+    assert torch.equal(out.isnan().any(-1), nan_rows) and torch.equal(lse.isnan(), nan_rows)
+    keep = torch.ones(3, 4, 2, dtype=torch.bool)
+    keep[0, 3] = False
     l_ref = torch.where(keep, l, float("-inf")).double()
     want_lse = torch.logsumexp(l_ref, 0)
     want_out = (torch.exp(l_ref - want_lse)[..., None] * torch.where(keep[..., None], o, 0).double()).sum(0)
-    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double()[~nan_rows], want_lse[~nan_rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double()[~nan_rows], want_out[~nan_rows], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("merge", ["n_way", "into"])
+def test_underflowed_weight_does_not_hide_nan(merge):
+    """A partial whose weight underflows to 0 still carries its NaN (0 * NaN = NaN, as on one device)."""
+    from cpattn.ops.merge import merge_into
+
+    o = torch.randn(2, 3, 1, 4)
+    l = torch.tensor([[0.0, 0.0, 0.0], [-500.0, -500.0, float("-inf")]])[..., None]  # exp(-500) == 0 in fp32
+    o[1, 0, 0, 2] = float("nan")  # finite lse, NaN output
+    o[1, 2] = float("nan")  # empty partial: ignored
+    if merge == "n_way":
+        out, lse = merge_attn_states(o, l)
+    else:
+        out, lse = o[0].clone(), l[0].clone()
+        merge_into(out, lse, o[1], l[1])
+    assert out[0, 0, 2].isnan() and out[0, 0].isnan().sum() == 1 and not lse.isnan().any()
+    torch.testing.assert_close(out[1:], o[0, 1:])  # the other rows are exact
+    assert torch.isfinite(out[1:]).all()
+
+
+def test_all_empty_with_garbage_merge_into():
+    from cpattn.ops.merge import merge_into
+
+    acc, acc_lse = torch.zeros(2, 1, 4), torch.full((2, 1), float("-inf"))
+    merge_into(acc, acc_lse, torch.full((2, 1, 4), float("nan")), torch.full((2, 1), float("-inf")))
+    assert (acc == 0).all() and (acc_lse == float("-inf")).all()
 
 
 def test_bf16_partials_keep_dtype_and_merge_in_fp32():
@@ -105,18 +137,18 @@ def test_merge_into_equals_float64_logsumexp(gap):
     l = torch.randn(3, 6, 2, dtype=torch.float64)
     l[2] -= gap
     l[:, 0] = float("-inf")  # a row empty in every partial
-    l[1, 1] = float("nan")  # NaN counts as empty
-    o[1, 1] = float("nan")
+    o[:, 0] = float("nan")  # ... whose outputs are garbage
+    l[1, 1] = float("nan")  # NaN is data: row 1 becomes NaN
     acc, acc_lse = torch.zeros(6, 2, 8), torch.full((6, 2), float("-inf"))
     for i in range(3):
         merge_into(acc, acc_lse, o[i].float(), l[i].float())
-    lref = torch.where(torch.isnan(l), float("-inf"), l)
-    want_lse = torch.logsumexp(lref, 0)
-    w = torch.nan_to_num(torch.exp(lref - want_lse), nan=0.0)
-    want = (w[..., None] * torch.nan_to_num(o, nan=0.0)).sum(0)
+    want_lse = torch.logsumexp(l, 0)
+    want = (torch.exp(l - want_lse)[..., None] * o).sum(0)
     assert (acc[0] == 0).all() and (acc_lse[0] == float("-inf")).all()
-    torch.testing.assert_close(acc_lse[1:].double(), want_lse[1:], atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(acc[1:].double(), want[1:], atol=1e-5, rtol=1e-5)
+    assert acc[1].isnan().all() and acc_lse[1].isnan().all()
+    assert torch.isfinite(acc[2:]).all() and torch.isfinite(acc_lse[2:]).all()
+    torch.testing.assert_close(acc_lse[2:].double(), want_lse[2:], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(acc[2:].double(), want[2:], atol=1e-5, rtol=1e-5)
 
 
 def test_merge_into_checks_and_opcheck():

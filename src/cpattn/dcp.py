@@ -32,7 +32,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
-from cpattn.ops import merge_attn_states
+from cpattn.ops import checks, merge_attn_states
 from cpattn.ops.paged import paged_attention_with_lse
 from cpattn.ops.ref import lse_weights
 
@@ -130,10 +130,10 @@ def plan_tensors(
 
 
 def _as_tensor(name, x, device):
-    t = torch.as_tensor(x, device=device)
-    if t.dim() != 1 or t.is_floating_point():
-        raise ValueError(f"{name} must be a 1-D int tensor or list [B]; got {t.dtype} {tuple(t.shape)}")
-    return t.to(torch.int64)
+    if not isinstance(x, torch.Tensor):
+        x = torch.tensor(checks.int_list(name, x), dtype=torch.int64)
+    checks.int_tensor(name, x, dims=1, desc="[B] (or a list of ints)")
+    return x.to(device, torch.int64)
 
 
 def dcp_plan(
@@ -173,8 +173,8 @@ def dcp_plan(
     >>> meta.num_tokens, meta.kv_lens[0].tolist()
     (3, [3, 1, 2])
     """
-    if block_table.dim() != 2 or block_table.is_floating_point():
-        raise ValueError(f"block_table must be an int [B, max_blocks] tensor; got {block_table.dtype} {tuple(block_table.shape)}")
+    checks.int_tensor("block_table", block_table, dims=2, desc="[B, max_blocks]")
+    dcp_size = checks.integer("dcp_size", dcp_size, at_least=1)
     dev = block_table.device
     seq, ql = _as_tensor("seq_lens", seq_lens, dev), _as_tensor("query_lens", query_lens, dev)
     b = block_table.shape[0]
@@ -189,10 +189,14 @@ def dcp_plan(
         )
     if num_tokens is None:
         num_tokens = int(ql.sum())
+    num_tokens = checks.integer("num_tokens", num_tokens, at_least=0)
     if check:
-        if bool((ql < 0).any()) or bool((ql > seq).any()):
+        bad = (ql < 0) | (ql > seq)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
             raise ValueError(
-                f"need 0 <= query_lens <= seq_lens per request; got query_lens {ql.tolist()}, seq_lens {seq.tolist()}"
+                f"request {i}: query_lens[{i}] = {int(ql[i])}, seq_lens[{i}] = {int(seq[i])}; need "
+                "0 <= query_lens <= seq_lens per request (seq_lens counts cached + new tokens)"
             )
         if int(ql.sum()) > num_tokens:
             raise ValueError(f"num_tokens = {num_tokens} is below sum(query_lens) = {int(ql.sum())}")
@@ -245,9 +249,10 @@ def dcp_attend_heads(
     l = l.to(acc)
     if merge == "ag_rs":
         lses = group.all_gather(l[None], dim=0)  # [N, T, N*Hl]
-        total = lse_weights(lses)[2]  # [T, N*Hl]: the merged LSE
-        w = torch.where(torch.isfinite(total) & torch.isfinite(l), torch.exp(l - total), 0.0)  # [T, N*Hl]
-        part = torch.where(w[..., None] > 0, o.to(acc), 0.0)  # an empty partial may hold garbage
+        total = lse_weights(lses)[2]  # [T, N*Hl]: the merged LSE (NaN if any rank's is NaN)
+        empty = l == float("-inf")  # only an empty partial is zeroed; NaN and underflow are not masked
+        w = torch.where(empty, 0.0, torch.exp(l - total))  # [T, N*Hl]
+        part = torch.where(empty[..., None], 0.0, o.to(acc))  # an empty partial may hold garbage
         out = group.reduce_scatter(part * w[..., None], dim=1)  # [T, Hl, Dv]
         lse = total[:, r * hl : (r + 1) * hl]  # [T, Hl]
         return out, lse
@@ -383,19 +388,39 @@ class DCPContext:
         if self.shard not in ("tokens", "heads"):
             raise ValueError(f"shard must be 'tokens' or 'heads'; got {self.shard!r}")
         dev = q.device
+        checks.int_tensor("context_lens", self.context_lens, dims=1, desc="[B]")
+        checks.int_tensor("block_table", self.block_table, dims=2, desc="[B, max_blocks]")
+        checks.cu_seqlens("cu_q", cu_q, total=q.shape[0], of=f"q has {q.shape[0]} rows", exact=True)
         cu = cu_q.to(dev, torch.int64)
         ctx = self.context_lens.to(dev, torch.int64)
         if cu.shape[0] != ctx.shape[0] + 1:
             raise ValueError(f"cu_q has {cu.shape[0]} entries but context_lens covers {ctx.shape[0]} requests")
-        if int(cu[-1]) != q.shape[0]:  # host sync: prefill runs eagerly
-            raise ValueError(f"cu_q ends at {int(cu[-1])} but q has {q.shape[0]} rows; they must match")
+        if self.block_table.shape[0] != ctx.shape[0]:
+            raise ValueError(
+                f"block_table has {self.block_table.shape[0]} rows but context_lens covers {ctx.shape[0]} "
+                "requests; give every request one row"
+            )
+        checks.within("context_lens", ctx, 0, None, expected="a count of cached tokens >= 0")
         local = dcp_local_lens(ctx, g.size, self.interleave_size)[:, g.rank]  # [B] keys every new token sees here
+        self._check_fits(ctx, local, g.rank)
         if self.shard == "heads":
             req = _rows_to_requests(cu, q.shape[0])
             kv_lens = torch.where(req >= 0, local[req.clamp(min=0)], 0)
             return dcp_attend_heads(q, self.k_cache, self.v_cache, self.block_table, req, kv_lens,
                                     group=g, merge=self.merge, softmax_scale=scale)
         return self._attend_tokens(q, cu, local, scale, g)
+
+    def _check_fits(self, ctx: torch.Tensor, local: torch.Tensor, rank: int) -> None:
+        """Every request's cached tokens on this rank fit its block-table row (one host read)."""
+        reach = self.block_table.shape[1] * self.k_cache.shape[1]
+        far = local > reach
+        if checks.values_checkable() and bool(far.any()):
+            b = int(far.nonzero()[0])
+            raise ValueError(
+                f"context_lens[{b}] = {int(ctx[b])} puts {int(local[b])} cached tokens on DCP rank {rank}, but a "
+                f"block_table row addresses {self.block_table.shape[1]} blocks x {self.k_cache.shape[1]} = {reach}; "
+                "widen the block table"
+            )
 
     def _attend_tokens(self, q, cu, local, scale, g):
         n, t = g.size, q.shape[0]

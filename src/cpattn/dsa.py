@@ -51,7 +51,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.layout.dcp import dcp_owner
 from cpattn.layout.pcp import pcp_plan
-from cpattn.ops import merge_attn_states
+from cpattn.ops import checks, merge_attn_states
 from cpattn.ops.dsa import causal_key_ranges, indexer_scores, sparse_mla_attention_with_lse, topk_indices
 
 SPLITS = ("contiguous", "balanced")
@@ -103,9 +103,14 @@ def dsa_attention(
     >>> out.shape
     torch.Size([6, 4, 32])
     """
-    start, visible = causal_key_ranges(cu_seqlens_q, cu_seqlens_k)
+    cq, ck = checks.int_list("cu_seqlens_q", cu_seqlens_q), checks.int_list("cu_seqlens_k", cu_seqlens_k)
+    checks.cumulative("cu_seqlens_q", cq, total=q.shape[0], of=f"q has {q.shape[0]} tokens", exact=True)
+    checks.cumulative("cu_seqlens_k", ck, total=latent.shape[0], of=f"latent has {latent.shape[0]} rows")
+    if k_index.shape[0] != latent.shape[0]:
+        raise ValueError(f"k_index has {k_index.shape[0]} rows but latent {latent.shape[0]}; one of each per key token")
+    start, visible = causal_key_ranges(cq, ck)
     start, visible = start.to(q.device), visible.to(q.device)
-    lens = [int(b) - int(a) for a, b in zip(list(cu_seqlens_k), list(cu_seqlens_k)[1:])]
+    lens = [b - a for a, b in zip(ck, ck[1:])]
     scores = indexer_scores(q_index, w_index, k_index, start, visible, max(lens, default=0))  # [Tq, M]
     idx = topk_indices(scores, topk)  # [Tq, k] request-local positions
     rows = torch.where(idx >= 0, start[:, None] + idx, -1)  # [Tq, k] rows of latent
@@ -185,24 +190,20 @@ def dsa_cp_plan(
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1; got {cp_size}")
-    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing; got {cu}")
+    cp_size = checks.integer("cp_size", cp_size, at_least=1)
+    cu = checks.int_list("cu_seqlens", cu_seqlens)
+    checks.cumulative("cu_seqlens", cu)
     seq = [b - a for a, b in zip(cu, cu[1:])]
-    ctx = [0] * len(seq) if context_lens is None else [int(c) for c in (
-        context_lens.tolist() if isinstance(context_lens, torch.Tensor) else context_lens)]
-    if len(ctx) != len(seq) or any(c < 0 for c in ctx):
-        raise ValueError(f"context_lens must hold {len(seq)} non-negative ints; got {ctx}")
+    ctx = [0] * len(seq) if context_lens is None else checks.int_list("context_lens", context_lens)
+    checks.nonnegative("context_lens", ctx, len(seq), "one per request")
     if cache_starts is None:
         cache_starts, acc = [], 0
         for c, n in zip(ctx, seq):
             cache_starts.append(acc)
             acc += c + n
-    cache_starts = [int(s) for s in cache_starts]
-    if len(cache_starts) != len(seq):
-        raise ValueError(f"cache_starts must hold {len(seq)} ints (one per request); got {cache_starts}")
+    cache_starts = checks.int_list("cache_starts", cache_starts)
+    checks.nonnegative("cache_starts", cache_starts, len(seq), "one per request")
+    _check_disjoint(cache_starts, [c + n for c, n in zip(ctx, seq)])
     n_tok = cu[-1]
     req_of = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(seq, dtype=torch.int64))  # [T]
     pos_of = torch.arange(n_tok) - torch.tensor(cu[:-1], dtype=torch.int64)[req_of] + torch.tensor(
@@ -240,6 +241,17 @@ def dsa_cp_plan(
     )
 
 
+def _check_disjoint(starts: list[int], sizes: list[int]) -> None:
+    """Requests' cache row ranges ``[start, start + ctx + n)`` must not overlap (one request would overwrite another)."""
+    spans = sorted((s, s + n, b) for b, (s, n) in enumerate(zip(starts, sizes)) if n > 0)
+    for (s0, e0, b0), (s1, e1, b1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ValueError(
+                f"cache_starts[{b1}] = {s1} puts request {b1} inside request {b0}'s cache rows {s0}..{e0 - 1} "
+                "(context_lens + new tokens); give each request its own rows"
+            )
+
+
 def dsa_cp_shard(x: torch.Tensor, plan: DSACPPlan, rank: int) -> torch.Tensor:
     """Rank ``rank``'s tokens of a packed global tensor: [T, ...] -> [T_rank, ...].
 
@@ -250,8 +262,10 @@ def dsa_cp_shard(x: torch.Tensor, plan: DSACPPlan, rank: int) -> torch.Tensor:
     >>> dsa_cp_shard(torch.arange(5), dsa_cp_plan([0, 5], 2), 1).tolist()
     [2, 3, 4]
     """
-    if x.shape[0] != plan.restore_index.numel():
-        raise ValueError(f"x has {x.shape[0]} tokens but the plan covers {plan.restore_index.numel()}")
+    rank = checks.rank("rank", rank, plan.size, "the plan's DSA-CP ranks")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != plan.restore_index.numel():
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a packed [T={plan.restore_index.numel()}, ...] tensor (the plan's tokens); got {got}")
     return x[plan.token_index[rank].to(x.device)]
 
 
@@ -363,6 +377,8 @@ def dsa_cp_attention(
     """
     if output not in OUTPUTS_CP:
         raise ValueError(f"output must be one of {OUTPUTS_CP}; got {output!r}")
+    if not isinstance(plan, DSACPPlan):
+        raise ValueError(f"plan must be a DSACPPlan from dsa_cp_plan(cu_seqlens, cp_size); got {type(plan).__name__}")
     if group.size != plan.size:
         raise ValueError(f"the plan is for {plan.size} ranks but the group has {group.size}; rebuild the plan")
     r, n = group.rank, group.size
@@ -466,7 +482,13 @@ def dcp_shard_keys(
     >>> dcp_shard_keys(torch.zeros(6, 8), torch.zeros(6, 4), [0, 6], 1, 2, interleave=2).ids.tolist()
     [2, 3]
     """
-    cu = [int(c) for c in cu_seqlens_k]
+    size = checks.integer("size", size, at_least=1)
+    rank = checks.rank("rank", rank, size, "the DCP group's ranks")
+    interleave = checks.integer("interleave", interleave, at_least=1)
+    cu = checks.int_list("cu_seqlens_k", cu_seqlens_k)
+    checks.cumulative("cu_seqlens_k", cu, total=latent.shape[0], of=f"latent has {latent.shape[0]} rows")
+    if index_k.shape[0] != latent.shape[0]:
+        raise ValueError(f"index_k has {index_k.shape[0]} rows but latent {latent.shape[0]}; one of each per key token")
     ids, rows, cu_local = [], [], [0]
     for b in range(len(cu) - 1):
         own = _dcp_owned(cu[b + 1] - cu[b], rank, size, interleave)
@@ -547,15 +569,23 @@ def dsa_dcp_topk(
     """
     dev = q_index.device
     t = q_index.shape[0]
-    cu_q = torch.as_tensor([int(c) for c in cu_seqlens_q], dtype=torch.int64, device=dev)
+    _check_topk_args(q_index, positions, cu_seqlens_q, keys)
+    topk = checks.integer("topk", topk, at_least=1)
+    cu_q = torch.as_tensor(checks.int_list("cu_seqlens_q", cu_seqlens_q), dtype=torch.int64, device=dev)
     req = torch.searchsorted(cu_q[1:], torch.arange(t, device=dev), right=True)  # [T] request of query
     cu_k = keys.cu_seqlens.to(dev).long()
-    if cu_k.numel() != cu_q.numel():
-        raise ValueError(f"keys.cu_seqlens has {cu_k.numel()} entries, cu_seqlens_q {cu_q.numel()}; both [B+1]")
     big = int(positions.max()) + 2 if positions.numel() else 1
     big = max(big, int(keys.ids.max()) + 2 if keys.ids.numel() else 1)
     req_k = torch.searchsorted(cu_k[1:], torch.arange(keys.ids.numel(), device=dev), right=True)  # [S_r]
     comp = req_k * big + keys.ids.long()  # [S_r] ascending: (request, id)
+    if checks.values_checkable() and comp.numel() > 1:
+        down = comp.diff() <= 0
+        if bool(down.any()):
+            i = int(down.nonzero()[0]) + 1
+            raise ValueError(
+                f"keys.ids must be strictly ascending within each request; got keys.ids[{i}] = {int(keys.ids[i])} "
+                f"after keys.ids[{i - 1}] = {int(keys.ids[i - 1])}. Build the keys with dcp_shard_keys"
+            )
     start = cu_k[req]  # [T]
     visible = torch.searchsorted(comp, req * big + positions.long(), right=True) - start  # [T] local prefix
     lens = (cu_k[1:] - cu_k[:-1]).tolist()
@@ -582,6 +612,26 @@ def dsa_dcp_topk(
     else:
         rows = torch.full_like(gids, -1)
     return gids, rows
+
+
+def _check_topk_args(q_index, positions, cu_seqlens_q, keys: ShardedKeys) -> None:
+    """Arguments of the key-sharded top-k: query map, positions and the rank's ShardedKeys agree."""
+    t = q_index.shape[0]
+    cq = checks.int_list("cu_seqlens_q", cu_seqlens_q)
+    checks.cumulative("cu_seqlens_q", cq, total=t, of=f"q_index has {t} queries", exact=True)
+    checks.int_tensor("positions", positions, (t,), desc=f"[T={t}]")
+    checks.within("positions", positions, 0, None, expected="an absolute position >= 0")
+    s_r = keys.latent.shape[0]
+    checks.int_tensor("keys.ids", keys.ids, (s_r,), desc=f"[S_r={s_r}] (one global id per row of keys.latent)")
+    if keys.index_k.shape[0] != s_r:
+        raise ValueError(f"keys.index_k has {keys.index_k.shape[0]} rows but keys.latent {s_r}; one of each per key")
+    checks.cu_seqlens("keys.cu_seqlens", keys.cu_seqlens, total=s_r, of=f"keys.latent has {s_r} rows", exact=True)
+    if keys.cu_seqlens.numel() != len(cq):
+        raise ValueError(
+            f"keys.cu_seqlens has {keys.cu_seqlens.numel()} entries, cu_seqlens_q {len(cq)}; both are [B+1] "
+            "for the same B requests"
+        )
+    checks.within("keys.ids", keys.ids, 0, None, expected="a global key position >= 0")
 
 
 def dsa_dcp_attention(
@@ -632,6 +682,8 @@ def dsa_dcp_attention(
     """
     if output not in OUTPUTS_DCP:
         raise ValueError(f"output must be one of {OUTPUTS_DCP}; got {output!r}")
+    if q.dim() != 3 or q.shape[0] != q_index.shape[0]:
+        raise ValueError(f"q must be [T={q_index.shape[0]}, H, Dqk] (one row per query of q_index); got {tuple(q.shape)}")
     t, h, _ = q.shape
     n = group.size
     if output == "head" and h % n:

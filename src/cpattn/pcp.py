@@ -28,7 +28,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.layout.pcp import PCPPlan
-from cpattn.ops import attention_with_lse
+from cpattn.ops import attention_with_lse, checks
 from cpattn.ops.merge import merge_into
 from cpattn.ops.attention import check_qkv
 from cpattn.ops.ref import acc_dtype
@@ -49,8 +49,22 @@ class Context:
     v: torch.Tensor
     cu_seqlens: torch.Tensor
 
+    def __post_init__(self):
+        for name, x in (("Context.k", self.k), ("Context.v", self.v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3:
+                raise ValueError(f"{name} must be a [Tc, Hkv, D] tensor; got {getattr(x, 'shape', type(x).__name__)}")
+        if self.k.shape[:2] != self.v.shape[:2]:
+            raise ValueError(f"Context.k {tuple(self.k.shape)} and Context.v {tuple(self.v.shape)} must agree on [Tc, Hkv]")
+        checks.cu_seqlens("Context.cu_seqlens", self.cu_seqlens, total=self.k.shape[0],
+                          of=f"Context.k has {self.k.shape[0]} tokens")
+
     def attend(self, q, cu_q, scale, group):
         """Partial attention of q [Tq, Hq, D] (requests by cu_q) over the context."""
+        if cu_q.shape != self.cu_seqlens.shape:
+            raise ValueError(
+                f"Context.cu_seqlens covers {self.cu_seqlens.shape[0] - 1} requests but the plan has "
+                f"{cu_q.shape[0] - 1}; give the context one entry per request (0 cached tokens is fine)"
+            )
         return attention_with_lse(q, self.k, self.v, cu_q, self.cu_seqlens, causal=False, softmax_scale=scale)
 
 
@@ -138,6 +152,8 @@ def pcp_prefill(
     torch.Size([10, 4, 16])
     """
     check_qkv(q, k, v)
+    if not isinstance(plan, PCPPlan):
+        raise ValueError(f"plan must be a PCPPlan from pcp_plan(cu_seqlens, pcp_size); got {type(plan).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
     if group.size != plan.size:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import torch
 
+from cpattn.ops import checks
+
 
 def _check_sizes(dcp_size: int, interleave_size: int, block_size: int | None = None) -> None:
-    if dcp_size < 1:
-        raise ValueError(f"dcp_size must be >= 1; got {dcp_size}")
-    if interleave_size < 1:
-        raise ValueError(f"interleave_size must be >= 1; got {interleave_size}")
-    if block_size is not None and (block_size < 1 or block_size % interleave_size):
+    checks.integer("dcp_size", dcp_size, at_least=1)
+    checks.integer("interleave_size", interleave_size, at_least=1)
+    if block_size is not None and (checks.integer("block_size", block_size) < 1 or block_size % interleave_size):
         raise ValueError(
             f"block_size ({block_size}) must be a positive multiple of interleave_size ({interleave_size}); "
             "pick an interleave size that divides the block size"
@@ -49,6 +49,7 @@ def dcp_owner(t: torch.Tensor, dcp_size: int, interleave_size: int) -> torch.Ten
     [0, 0, 1, 1, 0, 0, 1, 1]
     """
     _check_sizes(dcp_size, interleave_size)
+    _check_positions("t", t)
     return torch.div(t, interleave_size, rounding_mode="floor") % dcp_size
 
 
@@ -64,6 +65,7 @@ def dcp_local_index(t: torch.Tensor, dcp_size: int, interleave_size: int) -> tor
     [0, 1, 0, 1, 2, 3, 2, 3]
     """
     _check_sizes(dcp_size, interleave_size)
+    _check_positions("t", t)
     period = interleave_size * dcp_size
     return torch.div(t, period, rounding_mode="floor") * interleave_size + t % interleave_size
 
@@ -82,6 +84,7 @@ def dcp_local_lens(seq_lens: torch.Tensor, dcp_size: int, interleave_size: int) 
     [[6, 4], [2, 1], [0, 0]]
     """
     _check_sizes(dcp_size, interleave_size)
+    _check_positions("seq_lens", seq_lens)
     s = seq_lens.long()[..., None]  # [B, 1]
     base = torch.div(s, interleave_size * dcp_size, rounding_mode="floor") * interleave_size  # [B, 1]
     ranks = torch.arange(dcp_size, device=seq_lens.device)  # [N]
@@ -113,6 +116,9 @@ def dcp_slot_mapping(
     -------
     slots: [T] int64, ``block * block_size + offset`` or -1 (not written
     here: another rank's token, a padding row, or a missing block).
+    A real row whose request is not a row of ``block_table``, or whose token
+    (owned here) lies past the table's columns, is a ValueError (not checked
+    while tracing or capturing).
 
     Example
     -------
@@ -131,17 +137,37 @@ def dcp_slot_mapping(
         raise ValueError(
             f"positions {tuple(positions.shape)} and req_indices {tuple(req_indices.shape)} must both be [T]"
         )
+    checks.int_tensor("positions", positions, dims=1, desc="[T]")
+    checks.int_tensor("req_indices", req_indices, dims=1, desc="[T]")
+    checks.int_tensor("block_table", block_table, dims=2, desc="[B, max_blocks]")
     pos = positions.long()
     req = req_indices.long()
     owner = dcp_owner(pos.clamp(min=0), dcp_size, interleave_size)  # [T]
     local = dcp_local_index(pos.clamp(min=0), dcp_size, interleave_size)  # [T]
     nb, mb = block_table.shape
     col = torch.div(local, block_size, rounding_mode="floor")  # [T]
-    inside = (pos >= 0) & (req >= 0) & (req < nb) & (col < mb)
+    real = (pos >= 0) & (req >= 0)  # [T] not a padding row
+    checks.within("req_indices", req, 0, nb, where=real,
+                  expected=f"a row of block_table (0..{nb - 1}), or a negative value for a padding row")
+    far = real & (owner == dcp_rank) & (col >= mb)  # this rank's token past the table's columns
+    if checks.values_checkable() and bool(far.any()):
+        i = int(far.nonzero()[0])
+        raise ValueError(
+            f"positions[{i}] = {int(pos[i])} is local token {int(local[i])} of rank {dcp_rank}, in block-table "
+            f"column {int(col[i])}, but block_table has {mb} columns ({mb} x block_size {block_size} local "
+            "tokens per request); widen the block table"
+        )
+    inside = real & (req < nb) & (col < mb)
     block = block_table[req.clamp(0, max(nb - 1, 0)), col.clamp(0, max(mb - 1, 0))].long()  # [T]
     slot = block * block_size + local % block_size
     keep = inside & (owner == dcp_rank) & (block >= 0)
     return torch.where(keep, slot, torch.full_like(slot, -1))
+
+
+def _check_positions(name: str, t: torch.Tensor) -> None:
+    """An integer tensor of positions or lengths, every entry >= 0 (values: one host read, eager only)."""
+    checks.int_tensor(name, t)
+    checks.within(name, t, 0, None, expected="a position / length >= 0")
 
 
 def reshard_kv_blocks(

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpattn.ops import checks
+
 
 @dataclass(frozen=True)
 class PCPPlan:
@@ -97,10 +99,14 @@ def pcp_plan(
 
     Arguments
     ---------
-    cu_seqlens: [B+1] cumulative new-token counts (any lengths, zero too).
-    pcp_size: P, the number of PCP ranks.
+    cu_seqlens: [B+1] cumulative new-token counts (any lengths, zero too):
+        integers starting at 0, non-decreasing.
+    pcp_size: P, the number of PCP ranks (an integer >= 1).
     context_lens: [B] cached tokens before each request's new tokens
         (prefix caching / chunked prefill); positions start there.
+
+    Floats are refused (never truncated); every bad argument is a ValueError
+    naming it.
 
     Returns
     -------
@@ -113,16 +119,12 @@ def pcp_plan(
     >>> plan.token_index[0].tolist(), plan.token_index[1].tolist()
     ([0, 1, 6, 7], [2, 3, 4, 5])
     """
-    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    if pcp_size < 1:
-        raise ValueError(f"pcp_size must be >= 1; got {pcp_size}")
-    if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing; got {cu}")
+    pcp_size = checks.integer("pcp_size", pcp_size, at_least=1)
+    cu = checks.int_list("cu_seqlens", cu_seqlens)
+    checks.cumulative("cu_seqlens", cu)
     seq_lens = [b - a for a, b in zip(cu, cu[1:])]
-    ctx = [0] * len(seq_lens) if context_lens is None else [int(c) for c in (
-        context_lens.tolist() if isinstance(context_lens, torch.Tensor) else context_lens)]
-    if len(ctx) != len(seq_lens) or any(c < 0 for c in ctx):
-        raise ValueError(f"context_lens must hold {len(seq_lens)} non-negative ints; got {ctx}")
+    ctx = [0] * len(seq_lens) if context_lens is None else checks.int_list("context_lens", context_lens)
+    checks.nonnegative("context_lens", ctx, len(seq_lens), "one per request")
 
     p = pcp_size
     bounds = [chunk_bounds(n, 2 * p) for n in seq_lens]
@@ -181,8 +183,10 @@ def pcp_shard(x: torch.Tensor, plan: PCPPlan, rank: int) -> torch.Tensor:
     >>> pcp_shard(torch.arange(8), pcp_plan([0, 8], 2), 1).tolist()
     [2, 3, 4, 5]
     """
-    if x.shape[0] != plan.restore_index.numel():
-        raise ValueError(f"x has {x.shape[0]} tokens but the plan covers {plan.restore_index.numel()}")
+    rank = checks.rank("rank", rank, plan.size, "the plan's PCP ranks")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != plan.restore_index.numel():
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a packed [T={plan.restore_index.numel()}, ...] tensor (the plan's tokens); got {got}")
     return x[plan.token_index[rank].to(x.device)]
 
 
@@ -213,6 +217,7 @@ def causal_pairs(plan: PCPPlan, rank: int) -> int:
     Context keys add ``T_r * ctx`` pairs per request and are not counted here.
     Attention FLOPs are ``4 * pairs * Hq * D`` (QK^T and PV, 2 FLOPs a MAC).
     """
+    rank = checks.rank("rank", rank, plan.size, "the plan's PCP ranks")
     return sum(_prefix_pairs(s, e) for s, e in plan.a_bounds[rank] + plan.b_bounds[rank])
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from cpattn.ops import ref, registry
+from cpattn.ops import checks, ref, registry
 from cpattn.ops.merge import merge_into
 
 Block = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
@@ -47,6 +47,13 @@ def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
     return q.new_empty(t, hq, v.shape[-1]), q.new_empty(t, hq, dtype=lse_dtype)
 
 
+# aten's CPU flash kernel handles keys below its vector width in a scalar loop whose max ignores NaN:
+# a row whose scores are all NaN (a NaN query, or only NaN keys) comes back as out 0, lse 0 when the
+# block has fewer keys than that width (8 floats with AVX2). Blocks this short with a non-finite query
+# or key run the plain reference instead (cheap: the block is tiny).
+FLASH_MIN_KEYS = 32
+
+
 def _flash_cpu_block(q, k, v, causal, scale):
     """Dense block on aten's CPU flash kernel. q [Hq,Lq,D], k/v [Hkv,Lk,D*] -> ([Hq,Lq,Dv], [Hq,Lq]).
 
@@ -54,6 +61,8 @@ def _flash_cpu_block(q, k, v, causal, scale):
     kernel reads every key once per kv head instead of once per query head
     (3-6x faster for decode, measured; the head order h = j*g + i is kept).
     """
+    if k.shape[1] < FLASH_MIN_KEYS and not checks.all_finite(q, k):
+        return ref.dense_block(q, k, v, causal, scale)
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:  # the kernel wants one head dim: pad values (MLA: 512 -> 576)
         v = torch.nn.functional.pad(v, (0, dqk - dv))
@@ -87,25 +96,22 @@ def varlen(
 
     q: [Tq, Hq, Dqk]; k: [Tk, Hkv, Dqk]; v: [Tk, Hkv, Dv];
     cu_seqlens_q / cu_seqlens_k: [B+1]. Returns out [Tq, Hq, Dv] (q's dtype)
-    and lse [Tq, Hq] (float32; float64 for float64 inputs).
+    and lse [Tq, Hq] (float32; float64 for float64 inputs). Validates the
+    cu_seqlens values before any block runs (it reads them on the host anyway).
     """
     tq, hq, _ = q.shape
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq)} entries, cu_seqlens_k has {len(ck)}; both must be [B+1]")
+    checks.cumulative("cu_seqlens_q", cq, total=tq, of=f"q has {tq} tokens", start_zero=False)
+    checks.cumulative("cu_seqlens_k", ck, total=k.shape[0], of=f"k has {k.shape[0]} tokens", start_zero=False)
     out = q.new_empty(tq, hq, v.shape[-1])  # rows no block writes are set to (0, -inf) below
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.empty((tq, hq), dtype=lse_dtype, device=q.device)
     written = 0  # rows [0, written) are final
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    if len(cq) != len(ck):
-        raise ValueError(f"cu_seqlens_q has {len(cq)} entries, cu_seqlens_k has {len(ck)}; both must be [B+1]")
-    if cq[-1] > tq or ck[-1] > k.shape[0]:
-        raise ValueError(
-            f"cu_seqlens end at q={cq[-1]}, k={ck[-1]} but q has {tq} tokens and k has {k.shape[0]}"
-        )
     for b in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
         lq, lk = q1 - q0, k1 - k0
-        if lq < 0 or lk < 0:
-            raise ValueError(f"cu_seqlens must be non-decreasing; request {b} has q_len={lq}, k_len={lk}")
         hidden = max(lq - lk, 0) if causal else 0  # rows that precede every key
         if lq - hidden == 0 or lk == 0:
             hidden = lq
@@ -118,16 +124,47 @@ def varlen(
         if not causal or qb.shape[1] == 1:  # one visible row sees every key: no mask needed
             o, l = block(qb, kb, vb, False, scale)
         else:
-            prefix = lk - qb.shape[1]  # keys every row sees
-            o, l = block(qb, kb[:, prefix:], vb[:, prefix:], True, scale)
-            if prefix > 0:
-                op, lp = block(qb, kb[:, :prefix], vb[:, :prefix], False, scale)
-                o, l = o.to(ref.acc_dtype(o.dtype)), l.to(ref.acc_dtype(o.dtype))
-                merge_into(o, l, op, lp)
+            o, l = _causal(qb, kb, vb, scale, block)
         out[q0 + hidden : q1] = o.transpose(0, 1).to(out.dtype)
         lse[q0 + hidden : q1] = l.transpose(0, 1).to(lse_dtype)
     _empty_rows(out, lse, written, tq)  # rows past cu_seqlens_q[-1]
     return out, lse
+
+
+def _causal(qb, kb, vb, scale, block):
+    """Row i of q [Hq, Lq, D] sees keys ``0 .. Lk-Lq+i`` of k/v [Hkv, Lk, D*] (Lq <= Lk) -> (o, l).
+
+    A masked kernel still multiplies the zero weight of a key it hides by
+    that key's value (0 * NaN = NaN), so a non-finite key or value inside
+    the causal diagonal would reach rows that cannot see it. Rows are then
+    cut at every such key: each slice's diagonal hides only finite keys.
+    Costs one pass over the diagonal's keys and values (O(Lq), not O(Lq^2)).
+    """
+    lq = qb.shape[1]
+    prefix = kb.shape[1] - lq  # keys every row sees
+    kd, vd = kb[:, prefix:], vb[:, prefix:]  # [Hkv, Lq, D*]: the diagonal's keys
+    finite = torch.isfinite(kd).all(dim=2).all(dim=0) & torch.isfinite(vd).all(dim=2).all(dim=0)  # [Lq]
+    if bool(finite.all()):
+        return _causal_rows(qb, kb, vb, scale, block)
+    cuts = [0, *(i for i in (~finite).nonzero().view(-1).tolist() if i > 0), lq]
+    parts = [_causal_rows(qb[:, a:b], kb[:, : prefix + b], vb[:, : prefix + b], scale, block)
+             for a, b in zip(cuts, cuts[1:])]
+    acc = ref.acc_dtype(qb.dtype)
+    return torch.cat([o.to(acc) for o, _ in parts], dim=1), torch.cat([l.to(acc) for _, l in parts], dim=1)
+
+
+def _causal_rows(qb, kb, vb, scale, block):
+    """Causal diagonal block plus the unmasked prefix block, merged by LSE (see :func:`_causal`)."""
+    lq = qb.shape[1]
+    if lq == 1:
+        return block(qb, kb, vb, False, scale)
+    prefix = kb.shape[1] - lq
+    o, l = block(qb, kb[:, prefix:], vb[:, prefix:], True, scale)
+    if prefix > 0:
+        op, lp = block(qb, kb[:, :prefix], vb[:, :prefix], False, scale)
+        o, l = o.to(ref.acc_dtype(o.dtype)), l.to(ref.acc_dtype(o.dtype))
+        merge_into(o, l, op, lp)
+    return o, l
 
 
 def _empty_rows(out: torch.Tensor, lse: torch.Tensor, start: int, stop: int) -> None:
@@ -180,7 +217,14 @@ def attention_with_lse(
     -------
     out: [Tq, Hq, Dv] in q's dtype; lse: [Tq, Hq] natural log, float32
     (float64 for float64 inputs). A row with no visible key gets out 0 and
-    lse -inf.
+    lse -inf. A NaN in a key or value reaches exactly the rows that see that
+    key (their heads reading its kv head), as in the float64 oracle; keys a
+    row cannot see never reach it, whatever they hold.
+
+    Raises
+    ------
+    ValueError naming the argument: cu_seqlens not integer, not ``[B+1]``,
+    negative, decreasing, or ending past q's / k's tokens; mismatched shapes.
 
     Example
     -------
@@ -193,6 +237,7 @@ def attention_with_lse(
     (torch.Size([5, 4, 16]), torch.Size([5, 4]))
     """
     check_qkv(q, k, v)
+    # the values (monotone, within q / k) are checked by the kernel driver, which reads them anyway
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
@@ -224,8 +269,5 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor) -> None:
-    """Validate a ``[B+1]`` integer cumulative-length tensor."""
-    if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be 1-D [B+1]; got shape {tuple(cu.shape)}")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64; got {cu.dtype}")
+    """Validate the shape and dtype of a ``[B+1]`` int32/int64 cumulative-length tensor (no host read)."""
+    checks.cu_seqlens(name, cu, check_values=False)

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from cpattn.ops import dsa_ref, registry
+from cpattn.ops import checks, dsa_ref, registry
 
 # elements of one fp32 work buffer in the chunked CPU kernels (64 MiB)
 _CHUNK_ELEMS = 1 << 24
@@ -71,8 +71,7 @@ def _indexer_cpu(q, w, k, key_start, visible, max_keys):
     acc = dsa_ref.acc_dtype(q, w, k)
     t_all, h, d = q.shape
     out = torch.full((t_all, max_keys), float("-inf"), dtype=acc, device=q.device)
-    starts, vis = key_start.tolist(), visible.tolist()
-    _check_ranges(starts, vis, k.shape[0], max_keys)
+    starts, vis = key_start.tolist(), visible.tolist()  # ranges checked by the public wrapper
     for t0, t1 in _runs(starts):
         run_keys = max(vis[t0:t1])
         if run_keys == 0:
@@ -92,15 +91,6 @@ def _indexer_cpu(q, w, k, key_start, visible, max_keys):
             s.masked_fill_(cols[None, :] >= visible[a:b, None], float("-inf"))
             out[a:b, :n_keys] = s
     return out
-
-
-def _check_ranges(starts: list[int], vis: list[int], num_keys: int, max_keys: int) -> None:
-    for t, (s, v) in enumerate(zip(starts, vis)):
-        if s < 0 or v < 0 or s + v > num_keys or v > max_keys:
-            raise ValueError(
-                f"query {t}: key_start={s}, visible={v} must satisfy 0 <= key_start, 0 <= visible <= "
-                f"max_keys={max_keys} and key_start + visible <= {num_keys} (rows of k); fix the key map"
-            )
 
 
 # --------------------------------------------------------------------------- topk_indices
@@ -167,8 +157,8 @@ def _sparse_cpu(q, latent, indices, softmax_scale, value_dim):
         kv = torch.where(valid[..., None], kv, 0.0)  # unselected rows may hold NaN
         s = torch.bmm(q[a:b].to(acc), kv.transpose(1, 2)) * softmax_scale  # [n, H, K]
         s.masked_fill_(~valid[:, None, :], float("-inf"))
-        m = torch.logsumexp(s, dim=-1)  # [n, H]
-        live = torch.isfinite(m)
+        m = torch.logsumexp(s, dim=-1)  # [n, H]; NaN where a selected row holds NaN
+        live = m != float("-inf")  # only a query without any index is zeroed: NaN stays NaN
         p = torch.exp(s - torch.where(live, m, 0.0)[..., None])  # [n, H, K]
         o = torch.bmm(p, kv[..., :value_dim])  # [n, H, Dv]
         out[a:b] = torch.where(live[..., None], o, 0.0).to(q.dtype)
@@ -214,6 +204,9 @@ def indexer_scores(
         (causal: ``pos_t + 1``, capped by the request's key count).
     max_keys: width of the result (>= max(visible)); given by the plan so
         shapes are static; ``None`` reads ``visible.max()`` (host sync).
+        A ValueError names the first query whose range breaks
+        ``0 <= key_start``, ``0 <= visible <= max_keys``,
+        ``key_start + visible <= S`` (not checked while tracing or capturing).
     fp8: quantize q (per token and head) and k (per token) to float8 e4m3
         and dequantize before scoring, as the reference FP8 indexer does.
 
@@ -234,6 +227,8 @@ def indexer_scores(
     _check_indexer(q, w, k, key_start, visible)
     if max_keys is None:
         max_keys = int(visible.max()) if visible.numel() else 0
+    max_keys = checks.integer("max_keys", max_keys, at_least=0)
+    checks.key_ranges(key_start, visible, num_keys=k.shape[0], max_keys=max_keys)
     if fp8:
         q8, q_scale = fp8_quantize(q)  # [T, H, D], [T, H]
         k8, k_scale = fp8_quantize(k)  # [S, D], [S]
@@ -267,9 +262,8 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     if scores.dim() != 2 or not scores.is_floating_point():
         raise ValueError(f"scores must be a floating [T, S] tensor; got {scores.dtype} {tuple(scores.shape)}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1; got {k}")
-    return torch.ops.cpattn.topk_indices(scores, int(k))
+    k = checks.integer("k", k, at_least=1)
+    return torch.ops.cpattn.topk_indices(scores, k)
 
 
 def sparse_mla_attention_with_lse(
@@ -290,7 +284,9 @@ def sparse_mla_attention_with_lse(
         value is ``row[:value_dim]``. A paged cache is indexed by slot
         (``block_id * block_size + offset``).
     indices: [T, K] int -- cache rows each query attends; ``-1`` is ignored.
-        Rows of one query must be distinct.
+        Rows of one query must be distinct; any other value outside the
+        cache is a ValueError naming the first one (not checked while tracing
+        or capturing).
     softmax_scale: the model's scale (``qk_head_dim**-0.5 * mscale**2``, see
         :func:`mla_softmax_scale`), never ``Dqk**-0.5``. Required.
     value_dim: value width (512 for DeepSeek).
@@ -299,7 +295,8 @@ def sparse_mla_attention_with_lse(
     -------
     out: [T, H, value_dim] in q's dtype; lse: [T, H] float32 (float64 for
     float64 inputs). A query without any index gets out 0, lse -inf. Rows of
-    the cache nobody selected are never read (they may hold NaN).
+    the cache a query did not select never reach it (they may hold NaN); a
+    NaN in a row it selected makes its output NaN, as in the dense oracle.
 
     Example
     -------
@@ -325,12 +322,18 @@ def sparse_mla_attention_with_lse(
             f"[num_blocks, block_size, 1, Dqk] (one latent head); got shape {tuple(latent_cache.shape)}"
         )
     cache = latent_cache.reshape(-1, d)  # [S, Dqk]: flat rows / slots
-    if indices.dim() != 2 or indices.shape[0] != q.shape[0] or indices.is_floating_point():
-        raise ValueError(f"indices must be an integer [T={q.shape[0]}, K] tensor; got {indices.dtype} {tuple(indices.shape)}")
+    checks.int_tensor("indices", indices, dims=2, desc=f"[T={q.shape[0]}, K]")
+    if indices.shape[0] != q.shape[0]:
+        raise ValueError(f"indices must be an integer tensor [T={q.shape[0]}, K]; got {indices.dtype} {tuple(indices.shape)}")
+    value_dim = checks.integer("value_dim", value_dim)
     if not 0 < value_dim <= d:
         raise ValueError(f"value_dim must be in 1..{d}; got {value_dim}")
     if softmax_scale is None or not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be the model's positive scale; got {softmax_scale}")
+    rows = cache.shape[0]
+    checks.within("indices", indices, -1, rows,
+                  expected=f"-1 (no key) or a row of latent_cache in 0..{rows - 1} ({rows} rows)",
+                  fix="For a paged cache a row is block_id * block_size + offset")
     return torch.ops.cpattn.sparse_mla_attention_with_lse(q, cache, indices, float(softmax_scale), int(value_dim))
 
 
@@ -344,6 +347,7 @@ def causal_key_ranges(
     ``k[cu_k[b]:cu_k[b+1]]``; query i of ``Lq`` sees keys ``0 .. Lk - Lq + i``.
 
     Returns key_start [T] and visible [T] (int64) for :func:`indexer_scores`.
+    Both lists must hold integers, >= 0 and non-decreasing, with B+1 entries each.
 
     Example
     -------
@@ -351,8 +355,10 @@ def causal_key_ranges(
     >>> [x.tolist() for x in causal_key_ranges([0, 2], [0, 5])]
     [[0, 0], [4, 5]]
     """
-    cq = [int(c) for c in cu_seqlens_q]
-    ck = [int(c) for c in cu_seqlens_k]
+    cq = checks.int_list("cu_seqlens_q", cu_seqlens_q)
+    ck = checks.int_list("cu_seqlens_k", cu_seqlens_k)
+    checks.cumulative("cu_seqlens_q", cq, start_zero=False)
+    checks.cumulative("cu_seqlens_k", ck, start_zero=False)
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq)} entries, cu_seqlens_k {len(ck)}; both must be [B+1]")
     cq_t, ck_t = torch.tensor(cq, dtype=torch.int64), torch.tensor(ck, dtype=torch.int64)
@@ -421,5 +427,4 @@ def _check_indexer(q, w, k, key_start, visible) -> None:
     if k.dim() != 2 or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k must be [S, D_I={q.shape[-1]}] (one indexer key per token); got {tuple(k.shape)}")
     for name, x in (("key_start", key_start), ("visible", visible)):
-        if x.shape != (q.shape[0],) or x.is_floating_point():
-            raise ValueError(f"{name} must be an integer [T={q.shape[0]}] tensor; got {x.dtype} {tuple(x.shape)}")
+        checks.int_tensor(name, x, (q.shape[0],), desc=f"[T={q.shape[0]}]")

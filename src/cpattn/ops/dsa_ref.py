@@ -60,22 +60,23 @@ def sparse_mla_attention_with_lse(
     q: [T, H, Dqk]; latent: [S, Dqk] (values are ``latent[:, :value_dim]``);
     indices: [T, K]. Returns out [T, H, value_dim] in q's dtype and lse
     [T, H] (float32; float64 for float64 inputs); a row without any index
-    gets out 0 and lse -inf.
+    gets out 0 and lse -inf. Each query gathers its own rows and zeroes the
+    unselected slots, so a NaN reaches exactly the queries that selected it.
     """
     acc = acc_dtype(q, latent)
     t, h, _ = q.shape
-    # dense mask over every cache row, then softmax over all of them
-    sel = torch.zeros(t, latent.shape[0] + 1, dtype=torch.bool, device=q.device)  # [T, S + 1]
-    idx = torch.where(indices >= 0, indices.long(), latent.shape[0])  # -1 -> spare column
-    sel.scatter_(1, idx, True)
-    sel = sel[:, :-1]  # [T, S]
-    kv = torch.where(sel.any(0)[:, None], latent.to(acc), 0.0)  # rows nobody reads may hold NaN
-    s = torch.einsum("thd,sd->ths", q.to(acc), kv) * softmax_scale  # [T, H, S]
-    s = s.masked_fill(~sel[:, None, :], float("-inf"))
+    valid = indices >= 0  # [T, K]
+    rows = torch.where(valid, indices.long(), 0)
+    if latent.shape[0]:
+        kv = latent.to(acc)[rows]  # [T, K, Dqk]
+    else:
+        kv = latent.new_zeros(*rows.shape, latent.shape[-1]).to(acc)
+    kv = torch.where(valid[..., None], kv, 0.0)  # a -1 slot reads nothing
+    s = torch.einsum("thd,tkd->thk", q.to(acc), kv) * softmax_scale  # [T, H, K]
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [T, H]
-    live = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(live, lse, 0.0)[..., None])  # [T, H, S]
-    out = torch.einsum("ths,sd->thd", p, kv[:, :value_dim])
+    live = lse != float("-inf")  # only a query with no index is zeroed: NaN stays NaN
+    p = torch.exp(s - torch.where(live, lse, 0.0)[..., None])  # [T, H, K]
+    out = torch.einsum("thk,tkd->thd", p, kv[..., :value_dim])
     out = torch.where(live[..., None], out, 0.0)
-    lse = torch.where(live, lse, float("-inf"))
     return out.to(q.dtype), lse

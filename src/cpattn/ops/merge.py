@@ -40,13 +40,21 @@ def merge_attn_states(
     outs: [N, T, H, D] (or a sequence of N tensors [T, H, D]) -- partial outputs,
         each normalised over its own keys. Keep them in float32 when you can:
         rounding partials to bf16 is where merge error comes from.
-    lses: [N, T, H] (or N tensors [T, H]) -- their natural-log LSEs. NaN and
-        +inf count as -inf (an empty partial).
+    lses: [N, T, H] (or N tensors [T, H]) -- their natural-log LSEs.
 
     Returns
     -------
     out: [T, H, D] in outs' dtype; lse: [T, H] float32 (float64 for float64
     input). Rows where every partial is empty give out 0, lse -inf.
+
+    Empty partials and NaN
+    ----------------------
+    Only an LSE of exactly -inf marks an empty partial ``(0, -inf)``, which
+    the kernels produce for a row with no visible key; its output is
+    ignored, whatever it holds. A NaN (or +inf) LSE, or a NaN in the output
+    of a partial that is not empty, is data: that row's result is NaN, just
+    as it is on one device where the row sees the same keys. A weight that
+    underflows to 0 does not hide it (0 * NaN = NaN). See docs/exactness.md.
 
     Example
     -------
@@ -73,16 +81,19 @@ def merge_attn_states(
 
 @registry.define("merge_into", mutates_args=("out_acc", "lse_acc"))
 def _merge_into_op(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    # two-way update, in place: L = logaddexp(L_acc, L_new); O = w_acc O_acc + w_new O_new
-    l_new = torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse).to(lse_acc.dtype)
+    # two-way update, in place: L = logaddexp(L_acc, L_new); O = w_acc O_acc + w_new O_new.
+    # Only lse == -inf is an empty partial; NaN propagates (torch.maximum keeps it).
+    inf = float("inf")
+    l_new = lse.to(lse_acc.dtype)
     m = torch.maximum(lse_acc, l_new)
-    m = torch.where(torch.isfinite(m), m, 0.0)
+    m = torch.where(m == -inf, 0.0, m)
     a, b = torch.exp(lse_acc - m), torch.exp(l_new - m)  # [T, H]
     total = a + b
-    live = total > 0
-    inv = 1.0 / torch.where(live, total, 1.0)
-    out_acc.mul_((a * inv)[..., None]).addcmul_(torch.where((b > 0)[..., None], out, 0.0), (b * inv)[..., None])
-    lse_acc.copy_(torch.where(live, m + torch.log(torch.where(live, total, 1.0)), float("-inf")))
+    empty = (lse_acc == -inf) & (l_new == -inf)
+    inv = 1.0 / torch.where(empty, 1.0, total)
+    new = torch.where((l_new == -inf)[..., None], 0.0, out)  # an empty partial may hold garbage
+    out_acc.mul_((a * inv)[..., None]).addcmul_(new, (b * inv)[..., None])
+    lse_acc.copy_(torch.where(empty, -inf, m + torch.log(total)))
 
 
 registry.generic("merge_into")
@@ -100,6 +111,9 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, 
 
     The two-way special case of :func:`merge_attn_states`, with no stacking
     and two passes over ``out_acc``: the running merge of ring attention.
+    Same rule: lse -inf is an empty partial (its out is ignored); NaN is
+    data and propagates. Rows of the accumulator with lse -inf must hold
+    out 0 (how it starts, and what every kernel returns for such rows).
 
     Example
     -------

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from cpattn.ops import ref, registry
+from cpattn.ops import checks, ref, registry
+from cpattn.ops.attention import FLASH_MIN_KEYS
 from cpattn.ops.paged_ref import paged_attention_ref
 
 # Elements of K gathered per chunk by the CPU kernel (~1 MiB in float32):
@@ -124,11 +125,17 @@ def _check_cache(name: str, cache: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (it is written through a flat view); call .contiguous() once")
 
 
-def _check_slots(slot_mapping: torch.Tensor, t: int) -> None:
+def _check_slots(slot_mapping: torch.Tensor, t: int, cache_name: str, cache: torch.Tensor) -> None:
     if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"slot_mapping must be int32/int64 [T={t}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
+    nb, bs = cache.shape[:2]
+    checks.within(
+        "slot_mapping", slot_mapping, -1, nb * bs,
+        expected=f"-1 (skip the token) or a slot in 0..{nb * bs - 1} ({cache_name} has {nb} blocks x {bs})",
+        fix="A slot is block_id * block_size + offset, with block ids of this cache",
+    )
 
 
 def write_kv(
@@ -143,7 +150,8 @@ def write_kv(
     k: [T, Hkv, Dk]; v: [T, Hkv, Dv] -- cast to the cache dtype.
     slot_mapping: [T] int -- ``block * block_size + offset``, or -1 to skip the
         token (owned by another DCP rank, or a padding row). Valid slots must
-        be distinct.
+        be distinct. Any other value (below -1, or past the cache) is a
+        ValueError naming the first one (not checked while tracing or capturing).
 
     Example
     -------
@@ -160,7 +168,7 @@ def write_kv(
             f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [T, Hkv, D] matching the caches' "
             f"[.., {', '.join(map(str, k_cache.shape[2:]))}] / [.., {', '.join(map(str, v_cache.shape[2:]))}]"
         )
-    _check_slots(slot_mapping, k.shape[0])
+    _check_slots(slot_mapping, k.shape[0], "k_cache", k_cache)
     registry.call("write_kv", k_cache, v_cache, k, v, slot_mapping)
 
 
@@ -171,7 +179,7 @@ def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     ---------
     kv_cache: [num_blocks, block_size, 1, Dc + Dr] (DeepSeek: 576 = 512 + 64), contiguous.
     kv_c: [T, Dc] compressed latent (the values); k_pe: [T, Dr] rope key part.
-    slot_mapping: [T] int, -1 skips a token.
+    slot_mapping: [T] int, -1 skips a token; other slots must lie in the cache.
 
     Example
     -------
@@ -191,7 +199,7 @@ def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             f"kv_c {tuple(kv_c.shape)} and k_pe {tuple(k_pe.shape)} must be [T, Dc] and [T, Dr] with "
             f"Dc + Dr = {kv_cache.shape[3]} (the cache's last dim)"
         )
-    _check_slots(slot_mapping, kv_c.shape[0])
+    _check_slots(slot_mapping, kv_c.shape[0], "kv_cache", kv_cache)
     registry.call("write_kv_mla", kv_cache, kv_c, k_pe, slot_mapping)
 
 
@@ -268,14 +276,24 @@ def _paged_request(q, k_cache, v_cache, blocks, row_lens, lmin, lmax, scale, sha
         if dv > dk:
             kc = torch.nn.functional.pad(kc, (0, dv - dk))
         k4, v4 = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, Hkv, Lc, D]
+        # the fused kernel is exact on finite data; it hides an all-NaN row of a short chunk, and leaks a
+        # key hidden by the mask into the row (-inf + NaN, 0 * NaN): such chunks run exact masked math
+        short = c1 - c0 < FLASH_MIN_KEYS and not checks.all_finite(qf, kc)
         if c1 <= lmin:  # every row sees the whole chunk
-            o, l = _flash(qf, k4, v4, None, scale)
+            if short:
+                o, l = _masked_exact(qf, k4, v4, torch.ones(qf.shape[2], c1 - c0, dtype=torch.bool, device=q.device), scale)
+            else:
+                o, l = _flash(qf, k4, v4, None, scale)
         else:
             key = torch.arange(c0, c1, device=q.device)  # [Lc]
             seen = key[None, :] < lens_f[:, None]  # [G*nq, Lc]
-            zero = torch.zeros((), dtype=qf.dtype, device=q.device)
-            mask = torch.where(seen, zero, torch.full_like(zero, float("-inf")))
-            o, l = _flash(qf, k4, v4, mask, scale)
+            hid = max(lmin - c0, 0)  # keys from here on are hidden from some row
+            if short or not checks.all_finite(kc[hid:], vc[hid:]):
+                o, l = _masked_exact(qf, k4, v4, seen, scale)
+            else:
+                zero = torch.zeros((), dtype=qf.dtype, device=q.device)
+                mask = torch.where(seen, zero, torch.full_like(zero, float("-inf")))
+                o, l = _flash(qf, k4, v4, mask, scale)
             some = seen.any(dim=1)  # [G*nq]: a row that sees nothing here is an empty partial
             l = torch.where(some, l, float("-inf"))
             o = torch.where(some[:, None], o, 0.0)
@@ -287,6 +305,32 @@ def _paged_request(q, k_cache, v_cache, blocks, row_lens, lmin, lmax, scale, sha
     out = state_o.view(hkv, g, nq, dv).permute(2, 0, 1, 3).reshape(nq, hq, dv)  # [nq, Hq, Dv]
     lse = state_l.view(hkv, g, nq).permute(2, 0, 1).reshape(nq, hq)  # [nq, Hq]
     return out, lse
+
+
+def _masked_exact(qf, k4, v4, seen, scale):
+    """Masked attention without the fused kernel: q [1, H, R, D], k/v [1, H, Lc, D], seen [R, Lc].
+
+    A hidden key's score is replaced by -inf and its value by 0 per row, so
+    NaN or inf there never reaches the row; a visible one reaches it as in
+    the float64 oracle. Rows go in batches to bound the [H, rows, Lc, D]
+    value buffer. Returns out [1, H, R, D] and lse [1, H, R], float32.
+    """
+    _, h, r, d = qf.shape
+    lc = k4.shape[2]
+    k, v = k4[0].float(), v4[0].float()  # [H, Lc, D]
+    step = max(1, CHUNK_ELEMS * 4 // max(1, h * lc * d))
+    outs, lses = [], []
+    for a in range(0, r, step):
+        b = min(a + step, r)
+        vis = seen[a:b]  # [n, Lc]
+        s = torch.matmul(qf[0, :, a:b].float(), k.transpose(1, 2)) * scale  # [H, n, Lc]
+        s = s.masked_fill(~vis, float("-inf"))
+        l = torch.logsumexp(s, dim=-1)  # [H, n]
+        p = torch.exp(s - torch.where(l != float("-inf"), l, 0.0)[..., None])  # [H, n, Lc]
+        vv = torch.where(vis[None, :, :, None], v[:, None], 0.0)  # [H, n, Lc, D]
+        outs.append(torch.einsum("hnl,hnld->hnd", p, vv))
+        lses.append(l)
+    return torch.cat(outs, dim=1)[None], torch.cat(lses, dim=1)[None]
 
 
 def _fold(state_o, state_l, parts_o, parts_l):
@@ -324,7 +368,7 @@ def _paged_small(q, k_cache, v_cache, block_table, req_indices, kv_lens, scale, 
     s = torch.matmul(q.view(t, hkv, g, dk).float(), k) * scale  # [T, Hkv, G, L]
     s = s.masked_fill(~seen[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [T, Hkv, G]; -inf for a row that sees nothing
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # 0 where unseen
+    p = torch.exp(s - torch.where(lse != float("-inf"), lse, 0.0)[..., None])  # 0 where unseen; NaN stays NaN
     out = torch.matmul(p, v)  # [T, Hkv, G, Dv]
     return out.reshape(t, hq, dv).to(q.dtype), lse.reshape(t, hq)
 
@@ -360,17 +404,6 @@ def _paged_cpu(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_s
             f"kv_lens asks for {lmax} keys but a block_table row addresses only "
             f"{block_table.shape[1]} blocks x {bs}; widen the block table"
         )
-    if t:  # a -1 (unused) block inside a row's visible keys is a caller bug: name it
-        w = block_table.shape[1]
-        needed = (torch.arange(w, device=q.device) * k_cache.shape[1])[None, :] < kv_lens[:, None].long()  # [T, W]
-        rows = block_table[req_indices.long().clamp(min=0)]  # [T, W]
-        bad = needed & (rows < 0) & (req_indices >= 0)[:, None]
-        if bool(bad.any()):
-            r = int(bad.any(dim=1).nonzero()[0])
-            raise ValueError(
-                f"block_table row of request {int(req_indices[r])} has a -1 block inside its "
-                f"{int(kv_lens[r])} visible keys (query row {r}); give every visible key a block"
-            )
     if q.dtype == torch.float64:  # the reference is the float64 kernel
         return paged_attention_ref(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale)
     n_blk = -(-lmax // bs)
@@ -432,16 +465,26 @@ def paged_attention_with_lse(
         ``k_cache = latent [.., 1, 576]``, ``v_cache = latent[..., :512]``.
     block_table: [B, max_blocks] int -- request b's local index i is in block
         ``block_table[b, i // block_size]``.
-    req_indices: [T] int -- request of each row; < 0 marks a padding row.
+    req_indices: [T] int -- request of each row (< B); < 0 marks a padding row.
     kv_lens: [T] int -- row t sees local keys ``0 .. kv_lens[t]-1`` of its
-        request (under DCP: ``local_len(position + 1, rank)``).
+        request (under DCP: ``local_len(position + 1, rank)``); at most
+        ``max_blocks * block_size``. The blocks a row reads must be ids of
+        this cache; table entries past them are never read (any value).
     softmax_scale: defaults to ``Dk ** -0.5`` (MLA callers pass the model's).
 
     Returns
     -------
     out: [T, Hq, Dv] in q's dtype; lse: [T, Hq] natural log, float32 (float64
     for float64 q). Rows that see no key get out 0, lse -inf. Cache slots past
-    ``kv_lens`` (other ranks' tokens, unused blocks) are never read into a result.
+    ``kv_lens`` (other ranks' tokens, unused blocks) are never read into a
+    result; a NaN in a key or value a row sees makes that row (its heads
+    reading that kv head) NaN, as on one device.
+
+    Raises
+    ------
+    ValueError naming the first bad row: a request past the block table, a
+    negative kv_len or one beyond the table, a read block outside the cache
+    (value checks are skipped while tracing or capturing).
 
     Example
     -------
@@ -466,10 +509,9 @@ def paged_attention_with_lse(
         raise ValueError(f"q head_dim {q.shape[-1]} != k_cache head_dim {k_cache.shape[-1]}; they must match")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k_cache.shape[2]}) for GQA")
-    if block_table.dim() != 2 or block_table.is_floating_point():
-        raise ValueError(f"block_table must be an int [B, max_blocks] tensor; got {block_table.dtype} {tuple(block_table.shape)}")
+    checks.int_tensor("block_table", block_table, dims=2, desc="[B, max_blocks]")
     for name, x in (("req_indices", req_indices), ("kv_lens", kv_lens)):
-        if x.shape != (q.shape[0],) or x.is_floating_point():
-            raise ValueError(f"{name} must be an int [T={q.shape[0]}] tensor; got {x.dtype} {tuple(x.shape)}")
+        checks.int_tensor(name, x, (q.shape[0],), desc=f"[T={q.shape[0]}]")
+    checks.paged_rows(block_table, req_indices, kv_lens, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return registry.call("paged_attention_with_lse", q, k_cache, v_cache, block_table, req_indices, kv_lens, scale)

@@ -45,7 +45,8 @@ def paged_attention_ref(
     req_indices: [T] (< 0: padding row); kv_lens: [T]. Query head h reads kv
     head ``h // (Hq // Hkv)``. Returns out [T, Hq, Dv] (q's dtype) and lse
     [T, Hq] (float32, float64 for float64 q); rows that see nothing get (0, -inf).
-    Keys past ``kv_lens`` are never read into the result (NaN there is harmless).
+    Keys past ``kv_lens`` are never read into the result (NaN there is harmless);
+    NaN in a visible key or value makes the row NaN.
     """
     acc = acc_dtype(q.dtype)
     t, hq, _ = q.shape
@@ -64,10 +65,9 @@ def paged_attention_ref(
     qg = q.to(acc).view(t, hkv, group, -1)  # [T, Hkv, G, Dk]: query head h = kv * G + g
     s = torch.einsum("tkgd,tlkd->tkgl", qg, k).reshape(t, hq, -1) * softmax_scale  # [T, Hq, L]
     s = s.masked_fill(~visible[:, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [T, Hq]
-    finite = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])  # [T, Hq, L]
+    lse = torch.logsumexp(s, dim=-1)  # [T, Hq]; NaN where a visible key holds NaN
+    live = lse != float("-inf")  # only a row that sees nothing is zeroed: NaN stays NaN
+    p = torch.exp(s - torch.where(live, lse, 0.0)[..., None])  # [T, Hq, L]
     out = torch.einsum("tkgl,tlkd->tkgd", p.view(t, hkv, group, -1), v).reshape(t, hq, -1)  # [T, Hq, Dv]
-    out = torch.where(finite[..., None], out, 0.0)
-    lse = torch.where(finite, lse, float("-inf"))
+    out = torch.where(live[..., None], out, 0.0)
     return out.to(q.dtype), lse.to(torch.float64 if acc == torch.float64 else torch.float32)
