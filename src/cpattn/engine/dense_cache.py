@@ -4,7 +4,8 @@
 :class:`DenseStep` is one forward step on it (prefill, decode, a draft
 model's step): it stores the step's new keys/values and attends causally
 (bottom-right aligned) through :func:`cpattn.ops.attention_with_lse`, or
-runs DeepSeek sparse attention (:func:`cpattn.dsa.dsa_attention`). Values
+runs DeepSeek sparse attention (:func:`cpattn.dsa.dsa_attention`; a layer
+without an indexer reuses an earlier layer's selection, :meth:`DenseStep.dsa_shared`). Values
 may live in the keys (``KVLayout.values_in_keys``: the MLA latent row).
 
 Example
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cpattn.dsa import dsa_attention
+from cpattn.ops.dsa import causal_key_ranges, sparse_mla_attention_with_lse
 from cpattn.engine.family import KVLayout
 from cpattn.ops import attention_with_lse
 
@@ -114,6 +116,7 @@ class DenseStep:
         self.cu_q = cumsum(self.new_lens).to(dev)
         self._cq = self.cu_q.tolist()  # host copy, once per step (not per layer)
         self.cu_k = cumsum([s + n for s, n in zip(self.cache.seq_lens, self.new_lens)]).to(dev)
+        self._start = None  # DSA: [T] key start of each query, built by the first shared layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Store k/v ([T, Hkv, D*]) of this step, attend q [T, Hq, Dk] causally; returns [T, Hq, Dv]."""
@@ -124,18 +127,37 @@ class DenseStep:
         return out
 
     def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
-            k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+            k_index: torch.Tensor, topk: int, scale: float, *, return_selection: bool = False):
         """DeepSeek sparse attention (:func:`cpattn.dsa.dsa_attention`) over the cache.
 
         q: [T, H, Dqk] absorbed queries; kv: [T, 1, Dqk] latent rows; q_index:
         [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I]. Stores kv and
-        k_index, returns out [T, H, v_head_dim].
+        k_index, returns out [T, H, v_head_dim]; with ``return_selection``
+        also the selection (request-local key positions [T, topk] int32, -1
+        padded) for :meth:`dsa_shared`.
         """
         c, lay = self.cache, self.cache.layouts[layer]
         lat = self._append(c.k[layer], kv)[:, 0]  # [sum S_b, Dqk]
         keys = self._append(c.k_index[layer], k_index)  # [sum S_b, D_I]
-        return dsa_attention(q, lat, q_index, w_index, keys, self.cu_q, self.cu_k,
-                             topk=topk, softmax_scale=scale, value_dim=lay.v_head_dim)
+        return dsa_attention(q, lat, q_index, w_index, keys, self.cu_q, self.cu_k, topk=topk, softmax_scale=scale,
+                             value_dim=lay.v_head_dim, return_indices=return_selection)
+
+    def dsa_shared(self, layer: int, q: torch.Tensor, kv: torch.Tensor, selection: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        """Sparse attention of a layer without an indexer, over the keys ``selection`` names
+        (from an earlier layer's :meth:`dsa`). Stores kv [T, 1, Dqk]; q [T, H, Dqk] -> out [T, H, v_head_dim]."""
+        c, lay = self.cache, self.cache.layouts[layer]
+        lat = self._append(c.k[layer], kv)[:, 0]  # [sum S_b, Dqk]
+        start = self._key_start()  # [T]
+        rows = torch.where(selection >= 0, start[:, None] + selection, -1)  # [T, topk] rows of lat
+        out, _ = sparse_mla_attention_with_lse(q, lat, rows, softmax_scale=scale, value_dim=lay.v_head_dim)
+        return out
+
+    def _key_start(self) -> torch.Tensor:
+        """[T] first packed key row of each query's request (the same for every layer of the step)."""
+        if self._start is None:
+            self._start = causal_key_ranges(self._cq, self.cu_k.tolist())[0].to(self.cu_q.device)
+        return self._start
 
     def _append(self, buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write this step's rows ``new`` [T, ...] into ``buf`` [B, max_len, ...] (the explicit cache write);

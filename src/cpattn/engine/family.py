@@ -47,6 +47,7 @@ FAMILY_MODULES = {
     "deepseek_v2": "cpattn.models.deepseek_v2",
     "deepseek_v3": "cpattn.models.deepseek_v3",
     "deepseek_v32": "cpattn.models.deepseek_v32",
+    "glm_moe_dsa": "cpattn.models.glm_moe_dsa",
 }
 
 

@@ -28,9 +28,9 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode
-from cpattn.dsa import ShardedKeys, dsa_dcp_attention
 from cpattn.engine.family import KVLayout
 from cpattn.engine.kv_rows import unpack_rows
+from cpattn.engine.paged_dsa import dsa_topk, sparse_partials_merged
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.ops.paged import scatter_rows, write_kv, write_kv_mla
 
@@ -114,29 +114,6 @@ class PagedShard:
         """Bytes of this rank's cache storage (all layers)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.k_index) if t is not None)
 
-    def key_index(self, meta: DCPMeta, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where this rank's DSA keys live, the same for every layer: slots [S_r], global ids [S_r], cu [B+1].
-
-        Host work (a loop over requests); build it once per step, not per layer.
-        """
-        n, i_sz, bs = meta.dcp_size, self.interleave_size, self.block_size
-        local = dcp_local_lens(meta.seq_lens, n, i_sz)[:, rank]  # [B]
-        slots, ids, cu = [], [], [0]
-        for b, m in enumerate(local.tolist()):
-            j = torch.arange(m)  # local indices
-            slots.append(self.block_table[b, j // bs] * bs + j % bs)
-            ids.append((j // i_sz) * (i_sz * n) + rank * i_sz + j % i_sz)  # global positions
-            cu.append(cu[-1] + m)
-        dev = self.k[0].device
-        return torch.cat(slots).to(dev), torch.cat(ids).to(dev), torch.tensor(cu, device=dev)
-
-    def sharded_keys(self, layer: int, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> ShardedKeys:
-        """This rank's DSA keys of layer ``layer`` (``index`` from :meth:`key_index`)."""
-        slots, ids, cu = index
-        lat = self.k[layer].view(-1, self.k[layer].shape[-1])[slots]  # [S_r, Dqk]
-        keys = self.k_index[layer].view(-1, self.k_index[layer].shape[-1])[slots]  # [S_r, D_I]
-        return ShardedKeys(lat, keys, ids, cu)
-
 
 @dataclass
 class DCPStep:
@@ -147,7 +124,6 @@ class DCPStep:
     meta: DCPMeta
     merge: str = "ag_rs"
     positions: torch.Tensor = field(init=False)
-    _key_index: tuple | None = field(default=None, init=False, repr=False)  # DSA: built by the first layer
 
     def __post_init__(self):
         self.positions = self.meta.positions
@@ -163,16 +139,29 @@ class DCPStep:
         return g.all_gather(out, dim=1)  # [T, Hq, Dv]: the heads back together, as TP would
 
     def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
-            k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
-        """DSA over the key-sharded cache (:func:`cpattn.dsa.dsa_dcp_attention`): exact global top-k.
+            k_index: torch.Tensor, topk: int, scale: float, *, return_selection: bool = False):
+        """DSA over the key-sharded cache with the exact global top-k (:mod:`cpattn.engine.paged_dsa`).
 
         q: [T, H, Dqk] (all heads, the same on every rank); kv: [T, 1, Dqk];
-        q_index: [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I]. Returns [T, H, v_head_dim].
+        q_index: [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I]. Returns
+        out [T, H, v_head_dim]; with ``return_selection`` also the selection:
+        this rank's slots [T, topk] of the selected keys it owns (-1 elsewhere),
+        for :meth:`dsa_shared`. Static shapes, no host sync (capturable).
         """
         g = self.group
         self.shard.write(layer, kv, None, self.meta.slot_mapping[g.rank], k_index)
-        if self._key_index is None:  # layer-independent: once per step
-            self._key_index = self.shard.key_index(self.meta, g.rank)
-        keys = self.shard.sharded_keys(layer, self._key_index)
-        return dsa_dcp_attention(q, q_index, w_index, self.meta.positions, self.meta.cu_seqlens_q, keys, group=g,
-                                 topk=topk, softmax_scale=scale, value_dim=self.shard.layouts[layer].v_head_dim)
+        _, slots = dsa_topk(q_index, w_index, self.shard.k_index[layer], self.meta, rank=g.rank, group=g, topk=topk)
+        out = self.dsa_shared(layer, q, None, slots, scale)
+        return (out, slots) if return_selection else out
+
+    def dsa_shared(self, layer: int, q: torch.Tensor, kv: torch.Tensor | None, selection: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        """Sparse attention of a layer without an indexer over an earlier layer's selection (this rank's slots
+        [T, topk]): writes kv [T, 1, Dqk] where owned (None: already written), then the partials over the
+        owned slots of this layer's latent cache, merged over the group. No indexer, no top-k exchange.
+        q: [T, H, Dqk] -> [T, H, v_head_dim]."""
+        g = self.group
+        if kv is not None:
+            self.shard.write(layer, kv, None, self.meta.slot_mapping[g.rank])
+        return sparse_partials_merged(q, self.shard.k[layer], selection, group=g, softmax_scale=scale,
+                                      value_dim=self.shard.layouts[layer].v_head_dim)

@@ -10,7 +10,10 @@ attends all of its request's cached tokens.
 - :class:`PCPStep`: :func:`cpattn.pcp_prefill` over a head-tail
   :func:`cpattn.pcp_plan` (ring or all-gather); one rank is plain prefill.
 - :class:`DSACPStep`: :func:`cpattn.dsa.dsa_cp_attention` over a
-  :func:`cpattn.dsa.dsa_cp_plan` (balanced head-tail or contiguous split).
+  :func:`cpattn.dsa.dsa_cp_plan` (balanced head-tail or contiguous split);
+  a layer without an indexer (GLM-5's shared layers) reuses the selection
+  its rank computed on an earlier layer over the replicated cache
+  (:func:`cpattn.dsa.dsa_cp_sparse_attention`): no indexer, no indexer keys.
 
 Example
 -------
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.dsa import DSACache, DSACPPlan, dsa_cp_attention
+from cpattn.dsa import DSACache, DSACPPlan, dsa_cp_attention, dsa_cp_sparse_attention
 from cpattn.engine.family import KVLayout
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.layout.pcp import PCPPlan
@@ -106,26 +109,40 @@ class DSACPStep:
         raise TypeError("DSACPStep serves DSA layers only; the model must call step.dsa(...)")
 
     def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
-            k_index: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+            k_index: torch.Tensor, topk: int, scale: float, *, return_selection: bool = False):
         """q [T_r, H, Dqk], kv [T_r, 1, Dqk], q_index [T_r, H_I, D_I], w_index [T_r, H_I], k_index [T_r, D_I]
-        -> out [T_r, H, v_head_dim]."""
+        -> out [T_r, H, v_head_dim]; with ``return_selection`` also the selection (this rank's rows
+        [T_r, topk] of the replicated cache, -1 padded) for :meth:`dsa_shared`."""
         self.kv[layer] = (kv, None, k_index)
         return dsa_cp_attention(q, kv[:, 0], q_index, w_index, k_index, self.plan, group=self.group, topk=topk,
                                 softmax_scale=scale, value_dim=self.layouts[layer].v_head_dim,
-                                cache=self._cache(layer, kv, k_index))
+                                cache=self._cache(layer, kv, k_index), return_indices=return_selection)
 
-    def _cache(self, layer: int, kv: torch.Tensor, k_index: torch.Tensor) -> DSACache | None:
-        """A replicated cache holding the prefix rows where the plan expects them (None without a prefix)."""
+    def dsa_shared(self, layer: int, q: torch.Tensor, kv: torch.Tensor, selection: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        """A layer without an indexer reusing an earlier layer's selection: its latents are all-gathered into
+        a replicated cache laid out like the full layer's (same rows), attended at ``selection``.
+        q [T_r, H, Dqk], kv [T_r, 1, Dqk] -> out [T_r, H, v_head_dim]."""
+        self.kv[layer] = (kv, None, None)
+        return dsa_cp_sparse_attention(q, kv[:, 0], selection, self.plan, group=self.group, softmax_scale=scale,
+                                       value_dim=self.layouts[layer].v_head_dim, cache=self._cache(layer, kv, None))
+
+    def _cache(self, layer: int, kv: torch.Tensor, k_index: torch.Tensor | None) -> DSACache | None:
+        """A replicated cache holding the prefix rows where the plan expects them (None without a prefix).
+
+        Rows no request owns stay NaN (never read); a layer without an indexer gets no indexer keys.
+        """
         if self._context is None:
             return None
         ck, _, cki, cu = self._context[layer]
         size = self.plan.cache_size
         latent = kv.new_full((size, kv.shape[-1]), float("nan"))
-        keys = k_index.new_full((size, k_index.shape[-1]), float("nan"))
+        keys = None if k_index is None else k_index.new_full((size, k_index.shape[-1]), float("nan"))
         for b, start in enumerate(self.plan.cache_starts):
             a, e = int(cu[b]), int(cu[b + 1])
             latent[start : start + e - a] = ck[a:e, 0]
-            keys[start : start + e - a] = cki[a:e]
+            if keys is not None:
+                keys[start : start + e - a] = cki[a:e]
         return DSACache(latent, keys)
 
 
