@@ -252,7 +252,8 @@ def fuzz_topk(n):
         res = outcome("topk_indices", lambda: ops.topk_indices(scores, kk))
         if res is not None:
             for i in range(t):
-                live = [(-float(scores[i, j]), j) for j in range(s) if not math.isnan(scores[i, j]) and scores[i, j] > NEG]
+                live = [(-float(scores[i, j]), j) for j in range(s)
+                        if not math.isnan(scores[i, j]) and scores[i, j] > NEG]
                 want = [j for _, j in sorted(live)][:kk]
                 assert res[i].tolist() == want + [-1] * (kk - len(want)), (res[i].tolist(), want)
 

@@ -141,7 +141,11 @@ def dsa_nan_case(lens, ctx, bad_req, bad_pos, seed):
     return c
 
 
-@pytest.mark.parametrize("lens, ctx, bad", [([13, 7], None, (0, 5)), ([1, 1, 1], [20, 3, 9], (0, None)), ([4, 1], [6, 9], (1, None))])
+@pytest.mark.parametrize("lens, ctx, bad", [
+    ([13, 7], None, (0, 5)),  # prefill, a new token's latent
+    ([1, 1, 1], [20, 3, 9], (0, None)),  # decode, a cached token's latent
+    ([4, 1], [6, 9], (1, None)),
+])
 def test_dsa_nan_rows_match_one_device(lens, ctx, bad, one_thread):
     c = dsa_nan_case(lens, ctx, *bad, seed=3)
     from cpattn.dsa import dsa_attention, dsa_cp_plan, dsa_cp_unshard

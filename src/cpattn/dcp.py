@@ -323,6 +323,9 @@ def dcp_decode(
     >>> outs[0].shape
     torch.Size([1, 2, 32])
     """
+    if not isinstance(meta, DCPMeta):
+        raise ValueError(f"meta must be a DCPMeta from dcp_plan(seq_lens, query_lens, block_table, ...); got "
+                         f"{type(meta).__name__}")
     k_cache, v_cache = _split_cache(kv_cache, v_head_dim)
     if group.size != meta.dcp_size:
         raise ValueError(f"meta was planned for dcp_size={meta.dcp_size} but the group has {group.size} ranks")

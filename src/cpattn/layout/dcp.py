@@ -115,9 +115,9 @@ def dcp_slot_mapping(
     Returns
     -------
     slots: [T] int64, ``block * block_size + offset`` or -1 (not written
-    here: another rank's token, a padding row, or a missing block).
-    A real row whose request is not a row of ``block_table``, or whose token
-    (owned here) lies past the table's columns, is a ValueError (not checked
+    here: another rank's token, a padding row, or a missing block -- a -1
+    entry, or a local index past the table's columns). A real row whose
+    request is not a row of ``block_table`` is a ValueError (not checked
     while tracing or capturing).
 
     Example
@@ -149,14 +149,6 @@ def dcp_slot_mapping(
     real = (pos >= 0) & (req >= 0)  # [T] not a padding row
     checks.within("req_indices", req, 0, nb, where=real,
                   expected=f"a row of block_table (0..{nb - 1}), or a negative value for a padding row")
-    far = real & (owner == dcp_rank) & (col >= mb)  # this rank's token past the table's columns
-    if checks.values_checkable() and bool(far.any()):
-        i = int(far.nonzero()[0])
-        raise ValueError(
-            f"positions[{i}] = {int(pos[i])} is local token {int(local[i])} of rank {dcp_rank}, in block-table "
-            f"column {int(col[i])}, but block_table has {mb} columns ({mb} x block_size {block_size} local "
-            "tokens per request); widen the block table"
-        )
     inside = real & (req < nb) & (col < mb)
     block = block_table[req.clamp(0, max(nb - 1, 0)), col.clamp(0, max(mb - 1, 0))].long()  # [T]
     slot = block * block_size + local % block_size

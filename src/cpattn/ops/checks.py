@@ -14,10 +14,10 @@ and one host read per argument, whatever the batch size.
 Example
 -------
 >>> import torch
->>> cumulative("cu_seqlens", [0, 5, 2])
+>>> cumulative("cu_seqlens", [0, 5, 2])  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-ValueError: cu_seqlens must be non-decreasing (request b holds tokens cu_seqlens[b]:cu_seqlens[b+1]); got cu_seqlens[1] = 5 > cu_seqlens[2] = 2. Pass cumulative lengths [0, n0, n0+n1, ...]
+ValueError: cu_seqlens must be non-decreasing (...); got cu_seqlens[1] = 5 > cu_seqlens[2] = 2. Pass ...
 """
 
 from __future__ import annotations
@@ -314,7 +314,8 @@ def _paged_error(block_table, req_indices, kv_lens, *, num_blocks, block_size) -
     row = block_table[req].tolist()
     need = -(-n // block_size)
     col = next(j for j in range(need) if not 0 <= row[j] < num_blocks)
-    seen = f"block_table[{req}, {col}] = {row[col]} is read by query row {r} (kv_lens[{r}] = {n} keys need {need} blocks)"
+    seen = (f"block_table[{req}, {col}] = {row[col]} is read by query row {r} "
+            f"(kv_lens[{r}] = {n} keys need {need} blocks)")
     if row[col] < 0:
         raise ValueError(f"{seen}: a -1 block inside the visible keys; give every visible key a block")
     raise ValueError(

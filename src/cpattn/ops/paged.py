@@ -25,7 +25,10 @@ batches (few visible keys per row, ``SMALL_ELEMS`` / ``SMALL_ROW_ELEMS``)
 instead gather every row's keys at once and run two batched matmuls; under
 torch.compile on CPU that path, at the block table's static width, is the
 op's decomposition. float64 inputs, and devices without a fused kernel, run
-the plain reference of :mod:`cpattn.ops.paged_ref`.
+the plain reference of :mod:`cpattn.ops.paged_ref`. A masked chunk whose
+hidden keys hold a non-finite value, and a short chunk with non-finite
+inputs, run exact masked math instead of the fused kernel, which would leak
+or hide that NaN (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -281,7 +284,8 @@ def _paged_request(q, k_cache, v_cache, blocks, row_lens, lmin, lmax, scale, sha
         short = c1 - c0 < FLASH_MIN_KEYS and not checks.all_finite(qf, kc)
         if c1 <= lmin:  # every row sees the whole chunk
             if short:
-                o, l = _masked_exact(qf, k4, v4, torch.ones(qf.shape[2], c1 - c0, dtype=torch.bool, device=q.device), scale)
+                every = torch.ones(qf.shape[2], c1 - c0, dtype=torch.bool, device=q.device)  # [G*nq, Lc]
+                o, l = _masked_exact(qf, k4, v4, every, scale)
             else:
                 o, l = _flash(qf, k4, v4, None, scale)
         else:
