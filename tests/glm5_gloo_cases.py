@@ -20,9 +20,9 @@ CAPTURE_SIZES = (2, 4)
 
 def tiny(name: str):
     """(family, cfg, float32 params) of a tiny model whose DCP size 2 divides the heads."""
-    if name == "glm_moe_dsa":  # one full layer and one shared layer keep the compiles short
+    if name == "glm_moe_dsa":  # one full, one shared layer, dense MLPs (Qwen3-MoE covers MoE): short compiles
         cfg = glm_moe_dsa.GlmMoeDsaConfig.tiny(num_hidden_layers=2, indexer_types=("full", "shared"),
-                                               mlp_layer_types=("sparse", "sparse"))
+                                               mlp_layer_types=("dense", "dense"))
     else:
         cfg = qwen3_moe.Qwen3MoeConfig.tiny()
     family = get_family(name)
