@@ -17,7 +17,7 @@ from spec_pd_cases import prompts, spec_cases
 from cpattn.comm.launch import spawn
 from cpattn.graphs import buckets
 from cpattn.engine.decode import accept_drafts
-from cpattn.engine.drafters import ModelDrafter, NgramDrafter, ngram_lookup, truncated
+from cpattn.engine.drafters import DraftSettings, ModelDrafter, NgramDrafter, ngram_lookup, truncated
 from cpattn.models.generate import generate, speculative_generate
 
 NEW = 14
@@ -43,12 +43,14 @@ def check(out, ref, k: int) -> None:
 class ConstantDrafter:
     """Always proposes token 0: nearly every draft is rejected, so rejected KV must never be read."""
 
+    method = "constant"
+    settings = DraftSettings()
     hidden_layers = None
 
-    def start(self, num_requests, max_len):
+    def start(self, num_requests, max_len, *, graph=None):
         return self
 
-    def propose(self, histories, k, requests):
+    def propose(self, histories, k, requests, hidden=None):
         return torch.zeros(len(histories), k, dtype=torch.int64)
 
     def rollback(self, requests, keep_lens):

@@ -48,19 +48,29 @@ and the engine supplies the step of each layout. Add the ``model_type`` to
 >>> reference_generate(toy, params, Cfg(), [[1, 2, 3]], 3).tokens.shape
 torch.Size([1, 3])
 
-**Drafter** (:mod:`cpattn.engine.drafters`): a picklable description with
-``start(num_requests, max_len) -> state``; the state's
-``propose(histories, k, requests) -> [A, k]`` drafts k tokens per request
-from the token histories (a drafter that reads the target's hidden states
-names them in ``hidden_layers``), and ``rollback(requests, keep_lens)``
-drops what it holds past the tokens the target accepted. Registered by
-name in :data:`~cpattn.engine.drafters.DRAFTERS`:
+**Drafter** (:mod:`cpattn.engine.drafters`): a picklable description
+declaring its ``method`` (the ``speculative_method`` the guide's PCP rules
+check), its ``settings`` (draft sampling / attention, verification
+schedule: routed into the engine's ``SpeculativeConfig``) and
+``hidden_layers`` (None, or the target hidden states it reads), with
+``start(num_requests, max_len, *, graph=None) -> state``. The state's
+``propose(histories, k, requests, hidden=None) -> [A, k]`` drafts k tokens
+per request from the token histories and, for drafters that read them,
+the target's hidden states of the rows computed since the last call (a
+:class:`~cpattn.engine.drafters.TargetHidden`: the prompt after prefill,
+the 1 + k verified rows after a step, the leading ``1 + accepted`` final);
+``rollback(requests, keep_lens)`` drops what it holds past the tokens the
+target accepted. Registered by name in
+:data:`~cpattn.engine.drafters.DRAFTERS` (n-gram, draft model, and the
+guide's MTP, Eagle3 and DSpark from :mod:`cpattn.drafters`):
 
 >>> from cpattn.engine.drafters import DRAFTERS
 >>> state = DRAFTERS["ngram"]().start(num_requests=1, max_len=16)
 >>> state.propose([[4, 5, 6, 4]], 2, [0]).tolist()
 [[5, 6]]
 >>> state.rollback([0], [4])
+>>> DRAFTERS["eagle3"].method, DRAFTERS["mtp"].hidden_layers
+('eagle3', ())
 
 **KV pool**: whole KV blocks (``[block_size, F]`` rows of
 :mod:`cpattn.engine.kv_rows`) keyed by a chained prefix hash of the

@@ -11,6 +11,12 @@ k = 0 is plain decode)::
     cache           S -> S + 1 + a    (the KV of d_{a+1} .. d_k was written past
                                        seq_len: never read, overwritten next step)
 
+A drafter that reads the target's hidden states (``drafter.hidden_layers``)
+gets them with its next proposal: after prefill the prompt's rows, after
+each step the 1 + k verified rows (the leading ``1 + a`` final), as a
+:class:`~cpattn.engine.drafters.TargetHidden`; the step then also returns
+those hidden states (the same function, eager or captured).
+
 Query row j at position p sees exactly the local keys with index
 ``< local_len(p + 1, r)`` on rank r (DESIGN.md §4.3), so every row's logits
 equal those of plain one-token decode at that position: the emitted tokens
@@ -49,6 +55,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, plan_tensors
+from cpattn.engine.drafters import TargetHidden
 from cpattn.engine.family import ModelFamily
 from cpattn.engine.paged_cache import DCPStep, PagedShard
 from cpattn.graphs.runner import DecodeRunner, Field
@@ -62,7 +69,9 @@ class SpecStats:
     drafted / accepted: draft tokens proposed / accepted; emitted: tokens
     produced by the steps (accepted + one bonus per row, before cutting to
     the requested length); graph_steps: steps replayed from a capture;
-    accepted_hist[a]: rows that accepted a drafts.
+    accepted_hist[a]: rows that accepted a drafts; draft_digest: a hash of
+    every draft proposed, in order (equal on every rank when the replicated
+    drafters agree).
     """
 
     steps: int = 0
@@ -72,6 +81,7 @@ class SpecStats:
     emitted: int = 0
     graph_steps: int = 0
     accepted_hist: list[int] = field(default_factory=list)
+    draft_digest: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -80,14 +90,27 @@ class SpecStats:
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens a request gains per step: emitted / rows (1 without speculation, at most 1 + k)."""
+        """Tokens a request gains per step: emitted / rows (1 without speculation, at most 1 + k); the mean
+        acceptance length (accepted drafts + the bonus token)."""
         return self.emitted / self.rows if self.rows else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Fraction of rows whose draft j (1-based, j = 1..k) was accepted (so were drafts 1..j-1).
+
+        >>> SpecStats(rows=4, accepted_hist=[1, 2, 1]).acceptance_per_position
+        [0.75, 0.25]
+        """
+        if not self.rows:
+            return [0.0] * max(len(self.accepted_hist) - 1, 0)
+        return [sum(self.accepted_hist[j:]) / self.rows for j in range(1, len(self.accepted_hist))]
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": self.rows, "drafted": self.drafted, "accepted": self.accepted,
                 "emitted": self.emitted, "graph_steps": self.graph_steps,
                 "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step,
-                "accepted_hist": list(self.accepted_hist)}
+                "acceptance_per_position": self.acceptance_per_position,
+                "accepted_hist": list(self.accepted_hist), "draft_digest": self.draft_digest}
 
 
 @dataclass(frozen=True)
@@ -182,7 +205,8 @@ def make_runner(group: Group, family: ModelFamily, params: dict, cfg: Any, shard
 
 def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: PagedShard, prompts: list[list[int]],
            first: torch.Tensor, steps: int, *, drafter=None, num_speculative_tokens: int = 0, merge: str = "ag_rs",
-           runner: DecodeRunner | None = None, on_step=None) -> DecodeOut:
+           runner: DecodeRunner | None = None, on_step=None, prompt_hidden: TargetHidden | None = None,
+           draft_graph: str | None = None) -> DecodeOut:
     """``steps`` more greedy tokens per request from a filled DCP shard; run it on every rank of the DCP group.
 
     shard: this rank's cache holding every prompt's KV (capacity
@@ -191,40 +215,59 @@ def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: Pag
     drafter: a drafter (:mod:`cpattn.engine.drafters`) with k =
     ``num_speculative_tokens`` >= 1, or None for plain decode. runner: a
     :func:`make_runner` runner for the same shard and k (graph mode), or None
-    (eager). on_step: called after each step (progress). Returns a
-    :class:`DecodeOut`, the same tokens on every rank.
+    (eager); built with the drafter's ``hidden_layers`` when it reads them.
+    on_step: called after each step (progress). prompt_hidden: the
+    prompts' hidden states from the prefill (``drafter.hidden_layers``),
+    for a drafter that reads them. draft_graph: graph backend of the
+    drafter's own steps (None: eager). Returns a :class:`DecodeOut`, the
+    same tokens on every rank.
     """
     k = int(num_speculative_tokens) if drafter is not None else 0
+    layers = drafter.hidden_layers if k else None
+    if layers is not None and prompt_hidden is None:
+        raise ValueError(f"the {drafter.method} drafter reads the target's hidden states: pass prompt_hidden (the "
+                         f"prefill's hidden_layers={tuple(layers)}) to decode")
     b = len(prompts)
     lens = [len(p) for p in prompts]  # tokens in the cache
     hist = [list(map(int, p)) + [int(f)] for p, f in zip(prompts, first.tolist())]
     out_tok: list[list[int]] = [[] for _ in range(b)]
     out_log: list[list[torch.Tensor]] = [[] for _ in range(b)]
     stats = SpecStats(accepted_hist=[0] * (k + 1))
-    draft = drafter.start(b, max(lens) + steps + k + 1) if k else None
-    eager = functools.partial(decode_step, family=family, cfg=cfg, group=group, merge=merge)
+    draft = drafter.start(b, max(lens) + steps + k + 1, graph=draft_graph) if k else None
+    eager = functools.partial(decode_step, family=family, cfg=cfg, group=group, merge=merge, hidden_layers=layers)
     state = {"params": params, "shard": shard}
     step_s = []
+    pending, pending_reqs = prompt_hidden, list(range(b))  # target hidden rows not yet given to the drafter
     while True:
         active = [i for i in range(b) if len(out_tok[i]) < steps]
         if not active:
             break
         t0 = time.perf_counter()
-        drafts = draft.propose([hist[i] for i in active], k, active) if k else \
+        hidden = None
+        if layers is not None:
+            hidden = pending.take([pending_reqs.index(i) for i in active])
+        drafts = draft.propose([hist[i] for i in active], k, active, hidden) if k else \
             torch.zeros(len(active), 0, dtype=torch.int64)
         last = torch.tensor([hist[i][-1] for i in active], dtype=torch.int64)
         batch = {"tokens": torch.cat([last[:, None], drafts], 1).flatten(),  # [A * (1 + k)]
                  "seq_lens": torch.tensor([lens[i] + 1 + k for i in active]),
                  "block_table": shard.block_table[active]}  # [A, max_blocks]
         if runner is not None:
-            logits, greedy = runner(batch, [1 + k] * len(active))  # [A * (1 + k), V], [A * (1 + k)]
+            out = runner(batch, [1 + k] * len(active))  # [A * (1 + k), V], [A * (1 + k)](, hidden)
             stats.graph_steps += runner.stats.last.startswith("graph")
         else:
             cu = torch.arange(0, (len(active) + 1) * (1 + k), 1 + k, dtype=torch.int32)
-            logits, greedy = eager(state, {**batch, "cu_seqlens_q": cu})
+            out = eager(state, {**batch, "cu_seqlens_q": cu})
+        logits, greedy = out[0], out[1]
         logits = logits.view(len(active), 1 + k, -1)  # [A, 1 + k, V]
         greedy = greedy.view(len(active), 1 + k)  # [A, 1 + k]
         acc = accept_drafts(drafts, greedy).tolist()
+        if layers is not None:  # the verified rows' hidden states, for the next proposal
+            pending = TargetHidden({n: h.view(len(active), 1 + k, -1) for n, h in out[2].items()},
+                                   tuple(lens[i] for i in active), tuple(1 + a for a in acc))
+            pending_reqs = list(active)
+        if k:
+            stats.draft_digest = hash((stats.draft_digest, tuple(drafts.flatten().tolist())))
         for j, i in enumerate(active):
             a = acc[j]
             new = greedy[j, : a + 1].tolist()

@@ -34,7 +34,7 @@ from typing import Any
 from cpattn.comm.group import Group
 from cpattn.config import EngineConfig
 from cpattn.engine import driver
-from cpattn.engine.drafters import check_drafter
+from cpattn.engine.drafters import check_drafter, speculative_fields
 from cpattn.engine.family import ModelFamily
 from cpattn.engine.options import Algorithms
 from cpattn.engine.result import Generation
@@ -42,6 +42,12 @@ from cpattn.engine.result import Generation
 
 def _family(model: ModelFamily | ModuleType | str) -> ModelFamily | str:
     return model.FAMILY if isinstance(model, ModuleType) else model
+
+
+def _speculative(config: EngineConfig, drafter) -> EngineConfig:
+    """The decode engine's config with the drafter's method and settings (re-checked: the guide's rules
+    with PCP refuse what they must, e.g. a non-greedy draft or a method the attention kind does not take)."""
+    return config if drafter is None else config.replace(**speculative_fields(drafter))
 
 
 def _graph(graph) -> dict:
@@ -96,12 +102,13 @@ def speculative_generate(model, params: dict, cfg: Any, prompts: list, max_new_t
     simulated mesh; capture sizes multiples of 1 + k). Tokens equal plain
     greedy generation's.
     """
-    check_drafter(drafter, num_speculative_tokens)
+    check_drafter(drafter, num_speculative_tokens, settings=False)
     k = num_speculative_tokens if drafter is not None else 0
     pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=dcp_size, block_size=block_size,
                                      interleave_size=interleave_size, num_speculative_tokens=k,
                                      capture_sizes=capture_sizes, **_graph(graph))
-    return driver.generate(_family(model), params, cfg, prompts, max_new_tokens, prefill=pre, decode=dec,
+    return driver.generate(_family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
+                           decode=_speculative(dec, drafter),
                            algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge), drafter=drafter)
 
 
@@ -111,15 +118,15 @@ def speculative_generate_on_rank(group: Group, model, params: dict, cfg: Any, pr
                                  dcp_merge: str = "ag_rs", graph=False,
                                  capture_sizes: list[int] | None = None) -> Generation:
     """:func:`speculative_generate` as one rank of a real group (PCP prefill and DCP decode over ``group``)."""
-    check_drafter(drafter, num_speculative_tokens)
+    check_drafter(drafter, num_speculative_tokens, settings=False)
     k = num_speculative_tokens if drafter is not None else 0
     n = group.size
     pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=n if pcp else 1, dcp_size=n, block_size=block_size,
                                      interleave_size=interleave_size, num_speculative_tokens=k,
                                      capture_sizes=capture_sizes, **_graph(graph))
     return driver.generate_on_rank(group, _family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
-                                   decode=dec, algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge),
-                                   drafter=drafter)
+                                   decode=_speculative(dec, drafter),
+                                   algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge), drafter=drafter)
 
 
 def pd_configs(model, cfg: Any, *, prefill_size: int, decode_size: int, block_size: int,
@@ -143,12 +150,13 @@ def disagg_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens
                     decode_size: int, block_size: int = 4, pcp_method: str = "ring", drafter=None,
                     num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs", graph=False) -> Generation:
     """P/D on simulated meshes: prefill on ``prefill_size`` ranks, whole blocks dealt in memory, decode on ``decode_size``."""
-    check_drafter(drafter, num_speculative_tokens)
+    check_drafter(drafter, num_speculative_tokens, settings=False)
     k = num_speculative_tokens if drafter is not None else 0
     pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=prefill_size, dcp_size=decode_size,
                                      block_size=block_size, interleave_size=block_size, num_speculative_tokens=k,
                                      pd=True, **_graph(graph))
-    return driver.generate(_family(model), params, cfg, prompts, max_new_tokens, prefill=pre, decode=dec,
+    return driver.generate(_family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
+                           decode=_speculative(dec, drafter),
                            algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge), drafter=drafter)
 
 
@@ -161,7 +169,7 @@ def pd_generate_on_rank(world: Group, model, params: dict, cfg: Any, prompts: li
     World ranks < P prefill and send whole blocks (isend/irecv), the rest decode.
     ``facts.handoff`` says what this rank sent or received.
     """
-    check_drafter(drafter, num_speculative_tokens)
+    check_drafter(drafter, num_speculative_tokens, settings=False)
     k = num_speculative_tokens if drafter is not None else 0
     if world.size != prefill_size + decode_size:
         raise ValueError(f"the world has {world.size} ranks but prefill_size + decode_size = "
@@ -170,8 +178,8 @@ def pd_generate_on_rank(world: Group, model, params: dict, cfg: Any, prompts: li
                                      block_size=block_size, interleave_size=block_size, num_speculative_tokens=k,
                                      pd=True, **_graph(graph))
     return driver.generate_on_rank(world, _family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
-                                   decode=dec, algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge),
-                                   drafter=drafter)
+                                   decode=_speculative(dec, drafter),
+                                   algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge), drafter=drafter)
 
 
 def pcp_dcp_config(model, cfg: Any, size: int, *, block_size: int = 4, interleave_size: int = 1,
@@ -191,11 +199,11 @@ def _one_engine(config: EngineConfig, size: int, drafter, k: int, graph) -> Engi
         raise ValueError(
             f"config has pcp_size={config.parallel.pcp_size}, dcp_size={config.parallel.dcp_size} but the group has "
             f"{size} ranks; PCP+DCP here uses the same ranks for both: pass pcp_size = dcp_size = {size}")
-    check_drafter(drafter, k)
+    check_drafter(drafter, k, settings=False)
     if drafter is None and not graph:
         return config
-    return config.replace(num_speculative_tokens=k if drafter is not None else 0,
-                          speculative_method="draft" if drafter is not None else None, **_graph(graph))
+    spec = speculative_fields(drafter) if drafter is not None else {"speculative_method": None}
+    return config.replace(num_speculative_tokens=k if drafter is not None else 0, **spec, **_graph(graph))
 
 
 def pcp_dcp_generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,

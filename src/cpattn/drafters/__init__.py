@@ -1,0 +1,20 @@
+"""The guide's speculative methods as drafters: MTP, Eagle3 and DSpark (one module each).
+
+Every drafter here reads the target's hidden states (``hidden_layers``),
+keeps its own small KV cache (:mod:`cpattn.drafters.cache`), drafts greedily
+and is a pure function of (its weights, the target hidden states, the
+tokens, its cache); the engine runs it replicated on every rank with
+logical PCP size 1 (:mod:`cpattn.engine.drafters` has the protocol):
+
+- :mod:`~cpattn.drafters.mtp` -- DeepSeek's multi-token-prediction module
+  (DeepSeek-V3 / V3.2 / GLM-5 targets), straight from a DeepSeek-V3-format checkpoint;
+- :mod:`~cpattn.drafters.eagle3` -- EAGLE-3: low/mid/high target layers fused
+  by an fc layer, one decoder layer, a reduced draft vocabulary (``d2t``);
+- :mod:`~cpattn.drafters.dspark` -- DSpark: a parallel draft block over the
+  target's fused hidden states, a Markov head inside the block, a
+  confidence head estimating each draft's survival;
+- :mod:`~cpattn.drafters.train` -- ``cpattn train-draft``: self-distillation
+  of any of the three on a target's own greedy continuations.
+
+All are reachable by name from :data:`cpattn.engine.drafters.DRAFTERS`.
+"""

@@ -1,0 +1,198 @@
+"""MTP: DeepSeek's multi-token-prediction module as a drafter (DeepSeek-V3 / V3.2 / GLM-5 targets).
+
+The module shipped with a DeepSeek-V3-format checkpoint as layer
+``N = num_hidden_layers`` (``model.layers.61.*`` in DeepSeek-V3) predicts
+the token after next from the target's hidden state and the next token's
+embedding, embedding first as real checkpoints and Hugging Face order it::
+
+    x   = eh_proj([enorm(emb(t_{p+1})) ; hnorm(h_p)])       # [2H] -> [H]
+    y   = block(x)                                          # one MLA + MoE decoder layer, RoPE at p + 1
+    hn  = shared_head.norm(y)                               # [H]
+    t_{p+2} = argmax(shared_head.head(hn))
+
+``h_p`` is the target's final-normed hidden state (what HF feeds). Drafting
+k > 1 tokens chains the one module on its own output, feeding ``hn`` as the
+next depth's ``h`` (as HF chains MTP layers), through the same draft cache:
+see :mod:`cpattn.drafters.chain`. The block's attention is dense absorbed
+MLA over the drafter's own latent cache (a DSA target's MTP indexer is not
+used: dense draft attention, as the guide requires with PCP).
+
+Weights: the checkpoint's own names (experts stacked); ``embed_tokens`` and
+``shared_head.head`` fall back to the target's ``model.embed_tokens`` /
+``lm_head`` when the module has none (HF shares them the same way).
+
+Example
+-------
+>>> from cpattn.models import deepseek_v3 as ds
+>>> cfg = ds.DeepseekV3Config.tiny()
+>>> d = MTPDrafter.random("deepseek_v3", cfg, target_params=ds.init_params(cfg), seed=0)
+>>> d.layer, d.hidden_layers, "model.layers.2.eh_proj.weight" in d.params
+(2, (), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from cpattn.drafters import cache as kv
+from cpattn.drafters import checkpoint
+from cpattn.drafters.chain import ChainState
+from cpattn.engine.drafters import DraftSettings
+from cpattn.engine.family import get_family
+from cpattn.models import deepseek_v3 as v3
+from cpattn.models.common import rms_norm, rope_cos_sin, rope_inv_freq
+
+TARGETS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # families whose checkpoints carry DeepSeek's MTP module
+
+
+def block_config(cfg: Any) -> Any:
+    """The target config extended by the MTP layer N (its MLP: MoE when the target has routed experts)."""
+    kind = "sparse" if cfg.n_routed_experts else "dense"
+    extra = {"mlp_layer_types": (*cfg.mlp_layer_types, kind), "num_hidden_layers": cfg.num_hidden_layers + 1}
+    if hasattr(cfg, "indexer_types"):  # GLM-5's per-layer indexer kinds have one entry per layer too
+        extra["indexer_types"] = (*cfg.indexer_types, "full")
+    return dataclasses.replace(cfg, **extra)
+
+
+def mtp_logits_features(params: dict, cfg: Any, layer: int, tokens: torch.Tensor, h: torch.Tensor,
+                        positions: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP module on rows (t_{p+1}, h_p): (logits [T, V], next-depth feature hn [T, H]).
+
+    cfg: :func:`block_config` of the target; tokens: [T]; h: [T, H];
+    positions: [T] RoPE positions (p + 1); ``attend(q [T, Hq, r + rope], kv
+    [T, 1, r + rope], scale) -> [T, Hq, r]`` stores the rows' latent KV and
+    attends (the draft cache at inference, a causal mask in training).
+    """
+    pre = f"model.layers.{layer}."
+    p, eps = params, cfg.rms_norm_eps
+    e = F.embedding(tokens, p[pre + "embed_tokens.weight"])  # [T, H]
+    x = F.linear(torch.cat([rms_norm(e, p[pre + "enorm.weight"], eps), rms_norm(h.to(e.dtype), p[pre + "hnorm.weight"],
+                                                                                   eps)], -1),
+                 p[pre + "eh_proj.weight"])  # [T, H]
+    dtype = torch.promote_types(x.dtype, torch.float32) if cfg.rope_float32 else x.dtype
+    inv_freq, att = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
+    cos, sin = rope_cos_sin(positions, inv_freq, att, dtype)  # [T, rope / 2]
+    q, lat, _ = v3.mla_project(p, cfg, pre + "self_attn.", rms_norm(x, p[pre + "input_layernorm.weight"], eps), cos,
+                               sin)
+    x = x + v3.mla_output(p, cfg, pre + "self_attn.", attend(q, lat, cfg.softmax_scale))
+    x = x + v3.mlp(p, cfg, layer, rms_norm(x, p[pre + "post_attention_layernorm.weight"], eps))
+    hn = rms_norm(x, p[pre + "shared_head.norm.weight"], eps)  # [T, H]
+    return F.linear(hn, p[pre + "shared_head.head.weight"]), hn
+
+
+def mtp_step(state: dict, batch: dict, *, cfg: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One capturable draft step over rows (see :func:`cpattn.drafters.chain.step_fields`).
+
+    state: ``{"params": MTP weights, "cache": [1, R + 1, L + 1, 1, r + rope]}``.
+    Returns (greedy tokens [T], next features [T, H]).
+    """
+    cache = state["cache"][0]
+    r = cfg.kv_lora_rank
+
+    def attend(q, lat, scale):
+        kv.write(cache, batch["req"], batch["pos"], lat)
+        return kv.attend(q, cache, cache, batch["req"], batch["lo"], batch["hi"], scale, value_dim=r)
+
+    logits, hn = mtp_logits_features(state["params"], cfg, layer, batch["tokens"], batch["features"],
+                                     batch["pos"] + 1, attend)
+    return logits.argmax(-1), hn
+
+
+@dataclass(frozen=True)
+class MTPDrafter:
+    """DeepSeek's MTP module as a drafter (see module doc).
+
+    model: the target family's name (one of :data:`TARGETS`); params: the
+    module's tensors under their checkpoint names ``model.layers.{N}.*``
+    (experts stacked); cfg: the target's family config (N = its
+    ``num_hidden_layers``).
+    """
+
+    model: str
+    params: dict
+    cfg: Any
+    settings: DraftSettings = DraftSettings()
+    method: ClassVar[str] = "mtp"
+    hidden_layers: ClassVar[tuple] = ()  # reads hidden["norm"] only
+
+    def __post_init__(self):
+        if self.model not in TARGETS:
+            raise ValueError(f"MTP drafts for DeepSeek-format MLA/DSA targets {TARGETS}; got model {self.model!r}")
+        need = [f"model.layers.{self.layer}.{n}" for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                                           "shared_head.norm.weight", "shared_head.head.weight",
+                                                           "embed_tokens.weight")]
+        missing = [n for n in need if n not in self.params]
+        if missing:
+            raise ValueError(f"MTP weights lack {missing}; a DeepSeek-V3-format module is model.layers.{self.layer}.*")
+
+    @property
+    def layer(self) -> int:
+        """N: the module's layer index in the checkpoint (the target's layer count)."""
+        return self.cfg.num_hidden_layers
+
+    @classmethod
+    def from_checkpoint(cls, path, *, dtype: torch.dtype | None = None) -> MTPDrafter:
+        """The MTP module of a DeepSeek-V3-format checkpoint directory (config.json + safetensors).
+
+        Loads only ``model.layers.{N}.*`` (and the target's embedding / head if the module lacks its own).
+        """
+        from cpattn.models.common import normalize_params
+
+        config = checkpoint.read_config(path)
+        family = get_family(config)
+        cfg = family.config_class.from_hf(config)
+        n = cfg.num_hidden_layers
+        if not config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0)):
+            raise ValueError(f"{path!r}: config.json declares no MTP module (num_nextn_predict_layers = 0)")
+        _, raw = checkpoint.read(path, prefix=f"model.layers.{n}.", names=("model.embed_tokens.weight",
+                                                                           "lm_head.weight"))
+        params = normalize_params(raw, dtype=dtype)
+        pre = f"model.layers.{n}."
+        params.setdefault(pre + "embed_tokens.weight", params.get("model.embed_tokens.weight"))
+        params.setdefault(pre + "shared_head.head.weight", params.get("lm_head.weight",
+                                                                      params[pre + "embed_tokens.weight"]))
+        keep = {k: t for k, t in params.items() if k.startswith(pre) and t is not None}
+        return cls(family.name, keep, cfg)
+
+    @classmethod
+    def random(cls, model: str, cfg: Any, *, target_params: dict | None = None, seed: int = 0, std: float = 0.02,
+               dtype: torch.dtype = torch.float32) -> MTPDrafter:
+        """A randomly initialised module (norms at 1); embedding and head copied from ``target_params``."""
+        family = get_family(model)
+        ext = block_config(cfg)
+        n = cfg.num_hidden_layers
+        full = family.init_params(ext, seed=seed, std=std, dtype=dtype)
+        pre = f"model.layers.{n}."
+        p = {k: t for k, t in full.items() if k.startswith(pre)}
+        g = torch.Generator().manual_seed(seed + 1)
+        hs = cfg.hidden_size
+        p[pre + "enorm.weight"] = torch.ones(hs, dtype=dtype)
+        p[pre + "hnorm.weight"] = torch.ones(hs, dtype=dtype)
+        p[pre + "shared_head.norm.weight"] = torch.ones(hs, dtype=dtype)
+        p[pre + "eh_proj.weight"] = (torch.randn(hs, 2 * hs, generator=g) * std).to(dtype)
+        src = target_params if target_params is not None else full
+        p[pre + "embed_tokens.weight"] = src["model.embed_tokens.weight"].to(dtype).clone()
+        head = src.get("lm_head.weight", src["model.embed_tokens.weight"])
+        p[pre + "shared_head.head.weight"] = head.to(dtype).clone()
+        return cls(family.name, p, cfg)
+
+    def save(self, path, config: dict) -> None:
+        """Write the module as a DeepSeek-V3-format checkpoint (per-expert names) with the target's
+        ``config`` (a config.json dict; ``num_nextn_predict_layers`` is set to 1)."""
+        checkpoint.save(path, checkpoint.unstack_experts(self.params), {**config, "num_nextn_predict_layers": 1})
+
+    def start(self, num_requests: int, max_len: int, *, graph: str | None = None) -> ChainState:
+        """A per-rank draft state: the module's latent cache for ``num_requests`` x ``max_len`` positions."""
+        dtype = self.params[f"model.layers.{self.layer}.eh_proj.weight"].dtype
+        width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+        state = {"params": self.params,
+                 "cache": kv.new_cache(1, requests=num_requests, max_len=max_len, heads=1, dim=width, dtype=dtype)}
+        step = functools.partial(mtp_step, cfg=block_config(self.cfg), layer=self.layer)
+        return ChainState(step, lambda rows: rows["norm"], state, num_requests=num_requests, max_len=max_len,
+                          feature_dim=self.cfg.hidden_size, dtype=dtype, graph=graph)

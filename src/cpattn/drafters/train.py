@@ -1,0 +1,222 @@
+"""``cpattn train-draft``: train a draft head by self-distillation on the target's own greedy continuations.
+
+Usage::
+
+    cpattn train-draft --method {mtp,eagle3,dspark} --model TARGET_DIR --out DIR --seconds S --seed N
+
+TARGET_DIR is a checkpoint directory (config.json + safetensors; a tiny
+one from ``cpattn train-target``, whose corpus.json gives the prompts --
+else random prompts). The target continues ``--prompts`` prompts greedily
+(its hidden states and argmax kept), the head -- MTP for a DeepSeek-V3
+target, Eagle3 or DSpark for a Qwen3 target -- trains on them with AdamW
+for S seconds (seeded), and DIR receives the checkpoint its drafter's
+``from_checkpoint`` loads, ``loss.png`` (the loss curve) and
+``train.json`` (losses, per-position accuracy, settings). Exit status 2
+with one line on stderr for a bad flag, a missing checkpoint or a method
+the target does not take.
+
+``cpattn train-target --model {qwen3,deepseek_v3} --out DIR --seconds S --seed N``
+trains the tiny target itself on the synthetic corpus (:mod:`cpattn.drafters.corpus`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from cpattn.bench.args import add_json, bad_value, parser, positive_float, positive_int, usage_error
+from cpattn.drafters import objectives as obj
+from cpattn.drafters import target as tg
+from cpattn.drafters.corpus import Corpus
+from cpattn.drafters.dspark import DSparkDrafter
+from cpattn.drafters.eagle3 import Eagle3Drafter
+from cpattn.drafters.mtp import MTPDrafter
+
+METHODS = {"mtp": ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"), "eagle3": ("qwen3", "qwen3_moe"),
+           "dspark": ("qwen3",)}
+
+
+def init_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyData | None, *, seed: int,
+                 block_size: int = 4, draft_vocab: int | None = None):
+    """A fresh head for the target: MTP (embedding / head shared), Eagle3 (draft vocabulary: the
+    ``draft_vocab`` most frequent greedy tokens of ``data``), DSpark (placeholder: the last vocabulary id)."""
+    if method == "mtp":
+        return MTPDrafter.random(model, cfg, target_params=params, seed=seed, std=0.02)
+    if method == "eagle3":
+        vocab = None
+        if data is not None and draft_vocab:
+            counts = torch.bincount(data.greedy.reshape(-1), minlength=cfg.vocab_size)
+            vocab = counts.topk(min(draft_vocab, cfg.vocab_size)).indices.tolist()
+        return Eagle3Drafter.random(params, cfg, seed=seed, vocab=vocab, draft_vocab=draft_vocab)
+    return DSparkDrafter.random(params, cfg, block_size=block_size, mask_token_id=cfg.vocab_size - 1, seed=seed)
+
+
+def hidden_layers_of(method: str, cfg) -> tuple:
+    """The target layers each method's default head reads (``()``: only the final-normed state)."""
+    if method == "mtp":
+        return ()
+    n = cfg.num_hidden_layers
+    return tuple(sorted({0, max(n // 2 - 1, 0), max(n - 2, 0)}))
+
+
+def prompts_for(path, cfg, n: int, length: int, seed: int) -> torch.Tensor:
+    """Distillation prompts [n, length]: from the target's corpus.json if it has one, else random tokens."""
+    corpus = Corpus.load(path)
+    if corpus is not None:
+        return corpus.sample(n, length, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, cfg.vocab_size - 1, (n, length), generator=g)
+
+
+def train_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyData, *, seconds: float, seed: int,
+                  depth: int = 4, block_size: int = 4, draft_vocab: int | None = None, batch: int = 16,
+                  lr: float = 3e-3, max_steps: int | None = None, on_step=None):
+    """Train a fresh head on ``data`` for ``seconds`` (or exactly ``max_steps`` steps, for tests):
+    (drafter, losses, final per-depth / per-slot accuracy)."""
+    torch.manual_seed(seed)
+    drafter = init_drafter(method, model, cfg, params, data, seed=seed, block_size=block_size,
+                           draft_vocab=draft_vocab)
+    skip = obj.frozen(method)
+    p = {n: (t.clone().requires_grad_(True) if t.is_floating_point() and not n.endswith(skip) else t)
+         for n, t in drafter.params.items()}
+    drafter = type(drafter)(**{**drafter.__dict__, "params": p})
+    opt = torch.optim.AdamW([t for t in p.values() if t.requires_grad], lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    n = data.tokens.shape[0]
+    losses, acc, step, t0 = [], [], 0, time.perf_counter()
+    expected = None
+    while (step < max_steps) if max_steps is not None else (time.perf_counter() - t0 < seconds):
+        idx = torch.randperm(n, generator=g)[:batch]
+        if method == "mtp":
+            loss, acc = obj.mtp_loss(drafter, data, idx, depth)
+        elif method == "eagle3":
+            loss, acc = obj.eagle3_loss(drafter, data, idx, depth)
+        else:
+            loss, acc = obj.dspark_loss(drafter, data, idx, 24, g)
+        if max_steps is not None:
+            expected = max_steps
+        elif expected is None and step == 2:  # pace the schedule by the measured step time
+            expected = max(10, int(seconds / max((time.perf_counter() - t0) / 3, 1e-6)))
+        factor = tg.warmup_cosine(step, expected or 10_000)
+        for group in opt.param_groups:
+            group["lr"] = lr * factor
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([t for t in p.values() if t.requires_grad], 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        step += 1
+        if on_step is not None:
+            on_step(step, losses[-1])
+    final = type(drafter)(**{**drafter.__dict__, "params": {k: t.detach() for k, t in p.items()}})
+    return final, losses, acc
+
+
+def plot_losses(path: str, curves: dict[str, list[float]], title: str) -> None:
+    """A PNG of loss curves (one per name), loss against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save_drafter(drafter, out: str, target_dir: str) -> None:
+    """Write the head where its ``from_checkpoint`` finds it (MTP: a DeepSeek-V3-format checkpoint with the
+    target's config)."""
+    if isinstance(drafter, MTPDrafter):
+        from cpattn.drafters.checkpoint import read_config
+
+        drafter.save(out, read_config(target_dir))
+    else:
+        drafter.save(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``cpattn train-draft`` (see module doc). Returns the exit status."""
+    p = parser("cpattn train-draft", __doc__)
+    p.add_argument("--method", choices=sorted(METHODS), required=True, help="the draft head to train")
+    p.add_argument("--model", required=True, metavar="DIR", help="the target's checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the head's checkpoint goes")
+    p.add_argument("--seconds", type=positive_float, default=120.0, metavar="S", help="training time")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts, initialisation and batches")
+    p.add_argument("--prompts", type=positive_int, default=256, metavar="N", help="distillation prompts")
+    p.add_argument("--prompt-len", type=positive_int, default=16, metavar="N", help="tokens per prompt")
+    p.add_argument("--length", type=positive_int, default=64, metavar="N", help="prompt + continuation tokens")
+    p.add_argument("--depth", type=positive_int, default=4, metavar="D",
+                   help="chain depths trained (MTP / Eagle3): drafts per step the head is fit for")
+    p.add_argument("--block-size", type=positive_int, default=4, metavar="B", help="DSpark block size")
+    p.add_argument("--draft-vocab", type=positive_int, default=None, metavar="V",
+                   help="Eagle3 draft vocabulary (most frequent target tokens); default: the whole vocabulary")
+    add_json(p)
+    args = p.parse_args(argv)
+    prog = "cpattn train-draft"
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        bad_value(prog, "--model", repr(args.model), "a checkpoint directory with config.json and *.safetensors",
+                  "pass a target trained by cpattn train-target or a Hugging Face checkpoint directory")
+    if args.length <= args.prompt_len:
+        bad_value(prog, "--length", args.length, f"longer than --prompt-len ({args.prompt_len})",
+                  "raise --length or lower --prompt-len")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model, cfg, params = tg.load(args.model)
+    if model not in METHODS[args.method]:
+        usage_error(prog, f"argument --method: saw {args.method!r} for a {model} target; rule: the guide pairs MTP "
+                          f"with MLA/DSA targets {METHODS['mtp']}, Eagle3 with {METHODS['eagle3']}, DSpark with "
+                          f"{METHODS['dspark']}; fix: pick --method for this target")
+    prompts = prompts_for(args.model, cfg, args.prompts, args.prompt_len, args.seed)
+    data = tg.greedy_data(model, params, cfg, prompts, args.length, hidden_layers_of(args.method, cfg))
+    drafter, losses, acc = train_drafter(args.method, model, cfg, params, data, seconds=args.seconds, seed=args.seed,
+                                         depth=args.depth, block_size=args.block_size, draft_vocab=args.draft_vocab)
+    save_drafter(drafter, args.out, args.model)
+    plot_losses(os.path.join(args.out, "loss.png"), {args.method: losses},
+                f"{args.method} on {model}: self-distillation loss")
+    report = {"method": args.method, "target": model, "steps": len(losses), "seconds": args.seconds,
+              "seed": args.seed, "final_loss": losses[-1] if losses else None, "accuracy": acc, "losses": losses}
+    with open(os.path.join(args.out, "train.json"), "w") as f:
+        json.dump(report, f)
+    print(f"{args.method}: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, accuracy per "
+          f"{'slot' if args.method == 'dspark' else 'depth'} {[round(a, 3) for a in acc]}; saved {args.out}")
+    if args.json:
+        from cpattn.bench.common import write_json
+
+        write_json(args.json, {k: v for k, v in report.items() if k != "losses"})
+    return 0
+
+
+def target_main(argv: list[str] | None = None) -> int:
+    """``cpattn train-target``: a tiny target trained on the synthetic corpus, saved as a checkpoint."""
+    p = parser("cpattn train-target", "Train a tiny target on the synthetic corpus and save it as a checkpoint.")
+    p.add_argument("--model", choices=["qwen3", "deepseek_v3"], required=True, help="the target family")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the checkpoint goes")
+    p.add_argument("--seconds", type=positive_float, default=180.0, metavar="S", help="training time")
+    p.add_argument("--seed", type=int, default=0, help="seed of the corpus, initialisation and batches")
+    p.add_argument("--vocab", type=positive_int, default=64, metavar="V", help="vocabulary size")
+    p.add_argument("--hidden", type=positive_int, default=64, metavar="H", help="hidden size")
+    p.add_argument("--layers", type=positive_int, default=4, metavar="N", help="decoder layers")
+    args = p.parse_args(argv)
+    if args.hidden % 4:
+        bad_value("cpattn train-target", "--hidden", args.hidden, "a multiple of 4 (four heads)", "use e.g. 64")
+    cfg = tg.tiny_config(args.model, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers)
+    corpus = Corpus.make(args.vocab, seed=args.seed)
+    params, losses = tg.train(args.model, cfg, corpus, seconds=args.seconds, seed=args.seed)
+    tg.save(args.out, args.model, cfg, params, corpus)
+    plot_losses(os.path.join(args.out, "loss.png"), {args.model: losses}, f"tiny {args.model} on the corpus")
+    with open(os.path.join(args.out, "train.json"), "w") as f:
+        json.dump({"model": args.model, "steps": len(losses), "seconds": args.seconds, "seed": args.seed,
+                   "losses": losses}, f)
+    print(f"{args.model}: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved {args.out}")
+    return 0
