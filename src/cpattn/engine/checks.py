@@ -43,11 +43,13 @@ def topology(prefill: EngineConfig, decode: EngineConfig, world_size: int) -> st
 
 
 def engine_problems(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, *,
-                    world_size: int, topology: str | None = None, drafter=None, max_new_tokens: int = 1) -> list[str]:
+                    world_size: int, topology: str | None = None, drafter=None, max_new_tokens: int = 1,
+                    pool: bool = False) -> list[str]:
     """Every reason the engine cannot run this pair of configs on ``world_size`` ranks (empty: it can).
 
     topology: "colocated", "disaggregated" (default: :func:`topology` of the
-    world size) or "simulated" (two simulated meshes, any sizes).
+    world size) or "simulated" (two simulated meshes, any sizes). pool: a KV
+    pool takes part (it moves whole blocks).
     """
     topology = topology or globals()["topology"](prefill, decode, world_size)
     out = []
@@ -85,6 +87,11 @@ def engine_problems(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode
                            "engines on the same ranks have PCP and DCP sizes of 1 or the number of ranks; "
                            "engines on separate ranks (P/D) need pcp_size + dcp_size ranks",
                            f"run {max(p, n)} ranks (sizes 1 or {max(p, n)}) or {p + n} ranks for P/D"))
+    if pool and n > 1 and decode.cache.cp_kv_cache_interleave_size != decode.cache.block_size:
+        out.append(problem("cp_kv_cache_interleave_size",
+                           f"{decode.cache.cp_kv_cache_interleave_size} with block_size={decode.cache.block_size} "
+                           f"and a KV pool (dcp_size={n})", "a DCP rank stores and loads whole blocks of a KV pool, "
+                           "so interleave size == block size", f"set cp_kv_cache_interleave_size={decode.cache.block_size}"))
     backend = decode.compilation.graph_backend
     if decode.compilation.captures and backend not in ("auto", "eager") and not family.capturable:
         out.append(problem("graph_backend", f"{backend!r} for {family.name}",
@@ -104,7 +111,7 @@ def engine_problems(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode
 
 
 def check(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, *, world_size: int,
-          topology: str | None = None, drafter=None, max_new_tokens: int = 1) -> None:
+          topology: str | None = None, drafter=None, max_new_tokens: int = 1, pool: bool = False) -> None:
     """Raise one :class:`~cpattn.config.ConfigError` listing every problem of :func:`engine_problems`."""
     raise_if("engine layout", engine_problems(family, cfg, prefill, decode, world_size=world_size, topology=topology,
-                                              drafter=drafter, max_new_tokens=max_new_tokens))
+                                              drafter=drafter, max_new_tokens=max_new_tokens, pool=pool))

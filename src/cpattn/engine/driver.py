@@ -36,6 +36,7 @@ torch.Size([2, 4])
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -56,6 +57,7 @@ from cpattn.engine.kv_rows import row_width
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill
+from cpattn.engine.pooling import PoolFacts, PoolSpec, load_prefix, release, store_blocks
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.result import Generation, RunFacts
 
@@ -166,33 +168,42 @@ def _generation(first_logits, dec: DecodeOut, prompt_logits, facts) -> Generatio
     return Generation(tokens, logits, prompt_logits, dec.stats, facts)
 
 
-def _prepare(model, params, cfg, prompts, max_new_tokens, prefill_cfg, decode_cfg, drafter, world_size, topology):
+def _prepare(model, params, cfg, prompts, max_new_tokens, prefill_cfg, decode_cfg, drafter, world_size, topology,
+             pool=None):
     family = get_family(model)
     p = prompts if isinstance(prompts, Prompts) else Prompts.of(prompts, vocab_size=cfg.vocab_size)
     check_drafter(drafter, decode_cfg.speculative.num_speculative_tokens)
     checks.check(family, cfg, prefill_cfg, decode_cfg, world_size=world_size, topology=topology, drafter=drafter,
-                 max_new_tokens=max_new_tokens)
+                 max_new_tokens=max_new_tokens, pool=pool is not None)
     return family, p
 
 
 def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
                      prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(),
                      drafter=None, prompt_logits: bool = True, prefix: Prefix | None = None,
-                     on_step=None) -> Generation:
+                     pool=None, on_step=None) -> Generation:
     """One rank of a run over a real (or simulated) world; call it on every rank (see module doc).
 
     prompts: B token lists; max_new_tokens: N >= 1 greedy tokens per prompt
     (the first from the prefill). prefix: cached KV of each prompt's first
     ``prefix.context_lens[b]`` tokens, on every rank (engines on the same
     ranks); only the rest is prefilled (prompt logits then cover the rest).
+    pool: a KV pool (:class:`~cpattn.engine.pooling.PoolSpec`, opened on
+    every rank, or an open :class:`~cpattn.pool.KVPool`): each prompt's
+    cached whole blocks become the prefix, and after the hand-off every
+    decode rank stores the new whole blocks it owns (engines on the same ranks).
     Picklable arguments only (``model`` may be the family name), so it
     serves :func:`cpattn.comm.launch.spawn` and torchrun.
     """
     topology = checks.topology(prefill, decode, world.size)
-    family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size, topology)
+    family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size, topology,
+                         pool)
     if topology == "disaggregated":
-        if prefix is not None:
-            raise ValueError("a cached prefix is supported with both engines on the same ranks, not across P/D")
+        if prefix is not None or pool is not None:
+            raise ValueError("a cached prefix or KV pool is supported with both engines on the same ranks, not "
+                             "across P/D")
+    if prefix is not None and pool is not None:
+        raise ValueError("pass a cached prefix or a KV pool, not both")
         return _disaggregated(world, family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
                               on_step)
     steps = max_new_tokens - 1
@@ -201,19 +212,36 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     world.all_reduce(torch.zeros(1)) if world.size > 1 else None  # start together: times are from here
     sent0 = world.stats.total_sent()
     t0 = time.perf_counter()
+    pool, opened = _open_pool(pool, family, cfg, params, decode)
+    pfacts = PoolFacts()
+    if pool is not None:
+        prefix, pfacts = load_prefix(world, p, pool)
     out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, prefix)
     prefill_s, sent1 = time.perf_counter() - t0, world.stats.total_sent()
     shard = new_shard(family, cfg, params, p, steps, decode, drafter)
     facts = handoff(world, pg, dg, shard, out, algorithms, prefix)
     ttft = time.perf_counter() - t0
+    if pool is not None and (nsize > 1 or world.rank == 0):  # a replicated decode cache is stored once
+        stored = store_blocks(shard, p, pool, rank=dg.rank, dcp_size=nsize, skip=pfacts.hit_blocks)
+        pfacts = dataclasses.replace(pfacts, blocks_stored=stored.blocks_stored, bytes_stored=stored.bytes_stored)
+    if opened:
+        release(pool)
     sent2 = world.stats.total_sent()
     dec = run_decode(dg, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
-                  drafter, on_step)
+                     drafter, on_step)
     run = RunFacts(ttft_s=ttft, prefill_s=prefill_s, step_s=tuple(dec.step_s),
                    bytes_sent={"prefill": sent1 - sent0, "handoff": sent2 - sent1,
                                "decode": world.stats.total_sent() - sent2},
-                   kv_bytes=shard.kv_bytes(), handoff=facts, runner=dec.runner)
+                   kv_bytes=shard.kv_bytes(), handoff=facts, runner=dec.runner, pool=pfacts)
     return _generation(out.first_logits, dec, out.prompt_logits, run)
+
+
+def _open_pool(pool, family, cfg, params, decode_cfg: EngineConfig):
+    """(open pool or None, whether this call opened it)."""
+    if pool is None or not isinstance(pool, PoolSpec):
+        return pool, False
+    dtype = next(iter(params.values())).dtype
+    return pool.open(dtype, decode_cfg.cache.block_size, row_width(family.kv_layouts(cfg))), True
 
 
 def prefill_fn(pg: Group, family, params, cfg, p: Prompts, algorithms: Algorithms, prompt_logits: bool,

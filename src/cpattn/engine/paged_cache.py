@@ -100,6 +100,14 @@ class PagedShard:
             if ki[layer] is not None:
                 self.k_index[layer][block_id] = ki[layer]
 
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """The rows [block_size, F] of physical block ``block_id`` (every layer), as :meth:`write_block` takes them."""
+        from cpattn.engine.kv_rows import pack_rows
+
+        return pack_rows(self.layouts, [k[block_id] for k in self.k],
+                         [None if v is None else v[block_id] for v in self.v],
+                         [None if ki is None else ki[block_id] for ki in self.k_index])
+
     def slots(self, positions: torch.Tensor, requests: torch.Tensor, rank: int, dcp_size: int) -> torch.Tensor:
         """Slot of each (request, position) on this rank, -1 where another rank owns it: [T]."""
         return dcp_slot_mapping(positions, requests, self.block_table, dcp_rank=rank, dcp_size=dcp_size,

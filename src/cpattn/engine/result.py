@@ -16,6 +16,7 @@ import torch
 
 from cpattn.engine.decode import SpecStats
 from cpattn.engine.handoff import HandoffFacts
+from cpattn.engine.pooling import PoolFacts
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class RunFacts:
     """One rank's measurements: ttft_s (start -> first tokens known and their KV in the decode cache),
     prefill_s, step_s (each decode step), bytes_sent per phase ("prefill", "handoff", "decode"),
     kv_bytes (this rank's decode cache), handoff (:class:`~cpattn.engine.handoff.HandoffFacts`),
-    runner (graph mode: the DecodeRunner's stats), role ("prefill", "decode" or "both")."""
+    runner (graph mode: the DecodeRunner's stats), role ("prefill", "decode" or "both"),
+    pool (:class:`~cpattn.engine.pooling.PoolFacts`: blocks found, loaded and stored)."""
 
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -33,6 +35,7 @@ class RunFacts:
     handoff: HandoffFacts = field(default_factory=HandoffFacts)
     runner: dict | None = None
     role: str = "both"
+    pool: PoolFacts = field(default_factory=PoolFacts)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,141 @@
+"""The KV pool around a run: load each request's cached prefix before prefill, store new whole blocks after.
+
+A pool (:mod:`cpattn.pool`) keys whole blocks of ``block_size`` tokens by a
+chained hash of the tokens, so what one layout stored any other finds. The
+engine's payload for a block is its rows ``[1, block_size, F]``
+(:mod:`cpattn.engine.kv_rows`: every layer's columns side by side, so
+layers may differ in width; the pool sees one "layer" of F columns).
+
+- **load** (:func:`load_prefix`): the whole blocks of each prompt found in
+  the pool -- the same count on every rank (the minimum over the world, one
+  small all-reduce), and always at least one prompt token left to compute --
+  become the :class:`~cpattn.engine.prefill_steps.Prefix` the prefill starts
+  from (every prefill rank needs all of it: each new token attends the whole prefix);
+- **store** (:func:`store_blocks`): after the hand-off, each decode rank
+  stores the whole prompt blocks it owns, read from its own cache: with
+  interleave = block size, global block j lives on DCP rank j % N, so the
+  ranks store disjoint blocks with no collective.
+
+Example
+-------
+>>> import torch
+>>> from cpattn.pool import DictStore, KVPool, PoolIdentity
+>>> pool = KVPool(DictStore(), PoolIdentity("toy", torch.float32, num_layers=1, block_size=2, row_width=3))
+>>> keys = pool.keys([1, 2, 3, 4, 5])           # two whole blocks
+>>> pool.store(keys, [torch.ones(1, 2, 3), torch.zeros(1, 2, 3)])
+2
+>>> hits([[1, 2, 3, 4, 5]], pool)                # both cached, one token left to compute
+[2]
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.engine.batch import Prompts
+from cpattn.engine.paged_cache import PagedShard
+from cpattn.engine.prefill_steps import Prefix
+
+
+@dataclass(frozen=True)
+class PoolFacts:
+    """What the pool did for this rank: blocks found (per request), loaded and stored; bytes loaded and stored."""
+
+    hit_blocks: tuple[int, ...] = ()
+    blocks_loaded: int = 0
+    blocks_stored: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A pool to open on every rank (picklable, unlike an open pool): ``spec`` as :func:`cpattn.pool.open_pool`
+    takes it ("lmdb:DIR", "mooncake:HOST:PORT"); ``model`` names the weights (it enters every key).
+
+    Ranks that are threads of one process (the simulated mesh) share one open
+    pool: LMDB allows one environment per directory and process.
+    """
+
+    spec: str
+    model: str
+
+    def open(self, dtype: torch.dtype, block_size: int, row_width: int):
+        """The open :class:`~cpattn.pool.KVPool` for blocks of ``[1, block_size, row_width]`` in ``dtype``;
+        :func:`release` it when done."""
+        from cpattn.pool import PoolIdentity, open_pool
+
+        ident = PoolIdentity(self.model, dtype, num_layers=1, block_size=block_size, row_width=row_width)
+        with _LOCK:
+            pool, users = _OPEN.get((self.spec, ident), (None, 0))
+            if pool is None:
+                pool = open_pool(self.spec, ident)
+            _OPEN[self.spec, ident] = (pool, users + 1)
+        return pool
+
+
+_LOCK = threading.Lock()
+_OPEN: dict = {}  # (spec, identity) -> (open pool, users in this process)
+
+
+def release(pool) -> None:
+    """Give back a pool from :meth:`PoolSpec.open`; the last user of this process closes it."""
+    with _LOCK:
+        for key, (open_, users) in list(_OPEN.items()):
+            if open_ is pool:
+                if users > 1:
+                    _OPEN[key] = (open_, users - 1)
+                else:
+                    del _OPEN[key]
+                    pool.close()
+                return
+    pool.close()
+
+
+def hits(prompts: list[list[int]], pool) -> list[int]:
+    """Whole cached blocks per prompt, leaving at least one token of each prompt to compute."""
+    bs = pool.identity.block_size
+    return [min(pool.lookup(pool.keys(p)), (len(p) - 1) // bs) for p in prompts]
+
+
+def load_prefix(world: Group, prompts: Prompts, pool) -> tuple[Prefix | None, PoolFacts]:
+    """The cached prefix of every prompt (the same on every rank), or None when nothing is cached."""
+    lists = prompts.lists()
+    found = torch.tensor(hits(lists, pool), dtype=torch.int64)
+    if world.size > 1:  # every rank must prefill from the same prefix: the minimum over the world
+        found = world.all_gather(found[None], dim=0).min(0).values
+    bs = pool.identity.block_size
+    got = [pool.load(pool.keys(p)[:n]) if n else [] for p, n in zip(lists, found.tolist())]
+    counts = torch.tensor([len(g) for g in got], dtype=torch.int64)  # an entry lost since lookup is a miss
+    if world.size > 1:  # ... on every rank alike
+        counts = world.all_gather(counts[None], dim=0).min(0).values
+    counts = counts.tolist()
+    blocks = [t.reshape(bs, -1) for g, n in zip(got, counts) for t in g[:n]]
+    facts = PoolFacts(hit_blocks=tuple(counts), blocks_loaded=len(blocks),
+                      bytes_loaded=sum(t.numel() * t.element_size() for t in blocks))
+    if not blocks:
+        return None, facts
+    return Prefix(torch.cat(blocks), tuple(n * bs for n in counts)), facts
+
+
+def store_blocks(shard: PagedShard, prompts: Prompts, pool, *, rank: int, dcp_size: int,
+                 skip: tuple[int, ...] = ()) -> PoolFacts:
+    """Store the whole prompt blocks this decode rank owns (global block j on rank j % N), past ``skip[b]``
+    blocks of request b (already in the pool). Needs interleave = block size when ``dcp_size > 1``."""
+    if dcp_size > 1 and shard.interleave_size != shard.block_size:
+        raise ValueError(f"a DCP rank stores whole blocks only with cp_kv_cache_interleave_size == block_size; got "
+                         f"{shard.interleave_size} and {shard.block_size}")
+    bs, keys, payloads = shard.block_size, [], []
+    for b, p in enumerate(prompts.lists()):
+        for j, key in enumerate(pool.keys(p)):
+            if j < (skip[b] if skip else 0) or j % dcp_size != rank:
+                continue
+            keys.append(key)
+            payloads.append(shard.read_block(int(shard.block_table[b, j // dcp_size]))[None])  # [1, B, F]
+    stored = pool.store(keys, payloads) if keys else 0
+    per_block = payloads[0].numel() * payloads[0].element_size() if payloads else 0
+    return PoolFacts(blocks_stored=stored, bytes_stored=stored * per_block)

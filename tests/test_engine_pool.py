@@ -1,0 +1,90 @@
+"""A KV pool around the engine: a warm run finds the blocks a cold run stored, under any layout, and gives the
+cold run's tokens; lost or damaged entries are misses, never wrong KV.
+
+Real LMDB stores in a temporary directory (the embedded default); float64 tiny models, so tokens must be
+identical to the one-device reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpattn
+from cpattn.engine import driver
+from cpattn.engine.pooling import PoolSpec, release
+from cpattn.engine.reference import reference_generate
+from cpattn.models import deepseek_v32, qwen3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = 4
+NEW = 4
+
+
+def tiny(name):
+    if name == "qwen3":
+        cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        fam = qwen3.FAMILY
+    else:
+        fam, cfg = deepseek_v32.FAMILY, deepseek_v32.DeepseekV32Config.tiny()
+    return fam, cfg, fam.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
+
+
+def run(fam, cfg, params, prompts, pcp, dcp, pool):
+    pre, dec = driver.engine_configs(fam, cfg, pcp_size=pcp, dcp_size=dcp, block_size=BLOCK, interleave_size=BLOCK)
+    return cpattn.simulate(max(pcp, dcp), driver.generate_on_rank, fam, params, cfg, prompts, NEW, prefill=pre,
+                           decode=dec, pool=pool)
+
+
+SHARED = list(range(3, 3 + 18))  # 4 whole blocks and 2 tokens shared by both prompts
+
+
+@pytest.mark.parametrize("name", ["qwen3", "dsa"])
+@pytest.mark.parametrize("writer,reader", [((1, 1), (2, 2)), ((1, 2), (1, 4)), ((2, 2), (1, 1)), ((2, 1), (1, 2))])
+def test_warm_run_finds_what_a_cold_run_stored(tmp_path, name, writer, reader):
+    fam, cfg, params = tiny(name)
+    pool = PoolSpec(f"lmdb:{tmp_path}", model=f"{name}-seed0")
+    cold_prompts = [SHARED + [40, 41], SHARED[:9]]
+    warm_prompts = [SHARED + [50, 51, 52], SHARED[:9] + [60]]  # each shares whole blocks with a cold prompt
+    cold = run(fam, cfg, params, cold_prompts, *writer, pool)
+    assert torch.equal(cold[0].tokens, reference_generate(fam, params, cfg, cold_prompts, NEW).tokens)
+    assert all(g.facts.pool.hit_blocks == (0, 0) for g in cold)
+    assert sum(g.facts.pool.blocks_stored for g in cold) == 5 + 2  # whole prompt blocks, each stored once
+    warm = run(fam, cfg, params, warm_prompts, *reader, pool)
+    want = reference_generate(fam, params, cfg, warm_prompts, NEW)
+    for g in warm:
+        assert torch.equal(g.tokens, want.tokens)
+        assert g.facts.pool.hit_blocks == (4, 2)  # the 5th block of prompt 0 differs; prompt 1: 2 of 2 blocks
+    assert sum(g.facts.pool.blocks_stored for g in warm) == 1  # prompt 0's new 5th block
+
+
+def test_a_damaged_entry_is_recomputed(tmp_path):
+    """Garbage written over the third stored block: the warm run loads the two before it, recomputes the rest,
+    gives the right tokens, and writes the damaged block again."""
+    from cpattn.pool.lmdb_store import LMDBStore
+
+    fam, cfg, params = tiny("qwen3")
+    spec = PoolSpec(f"lmdb:{tmp_path}", model="qwen3-seed0")
+    prompts = [SHARED + [7]]
+    run(fam, cfg, params, prompts, 1, 1, spec)
+    pool = spec.open(torch.float64, BLOCK, sum(lay.row_width for lay in fam.kv_layouts(cfg)))
+    third = pool.keys(prompts[0])[2].encode()
+    release(pool)
+    store = LMDBStore(tmp_path)
+    with store.env.begin(write=True) as txn:
+        txn.put(third, b"\x5a" * len(txn.get(third, db=store.blocks_db)), db=store.blocks_db)
+    store.close()
+    warm = run(fam, cfg, params, prompts, 2, 2, spec)
+    assert torch.equal(warm[0].tokens, reference_generate(fam, params, cfg, prompts, NEW).tokens)
+    assert all(g.facts.pool.hit_blocks == (2,) for g in warm)
+    assert sum(g.facts.pool.blocks_stored for g in warm) == 1  # the damaged block, dropped and written again
+
+
+def test_pool_needs_whole_blocks_per_rank(tmp_path):
+    fam, cfg, params = tiny("qwen3")
+    pre, dec = driver.engine_configs(fam, cfg, dcp_size=2, block_size=4, interleave_size=2)
+    with pytest.raises(RuntimeError, match="stores and loads whole blocks"):  # raised on every rank, before any work
+        cpattn.simulate(2, driver.generate_on_rank, fam, params, cfg, [SHARED], 2, prefill=pre, decode=dec,
+                        pool=PoolSpec(f"lmdb:{tmp_path}", model="m"))
