@@ -34,7 +34,12 @@ BENCHMARKS = {
     "graph": ("cpattn.bench.graph:main", "decode step: eager vs graph-captured (DCP demo program on gloo)"),
     "spec": ("cpattn.bench.spec:main", "speculative acceptance per drafter/k; TTFT PCP+DCP vs PCP prefill + P/D transfer"),
     "dsa": ("cpattn.bench.dsa:main", "DSA decode vs dense MLA at 32K/64K, FP8 selection, DSA-CP prefill on TP ranks"),
+    "pool": ("cpattn.pool.bench:main", "KV pool: store / load time per block vs block size, LMDB and Mooncake"),
 }
+POOL = {
+    "serve": ("cpattn.pool.server:main", "a Mooncake master on 127.0.0.1 and a long-lived process holding the pool's memory"),
+}
+GROUPS = {"bench": BENCHMARKS, "pool": POOL}  # two-word commands: cpattn GROUP NAME
 
 
 def _load(target: str):
@@ -45,7 +50,8 @@ def _load(target: str):
 def _usage() -> str:
     lines = ["usage: cpattn COMMAND [options]   (cpattn COMMAND --help for options)", "", "commands:"]
     lines += [f"  {name:<12} {doc}" for name, (_, doc) in COMMANDS.items()]
-    lines += [f"  bench {name:<6} {doc}" for name, (_, doc) in BENCHMARKS.items()]
+    lines += [f"  {group} {name:<{11 - len(group)}} {doc}" for group, table in GROUPS.items()
+              for name, (_, doc) in table.items()]
     return "\n".join(lines)
 
 
@@ -64,21 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "bench":
+    if cmd in GROUPS:
+        table, what = GROUPS[cmd], "benchmark" if cmd == "bench" else f"{cmd} command"
         if not rest:
-            print(f"cpattn bench: error: name a benchmark: {', '.join(BENCHMARKS)} (see cpattn --help)",
-                  file=sys.stderr)
+            print(f"cpattn {cmd}: error: name a {what}: {', '.join(table)} (see cpattn --help)", file=sys.stderr)
             return 2
         if rest[0] in ("-h", "--help"):
             print(_usage())
             return 0
-        if rest[0] not in BENCHMARKS:
-            return _unknown("cpattn bench", "benchmark", rest[0], list(BENCHMARKS))
-        prog, target, rest = f"cpattn bench {rest[0]}", BENCHMARKS[rest[0]][0], rest[1:]
+        if rest[0] not in table:
+            return _unknown(f"cpattn {cmd}", what, rest[0], list(table))
+        prog, target, rest = f"cpattn {cmd} {rest[0]}", table[rest[0]][0], rest[1:]
     elif cmd in COMMANDS:
         prog, target = f"cpattn {cmd}", COMMANDS[cmd][0]
     else:
-        return _unknown("cpattn", "command", cmd, [*COMMANDS, "bench"])
+        return _unknown("cpattn", "command", cmd, [*COMMANDS, *GROUPS])
     return _run(prog, target, rest)
 
 

@@ -11,7 +11,10 @@ import sys
 from cpattn.ops import registry
 from cpattn.ops.attention import attention_with_lse
 from cpattn.ops.merge import merge_attn_states
+from cpattn.ops.compressor import gated_pool
 from cpattn.ops.mla_preprocess import mla_preprocess, mla_weights
+from cpattn.ops.rows import write_rows
+from cpattn.ops.window_attention import window_attention_with_lse
 from cpattn.ops.paged import paged_attention_with_lse, write_kv, write_kv_mla
 from cpattn.ops.dsa import indexer_scores, mla_softmax_scale, sparse_mla_attention_with_lse, topk_indices
 
@@ -35,6 +38,6 @@ if "torch_npu" in sys.modules:  # the user already imported it: register now
 __all__ = [
     "attention_with_lse", "merge_attn_states", "paged_attention_with_lse", "write_kv", "write_kv_mla",
     "indexer_scores", "topk_indices", "sparse_mla_attention_with_lse", "mla_softmax_scale", "mla_preprocess",
-    "mla_weights",
+    "mla_weights", "gated_pool", "window_attention_with_lse", "write_rows",
     "registry", "enable_npu",
 ]

@@ -164,8 +164,8 @@ def decompositions() -> dict[str, tuple[str, ...]]:
     Example
     -------
     >>> import cpattn.ops
-    >>> sorted(decompositions())
-    ['merge_attn_states', 'merge_into', 'mla_preprocess', 'paged_attention_with_lse', 'write_kv', 'write_kv_mla']
+    >>> {"merge_attn_states", "merge_into", "paged_attention_with_lse", "write_kv"} <= set(decompositions())
+    True
     """
     return {name: devices for name, (_, devices, _) in _DECOMPOSITIONS.items()}
 
