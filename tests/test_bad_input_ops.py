@@ -181,7 +181,7 @@ ROWS = [
     ("dcp_decode meta type", lambda: dcp_decode(torch.zeros(1, 2, 8), (torch.zeros(2, 4, 1, 8),) * 2, [4],
                                                 group=one()), "meta must be a DCPMeta"),
     ("DCPContext context past table", dcp_ctx(ctx_lens=(9,)),
-     "context_lens[0] = 9 puts 9 cached tokens on DCP rank 0, but a block_table row addresses 1 blocks x 4"),
+     "context_lens[0] = 9 puts 9 cached tokens on DCP rank 0, but a block_table row addresses 1 x 4 = 4 slots"),
     ("DCPContext negative context", dcp_ctx(ctx_lens=(-2,)),
      "context_lens[0] = -2; expected a count of cached tokens >= 0"),
     ("DCPContext cu_q end", dcp_ctx(cu=(0, 5)), "cu_q ends at 5 but q has 2 rows; its last entry must equal 2"),

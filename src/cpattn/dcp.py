@@ -421,7 +421,7 @@ class DCPContext:
             b = int(far.nonzero()[0])
             raise ValueError(
                 f"context_lens[{b}] = {int(ctx[b])} puts {int(local[b])} cached tokens on DCP rank {rank}, but a "
-                f"block_table row addresses {self.block_table.shape[1]} blocks x {self.k_cache.shape[1]} = {reach}; "
+                f"block_table row addresses {self.block_table.shape[1]} x {self.k_cache.shape[1]} = {reach} slots; "
                 "widen the block table"
             )
 

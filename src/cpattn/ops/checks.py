@@ -315,7 +315,7 @@ def _paged_error(block_table, req_indices, kv_lens, *, num_blocks, block_size) -
     need = -(-n // block_size)
     col = next(j for j in range(need) if not 0 <= row[j] < num_blocks)
     seen = (f"block_table[{req}, {col}] = {row[col]} is read by query row {r} "
-            f"(kv_lens[{r}] = {n} keys need {need} blocks)")
+            f"(kv_lens[{r}] = {n} keys need {need} block{'s' * (need != 1)})")
     if row[col] < 0:
         raise ValueError(f"{seen}: a -1 block inside the visible keys; give every visible key a block")
     raise ValueError(
