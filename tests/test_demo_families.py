@@ -36,7 +36,7 @@ DSA = dict(index_topk=8, index_head_dim=16, index_n_heads=32)
 FAMILIES = {  # model_type: (HF class, config, demo flags)
     "qwen3": ("Qwen3ForCausalLM", lambda: transformers.Qwen3Config(
         **COMMON, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-        ["--pcp", "2", "--dcp", "2", "--graph-mode", "none"]),
+        ["--pcp", "1", "--dcp", "1", "--graph-mode", "none"]),  # PCP/DCP: test_demo.py's embedded Qwen3
     "qwen3_moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(
         **COMMON, hidden_size=64, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
