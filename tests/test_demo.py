@@ -78,7 +78,10 @@ def test_demo_mismatch_fails(tmp_path, capsys):
 
 def test_demo_rejects_layouts_the_guide_forbids(capsys):
     """--dcp that does not divide the heads is refused before any rank starts; so is pcp != dcp != 1."""
-    assert demo.main(["--dcp", "3", "--pcp", "1", "--no-progress"]) == 2
-    assert "num_attention_heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(["--dcp", "3", "--pcp", "1", "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--dcp=3" in err and "num_attention_heads" in err
     with pytest.raises(SystemExit):
         demo.main(["--pcp", "2", "--dcp", "4"])

@@ -280,15 +280,33 @@ def check_engine(prog: str, flags: dict[str, str] | None = None, **flat):
     try:
         return EngineConfig.create(**flat)
     except ConfigError as e:
-        names = {**FLAG_OF_FIELD, **(flags or {})}
-        lines = []
-        for prob in e.problems:
-            field, _, rest = prob.partition(": ")
-            for name, flag in names.items():  # speak in flags: "use dcp_size in [1, 2]" -> "use --dcp in [1, 2]"
-                rest = re.sub(rf"\b{name}\b", flag.split("/")[-1], rest)
-            lines.append(f"{prog}: error: argument {names.get(field, field)}: {rest}")
-        print("\n".join(lines), file=sys.stderr)
-        raise SystemExit(2) from None
+        speak_problems(prog, e.problems, flags)
+
+
+def speak_problems(prog: str, problems: list[str], flags: dict[str, str] | None = None) -> NoReturn:
+    """Print config problems (``"field: saw ...; rule: ...; fix: ..."``) as usage errors in flag names, one
+    line each, and exit with status 2. ``flags`` adds to :data:`FLAG_OF_FIELD`.
+
+    >>> import contextlib, io
+    >>> err = io.StringIO()
+    >>> with contextlib.redirect_stderr(err):
+    ...     try:
+    ...         speak_problems("cpattn x", ["block_size: saw 0; rule: a positive int; fix: pass block_size >= 1"])
+    ...     except SystemExit as e:
+    ...         print(e.code)
+    2
+    >>> print(err.getvalue().strip())
+    cpattn x: error: argument --block-size: saw 0; rule: a positive int; fix: pass --block-size >= 1
+    """
+    names = {**FLAG_OF_FIELD, **(flags or {})}
+    lines = []
+    for prob in problems:
+        field, _, rest = prob.partition(": ")
+        for name, flag in names.items():  # speak in flags: "use dcp_size in [1, 2]" -> "use --dcp in [1, 2]"
+            rest = re.sub(rf"\b{name}\b", flag.split("/")[-1], rest)
+        lines.append(f"{prog}: error: argument {names.get(field, field)}: {rest}")
+    print("\n".join(lines), file=sys.stderr)
+    raise SystemExit(2)
 
 
 def report_stream(json_path: str | None):

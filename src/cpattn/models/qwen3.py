@@ -64,6 +64,13 @@ class Qwen3Config:
     attention_bias: bool = False
 
     @classmethod
+    def tiny(cls, **over) -> Qwen3Config:
+        """A tiny test/demo configuration (2 layers, hidden 128, GQA 4:1 with one KV head, vocab 512)."""
+        base = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+        return cls(**{**base, **over})
+
+    @classmethod
     def from_hf(cls, config: Any) -> Qwen3Config:
         """From a transformers ``Qwen3Config``, a config.json dict, or a checkpoint path."""
         return cls(**qwen3_fields(config_dict(config), "qwen3"))

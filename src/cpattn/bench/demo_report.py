@@ -1,0 +1,138 @@
+"""``cpattn demo``'s verdict and report: tokens checked against the one-device run, the table of times,
+bytes and KV sizes, and the JSON payload.
+
+Example
+-------
+>>> import torch
+>>> first_mismatch(torch.tensor([[True, False]]), {"logits": torch.tensor([[[0., 0.], [2., 1.]]])})
+{'request': 0, 'token': 1, 'reference_margin': 1.0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+
+import torch
+
+from cpattn.bench.common import safe_div, table
+from cpattn.bench.demo_run import Spec, flat
+
+COLUMNS = ["run", "ranks", "TTFT_ms", "TPOT_ms", "KV_bytes_per_rank", "prefill_sent", "handoff_sent",
+           "decode_sent_per_step", "TTFT_x", "TPOT_x", "tokens"]
+
+
+def summarize(res: dict, ref: dict, spec: Spec, engines) -> dict:
+    """Check every run's tokens against the one-device reference ``ref`` and gather one JSON-able dict."""
+    ref_tokens = ref["tokens"].clone()  # [B, N]
+    if spec.perturb_reference:  # testing aid: a reference that cannot match
+        ref_tokens[0, -1] = (ref_tokens[0, -1] + 1) % res["config"]["vocab_size"]
+    par = f"PCP={spec.pcp} -> DCP={spec.dcp}"
+    rows = [{"run": "1 device, eager (reference)", "ranks": 1, "TTFT_ms": 1e3 * ref["ttft_s"],
+             "TPOT_ms": 1e3 * ref["tpot_s"], "KV_bytes_per_rank": ref["kv_bytes"], "prefill_sent": 0,
+             "handoff_sent": 0, "decode_sent_per_step": 0, "TTFT_x": 1.0, "TPOT_x": 1.0, "tokens": "reference"}]
+    checks = {}
+    for name, run in res["runs"].items():
+        toks = torch.cat([res["first"][:, None], run["tokens"]], 1)  # [B, N]
+        same = toks == ref_tokens
+        checks[name] = {"match": bool(same.all()), "equal_tokens": int(same.sum()), "total_tokens": same.numel(),
+                        "first_mismatch": first_mismatch(same, ref)}
+        label = f"{par}, graph ({run['backend']})" if name == "graph" else f"{par}, eager"
+        rows.append({"run": label, "ranks": spec.world_size, "TTFT_ms": 1e3 * res["ttft_s"],
+                     "TPOT_ms": 1e3 * run["tpot_s"], "KV_bytes_per_rank": max(res["kv_bytes_per_rank"]),
+                     "prefill_sent": max(res["prefill_bytes"]), "handoff_sent": max(res["handoff_bytes"]),
+                     "decode_sent_per_step": run["bytes_per_step"], "TTFT_x": safe_div(ref["ttft_s"], res["ttft_s"]),
+                     "TPOT_x": safe_div(ref["tpot_s"], run["tpot_s"]),
+                     "tokens": f"{checks[name]['equal_tokens']}/{checks[name]['total_tokens']} equal"})
+    graph = res["runs"].get("graph")
+    out = {
+        "spec": dataclasses.asdict(spec), "model": res["model"], "config": res["config"],
+        "engines": {"prefill": flat(engines[0]), "decode": flat(engines[1])},
+        "prompt_lens": spec.prompt_lens, "rows": rows, "checks": checks,
+        "reference_tokens": ref_tokens.tolist(),
+        "tokens": {name: torch.cat([res["first"][:, None], r["tokens"]], 1).tolist() for name, r in res["runs"].items()},
+        "ttft_samples_ms": [1e3 * t for t in res["ttft_samples"]], "handoff_ms": 1e3 * res["handoff_s"],
+        "decode_backend": res["decode_backend"],
+        "whole_step_captured": res["whole_step_captured"] and graph is not None and res["decode_backend"] != "eager",
+        "torch": torch.__version__, "machine": platform.machine(),
+    }
+    if graph is not None:
+        st, steps = graph["stats"], spec.max_new_tokens - 1
+        out["graph"] = {"backend": graph["backend"], "capture_s": graph["capture_s"], "stats": st,
+                        "decode_steps": steps, "all_steps_replayed": st["graph"] == steps and st["eager"] == 0}
+    if "pool" in res:
+        pool = {k: {**v, "tokens": v["tokens"].tolist()} for k, v in res["pool"].items()}
+        same = res["pool"]["warm"]["tokens"] == ref["pool_tokens"]
+        checks["pool"] = {"match": bool(same.all()), "equal_tokens": int(same.sum()), "total_tokens": same.numel(),
+                          "first_mismatch": first_mismatch(same, {})}
+        out["pool"] = {**pool, "ttft_x": safe_div(pool["cold"]["ttft_s"], pool["warm"]["ttft_s"])}
+    out["tokens_match"] = all(c["match"] for c in checks.values())
+    return out
+
+
+def first_mismatch(same: torch.Tensor, ref: dict) -> dict | None:
+    """Where tokens first differ, with the reference's top-2 logit margin there (a near tie shows up as ~0)."""
+    bad = (~same).nonzero()
+    if not bad.numel():
+        return None
+    b, j = (int(x) for x in bad[0])
+    out = {"request": b, "token": j}
+    if "logits" in ref:
+        top2 = ref["logits"][b, j].double().topk(2).values
+        out["reference_margin"] = float(top2[0] - top2[1])
+    return out
+
+
+def report(s: dict) -> str:
+    """The text the demo prints: what ran, the table, and the verdict."""
+    c, spec = s["config"], s["spec"]
+    sizes = ", ".join(f"{k}={c[k]}" for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                              "num_key_value_heads", "vocab_size") if k in c)
+    src = spec["model_dir"] or f"embedded tiny random-init model (seed {spec['seed']}, nothing downloaded)"
+    inter = s["engines"]["decode"]["cp_kv_cache_interleave_size"]
+    lines = [
+        f"cpattn demo: {s['model']} ({sizes}), {spec['dtype']}; {src}",
+        f"prompts: {s['prompt_lens']} tokens, {spec['max_new_tokens']} new tokens each (greedy); "
+        f"{max(spec['pcp'], spec['dcp'])} gloo ranks",
+        f"prefill engine: pcp_size={spec['pcp']} (kv_producer); decode engine: tp=dcp={spec['dcp']}, pcp=1 "
+        f"(kv_consumer); block_size={spec['block_size']}, cp_kv_cache_interleave_size={inter}"
+        + (" (whole blocks handed over)" if inter == spec["block_size"] else ""),
+    ]
+    g = s.get("graph")
+    if g:
+        if s["whole_step_captured"]:
+            what = "the whole decode step (embedding, every layer's write_kv + dcp_decode, lm_head, argmax) captured"
+        elif s["decode_backend"] == "eager" and spec["backend"] != "eager":
+            what = (f"decode step through DecodeRunner with the 'eager' backend, not compiled: {s['model']}'s step "
+                    "is not capturable (data-dependent shapes or host syncs)")
+        else:
+            what = "decode step through DecodeRunner with the 'eager' backend (persistent buffers, padding, no compiler)"
+        st = g["stats"]
+        lines.append(f"graph mode FULL_DECODE_ONLY: {what}; backend {g['backend']!r}, capture sizes "
+                     f"{sorted(int(k) for k in st['sizes']) or spec['capture_sizes']}, capture {g['capture_s']:.1f} s; "
+                     f"decode steps replayed {st['graph']}/{g['decode_steps']}, eager {st['eager']}, "
+                     f"padded rows {st['padded_tokens']}")
+    else:
+        lines.append("graph mode none: decode steps run eagerly")
+    lines.append(f"KV hand-off (rows to their DCP owners, one all-to-all): {s['handoff_ms']:.1f} ms")
+    lines.append("")
+    lines.append(table(s["rows"], COLUMNS))
+    lines.append("(bytes sent per rank; _x = speedup vs the 1-device run, > 1 is faster)")
+    runs = {r["run"].split(", ")[-1]: r for r in s["rows"][1:]}
+    graph_row = next((r for k, r in runs.items() if k.startswith("graph")), None)
+    if graph_row and "eager" in runs:
+        lines.append(f"graph replay vs eager decode step: {safe_div(runs['eager']['TPOT_ms'], graph_row['TPOT_ms']):.2f}x;"
+                     f" KV per rank vs 1 device: "
+                     f"{safe_div(graph_row['KV_bytes_per_rank'], s['rows'][0]['KV_bytes_per_rank']):.2f}x")
+    if "pool" in s:
+        p = s["pool"]
+        lines.append(f"KV pool {spec['kv_pool']}: cold request ({p['cold']['prompt_len']} tokens) TTFT "
+                     f"{1e3 * p['cold']['ttft_s']:.1f} ms, {p['cold']['blocks_stored']} blocks stored; warm request "
+                     f"sharing {p['warm']['hit_blocks']} blocks TTFT {1e3 * p['warm']['ttft_s']:.1f} ms "
+                     f"({p['ttft_x']:.2f}x faster), {p['warm']['bytes_loaded']:,} bytes loaded per rank")
+    lines.append("")
+    for name, chk in s["checks"].items():
+        verdict = "identical" if chk["match"] else f"DIFFERENT, first at {chk['first_mismatch']}"
+        what = "warm pool request" if name == "pool" else f"{name} decode"
+        lines.append(f"tokens ({what}) vs single device: {chk['equal_tokens']}/{chk['total_tokens']} {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,330 @@
+"""What ``cpattn demo`` runs on each rank, composed from the engine's stages (see :mod:`cpattn.bench.demo`).
+
+:func:`reference` is the one-device run (in the parent process, before any
+rank starts); :func:`demo_rank` the parallel run on one rank: PCP prefill
+(timed), the KV hand-off into the DCP decode cache, the decode captured
+(FULL_DECODE_ONLY) and eager side by side; :func:`pool_rank` the KV-pool
+phase (a cold request that stores its blocks, then a warm one sharing its
+prefix).
+
+Example
+-------
+>>> spec = Spec(prompt_len=16, batch=2)
+>>> spec.prompt_lens, spec.world_size
+([16, 12], 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpattn.bench.common import DTYPES, Progress
+from cpattn.comm.group import Group
+from cpattn.config import EngineConfig
+from cpattn.engine import checks, driver
+from cpattn.engine.batch import Prompts
+from cpattn.engine.decode import decode_step, step_fields
+from cpattn.engine.family import ModelFamily, get_family
+from cpattn.engine.options import Algorithms
+from cpattn.engine.pooling import PoolSpec
+from cpattn.engine.reference import reference_generate
+from cpattn.graphs import capture_sizes, pick_size
+from cpattn.models import load_checkpoint
+from cpattn.models.common import config_dict
+
+# the embedded default: a tiny Qwen3 (GQA 4:1 with q/k norm), random weights, nothing downloaded.
+EMBEDDED_STD = 0.2  # weights ~ N(0, 0.2): clear logit margins, so greedy tokens are not near-ties
+GRAPH_MODES = ("none", "full_decode_only")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything a rank needs (picklable): model, layout, sizes, graph and pool settings."""
+
+    model_dir: str | None = None
+    model_type: str = "qwen3"
+    pcp: int = 2
+    dcp: int = 2
+    prompt_len: int = 4096
+    batch: int = 1
+    max_new_tokens: int = 32
+    graph_mode: str = "full_decode_only"
+    backend: str = "cpu"
+    block_size: int = 16
+    interleave_size: int | None = None
+    merge: str = "ag_rs"
+    dtype: str = "float32"
+    seed: int = 0
+    capture_sizes: tuple[int, ...] | None = None
+    eager_row: bool = True
+    progress: bool = True
+    perturb_reference: bool = False
+    reps: int = 3
+    kv_pool: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return max(self.pcp, self.dcp)
+
+    @property
+    def interleave(self) -> int:
+        """``cp_kv_cache_interleave_size``: the block size unless set (whole blocks handed over)."""
+        return self.block_size if self.interleave_size is None else self.interleave_size
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """Request b has ``prompt_len - b * prompt_len // (2 * batch)`` tokens (uneven on purpose)."""
+        return [self.prompt_len - (b * self.prompt_len) // (2 * self.batch) for b in range(self.batch)]
+
+
+# -- model, inputs, engines -------------------------------------------------------------------
+
+
+def model_config(spec: Spec) -> tuple[ModelFamily, Any]:
+    """(family, config) of the run from the checkpoint's config.json alone (no weights read), or the
+    family's tiny config for an embedded model. Raises ValueError naming what is wrong with a checkpoint."""
+    if spec.model_dir is None:
+        family = get_family(spec.model_type)
+        return family, family.config_class.tiny()
+    import json
+    import os
+
+    path = os.path.join(spec.model_dir, "config.json")
+    if not os.path.isdir(spec.model_dir):
+        raise ValueError(f"{spec.model_dir!r} is not a directory; pass a Hugging Face checkpoint directory")
+    if not os.path.isfile(path):
+        raise ValueError(f"{spec.model_dir!r} has no config.json; pass a Hugging Face checkpoint directory")
+    if not any(f.endswith(".safetensors") for f in os.listdir(spec.model_dir)):
+        raise ValueError(f"{spec.model_dir!r} has no *.safetensors file (only safetensors checkpoints are read)")
+    try:
+        d = config_dict(spec.model_dir)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    family = get_family(d)
+    try:
+        return family, family.config_class.from_hf(d)
+    except KeyError as e:
+        raise ValueError(f"{path} lacks {e.args[0]!r}, which a {family.name} config needs") from None
+
+
+def load_model(spec: Spec) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
+    """(family, config, params): an embedded tiny random model, or a local Hugging Face checkpoint."""
+    dtype = DTYPES[spec.dtype]
+    family, cfg = model_config(spec)
+    if spec.model_dir is None:
+        return family, cfg, family.init_params(cfg, seed=spec.seed, std=EMBEDDED_STD, dtype=dtype)
+    _, params = load_checkpoint(spec.model_dir, dtype=dtype)
+    return family, cfg, params
+
+
+def prompts(spec: Spec, vocab: int) -> tuple[torch.Tensor, list[int]]:
+    """Seeded random prompts, packed: tokens [T] int64 and cu_seqlens [B+1] (host ints)."""
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    cu = [0]
+    for n in spec.prompt_lens:
+        cu.append(cu[-1] + n)
+    return torch.randint(0, vocab, (cu[-1],), generator=g), cu
+
+
+def graph_backend(spec: Spec, family: ModelFamily) -> str:
+    """The decode runner's backend: the requested compiler for a capturable family, else "eager"."""
+    return spec.backend if family.capturable else "eager"
+
+
+def engine_configs(spec: Spec, family: ModelFamily, cfg: Any) -> tuple[EngineConfig, EngineConfig]:
+    """The prefill (kv_producer, PCP) and decode (kv_consumer, DCP) engines of the P/D pair, validated.
+
+    Raises :class:`~cpattn.config.ConfigError` listing every broken rule for
+    a layout the guide (or the engine) cannot run.
+    """
+    graph = "FULL_DECODE_ONLY" if spec.graph_mode == "full_decode_only" else "NONE"
+    pre, dec = driver.engine_configs(family, cfg, pcp_size=spec.pcp, dcp_size=spec.dcp, block_size=spec.block_size,
+                                     interleave_size=spec.interleave, pd=True, graph_mode=graph,
+                                     capture_sizes=spec.capture_sizes, graph_backend=graph_backend(spec, family))
+    checks.check(family, cfg, pre, dec, world_size=spec.world_size, topology="colocated",
+                 pool=spec.kv_pool is not None)
+    return pre, dec
+
+
+def flat(config: EngineConfig) -> dict:
+    """An engine config as one flat dict of its fields (the flat names of ``EngineConfig.create``)."""
+    return {k: v for part in dataclasses.asdict(config).values() for k, v in part.items()}
+
+
+# -- the one-device reference (parent process) ----------------------------------------------------
+
+
+def reference(spec: Spec) -> dict:
+    """The single-device greedy run every parallel run must reproduce: tokens [B, N], logits [B, N, V],
+    TTFT (median of ``spec.reps`` prefills), TPOT (median step), KV bytes; and, with a KV pool, the
+    tokens of the pool phase's warm request."""
+    family, cfg, params = load_model(spec)
+    tokens, cu = prompts(spec, cfg.vocab_size)
+    ps = [tokens[a:b] for a, b in zip(cu, cu[1:])]
+    reference_generate(family, params, cfg, [list(range(8))], 2)  # warm-up
+    ttft = statistics.median(reference_generate(family, params, cfg, ps, 1).prefill_s for _ in range(spec.reps))
+    ref = reference_generate(family, params, cfg, ps, spec.max_new_tokens)
+    out = {"tokens": ref.tokens, "logits": ref.logits, "ttft_s": ttft,
+           "tpot_s": statistics.median(ref.step_s) if ref.step_s else float("nan"), "kv_bytes": ref.kv_bytes}
+    if spec.kv_pool is not None:
+        out["pool_tokens"] = reference_generate(family, params, cfg, pool_prompts(spec, tokens, cu), 4).tokens
+    return out
+
+
+# -- one rank of the parallel run --------------------------------------------------------------------
+
+
+def _barrier(group: Group) -> None:
+    if group.size > 1:
+        group.all_reduce(torch.zeros(1))
+
+
+def _timed(group: Group, fn):
+    """(seconds, result) of ``fn()`` between two barriers: the slowest rank's time."""
+    _barrier(group)
+    t0 = time.perf_counter()
+    out = fn()
+    _barrier(group)
+    return time.perf_counter() - t0, out
+
+
+def _tpot(group: Group, times) -> float:
+    """Time per output token: the median step time, the slowest rank's."""
+    mine = statistics.median(times) if times else float("nan")
+    return max(group.all_gather(torch.tensor([mine], dtype=torch.float64)).tolist())
+
+
+def _step_bytes(step_fn, state, size: int, dgroup: Group) -> int:
+    """Bytes one decode step of ``size`` tokens sends per rank: an all-padding step (no KV write), counted eagerly."""
+    fields = step_fields(state["shard"].block_table.shape[1])
+    batch = {name: torch.full((size, *f.shape), f.pad, dtype=f.dtype) for name, f in fields.items()}
+    batch["cu_seqlens_q"] = torch.zeros(size + 1, dtype=torch.int32)
+    dgroup.stats.reset()
+    step_fn(state, batch)
+    return dgroup.stats.total_sent()
+
+
+def demo_rank(group: Group, spec: Spec) -> dict:
+    """The parallel run on one rank of ``group`` (``spec.world_size`` ranks); every rank returns the full result."""
+    torch.manual_seed(spec.seed)
+    family, cfg, params = load_model(spec)
+    pre_cfg, dec_cfg = engine_configs(spec, family, cfg)
+    tokens, _ = prompts(spec, cfg.vocab_size)
+    batch = Prompts(tokens, tuple(spec.prompt_lens))
+    steps, nreq = spec.max_new_tokens - 1, spec.batch
+    algorithms = Algorithms(dcp_merge=spec.merge)
+    rank0 = group.rank == 0
+    n_runs = 1 if spec.graph_mode == "none" else 1 + spec.eager_row
+    bar = Progress(4 + steps * n_runs, enabled=spec.progress and rank0)
+
+    # 1. prefill engine: PCP over the ranks (or each rank alone)
+    pg, dg = driver.stage_group(group, spec.pcp), driver.stage_group(group, spec.dcp)
+    warm = Prompts.of([list(range(4 * max(pg.size, 1)))])
+    driver.prefill_fn(pg, family, params, cfg, warm, algorithms, False)  # kernels and gloo links warm
+    group.stats.reset()
+    times = []
+    for _ in range(spec.reps):
+        sec, out = _timed(group, lambda: driver.prefill_fn(pg, family, params, cfg, batch, algorithms, False))
+        times.append(sec)
+    prefill_bytes = group.stats.total_sent() // spec.reps
+    first = out.first_logits.argmax(-1)
+    bar.step(f"prefill (PCP={spec.pcp})")
+
+    # 2. KV hand-off into the decode engine's paged shards (each row to its DCP owner)
+    def new_shard():
+        return driver.new_shard(family, cfg, params, batch, steps, dec_cfg, None)
+
+    shard = new_shard()
+    group.stats.reset()
+    handoff_s, _ = _timed(group, lambda: driver.handoff(group, pg, dg, shard, out, algorithms))
+    handoff_bytes = group.stats.total_sent()
+    bar.step("KV hand-off")
+
+    # 3. decode engine: DCP, the whole model step captured (FULL_DECODE_ONLY) and eager, side by side
+    step_fn = functools.partial(decode_step, family=family, cfg=cfg, group=dg, merge=spec.merge)
+    backend = graph_backend(spec, family)
+    runs: dict[str, dict] = {}
+
+    def on_step(label):
+        return lambda s: bar.step(f"{label} decode step {s}/{steps}")
+
+    if spec.graph_mode == "full_decode_only":
+        sizes = spec.capture_sizes or (pick_size(capture_sizes(4096), nreq),)  # the bucket holding the batch
+        gcfg = dec_cfg.replace(capture_sizes=tuple(sizes))
+        if backend != "eager":
+            bar.note(f"compiling the decode step for capture sizes {list(sizes)} with torch.compile ({backend}, "
+                     "fullgraph): a minute or two on the first run, seconds once inductor's cache is warm")
+        _barrier(group)
+        t0 = time.perf_counter()
+        runner = driver.capture(dg, family, params, cfg, shard, batch, gcfg, algorithms, None)
+        capture_s = time.perf_counter() - t0
+        _barrier(group)
+        bar.step(f"captured sizes {list(sizes)} ({backend})")
+        step_bytes = _step_bytes(step_fn, runner.state, pick_size(runner.sizes, nreq) or nreq, dg)
+        _barrier(group)
+        dec = driver.run_decode(dg, family, params, cfg, shard, batch, first, steps, gcfg, algorithms, None,
+                                on_step("graph"), runner=runner)
+        runs["graph"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "capture_s": capture_s,
+                         "stats": dec.runner, "backend": runner.backend.name, "bytes_per_step": step_bytes,
+                         "kv_bytes": shard.kv_bytes()}
+    else:
+        bar.step("no capture (graph mode none)")
+    if spec.graph_mode == "none" or spec.eager_row:
+        eshard = shard if spec.graph_mode == "none" else new_shard()
+        if eshard is not shard:
+            driver.handoff(group, pg, dg, eshard, out, algorithms)
+        ecfg = dec_cfg.replace(graph_mode="NONE")
+        step_bytes = _step_bytes(step_fn, {"params": params, "shard": eshard}, nreq, dg)
+        _barrier(group)
+        dec = driver.run_decode(dg, family, params, cfg, eshard, batch, first, steps, ecfg, algorithms, None,
+                                on_step("eager"))
+        runs["eager"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "bytes_per_step": step_bytes,
+                         "kv_bytes": eshard.kv_bytes()}
+
+    def per_rank(x: int) -> list[int]:
+        return [int(v) for v in group.all_gather(torch.tensor([x], dtype=torch.int64)).tolist()]
+
+    res = dict(ttft_s=statistics.median(times), ttft_samples=times, handoff_s=handoff_s,
+               prefill_bytes=per_rank(prefill_bytes), handoff_bytes=per_rank(handoff_bytes), first=first, runs=runs,
+               kv_bytes_per_rank=per_rank(shard.kv_bytes()), decode_backend=backend,
+               whole_step_captured=family.capturable, model=family.name, config=dataclasses.asdict(cfg))
+    if spec.kv_pool is not None:
+        res["pool"] = pool_rank(group, spec, family, cfg, params, pre_cfg, dec_cfg, tokens)
+    bar.step("done")
+    return res
+
+
+# -- the KV pool phase ---------------------------------------------------------------------------------
+
+
+def pool_prompts(spec: Spec, tokens: torch.Tensor, cu: list[int]) -> list[list[int]]:
+    """The pool phase's warm request: request 0's first 7/8 (whole blocks) and a new tail of 1/8."""
+    first = tokens[cu[0] : cu[1]].tolist()
+    keep = (len(first) * 7 // 8) // spec.block_size * spec.block_size
+    g = torch.Generator().manual_seed(spec.seed + 2)
+    return [first[:keep] + torch.randint(0, int(tokens.max()) + 1, (len(first) - keep,), generator=g).tolist()]
+
+
+def pool_rank(group: Group, spec: Spec, family, cfg, params, pre_cfg, dec_cfg, tokens) -> dict:
+    """Request 0 again, cold (its blocks go to the pool), then a warm request sharing 7/8 of it: TTFT of each,
+    blocks found / stored, and the warm request's tokens (checked against one device by the caller)."""
+    pool = PoolSpec(spec.kv_pool, model=spec.model_dir or f"{family.name}-tiny-seed{spec.seed}")
+    _, cu = prompts(spec, cfg.vocab_size)
+    cold_prompt = [tokens[cu[0] : cu[1]].tolist()]
+    out = {}
+    for name, ps in (("cold", cold_prompt), ("warm", pool_prompts(spec, tokens, cu))):
+        gen = driver.generate_on_rank(group, family, params, cfg, ps, 4, prefill=pre_cfg,
+                                      decode=dec_cfg.replace(graph_mode="NONE"), prompt_logits=False, pool=pool)
+        f = gen.facts.pool
+        out[name] = {"ttft_s": max(group.all_gather(torch.tensor([gen.facts.ttft_s], dtype=torch.float64)).tolist()),
+                     "hit_blocks": list(f.hit_blocks), "blocks_loaded": f.blocks_loaded,
+                     "blocks_stored": sum(int(x) for x in group.all_gather(torch.tensor([f.blocks_stored])).tolist()),
+                     "bytes_loaded": f.bytes_loaded, "prompt_len": len(ps[0]), "tokens": gen.tokens}
+    return out
