@@ -337,11 +337,17 @@ def test_shared_layers_keep_no_indexer_keys():
 # -- graph mode --------------------------------------------------------------------------------------------------------
 
 
-def test_decode_step_is_capturable_on_one_rank():
-    """check_static (aot_eager, fullgraph, no recompile across contents): the DCP DSA step (full and shared
-    layers) has static shapes and no host sync; a padding request."""
-    family, cfg = glm.FAMILY, glm.GlmMoeDsaConfig.tiny(num_hidden_layers=2, indexer_types=("full", "shared"),
-                                                       mlp_layer_types=("dense", "sparse"))
+@pytest.mark.parametrize("name", ["glm_moe_dsa", "deepseek_v32"])
+def test_decode_step_is_capturable_on_one_rank(name):
+    """check_static (aot_eager, fullgraph, no recompile across contents): the DCP DSA step (GLM-5's full and
+    shared layers; DeepSeek-V3.2's) has static shapes and no host sync; a padding request."""
+    from cpattn.models import deepseek_v32
+
+    if name == "glm_moe_dsa":
+        family, cfg = glm.FAMILY, glm.GlmMoeDsaConfig.tiny(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                                           mlp_layer_types=("dense", "sparse"))
+    else:
+        family, cfg = deepseek_v32.FAMILY, deepseek_v32.DeepseekV32Config.tiny()
     assert family.capturable
     params = family.init_params(cfg, seed=1, std=0.2)
     shard = PagedShard.empty(family.kv_layouts(cfg), capacity=[12] * 3, dcp_size=1, block_size=4, interleave_size=1)

@@ -176,7 +176,3 @@ def test_moe_decode_step_is_capturable(name):
     outs = check_static(step, state, [batch([9, 5, 7]), batch([3, 9, 1]), batch([9, 0, 2])])
     torch._dynamo.reset()
     assert all(torch.isfinite(o[0][[0, 2]]).all() for o in outs)  # row 1 of the last batch is padding
-
-
-def test_dsa_family_stays_eager_only():
-    assert not get_family("deepseek_v32").capturable

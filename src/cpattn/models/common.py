@@ -288,8 +288,9 @@ def normalize_params(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | 
     """A plain ``{name: tensor}`` dict from a Hugging Face state dict.
 
     Per-expert MoE weights are stacked into ``<prefix>.experts.gate_up_proj``
-    [E, 2I, H] and ``<prefix>.experts.down_proj`` [E, H, I]; router weights and
-    ``e_score_correction_bias`` stay float32 (as the reference keeps them);
+    [E, 2I, H] and ``<prefix>.experts.down_proj`` [E, H, I]; router weights,
+    ``e_score_correction_bias`` and the DSA indexer's ``weights_proj`` stay
+    float32 (as the reference keeps them);
     everything else is cast to ``dtype`` when given. Tensors are detached.
 
     >>> normalize_params({"a.weight": torch.ones(2)})["a.weight"].tolist()
@@ -316,7 +317,7 @@ def normalize_params(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | 
         out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in ids])
     if dtype is not None:
         for name, t in out.items():
-            keep32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+            keep32 = name.endswith(("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight"))
             if t.is_floating_point() and not keep32:
                 out[name] = t.to(dtype)
     return out

@@ -81,18 +81,21 @@ def empty_cache(cfg: DeepseekV32Config, *, batch: int, max_len: int, dtype=torch
 
 
 def indexer(p: dict[str, torch.Tensor], cfg: DeepseekV32Config, pre: str, x: torch.Tensor, q_lora: torch.Tensor,
-            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            cos: torch.Tensor, sin: torch.Tensor, *, rope=rope_half) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The lightning indexer's projections of one layer.
 
-    x: [T, H] (after input_layernorm); q_lora: [T, q_lora_rank]; cos, sin: [T, rope/2].
+    x: [T, H] (after input_layernorm); q_lora: [T, q_lora_rank]; cos, sin: [T, rope/2];
+    rope: how the first ``qk_rope_head_dim`` dims rotate (half-split here; GLM-5 interleaves).
     Returns q_index [T, H_I, D_I], w_index [T, H_I] (float32, constants folded in), k_index [T, D_I].
+    ``weights_proj`` runs in its own (float32) dtype, as the reference keeps that module.
     """
     t, hi, di, rd = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     q = F.linear(q_lora, p[pre + "wq_b.weight"]).view(t, hi, di)  # [T, H_I, D_I]
     k = F.layer_norm(F.linear(x, p[pre + "wk.weight"]), (di,), p[pre + "k_norm.weight"], p[pre + "k_norm.bias"], 1e-6)
-    q = torch.cat([rope_half(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)  # rope dims first
-    k = torch.cat([rope_half(k[:, None, :rd], cos, sin)[:, 0], k[:, rd:]], dim=-1)  # [T, D_I]
-    w = F.linear(x, p[pre + "weights_proj.weight"]).to(torch.promote_types(x.dtype, torch.float32))
+    q = torch.cat([rope(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)  # rope dims first
+    k = torch.cat([rope(k[:, None, :rd], cos, sin)[:, 0], k[:, rd:]], dim=-1)  # [T, D_I]
+    wp = p[pre + "weights_proj.weight"]  # kept in float32 (at least), as the reference keeps the module
+    w = F.linear(x.to(wp.dtype), wp).to(torch.promote_types(wp.dtype, torch.float32))
     w = w * (hi**-0.5 * di**-0.5)  # [T, H_I]
     return q, w, k
 
@@ -136,7 +139,8 @@ def init_params(
         p[pre + "wk.weight"] = (torch.randn(di, hs, generator=g) * std).to(dtype)
         p[pre + "k_norm.weight"] = torch.ones(di, dtype=dtype)
         p[pre + "k_norm.bias"] = torch.zeros(di, dtype=dtype)
-        p[pre + "weights_proj.weight"] = (torch.randn(hi, hs, generator=g) * std).to(dtype)
+        p[pre + "weights_proj.weight"] = (torch.randn(hi, hs, generator=g) * std).to(
+            torch.promote_types(dtype, torch.float32))  # float32 (or float64), as the reference keeps it
     return p
 
 
@@ -147,4 +151,4 @@ def kv_layouts(cfg: DeepseekV32Config) -> tuple[KVLayout, ...]:
 
 
 FAMILY = ModelFamily(name="deepseek_v32", config_class=DeepseekV32Config, attention="dsa", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=False)
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True)

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from cpattn.engine.family import KVLayout, ModelFamily
 from cpattn.models import deepseek_v3 as v3
@@ -157,14 +156,7 @@ def indexer(p: dict[str, torch.Tensor], cfg: GlmMoeDsaConfig, pre: str, x: torch
     >>> q.shape, w.dtype, k.shape
     (torch.Size([3, 32, 16]), torch.float32, torch.Size([3, 16]))
     """
-    t, hi, di, rd = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-    q = F.linear(q_lora, p[pre + "wq_b.weight"]).view(t, hi, di)  # [T, H_I, D_I]
-    k = F.layer_norm(F.linear(x, p[pre + "wk.weight"]), (di,), p[pre + "k_norm.weight"], p[pre + "k_norm.bias"], 1e-6)
-    q = torch.cat([rope_interleaved(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)  # rope dims first
-    k = torch.cat([rope_interleaved(k[:, None, :rd], cos, sin)[:, 0], k[:, rd:]], dim=-1)  # [T, D_I]
-    wp = p[pre + "weights_proj.weight"]
-    w = F.linear(x.to(torch.float32), wp.to(torch.float32)).to(torch.promote_types(x.dtype, torch.float32))
-    return q, w * (hi**-0.5 * di**-0.5), k  # w: [T, H_I]
+    return v32.indexer(p, cfg, pre, x, q_lora, cos, sin, rope=rope_interleaved)
 
 
 def forward(
