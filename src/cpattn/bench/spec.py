@@ -19,18 +19,18 @@ knows the first token:
   point to N = P separate decode ranks (:func:`cpattn.models.generate.pd_generate_on_rank`).
 
 Run: ``cpattn bench spec --quick`` (under a minute) or with
-``--json out.json``.
+``--json out.json`` (``--json -``: only JSON on stdout).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from cpattn.bench.common import table, write_json
+from cpattn.bench import args as cli
+from cpattn.bench.common import safe_div, table, write_json
 from cpattn.comm.launch import spawn
 from cpattn.engine.drafters import ModelDrafter, NgramDrafter, truncated
 from cpattn.models import qwen3
@@ -76,7 +76,7 @@ def acceptance_rows(new_tokens: int, ks: list[int]) -> list[dict]:
             s = out.stats
             rows.append({"drafter": name, "k": k, "acceptance": s.acceptance_rate, "tokens/step": s.tokens_per_step,
                          "verify steps": s.steps, "plain steps": new_tokens - 1,
-                         "steps ratio": s.steps / (new_tokens - 1), "wall ratio": wall / plain_s,
+                         "steps ratio": safe_div(s.steps, new_tokens - 1), "wall ratio": safe_div(wall, plain_s),
                          "tokens equal": bool(torch.equal(out.tokens, ref.tokens)
                                               and torch.equal(plain.tokens, ref.tokens))})
     return rows
@@ -126,13 +126,14 @@ def pd_rank(world, params, cfg, prompts, block_size, reps, prefill_size):
     return {"role": kind, "ready_s": _median_ready(times), "bytes": nbytes}
 
 
-def ttft_rows(p: int, tokens: int, hidden: int, layers: int, block_size: int, reps: int) -> list[dict]:
+def ttft_rows(p: int, tokens: int, hidden: int, layers: int, block_size: int, reps: int,
+              timeout_s: float = cli.TIMEOUT_S) -> list[dict]:
     """Part 2: TTFT rows (the slowest rank's median)."""
     cfg, params = ttft_model(hidden, layers)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (tokens,), generator=g).tolist()]
-    both = spawn(p, pcp_dcp_rank, params, cfg, prompts, block_size, reps)
-    pd = spawn(2 * p, pd_rank, params, cfg, prompts, block_size, reps, p)
+    both = spawn(p, pcp_dcp_rank, params, cfg, prompts, block_size, reps, timeout_s=timeout_s)
+    pd = spawn(2 * p, pd_rank, params, cfg, prompts, block_size, reps, p, timeout_s=timeout_s)
     rows = []
     for ex in ("a2a", "allgather"):
         rows.append({"scheme": f"pcp+dcp {ex}", "ranks": p, "ttft_s": max(r[ex]["ready_s"] for r in both),
@@ -143,33 +144,41 @@ def ttft_rows(p: int, tokens: int, hidden: int, layers: int, block_size: int, re
                  "prefill_s": max(r["ready_s"] for r in pre), "kv bytes moved": sum(r["bytes"] for r in dec)})
     base = rows[-1]["ttft_s"]
     for r in rows:
-        r["ttft vs p/d"] = r["ttft_s"] / base
+        r["ttft vs p/d"] = safe_div(r["ttft_s"], base)
     return rows
 
 
-def main(argv=None) -> dict:
-    """Print both tables; return the payload (also written with --json)."""
-    ap = argparse.ArgumentParser(prog="cpattn bench spec", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, under a minute")
-    ap.add_argument("--json", default=None, help="write the results as JSON to this path ('-' for stdout)")
-    ap.add_argument("--ranks", type=int, default=2, help="P: PCP ranks (and DCP / decode ranks)")
-    args = ap.parse_args(argv)
+def parser():
+    p = cli.parser("cpattn bench spec", __doc__)
+    cli.add_quick(p, "48 new tokens, k in {1, 3}, a 512-token TTFT prompt (under a minute; else 128, k = 1..4, 4096)")
+    cli.add_parallel(p, pcp=2, helps={"pcp": "P: the PCP ranks of part 2 (and the DCP / decode ranks); part 1 "
+                                             "always decodes on 2 simulated DCP ranks"})
+    cli.add_json(p)
+    cli.add_timeout(p)
+    return p
+
+
+def main(argv=None) -> int:
+    """Print both tables (and write the payload with --json); exit status 1 if any run's tokens differ."""
+    args = parser().parse_args(argv)
     quick = args.quick
     new_tokens = 48 if quick else 128
     ks = [1, 3] if quick else [1, 2, 3, 4]
-    spec = acceptance_rows(new_tokens, ks)
-    print(f"speculative decoding, DCP over 2 simulated ranks, {new_tokens} new tokens, 2 requests")
-    print(table(spec, ["drafter", "k", "acceptance", "tokens/step", "verify steps", "plain steps", "steps ratio",
-                       "wall ratio", "tokens equal"]))
     sizes = dict(tokens=512, hidden=128, layers=2, block_size=16, reps=2) if quick else \
         dict(tokens=4096, hidden=256, layers=4, block_size=64, reps=3)
-    ttft = ttft_rows(args.ranks, **sizes)
-    print(f"\nTTFT on gloo: one prompt of {sizes['tokens']} tokens, hidden {sizes['hidden']}, "
-          f"{sizes['layers']} layers, block = interleave = {sizes['block_size']}")
-    print(table(ttft, ["scheme", "ranks", "ttft_s", "prefill_s", "ttft vs p/d", "kv bytes moved"]))
-    payload = {"quick": quick, "speculative": spec, "ttft": ttft, "ttft_sizes": sizes, "ranks": args.ranks}
+    p = args.prefill_context_parallel_size
+    with cli.report_to(args.json):
+        spec = acceptance_rows(new_tokens, ks)
+        print(f"speculative decoding, DCP over 2 simulated ranks, {new_tokens} new tokens, 2 requests")
+        print(table(spec, ["drafter", "k", "acceptance", "tokens/step", "verify steps", "plain steps", "steps ratio",
+                           "wall ratio", "tokens equal"]))
+        ttft = ttft_rows(p, **sizes, timeout_s=args.timeout)
+        print(f"\nTTFT on gloo: one prompt of {sizes['tokens']} tokens, hidden {sizes['hidden']}, "
+              f"{sizes['layers']} layers, block = interleave = {sizes['block_size']}")
+        print(table(ttft, ["scheme", "ranks", "ttft_s", "prefill_s", "ttft vs p/d", "kv bytes moved"]))
+    payload = {"quick": quick, "speculative": spec, "ttft": ttft, "ttft_sizes": sizes, "pcp": p}
     write_json(args.json, payload)
-    return payload
+    return 0 if all(r["tokens equal"] for r in spec) else 1
 
 
 if __name__ == "__main__":
