@@ -96,3 +96,15 @@ def test_bench_dsa_cp_prefill_tiny_run_has_spreads_and_exact_work():
     for r in rows:
         assert r["speedup_low"] <= r["speedup"] <= r["speedup_high"] and r["time_s"] > 0, r
     assert rows[2]["indexer_imbalance"] == 1.0 and rows[1]["indexer_imbalance"] > 1.0  # head-tail balances
+
+
+def test_bench_pool_ttft_on_lmdb(tmp_path):
+    """The pool benchmark's engine part on LMDB at tiny sizes: the warm request finds 7/8 of its prompt."""
+    from cpattn.bench import pool
+
+    rows = {r["ranks"]: r for r in pool.ttft_rows({"lmdb": f"lmdb:{tmp_path}"}, 256, hidden=64, layers=1, reps=1,
+                                                    timeout_s=120)}
+    assert set(rows) == {1, 2}
+    for r in rows.values():
+        assert r["shared"] == 224 and r["hit_blocks"] == 224 // pool.BLOCK
+        assert r["stored_bytes_per_rank"] > 0 and r["cold_ms"] > 0 and r["warm_ms"] > 0

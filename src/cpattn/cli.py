@@ -34,7 +34,7 @@ BENCHMARKS = {
     "graph": ("cpattn.bench.graph:main", "decode step: eager vs graph-captured (DCP demo program on gloo)"),
     "spec": ("cpattn.bench.spec:main", "speculative acceptance per drafter/k; TTFT PCP+DCP vs PCP prefill + P/D transfer"),
     "dsa": ("cpattn.bench.dsa:main", "DSA decode vs dense MLA at 32K/64K, FP8 selection, DSA-CP prefill on TP ranks"),
-    "pool": ("cpattn.pool.bench:main", "KV pool: store / load time per block vs block size, LMDB and Mooncake"),
+    "pool": ("cpattn.bench.pool:main", "KV pool: store / load per block; TTFT cold vs warm (pooled prefix), 1 and 2 ranks"),
 }
 POOL = {
     "serve": ("cpattn.pool.server:main", "a Mooncake master on 127.0.0.1 and a long-lived process holding the pool's memory"),

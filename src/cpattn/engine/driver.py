@@ -48,7 +48,7 @@ from cpattn.config import EngineConfig
 from cpattn.engine import checks
 from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import DecodeOut, cache_capacity, decode, make_runner
-from cpattn.engine.drafters import check_drafter
+from cpattn.engine.drafters import TargetHidden, check_drafter
 from cpattn.engine.family import ModelFamily, get_family
 from cpattn.engine.handoff import (
     HandoffFacts, deal_blocks, exchange, place_blocks, place_rows, recv_blocks, request_blocks, send_blocks,
@@ -132,14 +132,34 @@ def graph_backend(decode_cfg: EngineConfig, family: ModelFamily, group: Group) -
 
 
 def run_decode(dg: Group, family, params, cfg, shard, prompts: Prompts, first, steps, decode_cfg, algorithms, drafter,
-               on_step, runner=None) -> DecodeOut:
+               on_step, runner=None, prompt_hidden: TargetHidden | None = None) -> DecodeOut:
     """The decode stage as the decode engine's config asks: eager, or through a captured runner
-    (built here unless one is passed). Returns :class:`~cpattn.engine.decode.DecodeOut`."""
+    (built here unless one is passed; the drafter's own steps then use the same graph backend).
+    prompt_hidden: the prompts' hidden states for a drafter that reads them (:func:`drafter_hidden`).
+    Returns :class:`~cpattn.engine.decode.DecodeOut`."""
     k = decode_cfg.speculative.num_speculative_tokens if drafter is not None else 0
-    if runner is None and decode_cfg.compilation.captures:
+    captures = decode_cfg.compilation.captures
+    if runner is None and captures:
         runner = capture(dg, family, params, cfg, shard, prompts, decode_cfg, algorithms, drafter)
     return decode(dg, family, params, cfg, shard, prompts.lists(), first, steps, drafter=drafter,
-                  num_speculative_tokens=k, merge=algorithms.dcp_merge, runner=runner, on_step=on_step)
+                  num_speculative_tokens=k, merge=algorithms.dcp_merge, runner=runner, on_step=on_step,
+                  prompt_hidden=prompt_hidden,
+                  draft_graph=graph_backend(decode_cfg, family, dg) if captures and k else None)
+
+
+def hidden_layers(drafter) -> tuple | None:
+    """The target hidden states a run must keep for its drafter (None: it reads tokens only)."""
+    return None if drafter is None else drafter.hidden_layers
+
+
+def drafter_hidden(out: PrefillOut, p: Prompts, prefix: Prefix | None = None) -> TargetHidden | None:
+    """The prefill's hidden states (request order) as the drafter's first :class:`TargetHidden`: each
+    request's computed rows, from its first uncached position."""
+    if out.hidden is None:
+        return None
+    ctx = prefix.context_lens if prefix is not None else (0,) * p.num_requests
+    new = p if prefix is None else p.suffix(ctx)
+    return TargetHidden.packed(out.hidden, new.cu_seqlens, list(ctx))
 
 
 def capture(dg: Group, family, params, cfg, shard, prompts: Prompts, decode_cfg: EngineConfig,
@@ -148,13 +168,18 @@ def capture(dg: Group, family, params, cfg, shard, prompts: Prompts, decode_cfg:
     k = decode_cfg.speculative.num_speculative_tokens if drafter is not None else 0
     sizes = decode_cfg.compilation.capture_sizes
     return make_runner(dg, family, params, cfg, shard, num_speculative_tokens=k,
-                           max_requests=prompts.num_requests, merge=algorithms.dcp_merge,
-                           capture_sizes=list(sizes) if sizes else None, backend=graph_backend(decode_cfg, family, dg))
+                       max_requests=prompts.num_requests, merge=algorithms.dcp_merge,
+                       capture_sizes=list(sizes) if sizes else None, backend=graph_backend(decode_cfg, family, dg),
+                       hidden_layers=hidden_layers(drafter) if k else None)
 
 
-def new_shard(family, cfg, params, prompts: Prompts, steps: int, decode_cfg: EngineConfig, drafter) -> PagedShard:
-    """An empty decode cache for this rank, sized for the prompts, ``steps`` more tokens and k drafts."""
+def new_shard(family, cfg, params, prompts: Prompts, steps: int, decode_cfg: EngineConfig, drafter,
+              group: Group | None = None) -> PagedShard:
+    """An empty decode cache for this rank, sized for the prompts, ``steps`` more tokens and k drafts
+    (the family's own cache when it declares ``stages``; ``group``: this rank's decode group)."""
     k = decode_cfg.speculative.num_speculative_tokens if drafter is not None else 0
+    if family.stages is not None:
+        return family.stages.new_cache(cfg, params, prompts, steps, decode_cfg, k, group or _single())
     dtype = next(iter(params.values())).dtype
     return PagedShard.empty(family.kv_layouts(cfg), capacity=cache_capacity(list(prompts.query_lens), steps, k),
                             dcp_size=decode_cfg.parallel.dcp_size, block_size=decode_cfg.cache.block_size,
@@ -202,10 +227,10 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
         if prefix is not None or pool is not None:
             raise ValueError("a cached prefix or KV pool is supported with both engines on the same ranks, not "
                              "across P/D")
-    if prefix is not None and pool is not None:
-        raise ValueError("pass a cached prefix or a KV pool, not both")
         return _disaggregated(world, family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
                               on_step)
+    if prefix is not None and pool is not None:
+        raise ValueError("pass a cached prefix or a KV pool, not both")
     steps = max_new_tokens - 1
     psize, nsize = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pg, dg = stage_group(world, psize), stage_group(world, nsize)
@@ -216,19 +241,21 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     pfacts = PoolFacts()
     if pool is not None:
         prefix, pfacts = load_prefix(world, p, pool)
-    out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, prefix)
+    out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, prefix, hidden_layers(drafter))
     prefill_s, sent1 = time.perf_counter() - t0, world.stats.total_sent()
-    shard = new_shard(family, cfg, params, p, steps, decode, drafter)
-    facts = handoff(world, pg, dg, shard, out, algorithms, prefix)
+    shard = new_shard(family, cfg, params, p, steps, decode, drafter, dg)
+    facts = handoff(world, pg, dg, shard, out, algorithms, prefix) if family.stages is None else \
+        family.stages.handoff(pg, shard, out)
     ttft = time.perf_counter() - t0
     if pool is not None and (nsize > 1 or world.rank == 0):  # a replicated decode cache is stored once
         stored = store_blocks(shard, p, pool, rank=dg.rank, dcp_size=nsize, skip=pfacts.hit_blocks)
-        pfacts = dataclasses.replace(pfacts, blocks_stored=stored.blocks_stored, bytes_stored=stored.bytes_stored)
+        pfacts = dataclasses.replace(pfacts, blocks_stored=stored.blocks_stored, bytes_stored=stored.bytes_stored,
+                                     store_s=stored.store_s)
     if opened:
         release(pool)
     sent2 = world.stats.total_sent()
     dec = run_decode(dg, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
-                     drafter, on_step)
+                     drafter, on_step, prompt_hidden=drafter_hidden(out, p, prefix))
     run = RunFacts(ttft_s=ttft, prefill_s=prefill_s, step_s=tuple(dec.step_s),
                    bytes_sent={"prefill": sent1 - sent0, "handoff": sent2 - sent1,
                                "decode": world.stats.total_sent() - sent2},
@@ -245,9 +272,14 @@ def _open_pool(pool, family, cfg, params, decode_cfg: EngineConfig):
 
 
 def prefill_fn(pg: Group, family, params, cfg, p: Prompts, algorithms: Algorithms, prompt_logits: bool,
-               prefix: Prefix | None = None) -> PrefillOut:
-    """The prefill stage as the driver calls it (a seam for timing harnesses)."""
-    return prefill(pg, family, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits, prefix=prefix)
+               prefix: Prefix | None = None, hidden_layers: tuple | None = None) -> PrefillOut:
+    """The prefill stage as the driver calls it (a seam for timing harnesses); ``hidden_layers``: the
+    hidden states a drafter reads, computed under the prefill's layout and gathered in request order."""
+    if family.stages is not None:
+        return family.stages.prefill(pg, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits,
+                                     prefix=prefix, hidden_layers=hidden_layers)
+    return prefill(pg, family, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits, prefix=prefix,
+                   hidden_layers=hidden_layers)
 
 
 def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillOut,
@@ -277,6 +309,27 @@ def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillO
     return HandoffFacts(rows_kept=rows.shape[0], bytes_sent=pg.stats.total_sent() - before)
 
 
+def send_hidden(hidden: dict, decode_ranks: list[int]) -> None:
+    """P/D: prefill rank 0 sends the prompts' hidden states ``{name: [T, H]}`` (layer indices ascending, then
+    "norm") to every decode rank, point to point."""
+    import torch.distributed as dist
+
+    for name in [*sorted(n for n in hidden if n != "norm"), "norm"]:
+        for r in decode_ranks:
+            dist.send(hidden[name].contiguous(), dst=r)
+
+
+def recv_hidden(names: list, tokens: int, hidden_size: int, dtype: torch.dtype, src: int) -> dict:
+    """P/D: a decode rank receives what :func:`send_hidden` sent: ``{name: [T, H]}``."""
+    import torch.distributed as dist
+
+    out = {}
+    for name in names:
+        out[name] = torch.empty(tokens, hidden_size, dtype=dtype)
+        dist.recv(out[name], src=src)
+    return out
+
+
 def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefill_cfg, decode_cfg, algorithms,
                    drafter, on_step) -> Generation:
     """P/D over torch.distributed: ranks [0, P) prefill and send whole blocks, [P, P + N) receive and decode."""
@@ -294,12 +347,14 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
     t0 = time.perf_counter()
     if world.rank < psize:
         pg = DistGroup(pg_raw)
-        out = prefill_fn(pg, family, params, cfg, p, algorithms, False)
+        out = prefill_fn(pg, family, params, cfg, p, algorithms, False, None, hidden_layers(drafter))
         prefill_s = time.perf_counter() - t0
         rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order: any prefill rank can send any block
         blocks = request_blocks(rows, cu, decode_cfg.cache.block_size)
         facts = send_blocks(blocks, out.first_logits if pg.rank == 0 else None, prefill_rank=pg.rank,
                             prefill_size=psize, decode_ranks=list(range(psize, psize + nsize)))
+        if out.hidden is not None and pg.rank == 0:  # the drafter's prompt hidden states go with the KV
+            send_hidden(out.hidden, list(range(psize, psize + nsize)))
         tokens = torch.zeros(p.num_requests, max_new_tokens, dtype=torch.int64)
         logits = torch.zeros(p.num_requests, max_new_tokens, vocab)
         run = RunFacts(prefill_s=prefill_s, handoff=facts, role="prefill")
@@ -313,9 +368,16 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
                                                     width=row_width(layouts), dtype=dtype, vocab_size=vocab)
         shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter)
         place_blocks(shard, received)
+        layers = hidden_layers(drafter)
+        hidden = None
+        if layers is not None:
+            names = [*sorted(layers), "norm"]
+            hidden = recv_hidden(names, p.cu_seqlens[-1], cfg.hidden_size, dtype, src=0)
         ttft = time.perf_counter() - t0
         dec = run_decode(dg, family, params, cfg, shard, p, first_logits.argmax(-1), steps, decode_cfg, algorithms,
-                      drafter, on_step)
+                         drafter, on_step,
+                         prompt_hidden=None if hidden is None else TargetHidden.packed(hidden, p.cu_seqlens,
+                                                                                       [0] * p.num_requests))
         gen = _generation(first_logits, dec, None, None)
         tokens = gen.tokens if dg.rank == 0 else torch.zeros_like(gen.tokens)
         logits = gen.logits if dg.rank == 0 else torch.zeros_like(gen.logits)
@@ -344,7 +406,9 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
     steps = max_new_tokens - 1
 
     def prefill_rank(g):
-        out = prefill_fn(g, family, params, cfg, p, algorithms, prompt_logits)
+        out = prefill_fn(g, family, params, cfg, p, algorithms, prompt_logits, None, hidden_layers(drafter))
+        if family.stages is not None:  # the family's own hand-off payload, the same on every rank
+            return out, family.stages.collect(g, out), g.stats.total_sent()
         rows = gather_unshard(g, out.rows, out.plan)  # [T, F] request order
         return out, rows, g.stats.total_sent()
 
@@ -353,17 +417,19 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
     prefill_s = time.perf_counter() - t0
     block = decode.cache.block_size
     dealt = deal_blocks(request_blocks(rows, p.cu_seqlens, block), decode_size=nsize) \
-        if decode.kv_transfer.kv_role == "kv_consumer" else None
-    req, pos = request_order(out.plan, rows.shape[0], out.plan.context_lens)
+        if decode.kv_transfer.kv_role == "kv_consumer" and family.stages is None else None
+    req, pos = request_order(out.plan, rows.shape[0], out.plan.context_lens) if family.stages is None else (None, None)
 
     def decode_rank(g):
-        shard = new_shard(family, cfg, params, p, steps, decode, drafter)
-        if dealt is None:
+        shard = new_shard(family, cfg, params, p, steps, decode, drafter, g)
+        if family.stages is not None:
+            family.stages.place(shard, rows)
+        elif dealt is None:
             place_rows(shard, rows, req, pos, rank=g.rank, dcp_size=g.size)
         else:
             place_blocks(shard, dealt[g.rank])
         dec = run_decode(g, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
-                      drafter, None)
+                         drafter, None, prompt_hidden=drafter_hidden(out, p))
         run = RunFacts(prefill_s=prefill_s, step_s=tuple(dec.step_s), bytes_sent={"prefill": sent,
                        "decode": g.stats.total_sent()}, kv_bytes=shard.kv_bytes(), runner=dec.runner)
         return _generation(out.first_logits, dec, out.prompt_logits, run)
@@ -372,4 +438,6 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
     for r, g in enumerate(gens[1:], 1):
         if not torch.equal(g.tokens, gens[0].tokens):
             raise RuntimeError(f"DCP rank {r} generated different tokens than rank 0; the ranks diverged")
+        if g.stats.draft_digest != gens[0].stats.draft_digest:
+            raise RuntimeError(f"DCP rank {r} drafted differently from rank 0; the replicated drafters diverged")
     return gens[0]

@@ -31,6 +31,7 @@ Example
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,16 @@ from cpattn.engine.prefill_steps import Prefix
 
 @dataclass(frozen=True)
 class PoolFacts:
-    """What the pool did for this rank: blocks found (per request), loaded and stored; bytes loaded and stored."""
+    """What the pool did for this rank: blocks found (per request), loaded and stored; bytes loaded and stored;
+    seconds spent looking up and loading (``load_s``) and storing (``store_s``)."""
 
     hit_blocks: tuple[int, ...] = ()
     blocks_loaded: int = 0
     blocks_stored: int = 0
     bytes_loaded: int = 0
     bytes_stored: int = 0
+    load_s: float = 0.0
+    store_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ def hits(prompts: list[list[int]], pool) -> list[int]:
 
 def load_prefix(world: Group, prompts: Prompts, pool) -> tuple[Prefix | None, PoolFacts]:
     """The cached prefix of every prompt (the same on every rank), or None when nothing is cached."""
+    t0 = time.perf_counter()
     lists = prompts.lists()
     found = torch.tensor(hits(lists, pool), dtype=torch.int64)
     if world.size > 1:  # every rank must prefill from the same prefix: the minimum over the world
@@ -115,11 +120,10 @@ def load_prefix(world: Group, prompts: Prompts, pool) -> tuple[Prefix | None, Po
         counts = world.all_gather(counts[None], dim=0).min(0).values
     counts = counts.tolist()
     blocks = [t.reshape(bs, -1) for g, n in zip(got, counts) for t in g[:n]]
+    prefix = Prefix(torch.cat(blocks), tuple(n * bs for n in counts)) if blocks else None
     facts = PoolFacts(hit_blocks=tuple(counts), blocks_loaded=len(blocks),
-                      bytes_loaded=sum(t.numel() * t.element_size() for t in blocks))
-    if not blocks:
-        return None, facts
-    return Prefix(torch.cat(blocks), tuple(n * bs for n in counts)), facts
+                      bytes_loaded=sum(t.numel() * t.element_size() for t in blocks), load_s=time.perf_counter() - t0)
+    return prefix, facts
 
 
 def store_blocks(shard: PagedShard, prompts: Prompts, pool, *, rank: int, dcp_size: int,
@@ -129,7 +133,8 @@ def store_blocks(shard: PagedShard, prompts: Prompts, pool, *, rank: int, dcp_si
     if dcp_size > 1 and shard.interleave_size != shard.block_size:
         raise ValueError(f"a DCP rank stores whole blocks only with cp_kv_cache_interleave_size == block_size; got "
                          f"{shard.interleave_size} and {shard.block_size}")
-    bs, keys, payloads = shard.block_size, [], []
+    t0 = time.perf_counter()
+    keys, payloads = [], []
     for b, p in enumerate(prompts.lists()):
         for j, key in enumerate(pool.keys(p)):
             if j < (skip[b] if skip else 0) or j % dcp_size != rank:
@@ -138,4 +143,4 @@ def store_blocks(shard: PagedShard, prompts: Prompts, pool, *, rank: int, dcp_si
             payloads.append(shard.read_block(int(shard.block_table[b, j // dcp_size]))[None])  # [1, B, F]
     stored = pool.store(keys, payloads) if keys else 0
     per_block = payloads[0].numel() * payloads[0].element_size() if payloads else 0
-    return PoolFacts(blocks_stored=stored, bytes_stored=stored * per_block)
+    return PoolFacts(blocks_stored=stored, bytes_stored=stored * per_block, store_s=time.perf_counter() - t0)

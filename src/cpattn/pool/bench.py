@@ -19,14 +19,12 @@ Example
 
 from __future__ import annotations
 
-import argparse
-import json
+import contextlib
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -103,56 +101,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``cpattn bench pool``: LMDB (temporary directory) and Mooncake (a `cpattn pool serve` it starts)."""
-    p = argparse.ArgumentParser(prog="cpattn bench pool", description=__doc__.split("\n")[0])
-    p.add_argument("--backends", default="lmdb,mooncake", help="comma list of lmdb, mooncake, dict")
-    p.add_argument("--block-sizes", default="16,64,128")
-    p.add_argument("--layers", type=int, default=61)
-    p.add_argument("--row-width", type=int, default=576)
-    p.add_argument("--blocks", type=int, default=8, help="blocks per sample")
-    p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--json", default=None, help="also write the rows to this file")
-    args = p.parse_args(argv)
-    names = [b for b in args.backends.split(",") if b]
+@contextlib.contextmanager
+def bench_stores(names: list[str], tmp: str):
+    """``(pools, specs)``: ``pools[name](identity)`` opens a pool of the named backend ("dict"; "lmdb" in
+    ``tmp``; "mooncake" served by a ``cpattn pool serve`` started here and stopped on exit, skipped with a note
+    when Mooncake is unavailable); ``specs[name]`` is its ``open_pool`` spec (lmdb and mooncake)."""
     backends: dict[str, Callable] = {}
+    specs: dict[str, str] = {}
     serve = None
-    with tempfile.TemporaryDirectory() as tmp:
-        if "dict" in names:
-            backends["dict"] = _dict_pool
-        if "lmdb" in names:
-            from cpattn.pool.lmdb_store import LMDBStore
+    if "dict" in names:
+        backends["dict"] = _dict_pool
+    if "lmdb" in names:
+        from cpattn.pool.lmdb_store import LMDBStore
 
-            backends["lmdb"] = lambda ident: KVPool(LMDBStore(os.path.join(tmp, "lmdb"), capacity_bytes=8 << 30), ident)
-        if "mooncake" in names:
-            from cpattn.pool.mooncake_store import MooncakeStore, free_port, mooncake_unavailable_reason
+        backends["lmdb"] = lambda ident: KVPool(LMDBStore(os.path.join(tmp, "lmdb"), capacity_bytes=8 << 30), ident)
+        specs["lmdb"] = f"lmdb:{os.path.join(tmp, 'lmdb')}"
+    if "mooncake" in names:
+        from cpattn.pool.mooncake_store import MooncakeStore, free_port, mooncake_unavailable_reason
 
-            reason = mooncake_unavailable_reason()
-            if reason:
-                print(f"skipping mooncake: {reason}", file=sys.stderr)
-            else:
-                port = free_port()
-                serve = subprocess.Popen([sys.executable, "-m", "cpattn.pool.server", "--port", str(port),
-                                          "--memory", "4GiB"], stdout=subprocess.PIPE, text=True)
-                line = serve.stdout.readline()
-                if "serving" not in line:
-                    serve.kill()
-                    raise RuntimeError(f"cpattn pool serve did not start: {line!r}")
-                backends["mooncake"] = lambda ident: KVPool(MooncakeStore(f"127.0.0.1:{port}"), ident)
-        try:
-            rows = run_bench(backends, block_sizes=tuple(int(b) for b in args.block_sizes.split(",")),
-                             num_layers=args.layers, row_width=args.row_width, blocks=args.blocks,
-                             samples=args.samples)
-        finally:
-            if serve is not None:
-                serve.send_signal(signal.SIGTERM)
-                serve.wait(30)
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+        reason = mooncake_unavailable_reason()
+        if reason:
+            print(f"skipping mooncake: {reason}", file=sys.stderr)
+        else:
+            port = free_port()
+            serve = subprocess.Popen([sys.executable, "-m", "cpattn.pool.server", "--port", str(port),
+                                      "--memory", "4GiB"], stdout=subprocess.PIPE, text=True)
+            line = serve.stdout.readline()
+            if "serving" not in line:
+                serve.kill()
+                raise RuntimeError(f"cpattn pool serve did not start: {line!r}")
+            backends["mooncake"] = lambda ident: KVPool(MooncakeStore(f"127.0.0.1:{port}"), ident)
+            specs["mooncake"] = f"mooncake:127.0.0.1:{port}"
+    try:
+        yield backends, specs
+    finally:
+        if serve is not None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(30)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
