@@ -5,16 +5,16 @@ Each part validates itself (:class:`ParallelConfig`, :class:`CacheConfig`,
 :class:`CompilationConfig`, :class:`ModelConfig`); the rules that span
 parts live here (DESIGN.md §8):
 
-- DCP: MLA/DSA need ``tp >= dcp`` and ``tp % dcp == 0``; GQA (KV heads
-  split over TP) ``(tp // num_kv_heads) >= dcp`` and ``% dcp == 0``;
-  ``num_attention_heads % tp == 0``;
+- DCP: MLA/DSA/V4 (one KV head) need ``tp >= dcp`` and ``tp % dcp == 0``;
+  GQA (KV heads split over TP) ``(tp // num_kv_heads) >= dcp`` and
+  ``% dcp == 0``; ``num_attention_heads % tp == 0``;
 - DSA-CP only for DSA models; with PCP only FULL_DECODE_ONLY graphs;
 - KV transfer with CP: ``cp_kv_cache_interleave_size == block_size``;
   in P/D only the producer uses PCP; pooling with PCP not layerwise;
 - speculative decoding with PCP: MTP for MLA/DSA, Eagle3 for GQA, DSpark
-  for DSA; greedy drafts; no SFA draft attention; no adaptive
-  verification; dynamic draft length not validated; capture sizes are
-  multiples of ``1 + k``.
+  for DSA (DeepSeek-V4, a DSA model in the guide: MTP or DSpark); greedy
+  drafts; no SFA draft attention; no adaptive verification; dynamic draft
+  length not validated; capture sizes are multiples of ``1 + k``.
 
 :meth:`EngineConfig.create` takes every field by its flat name (vLLM's
 engine-argument names) and reports the problems of all parts at once.
@@ -46,7 +46,7 @@ from cpattn.config.speculative import SpeculativeConfig
 
 PCP_GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
 # speculative methods the guide supports with PCP, per attention kind
-PCP_SPEC_METHODS = {"gqa": ("eagle3",), "mla": ("mtp",), "dsa": ("mtp", "dspark")}
+PCP_SPEC_METHODS = {"gqa": ("eagle3",), "mla": ("mtp",), "dsa": ("mtp", "dspark"), "v4": ("mtp", "dspark")}
 PARTS = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "kv_transfer": KVTransferConfig,
          "speculative": SpeculativeConfig, "compilation": CompilationConfig}
 
@@ -116,10 +116,10 @@ class EngineConfig:
                                f"use tp_size in {divisors(m.num_attention_heads)}"))
         if dcp == 1:
             return out
-        if m.attention in ("mla", "dsa") or not m.tp_splits_kv_heads:
+        if m.attention in ("mla", "dsa", "v4") or not m.tp_splits_kv_heads:
             if tp >= dcp and tp % dcp == 0:
                 return out
-            rule = ("MLA/DSA models need" if m.attention != "gqa" else "DCP reuses TP ranks:")
+            rule = ("MLA/DSA/V4 models need" if m.attention != "gqa" else "DCP reuses TP ranks:")
             return out + [problem(
                 "dcp_size", f"dcp_size={dcp}, tp_size={tp} ({m.attention})",
                 f"{rule} tp_size >= dcp_size and tp_size % dcp_size == 0 (DCP reuses TP ranks)",

@@ -1,7 +1,9 @@
 """``ModelConfig``: what the CP rules need to know about a model (vLLM's ``ModelConfig``, reduced).
 
-``attention``: "gqa" (GQA/MQA/MHA), "mla" (one latent KV head) or "dsa"
-(MLA with DeepSeek sparse attention). ``num_attention_heads`` and
+``attention``: "gqa" (GQA/MQA/MHA), "mla" (one latent KV head), "dsa"
+(MLA with DeepSeek sparse attention) or "v4" (DeepSeek-V4: one K = V head,
+a sliding window and compressed entries, CSA's sparse top-k among them; the
+guide counts it among the DSA models). ``num_attention_heads`` and
 ``num_kv_heads`` feed the TP and GQA-DCP rules. ``tp_splits_kv_heads``
 says how TP lays the KV heads out: True as in vLLM (each TP rank holds a
 slice of the KV heads, so ranks of one DCP group must share a slice: the
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from cpattn.config.problems import Checked, normalize, one_of, positive_ints, problem
 
-ATTENTION_KINDS = ("gqa", "mla", "dsa")
+ATTENTION_KINDS = ("gqa", "mla", "dsa", "v4")
 
 
 @dataclass(frozen=True)

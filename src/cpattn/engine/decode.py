@@ -195,11 +195,17 @@ def make_runner(group: Group, family: ModelFamily, params: dict, cfg: Any, shard
             f"graph backend {backend!r}: the {family.name} decode step has data-dependent shapes or host syncs "
             "(it is not capturable); use the 'eager' backend (persistent buffers and padding, no compiler)")
     q_len = 1 + num_speculative_tokens
-    fn = functools.partial(decode_step, family=family, cfg=cfg, group=group, merge=merge, hidden_layers=hidden_layers)
-    runner = DecodeRunner(fn, {"params": params, "shard": shard}, step_fields(shard.block_table.shape[1]),
-                          num_speculative_tokens=num_speculative_tokens, capture_sizes=capture_sizes,
-                          max_size=max(q_len, max_requests * q_len), backend=backend,
-                          device=shard.block_table.device)
+    if family.stages is not None:  # the family's own program over its own cache
+        prog = family.stages.decode_program(group, params, cfg, shard, merge=merge, hidden_layers=hidden_layers)
+        fn, state, fields, device = prog.step, prog.state, prog.fields, prog.device
+    else:
+        fn = functools.partial(decode_step, family=family, cfg=cfg, group=group, merge=merge,
+                               hidden_layers=hidden_layers)
+        state, fields = {"params": params, "shard": shard}, step_fields(shard.block_table.shape[1])
+        device = shard.block_table.device
+    runner = DecodeRunner(fn, state, fields, num_speculative_tokens=num_speculative_tokens,
+                          capture_sizes=capture_sizes, max_size=max(q_len, max_requests * q_len), backend=backend,
+                          device=device)
     return runner.capture()
 
 
@@ -236,6 +242,10 @@ def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: Pag
     draft = drafter.start(b, max(lens) + steps + k + 1, graph=draft_graph) if k else None
     eager = functools.partial(decode_step, family=family, cfg=cfg, group=group, merge=merge, hidden_layers=layers)
     state = {"params": params, "shard": shard}
+    program = None  # a family with its own cache plans its steps itself and commits what verification kept
+    if family.stages is not None:
+        program = family.stages.decode_program(group, params, cfg, shard, merge=merge, hidden_layers=layers)
+        eager, state = program.step, program.state
     step_s = []
     pending, pending_reqs = prompt_hidden, list(range(b))  # target hidden rows not yet given to the drafter
     while True:
@@ -249,9 +259,12 @@ def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: Pag
         drafts = draft.propose([hist[i] for i in active], k, active, hidden) if k else \
             torch.zeros(len(active), 0, dtype=torch.int64)
         last = torch.tensor([hist[i][-1] for i in active], dtype=torch.int64)
-        batch = {"tokens": torch.cat([last[:, None], drafts], 1).flatten(),  # [A * (1 + k)]
-                 "seq_lens": torch.tensor([lens[i] + 1 + k for i in active]),
-                 "block_table": shard.block_table[active]}  # [A, max_blocks]
+        tokens = torch.cat([last[:, None], drafts], 1).flatten()  # [A * (1 + k)]
+        if program is not None:
+            batch = program.batch(active, [lens[i] for i in active], tokens)
+        else:
+            batch = {"tokens": tokens, "seq_lens": torch.tensor([lens[i] + 1 + k for i in active]),
+                     "block_table": shard.block_table[active]}  # [A, max_blocks]
         if runner is not None:
             out = runner(batch, [1 + k] * len(active))  # [A * (1 + k), V], [A * (1 + k)](, hidden)
             stats.graph_steps += runner.stats.last.startswith("graph")
@@ -276,6 +289,8 @@ def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: Pag
             out_tok[i].extend(new)
             out_log[i].extend(logits[j, : a + 1])
             stats.accepted_hist[a] += 1
+        if program is not None:
+            program.commit(active, [lens[i] for i in active])
         if k:
             draft.rollback(active, [len(hist[i]) - 1 for i in active])  # what the target's cache now holds
         stats.steps += 1

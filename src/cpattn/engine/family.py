@@ -17,10 +17,24 @@ this declaration: it never sniffs module names or config attributes.
   config, a config.json dict or a checkpoint path.
 - ``kv_layouts(cfg)``: one :class:`KVLayout` per layer (what a token
   leaves in that layer's cache, so what a hand-off moves).
-- ``attention``: "gqa", "mla" or "dsa" (the guide's attention kinds; DSA
-  prefill runs as DSA-CP over a token split, the others as PCP).
+- ``attention``: "gqa", "mla", "dsa" or "v4" (the guide's attention kinds;
+  DSA prefill runs as DSA-CP over a token split, the others as PCP).
 - ``capturable``: the decode step has no data-dependent shapes or host
   syncs, so graph backends other than "eager" can capture it.
+- ``stages`` (optional): the family's own cache and stages, for state that
+  per-token ``KVLayout`` rows cannot describe (DeepSeek-V4's rings and
+  compressed entries: :class:`cpattn.v4.engine.V4Stages`); None: the paged
+  cache and the engine's steps. It offers ``prefill(group, params, cfg,
+  prompts, *, algorithms, prompt_logits, prefix, hidden_layers)`` (an output
+  with ``first_logits``, ``prompt_logits``, ``hidden``), ``new_cache(cfg,
+  params, prompts, steps, decode_cfg, num_speculative_tokens, group)`` (a
+  cache with ``kv_bytes()``), ``collect(prefill_group, out)`` (what the
+  decode caches need, on every prefill rank), ``place(cache, collected)``,
+  ``handoff(prefill_group, cache, out)`` (both, engines on the same ranks)
+  and ``decode_program(group, params, cfg, cache, *, merge, hidden_layers)``
+  (``state``, ``fields``, ``step`` for the graph runner; ``batch(requests,
+  context_lens, tokens)`` plans a step; ``commit(requests, seq_lens)``
+  keeps what verification accepted).
 
 Example
 -------
@@ -48,6 +62,7 @@ FAMILY_MODULES = {
     "deepseek_v3": "cpattn.models.deepseek_v3",
     "deepseek_v32": "cpattn.models.deepseek_v32",
     "glm_moe_dsa": "cpattn.models.glm_moe_dsa",
+    "deepseek_v4": "cpattn.models.deepseek_v4",
 }
 
 
@@ -88,6 +103,7 @@ class ModelFamily:
     init_params: Callable[..., dict]
     kv_layouts: Callable[[Any], tuple[KVLayout, ...]]
     capturable: bool = False
+    stages: Any = None
 
     def model_config(self, cfg: Any) -> ModelConfig:
         """The :class:`~cpattn.config.ModelConfig` of a family config, as the engine lays it out.

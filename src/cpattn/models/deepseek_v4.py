@@ -49,13 +49,15 @@ from cpattn.v4 import blocks
 from cpattn.v4.attention import Compression, LayerInput
 from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.checkpoint import hf_name
+from cpattn.v4.engine import V4Stages
 
 HF_KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
             "heavily_compressed_attention": "hca"}
 _RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
-# parameters the reference keeps in float32 whatever the model dtype
+# parameters the reference keeps in float32 whatever the model dtype (its strict keep-in-float32 modules:
+# hyper-connections, sinks, position biases, the router's correction bias, every RMSNorm)
 FP32_PARAMS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.weight",
-               "layernorm.weight", "mlp.gate.weight")
+               "layernorm.weight")
 
 
 @dataclass(frozen=True)
@@ -354,4 +356,4 @@ def kv_layouts(cfg: DeepseekV4Config) -> tuple[KVLayout, ...]:
 
 
 FAMILY = ModelFamily(name="deepseek_v4", config_class=DeepseekV4Config, attention="v4", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=False)
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True, stages=V4Stages(forward))

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpattn.models.moe import use_dense
+
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -140,11 +142,14 @@ def _swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch
 
 def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor, limit: float) -> torch.Tensor:
-    """Routed experts, exactly, one expert at a time: x [T, H] -> [T, H].
+    """Routed experts, exactly: x [T, H] -> [T, H]; one expert at a time over its rows (eager), or every
+    expert over every row while a graph is built (:func:`experts_dense`: no host sync, static shapes).
 
     gate_up: [E, 2I, H] (gate rows first); down: [E, H, I]. A token routed
     twice to one expert (possible in hash layers) gets both contributions.
     """
+    if use_dense("auto"):
+        return experts_dense(x, weights, chosen, gate_up, down, limit)
     out = torch.zeros_like(x)
     for e in torch.unique(chosen).tolist():
         tok, slot = torch.nonzero(chosen == e, as_tuple=True)
@@ -152,6 +157,24 @@ def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_u
         y = F.linear(_swiglu_clamped(gate, up, limit), down[e]) * weights[tok, slot, None].to(x.dtype)
         out.index_add_(0, tok, y)
     return out
+
+
+def experts_dense(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, limit: float) -> torch.Tensor:
+    """:func:`experts` with every expert on every row, weighted by a dense [T, E] routing matrix (zero where
+    a token is not routed; a token routed twice to one expert gets the sum). The same sum in another
+    order: equal to rounding.
+
+    >>> x, w, e = torch.randn(3, 4), torch.rand(3, 2), torch.tensor([[0, 0], [1, 2], [2, 0]])
+    >>> gu, dn = torch.randn(3, 6, 4), torch.randn(3, 4, 3)
+    >>> torch.allclose(experts_dense(x, w, e, gu, dn, 10.0), experts(x, w, e, gu, dn, 10.0), atol=1e-5)
+    True
+    """
+    route = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
+    route = route.scatter_add(1, chosen, weights.to(x.dtype))  # [T, E]
+    gate, up = torch.einsum("th,efh->etf", x, gate_up).chunk(2, dim=-1)  # [E, T, I] each
+    act = _swiglu_clamped(gate, up, limit) * route.t()[:, :, None]  # [E, T, I]
+    return torch.einsum("eti,ehi->th", act, down)  # [T, H]
 
 
 def mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:

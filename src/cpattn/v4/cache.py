@@ -169,6 +169,16 @@ class V4Cache:
     def batch(self) -> int:
         return len(self.seq_lens)
 
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's storage (every ring, entry cache and indexer-key cache, allocated).
+
+        >>> lay = V4Layout(kinds=("sliding",), head_dim=4, window=4, block_size=2)
+        >>> V4Cache.empty(lay, batch=1, max_len=8).kv_bytes()  # a ring of 2 blocks x 2 rows x 4 float32
+        64
+        """
+        ts = (*self.window, *self.raw, *self.index_raw, *self.entries, *self.index_keys)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
     def rewind(self, counts: list[int] | tuple[int, ...], *, poison: bool = True) -> V4Cache:
         """Drop the last ``counts[b]`` tokens of each request (rejected speculative tokens).
 
