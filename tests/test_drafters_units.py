@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from spec_methods_cases import Recorder
 
 from cpattn.config import ConfigError
 from cpattn.drafters import cache as kv
@@ -27,7 +28,7 @@ from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.drafters import DRAFTERS, DraftSettings, ModelDrafter, NgramDrafter, TargetHidden, check_drafter
 from cpattn.graphs.check import check_static
 from cpattn.models import deepseek_v3, deepseek_v32, qwen3
-from cpattn.models.generate import pcp_dcp_config, pcp_dcp_generate
+from cpattn.models.generate import pcp_dcp_config, pcp_dcp_generate, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,7 +131,8 @@ def target_hidden(model, params, cfg, seq: list[int], layers: tuple) -> dict:
 
 def test_mtp_drafts_equal_hf_mtp(tmp_path, monkeypatch):
     """HF's ``generate(use_mtp=True)`` on a DeepSeek-V3 checkpoint whose MTP module our drafter wrote: every
-    round, our draft state (fed the rounds' hidden rows) proposes HF's candidate, with HF's logits."""
+    round, our draft state (fed the rounds' hidden rows) proposes HF's candidate, with HF's logits; and the
+    engine's speculative decoding with k = 1 proposes HF's candidates in the same rounds and emits HF's tokens."""
     transformers = pytest.importorskip("transformers")
     from hf_oracle import perturbed
     from safetensors.torch import load_file, save_file
@@ -201,6 +203,12 @@ def test_mtp_drafts_equal_hf_mtp(tmp_path, monkeypatch):
         # HF hands its candidate logits over in float32: agreement to float32 rounding
         assert torch.allclose(logits[-1], hf_logits.double(), rtol=0, atol=1e-6 * float(hf_logits.abs().max()))
         state.rollback([0], [length - 1])
+    rec = Recorder(ours)
+    out = speculative_generate("deepseek_v3", params, cfg, [seq[:9]], 12, drafter=rec, num_speculative_tokens=1,
+                               dcp_size=2)
+    assert out.tokens[0].tolist() == seq[9:]
+    rounds = {len(h[0]): d[0] for h, d in rec.log}  # history length -> drafts (both ranks: the same)
+    assert [rounds.get(length) for length, _, _ in log] == [d for _, d, _ in log]
 
 
 # -- capturable draft steps -------------------------------------------------------------------------

@@ -15,8 +15,9 @@ rows built on drafts are provisional. Per call of :meth:`ChainState.propose`
 After a verification step the catch-up has ``Q = 1 + k`` rows per request
 (the verified rows; ``valid = 1 + accepted``), so it is uniform, as is
 every chain step (one row per request): both are
-:class:`~cpattn.graphs.DecodeRunner` programs (FULL_DECODE_ONLY; the
-catch-up's sizes are multiples of 1 + k). Rows past ``valid`` write the
+:class:`~cpattn.graphs.DecodeRunner` programs (FULL_DECODE_ONLY), each
+captured at one size -- every request's rows (the catch-up's a multiple
+of 1 + k); fewer active requests pad up to it. Rows past ``valid`` write the
 scratch slot and see no key. The prompt's catch-up (any length) runs
 eagerly through the same function.
 
@@ -33,7 +34,6 @@ from typing import Callable
 import torch
 
 from cpattn.engine.drafters import TargetHidden
-from cpattn.graphs import buckets
 from cpattn.graphs.runner import DecodeRunner, Field
 
 
@@ -79,7 +79,7 @@ class ChainState:
         """The step's runner for ``q_len`` rows per request (captured on first use when ``graph`` is set)."""
         if q_len not in self.runners:
             k = q_len - 1
-            sizes = buckets.capture_sizes(self.num_requests * q_len, k)
+            sizes = [self.num_requests * q_len]  # one program: fewer requests are padded up to it
             r = DecodeRunner(self.step, self.state, step_fields(self.num_requests, self.max_len, self.feature_dim,
                                                                 self.dtype),
                              num_speculative_tokens=k, capture_sizes=sizes, backend=self.graph or "eager")

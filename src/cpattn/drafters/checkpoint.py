@@ -27,14 +27,25 @@ import torch
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def save(path: str | os.PathLike, params: dict[str, torch.Tensor], config: dict) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (contiguous copies) into directory ``path``."""
+KEEP32 = ("mlp.gate.weight", "e_score_correction_bias")  # router tensors stay float32 (as checkpoints keep them)
+
+
+def save(path: str | os.PathLike, params: dict[str, torch.Tensor], config: dict,
+         dtype: torch.dtype | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (contiguous copies) into directory ``path``;
+    ``dtype`` casts floating tensors (except routers) on the way, e.g. bfloat16 for a small file."""
     from safetensors.torch import save_file
+
+    def cast(name, t):
+        t = t.detach()
+        if dtype is not None and t.is_floating_point() and not name.endswith(KEEP32):
+            t = t.to(dtype)
+        return t.contiguous()
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    save_file({n: t.detach().contiguous() for n, t in params.items()}, os.path.join(path, "model.safetensors"))
+    save_file({n: cast(n, t) for n, t in params.items()}, os.path.join(path, "model.safetensors"))
 
 
 def read_config(path: str | os.PathLike) -> dict:

@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from cpattn.drafters import cache as kv
 from cpattn.drafters import checkpoint
 from cpattn.engine.drafters import DraftSettings, TargetHidden
-from cpattn.graphs import buckets
 from cpattn.graphs.runner import DecodeRunner, Field
 from cpattn.models.common import mlp_dense, rms_norm, rope_cos_sin, rope_half, rope_inv_freq
 
@@ -78,12 +77,16 @@ class DSparkConfig:
     @classmethod
     def for_target(cls, cfg: Any, *, block_size: int, mask_token_id: int, num_layers: int = 1,
                    markov_rank: int = 16, target_layer_ids: tuple[int, ...] | None = None) -> DSparkConfig:
-        """A head for a Qwen3-like target: its sizes; fused layers default to (0, n // 2 - 1, n - 2)."""
+        """A head for a target: its sizes (heads as :func:`~cpattn.drafters.eagle3.attention_shape`); fused
+        layers default to (0, n // 2 - 1, n - 2)."""
+        from cpattn.drafters.eagle3 import attention_shape
+
         n = cfg.num_hidden_layers
         ids = target_layer_ids or tuple(sorted({0, max(n // 2 - 1, 0), max(n - 2, 0)}))
+        heads, kv_heads, head_dim = attention_shape(cfg)
         return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                   num_hidden_layers=num_layers, num_attention_heads=cfg.num_attention_heads,
-                   num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+                   num_hidden_layers=num_layers, num_attention_heads=heads,
+                   num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=cfg.vocab_size,
                    target_layer_ids=tuple(ids), block_size=block_size, mask_token_id=mask_token_id,
                    markov_rank=markov_rank, rms_norm_eps=cfg.rms_norm_eps, rope=dict(cfg.rope),
                    max_position_embeddings=cfg.max_position_embeddings)
@@ -231,8 +234,7 @@ class DSparkState:
             width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
             r = DecodeRunner(functools.partial(dspark_step, cfg=self.cfg), self.state,
                              step_fields(self.num_requests, self.max_len, width, self.dtype),
-                             num_speculative_tokens=k,
-                             capture_sizes=buckets.capture_sizes(self.num_requests * q_len, k),
+                             num_speculative_tokens=k, capture_sizes=[self.num_requests * q_len],
                              backend=self.graph or "eager")
             self.runners[q_len] = r.capture() if self.graph is not None else r
         return self.runners[q_len]
@@ -335,9 +337,9 @@ class DSparkDrafter:
             params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in params.items()}
         return cls(params, DSparkConfig.from_dict(config))
 
-    def save(self, path) -> None:
-        """Write config.json and model.safetensors."""
-        checkpoint.save(path, self.params, self.cfg.to_dict())
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        """Write config.json and model.safetensors (floating weights cast to ``dtype`` when given)."""
+        checkpoint.save(path, self.params, self.cfg.to_dict(), dtype=dtype)
 
     def start(self, num_requests: int, max_len: int, *, graph: str | None = None) -> DSparkState:
         """A per-rank draft state: context caches of every draft layer for ``num_requests`` x ``max_len``."""

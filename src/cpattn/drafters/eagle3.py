@@ -63,13 +63,16 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, cfg: Any, *, draft_vocab: int | None = None,
                    target_layer_ids: tuple[int, ...] | None = None) -> Eagle3Config:
-        """The head for a Qwen3-like target config: its sizes, and low/mid/high layers spread over its depth
-        (default ``(0, n // 2 - 1, n - 2)``: never the last layer, whose state the target's own head reads)."""
+        """The head for a target config: its hidden and MLP sizes and attention heads (a target without GQA
+        fields, e.g. MLA, gets ``hidden / heads``-dim heads, two queries per KV head), and low/mid/high
+        layers spread over its depth (default ``(0, n // 2 - 1, n - 2)``: never the last layer, whose state
+        the target's own head reads)."""
         n = cfg.num_hidden_layers
         ids = target_layer_ids or tuple(sorted({0, max(n // 2 - 1, 0), max(n - 2, 0)}))
+        heads, kv_heads, head_dim = attention_shape(cfg)
         return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                   num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                   head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab or cfg.vocab_size,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads,
+                   head_dim=head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab or cfg.vocab_size,
                    target_layer_ids=tuple(ids), rms_norm_eps=cfg.rms_norm_eps, rope=dict(cfg.rope),
                    max_position_embeddings=cfg.max_position_embeddings)
 
@@ -80,6 +83,15 @@ class Eagle3Config:
     def from_dict(cls, d: dict) -> Eagle3Config:
         keys = cls.__dataclass_fields__
         return cls(**{k: (tuple(v) if k == "target_layer_ids" else v) for k, v in d.items() if k in keys})
+
+
+def attention_shape(cfg: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a draft layer for target ``cfg``: the target's own GQA shape,
+    or for a target without one (MLA) ``hidden / heads``-dim heads, two queries per KV head."""
+    heads = cfg.num_attention_heads
+    if isinstance(getattr(cfg, "num_key_value_heads", None), int) and isinstance(getattr(cfg, "head_dim", None), int):
+        return heads, cfg.num_key_value_heads, cfg.head_dim
+    return heads, max(1, heads // 2), cfg.hidden_size // heads
 
 
 def fuse(params: dict, cfg: Eagle3Config, rows: dict) -> torch.Tensor:
@@ -196,9 +208,9 @@ class Eagle3Drafter:
             params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in params.items()}
         return cls(params, Eagle3Config.from_dict(config))
 
-    def save(self, path) -> None:
-        """Write config.json and model.safetensors."""
-        checkpoint.save(path, self.params, self.cfg.to_dict())
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        """Write config.json and model.safetensors (floating weights cast to ``dtype`` when given)."""
+        checkpoint.save(path, self.params, self.cfg.to_dict(), dtype=dtype)
 
     def start(self, num_requests: int, max_len: int, *, graph: str | None = None) -> ChainState:
         """A per-rank draft state: the layer's KV cache for ``num_requests`` x ``max_len`` positions."""

@@ -182,10 +182,11 @@ class MTPDrafter:
         p[pre + "shared_head.head.weight"] = head.to(dtype).clone()
         return cls(family.name, p, cfg)
 
-    def save(self, path, config: dict) -> None:
+    def save(self, path, config: dict, dtype: torch.dtype | None = None) -> None:
         """Write the module as a DeepSeek-V3-format checkpoint (per-expert names) with the target's
         ``config`` (a config.json dict; ``num_nextn_predict_layers`` is set to 1)."""
-        checkpoint.save(path, checkpoint.unstack_experts(self.params), {**config, "num_nextn_predict_layers": 1})
+        checkpoint.save(path, checkpoint.unstack_experts(self.params), {**config, "num_nextn_predict_layers": 1},
+                        dtype=dtype)
 
     def start(self, num_requests: int, max_len: int, *, graph: str | None = None) -> ChainState:
         """A per-rank draft state: the module's latent cache for ``num_requests`` x ``max_len`` positions."""

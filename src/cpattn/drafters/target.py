@@ -167,14 +167,15 @@ def forward(model: str, params: dict, cfg: Any, tokens: torch.Tensor, *, hidden_
 
 
 def train(model: str, cfg: Any, corpus: Corpus, *, seconds: float, seed: int, batch: int = 32, length: int = 64,
-          lr: float = 3e-3, on_step=None) -> tuple[dict, list[float]]:
-    """Train a tiny target on the corpus for ``seconds`` (Adam, next-token loss): (params, loss per step)."""
+          lr: float = 3e-3, max_steps: int | None = None, on_step=None) -> tuple[dict, list[float]]:
+    """Train a tiny target on the corpus for ``seconds``, or exactly ``max_steps`` steps (reproducible on a
+    loaded machine): Adam, next-token loss. Returns (params, loss per step)."""
     torch.manual_seed(seed)
     params = {n: t.clone().requires_grad_(t.is_floating_point()) for n, t in init(model, cfg, seed=seed).items()}
     train_params = [t for n, t in params.items() if t.requires_grad and "e_score_correction_bias" not in n]
     opt = torch.optim.Adam(train_params, lr=lr)
-    losses, step, t0, expected = [], 0, time.perf_counter(), None
-    while time.perf_counter() - t0 < seconds:
+    losses, step, t0, expected = [], 0, time.perf_counter(), max_steps
+    while (step < max_steps) if max_steps is not None else (time.perf_counter() - t0 < seconds):
         x = corpus.sample(batch, length + 1, seed=seed * 1_000_003 + step)
         logits = forward(model, params, cfg, x[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
@@ -193,9 +194,11 @@ def train(model: str, cfg: Any, corpus: Corpus, *, seconds: float, seed: int, ba
     return {n: t.detach() for n, t in params.items()}, losses
 
 
-def save(path: str | os.PathLike, model: str, cfg: Any, params: dict, corpus: Corpus | None = None) -> None:
-    """Write the target as a checkpoint directory (per-expert names, as transformers saves them)."""
-    checkpoint.save(path, checkpoint.unstack_experts(params), hf_config(model, cfg))
+def save(path: str | os.PathLike, model: str, cfg: Any, params: dict, corpus: Corpus | None = None,
+         dtype: torch.dtype | None = None) -> None:
+    """Write the target as a checkpoint directory (per-expert names, as transformers saves them; floating
+    weights cast to ``dtype`` when given)."""
+    checkpoint.save(path, checkpoint.unstack_experts(params), hf_config(model, cfg), dtype=dtype)
     if corpus is not None:
         corpus.save(path)
 

@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from cpattn.bench.args import add_json, bad_value, parser, positive_float, positive_int, usage_error
+from cpattn.bench.args import add_dtype, add_json, bad_value, parser, positive_float, positive_int, usage_error
+from cpattn.bench.common import DTYPES
 from cpattn.drafters import objectives as obj
 from cpattn.drafters import target as tg
 from cpattn.drafters.corpus import Corpus
@@ -35,8 +36,9 @@ from cpattn.drafters.dspark import DSparkDrafter
 from cpattn.drafters.eagle3 import Eagle3Drafter
 from cpattn.drafters.mtp import MTPDrafter
 
-METHODS = {"mtp": ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"), "eagle3": ("qwen3", "qwen3_moe"),
-           "dspark": ("qwen3",)}
+# the targets each head can train for: MTP needs a DeepSeek-format target; Eagle3 and DSpark only read hidden
+# states (the guide pairs them with GQA and DeepSeek-V4 targets under PCP; the engine's config enforces that)
+METHODS = {"mtp": ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"), "eagle3": None, "dspark": None}
 
 
 def init_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyData | None, *, seed: int,
@@ -135,15 +137,15 @@ def plot_losses(path: str, curves: dict[str, list[float]], title: str) -> None:
     plt.close(fig)
 
 
-def save_drafter(drafter, out: str, target_dir: str) -> None:
+def save_drafter(drafter, out: str, target_dir: str, dtype: torch.dtype | None = None) -> None:
     """Write the head where its ``from_checkpoint`` finds it (MTP: a DeepSeek-V3-format checkpoint with the
     target's config)."""
     if isinstance(drafter, MTPDrafter):
         from cpattn.drafters.checkpoint import read_config
 
-        drafter.save(out, read_config(target_dir))
+        drafter.save(out, read_config(target_dir), dtype=dtype)
     else:
-        drafter.save(out)
+        drafter.save(out, dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, metavar="DIR", help="the target's checkpoint directory")
     p.add_argument("--out", required=True, metavar="DIR", help="where the head's checkpoint goes")
     p.add_argument("--seconds", type=positive_float, default=120.0, metavar="S", help="training time")
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                   help="train exactly N steps instead (reproducible whatever the machine's load)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, initialisation and batches")
     p.add_argument("--prompts", type=positive_int, default=256, metavar="N", help="distillation prompts")
     p.add_argument("--prompt-len", type=positive_int, default=16, metavar="N", help="tokens per prompt")
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=positive_int, default=4, metavar="B", help="DSpark block size")
     p.add_argument("--draft-vocab", type=positive_int, default=None, metavar="V",
                    help="Eagle3 draft vocabulary (most frequent target tokens); default: the whole vocabulary")
+    add_dtype(p, default="float32", help="dtype the checkpoint is stored in (training runs in float32)")
     add_json(p)
     args = p.parse_args(argv)
     prog = "cpattn train-draft"
@@ -173,18 +178,20 @@ def main(argv: list[str] | None = None) -> int:
                   "raise --length or lower --prompt-len")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model, cfg, params = tg.load(args.model)
-    if model not in METHODS[args.method]:
-        usage_error(prog, f"argument --method: saw {args.method!r} for a {model} target; rule: the guide pairs MTP "
-                          f"with MLA/DSA targets {METHODS['mtp']}, Eagle3 with {METHODS['eagle3']}, DSpark with "
-                          f"{METHODS['dspark']}; fix: pick --method for this target")
+    if METHODS[args.method] is not None and model not in METHODS[args.method]:
+        usage_error(prog, f"argument --method: saw {args.method!r} for a {model} target; rule: MTP is DeepSeek's "
+                          f"module, for DeepSeek-format targets {METHODS['mtp']}; fix: --method eagle3 or dspark "
+                          "for this target")
     prompts = prompts_for(args.model, cfg, args.prompts, args.prompt_len, args.seed)
     data = tg.greedy_data(model, params, cfg, prompts, args.length, hidden_layers_of(args.method, cfg))
     drafter, losses, acc = train_drafter(args.method, model, cfg, params, data, seconds=args.seconds, seed=args.seed,
-                                         depth=args.depth, block_size=args.block_size, draft_vocab=args.draft_vocab)
-    save_drafter(drafter, args.out, args.model)
+                                         depth=args.depth, block_size=args.block_size, draft_vocab=args.draft_vocab,
+                                         max_steps=args.steps)
+    save_drafter(drafter, args.out, args.model, DTYPES[args.dtype])
     plot_losses(os.path.join(args.out, "loss.png"), {args.method: losses},
                 f"{args.method} on {model}: self-distillation loss")
     report = {"method": args.method, "target": model, "steps": len(losses), "seconds": args.seconds,
+              "max_steps": args.steps,
               "seed": args.seed, "final_loss": losses[-1] if losses else None, "accuracy": acc, "losses": losses}
     with open(os.path.join(args.out, "train.json"), "w") as f:
         json.dump(report, f)
@@ -203,17 +210,20 @@ def target_main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=["qwen3", "deepseek_v3"], required=True, help="the target family")
     p.add_argument("--out", required=True, metavar="DIR", help="where the checkpoint goes")
     p.add_argument("--seconds", type=positive_float, default=180.0, metavar="S", help="training time")
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                   help="train exactly N steps instead (reproducible whatever the machine's load)")
     p.add_argument("--seed", type=int, default=0, help="seed of the corpus, initialisation and batches")
     p.add_argument("--vocab", type=positive_int, default=64, metavar="V", help="vocabulary size")
     p.add_argument("--hidden", type=positive_int, default=64, metavar="H", help="hidden size")
     p.add_argument("--layers", type=positive_int, default=4, metavar="N", help="decoder layers")
+    add_dtype(p, default="float32", help="dtype the checkpoint is stored in (training runs in float32)")
     args = p.parse_args(argv)
     if args.hidden % 4:
         bad_value("cpattn train-target", "--hidden", args.hidden, "a multiple of 4 (four heads)", "use e.g. 64")
     cfg = tg.tiny_config(args.model, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers)
     corpus = Corpus.make(args.vocab, seed=args.seed)
-    params, losses = tg.train(args.model, cfg, corpus, seconds=args.seconds, seed=args.seed)
-    tg.save(args.out, args.model, cfg, params, corpus)
+    params, losses = tg.train(args.model, cfg, corpus, seconds=args.seconds, seed=args.seed, max_steps=args.steps)
+    tg.save(args.out, args.model, cfg, params, corpus, dtype=DTYPES[args.dtype])
     plot_losses(os.path.join(args.out, "loss.png"), {args.model: losses}, f"tiny {args.model} on the corpus")
     with open(os.path.join(args.out, "train.json"), "w") as f:
         json.dump({"model": args.model, "steps": len(losses), "seconds": args.seconds, "seed": args.seed,
