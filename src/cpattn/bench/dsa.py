@@ -2,13 +2,16 @@
 
 Part 1 -- one decode query at 32K and 64K context, index_topk k = 2048,
 latent 576 (512 + 64 rope), values 512, indexer 64 heads x 128 dims
-(DeepSeek-V3.2). Query heads: 128 (DeepSeek-V3.2 without TP) and 16 (what a
-rank holds at TP 8). DSA = indexer_scores + topk_indices +
-sparse_mla_attention_with_lse; dense = ``attention_with_lse`` with one KV
-head of 576 / values 512 over every key; "dense-mm" is the same dense
-decode as two plain matmuls (heads as rows), a second baseline. Also the
-exact FLOP ratio, the indexer's share of the DSA time, and how often an FP8
-(e4m3) indexer changes the selected set on random data.
+(DeepSeek-V3.2), in ``--dtype`` (default bf16, what models run in). Query
+heads: 128 (DeepSeek-V3.2 without TP) and 16 (what a rank holds at TP 8).
+DSA = indexer_scores + topk_indices + sparse_mla_attention_with_lse; dense
+= ``attention_with_lse`` with one KV head of 576 / values 512 over every
+key; "dense-mm" is the same dense decode as two plain fp32 matmuls (heads as
+rows), a second baseline. Also: DSA with the FP8 indexer key cache (e4m3,
+one scale per key, DeepSeek-V3.2's layout), the exact FLOP ratio and the
+measured ratio as a fraction of it, the indexer's share of the DSA time,
+and how often bf16 keys / the FP8 cache change the selected set vs fp32
+scoring of the same values.
 
 Part 2 -- DSA-CP prefill of one request on TP gloo ranks (DSA-CP reuses
 the TP ranks; 1 thread each) vs 1 rank, contiguous vs head-tail balanced
@@ -34,12 +37,13 @@ import statistics
 import torch
 
 from cpattn.bench import args as cli
-from cpattn.bench.common import Samples, measure, ratio, safe_div, write_json
+from cpattn.bench.common import DTYPES, Samples, measure, ratio, safe_div, write_json
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh
 from cpattn.dsa import dsa_cp_attention, dsa_cp_plan, dsa_cp_shard, dsa_cp_work
 from cpattn.ops import attention_with_lse
 from cpattn.ops.dsa import (
+    fp8_index_cache,
     indexer_scores,
     mla_softmax_scale,
     selection_mismatch,
@@ -48,23 +52,29 @@ from cpattn.ops.dsa import (
 )
 
 D_QK, D_V, H_I, D_I = 576, 512, 64, 128
+TARGET_SPEEDUP, TARGET_OF_FLOP = 9.0, 0.8  # bf16 DSA vs dense at 64K / 128 heads
 SCALE = mla_softmax_scale(192, 40, 1.0)  # DeepSeek-V3.2: qk_head_dim 192, YaRN factor 40
 
 
 # ----------------------------------------------------------------------------- part 1: decode
-def decode_case(ctx: int, heads: int, topk: int, reps: int) -> dict:
+def decode_case(ctx: int, heads: int, topk: int, reps: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One decode query at ``ctx`` keys: DSA (bf16 / fp32 indexer keys, and the FP8 key cache) vs dense MLA."""
     g = torch.Generator().manual_seed(ctx + heads)
     s = ctx + 1  # keys including the new token
-    q = torch.randn(1, heads, D_QK, generator=g)
-    cache = torch.randn(s, D_QK, generator=g)
-    q_i, w_i = torch.randn(1, H_I, D_I, generator=g), torch.randn(1, H_I, generator=g)
-    k_i = torch.randn(s, D_I, generator=g)
+    q = torch.randn(1, heads, D_QK, generator=g).to(dtype)
+    cache = torch.randn(s, D_QK, generator=g).to(dtype)
+    q_i, w_i = torch.randn(1, H_I, D_I, generator=g).to(dtype), torch.randn(1, H_I, generator=g).to(dtype)
+    k_i = torch.randn(s, D_I, generator=g).to(dtype)
+    k8, k_scale = fp8_index_cache(k_i)
     start, vis = torch.zeros(1, dtype=torch.long), torch.full((1,), s, dtype=torch.long)
     kv, vv = cache[:, None, :], cache[:, None, :D_V].contiguous()
     cu_q, cu_k = torch.tensor([0, 1]), torch.tensor([0, s])
 
     def indexer():
         return indexer_scores(q_i, w_i, k_i, start, vis, s)
+
+    def indexer_fp8():
+        return indexer_scores(q_i, w_i, k8, start, vis, s, k_scale=k_scale)
 
     scores = indexer()
     top = topk_indices(scores, topk)
@@ -79,28 +89,43 @@ def decode_case(ctx: int, heads: int, topk: int, reps: int) -> dict:
         return sparse_mla_attention_with_lse(q, cache, topk_indices(indexer(), topk), softmax_scale=SCALE,
                                              value_dim=D_V)
 
+    def dsa_fp8():
+        return sparse_mla_attention_with_lse(q, cache, topk_indices(indexer_fp8(), topk), softmax_scale=SCALE,
+                                             value_dim=D_V)
+
     def dense():
         return attention_with_lse(q, kv, vv, cu_q, cu_k, causal=True, softmax_scale=SCALE)
 
     def dense_mm():
-        p = torch.softmax((q[0] @ cache.T) * SCALE, dim=-1)  # [H, S]
-        return p @ cache[:, :D_V]
+        p = torch.softmax((q[0].float() @ cache.float().T) * SCALE, dim=-1)  # [H, S]
+        return p @ cache[:, :D_V].float()
 
-    samples = measure({"indexer": indexer, "topk": select, "sparse": sparse, "dsa": dsa, "dense": dense,
-                       "dense_mm": dense_mm}, reps, warmup=1)
+    samples = measure({"indexer": indexer, "indexer_fp8": indexer_fp8, "topk": select, "sparse": sparse, "dsa": dsa,
+                       "dsa_fp8": dsa_fp8, "dense": dense, "dense_mm": dense_mm}, reps, warmup=1)
     t = {name: s.best for name, s in samples.items()}
     flops_dense = 2 * heads * s * (D_QK + D_V)
     flops_dsa = 2 * H_I * D_I * s + 2 * heads * topk * (D_QK + D_V)
+    sp = ratio(samples["dense"], samples["dsa"])
+    # selection exactness of this dtype's keys (and of the FP8 cache) vs fp32 scoring of the same values
+    ref = topk_indices(indexer_scores(q_i.float(), w_i.float(), k_i.float(), start, vis, s), topk)
     return {
-        "context": ctx, "heads": heads, "topk": topk, **{f"t_{k}_ms": v * 1e3 for k, v in t.items()},
-        "speedup_vs_dense": safe_div(t["dense"], t["dsa"]), "speedup_vs_dense_mm": safe_div(t["dense_mm"], t["dsa"]),
-        "speedup_vs_dense_spread": ratio(samples["dense"], samples["dsa"]).as_dict(),
+        "context": ctx, "heads": heads, "topk": topk, "dtype": str(dtype).removeprefix("torch."),
+        **{f"t_{k}_ms": v * 1e3 for k, v in t.items()},
+        "speedup_vs_dense": sp.median, "speedup_vs_dense_best": sp.best,
+        "speedup_vs_dense_mm": safe_div(t["dense_mm"], t["dsa"]),
+        "speedup_vs_dense_spread": sp.as_dict(),
+        "fp8_speedup_vs_dense_spread": ratio(samples["dense"], samples["dsa_fp8"]).as_dict(),
         "indexer_share": safe_div(t["indexer"], t["indexer"] + t["topk"] + t["sparse"]),
         "flop_ratio": flops_dense / flops_dsa,
+        "of_flop_ratio": sp.median / (flops_dense / flops_dsa),
+        "selection_vs_fp32": selection_mismatch(top, ref),
+        "fp8_selection_vs_fp32": selection_mismatch(topk_indices(indexer_fp8(), topk), ref),
     }
 
 
 def fp8_case(ctx: int, topk: int, queries: int) -> dict:
+    """How often FP8 scoring changes the selected set vs fp32: the simulated FP8 indexer (q and k
+    quantized) and the FP8 key cache (k only, DeepSeek-V3.2's cache layout), on random data."""
     g = torch.Generator().manual_seed(7)
     q_i, w_i = torch.randn(queries, H_I, D_I, generator=g), torch.randn(queries, H_I, generator=g)
     k_i = torch.randn(ctx, D_I, generator=g)
@@ -108,7 +133,11 @@ def fp8_case(ctx: int, topk: int, queries: int) -> dict:
     vis = torch.full((queries,), ctx, dtype=torch.long)
     exact = topk_indices(indexer_scores(q_i, w_i, k_i, start, vis, ctx), topk)
     fp8 = topk_indices(indexer_scores(q_i, w_i, k_i, start, vis, ctx, fp8=True), topk)
-    return {"context": ctx, "topk": topk, "queries": queries, **selection_mismatch(fp8, exact)}
+    k8, k_scale = fp8_index_cache(k_i)
+    cache = topk_indices(indexer_scores(q_i, w_i, k8, start, vis, ctx, k_scale=k_scale), topk)
+    bf16 = topk_indices(indexer_scores(q_i, w_i, k_i.bfloat16(), start, vis, ctx), topk)
+    return {"context": ctx, "topk": topk, "queries": queries, **selection_mismatch(fp8, exact),
+            "fp8_cache": selection_mismatch(cache, exact), "bf16_keys": selection_mismatch(bf16, exact)}
 
 
 # ----------------------------------------------------------------------------- part 2: DSA-CP prefill
@@ -167,6 +196,7 @@ def _parser():
     cli.add_quick(ap, "16K context, 1K-token DSA-CP prefill: well under a minute")
     cli.add_parallel(ap, tp=2, helps={"tp": "TP ranks for the DSA-CP prefill (DSA-CP reuses the TP ranks): gloo "
                                             "processes, one thread each"})
+    cli.add_dtype(ap, default="bfloat16", help="dtype of the decode part's queries, caches and indexer keys")
     ap.add_argument("--threads", type=cli.positive_int, default=1,
                     help="intra-op threads for part 1 (1: stable on a shared machine)")
     ap.add_argument("--reps", type=cli.positive_int, default=None,
@@ -203,21 +233,40 @@ def main(argv=None) -> int:
 
 
 def _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8) -> dict:
-    decode = [decode_case(c, h, topk, reps) for c in contexts for h in head_counts]
-    print(f"\nDSA decode, 1 query, k={topk}, Dqk={D_QK}/Dv={D_V}, indexer {H_I}x{D_I}, "
-          f"{args.threads} threads (best of {reps} interleaved rounds; x dense [low-high]: per-round ratios)")
-    print(f"{'context':>8} {'heads':>5} {'dense ms':>9} {'dense-mm':>9} {'DSA ms':>8} {'indexer':>8} "
-          f"{'topk':>6} {'sparse':>7} {'x dense':>8} {'x mm':>6} {'idx share':>9} {'FLOP x':>7}  x dense [low-high]")
+    dtype = DTYPES[args.dtype]
+    decode = [decode_case(c, h, topk, reps, dtype) for c in contexts for h in head_counts]
+    print(f"\nDSA decode, 1 query, {args.dtype}, k={topk}, Dqk={D_QK}/Dv={D_V}, indexer {H_I}x{D_I}, "
+          f"{args.threads} threads (times: best of {reps} interleaved rounds; x dense: median [low-high] of the "
+          "per-round dense / DSA ratios; of FLOP: x dense / the exact FLOP ratio)")
+    print(f"{'context':>8} {'heads':>5} {'dense ms':>9} {'dense-mm':>9} {'DSA ms':>8} {'indexer':>8} {'idx fp8':>8} "
+          f"{'topk':>6} {'sparse':>7} {'x dense [low-high]':>19} {'best':>5} {'FLOP x':>7} {'of FLOP':>7} "
+          f"{'x dense, FP8 keys':>18}")
     for r in decode:
-        sp = r["speedup_vs_dense_spread"]
+        sp, f8 = r["speedup_vs_dense_spread"], r["fp8_speedup_vs_dense_spread"]
+        x = f"{sp['median']:.1f} [{sp['low']:.1f}-{sp['high']:.1f}]"
+        x8 = f"{f8['median']:.1f} [{f8['low']:.1f}-{f8['high']:.1f}]"
         print(f"{r['context']:>8} {r['heads']:>5} {r['t_dense_ms']:>9.1f} {r['t_dense_mm_ms']:>9.1f} "
-              f"{r['t_dsa_ms']:>8.1f} {r['t_indexer_ms']:>8.1f} {r['t_topk_ms']:>6.1f} {r['t_sparse_ms']:>7.1f} "
-              f"{r['speedup_vs_dense']:>8.1f} {r['speedup_vs_dense_mm']:>6.1f} {r['indexer_share']:>9.0%} "
-              f"{r['flop_ratio']:>7.1f}  {sp['median']:.1f} [{sp['low']:.1f}-{sp['high']:.1f}]")
+              f"{r['t_dsa_ms']:>8.1f} {r['t_indexer_ms']:>8.1f} {r['t_indexer_fp8_ms']:>8.1f} {r['t_topk_ms']:>6.1f} "
+              f"{r['t_sparse_ms']:>7.1f} {x:>19} {r['speedup_vs_dense_best']:>5.1f} {r['flop_ratio']:>7.1f} "
+              f"{r['of_flop_ratio']:>7.2f} {x8:>18}")
+    big = [r for r in decode if r["context"] == 65536 and r["heads"] == 128]
+    if big:
+        r = big[0]
+        print(f"target at 64K / 128 heads ({args.dtype}): x dense >= {TARGET_SPEEDUP} and >= {TARGET_OF_FLOP} of the "
+              f"FLOP ratio {r['flop_ratio']:.1f}: measured {r['speedup_vs_dense']:.1f}x "
+              f"({r['of_flop_ratio']:.2f} of it)")
+    for r in decode:
+        a8, b16 = r["fp8_selection_vs_fp32"], r["selection_vs_fp32"]
+        print(f"selection vs fp32 scoring, {r['context']} keys, {r['heads']} heads: {args.dtype} keys "
+              f"{'identical' if b16['rows_differ'] == 0 else 'differs'} (recall {b16['recall']:.4f}); FP8 key cache "
+              f"recall {a8['recall']:.4f}")
 
     fp8_res = fp8_case(**fp8)
-    print(f"\nFP8 e4m3 indexer vs fp32 (random data, {fp8['queries']} queries, {fp8['ctx']} keys, k={fp8['topk']}): "
-          f"selected set differs in {fp8_res['rows_differ']:.0%} of queries, recall {fp8_res['recall']:.4f}")
+    print(f"\nFP8 e4m3 vs fp32 scoring (random data, {fp8['queries']} queries, {fp8['ctx']} keys, k={fp8['topk']}): "
+          f"q and k quantized: sets differ in {fp8_res['rows_differ']:.0%} of queries, recall {fp8_res['recall']:.4f}; "
+          f"FP8 key cache (per-key scale): differ {fp8_res['fp8_cache']['rows_differ']:.0%}, recall "
+          f"{fp8_res['fp8_cache']['recall']:.4f}; bf16 keys: differ {fp8_res['bf16_keys']['rows_differ']:.0%}, "
+          f"recall {fp8_res['bf16_keys']['recall']:.4f}")
 
     cp = cp_prefill(**prefill, tp=tp, timeout_s=args.timeout)
     print(f"\nDSA-CP prefill, one request of {prefill['n_tok']} tokens, {prefill['heads']} heads, indexer "
@@ -232,7 +281,7 @@ def _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8) -> dict:
         print(f"{r['ranks']:>5} {r['split']:>10} {r['time_s']:>7.2f} {r['speedup']:>7.2f} {spread:>12} "
               f"{r['cpu_s']:>6.2f} {r['cpu_speedup']:>6.2f} {r['indexer_imbalance']:>16.3f} "
               f"{r['attention_imbalance']:>13.3f} {r['gather_MB_per_rank']:>14.2f}")
-    return {"decode": decode, "fp8": fp8_res, "dsa_cp_prefill": cp, "quick": args.quick, "tp": tp}
+    return {"decode": decode, "fp8": fp8_res, "dsa_cp_prefill": cp, "quick": args.quick, "tp": tp, "dtype": args.dtype}
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from cpattn.ops import checks, dsa_ref, registry
 _CHUNK_ELEMS = 1 << 24
 # queries per indexer chunk (bounds the wasted upper triangle of a causal prefill)
 _ROWS = 128
+# keys per indexer tile: upcast to fp32 in a reused buffer (8192 x 128 fp32 = 4 MiB)
+_KEY_TILE = 8192
 
 
 # --------------------------------------------------------------------------- indexer_scores
@@ -68,6 +70,21 @@ def _runs(key_start: list[int]) -> list[tuple[int, int]]:
 
 @registry.kernel("indexer_scores", "cpu")
 def _indexer_cpu(q, w, k, key_start, visible, max_keys):
+    return _indexer_tiles(q, w, k, None, key_start, visible, max_keys)
+
+
+def _indexer_tiles(q, w, k, k_scale, key_start, visible, max_keys):
+    """The CPU indexer: key-major tiles upcast to the accumulation dtype one at a time.
+
+    q: [T, H, D]; w: [T, H]; k: [S, D] in any float dtype (bf16, fp16, float8 e4m3 with
+    ``k_scale`` [S] > 0, fp32, fp64). Each tile of <= ``_KEY_TILE`` keys is converted to fp32
+    (fp64 for fp64 inputs) in a small reused buffer, so bf16 and FP8 caches run at the fp32
+    speed and nothing of size S is ever materialised in fp32. Per tile and row chunk: the
+    logits (one decode query: ``tile @ q.T`` [L, H], keys as rows, the fast orientation for a
+    skinny query; prefill rows: ``q_rows @ tile.T`` [n*H, L]), ReLU, the weighted sum over
+    heads, then ``* k_scale`` (a positive per-key factor commutes with ReLU). Returns
+    [T, max_keys] with -inf past ``visible``.
+    """
     acc = dsa_ref.acc_dtype(q, w, k)
     t_all, h, d = q.shape
     out = torch.full((t_all, max_keys), float("-inf"), dtype=acc, device=q.device)
@@ -78,19 +95,70 @@ def _indexer_cpu(q, w, k, key_start, visible, max_keys):
             continue
         # row chunks of <= _ROWS queries: each scores only up to its own last visible key,
         # so a causal prefill computes about the triangle, not the square
-        step = max(1, min(_ROWS, _CHUNK_ELEMS // (h * run_keys)))
+        step = max(1, min(_ROWS, _CHUNK_ELEMS // (h * min(run_keys, _KEY_TILE))))
         for a in range(t0, t1, step):
             b = min(a + step, t1)
             n_keys = max(vis[a:b])
             if n_keys == 0:
                 continue
-            kk = k[starts[t0] : starts[t0] + n_keys].to(acc)  # [L, D]
-            logits = (q[a:b].to(acc).reshape(-1, d) @ kk.T).view(b - a, h, n_keys).relu_()  # [n, H, L]
-            s = torch.bmm(w[a:b].to(acc)[:, None, :], logits)[:, 0]  # [n, L]
+            n = b - a
+            q_rows = q[a:b].to(acc).reshape(n * h, d)  # [n*H, D]
+            if n == 1:
+                q_rows = q_rows.T.contiguous()  # [D, H]: one query scores keys as rows
+            w_rows = w[a:b].to(acc)  # [n, H]
+            tile = max(1, min(_KEY_TILE, _CHUNK_ELEMS // (n * h)))
+            buf = torch.empty(min(tile, n_keys), d, dtype=acc, device=q.device)  # reused upcast tile
+            base = starts[t0]
+            for j in range(0, n_keys, tile):
+                m = min(tile, n_keys - j)
+                kt = buf[:m]
+                _upcast(kt, k[base + j : base + j + m])  # [m, D] in fp32 (bf16, fp16, fp8 ...)
+                if n == 1:  # decode: [m, D] @ [D, H], the fast orientation for a skinny query
+                    s = torch.mv(torch.mm(kt, q_rows).relu_(), w_rows[0])[None]  # [1, m]
+                else:  # prefill rows: [n*H, D] @ [D, m], then the head sum as one bmm
+                    logits = torch.mm(q_rows, kt.T).relu_().view(n, h, m)  # [n, H, m]
+                    s = torch.bmm(w_rows[:, None, :], logits)[:, 0]  # [n, m]
+                if k_scale is not None:
+                    s = s * k_scale[base + j : base + j + m].to(acc)[None]
+                out[a:b, j : j + m] = s
             cols = torch.arange(n_keys, device=q.device)
-            s.masked_fill_(cols[None, :] >= visible[a:b, None], float("-inf"))
-            out[a:b, :n_keys] = s
+            out[a:b, :n_keys].masked_fill_(cols[None, :] >= visible[a:b, None], float("-inf"))
     return out
+
+
+def _upcast(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst [m, D] (fp32 / fp64) <- src [m, D]; float8 e4m3 through a 256-entry table (one gather is
+    several times faster than the elementwise fp8 conversion on CPUs without AVX2)."""
+    if src.dtype != torch.float8_e4m3fn:
+        dst.copy_(src)
+        return
+    lut = _FP8_LUT.get(dst.dtype)
+    if lut is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        lut = _FP8_LUT.setdefault(dst.dtype, codes.to(dst.dtype))  # [256] value of each byte
+    idx = src.view(torch.uint8).reshape(-1).to(torch.int32)
+    torch.index_select(lut.to(dst.device), 0, idx, out=dst.view(-1))
+
+
+_FP8_LUT: dict[torch.dtype, torch.Tensor] = {}
+
+
+@registry.define("indexer_scores_fp8")
+def _indexer_fp8_op(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, key_start: torch.Tensor,
+    visible: torch.Tensor, max_keys: int
+) -> torch.Tensor:
+    raise registry.no_kernel("indexer_scores_fp8", q)
+
+
+@registry.fake("indexer_scores_fp8")
+def _indexer_fp8_fake(q, w, k, k_scale, key_start, visible, max_keys):
+    return q.new_empty(q.shape[0], max_keys, dtype=dsa_ref.acc_dtype(q, w))
+
+
+@registry.kernel("indexer_scores_fp8", "cpu")
+def _indexer_fp8_cpu(q, w, k, k_scale, key_start, visible, max_keys):
+    return _indexer_tiles(q, w, k, k_scale, key_start, visible, max_keys)
 
 
 # --------------------------------------------------------------------------- topk_indices
@@ -154,15 +222,20 @@ def _sparse_cpu(q, latent, indices, softmax_scale, value_dim):
         idx = indices[a:b].long()  # [n, K]
         valid = idx >= 0
         kv = latent.index_select(0, idx.clamp(min=0).flatten()).view(b - a, kk, d).to(acc)  # [n, K, D]
-        kv = torch.where(valid[..., None], kv, 0.0)  # unselected rows may hold NaN
-        s = torch.bmm(q[a:b].to(acc), kv.transpose(1, 2)) * softmax_scale  # [n, H, K]
-        s.masked_fill_(~valid[:, None, :], float("-inf"))
-        m = torch.logsumexp(s, dim=-1)  # [n, H]; NaN where a selected row holds NaN
-        live = m != float("-inf")  # only a query without any index is zeroed: NaN stays NaN
-        p = torch.exp(s - torch.where(live, m, 0.0)[..., None])  # [n, H, K]
-        o = torch.bmm(p, kv[..., :value_dim])  # [n, H, Dv]
+        all_valid = bool(valid.all())
+        if not all_valid:
+            kv = torch.where(valid[..., None], kv, 0.0)  # unselected rows may hold NaN
+        s = torch.bmm(q[a:b].to(acc), kv.transpose(1, 2)).mul_(softmax_scale)  # [n, H, K]
+        if not all_valid:
+            s.masked_fill_(~valid[:, None, :], float("-inf"))
+        # one exp pass: p = exp(s - max), lse = max + log(sum p); NaN in a selected row stays NaN
+        mx = s.amax(-1)  # [n, H]
+        live = mx != float("-inf")  # only a query without any index is zeroed
+        p = torch.exp(s.sub_(torch.where(live, mx, 0.0)[..., None]))  # [n, H, K]
+        total = p.sum(-1)  # [n, H]
+        o = torch.bmm(p.div_(total[..., None]), kv[..., :value_dim])  # [n, H, Dv]
         out[a:b] = torch.where(live[..., None], o, 0.0).to(q.dtype)
-        lse[a:b] = torch.where(live, m, float("-inf"))
+        lse[a:b] = torch.where(live, mx + torch.log(total), float("-inf"))
     return out, lse
 
 
@@ -171,6 +244,10 @@ if torch.cuda.is_available():  # pragma: no cover - needs a GPU
     @registry.kernel("indexer_scores", "cuda")
     def _indexer_cuda(q, w, k, key_start, visible, max_keys):
         return dsa_ref.indexer_scores(q, w, k, key_start, visible, max_keys)
+
+    @registry.kernel("indexer_scores_fp8", "cuda")
+    def _indexer_fp8_cuda(q, w, k, k_scale, key_start, visible, max_keys):
+        return dsa_ref.indexer_scores(q, w, k.float() * k_scale.float()[:, None], key_start, visible, max_keys)
 
     @registry.kernel("topk_indices", "cuda")
     def _topk_cuda(scores, k):
@@ -191,6 +268,7 @@ def indexer_scores(
     max_keys: int | None = None,
     *,
     fp8: bool = False,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Lightning-indexer scores of packed queries against their requests' keys.
 
@@ -209,6 +287,13 @@ def indexer_scores(
         ``key_start + visible <= S`` (not checked while tracing or capturing).
     fp8: quantize q (per token and head) and k (per token) to float8 e4m3
         and dequantize before scoring, as the reference FP8 indexer does.
+    k_scale: [S] float32 > 0 -- with ``k`` a float8 e4m3 *cache* (from
+        :func:`fp8_index_cache`): key s is ``k[s] * k_scale[s]`` (one scale per
+        128-dim block = per key for D_I = 128, as DeepSeek-V3.2's indexer key
+        cache). The kernel reads FP8 tiles and upcasts them; q stays as given.
+
+    bf16 / fp16 / FP8 keys are upcast tile by tile (fp32 accumulation), so
+    they score at the fp32 speed; the result is always fp32 (fp64 for fp64).
 
     Returns
     -------
@@ -229,6 +314,14 @@ def indexer_scores(
         max_keys = int(visible.max()) if visible.numel() else 0
     max_keys = checks.integer("max_keys", max_keys, at_least=0)
     checks.key_ranges(key_start, visible, num_keys=k.shape[0], max_keys=max_keys)
+    if k.dtype == torch.float8_e4m3fn or k_scale is not None:
+        if k.dtype != torch.float8_e4m3fn or k_scale is None or k_scale.shape != k.shape[:1]:
+            raise ValueError(
+                f"an FP8 key cache is k float8_e4m3fn [S, D_I] with k_scale [S]; got k {k.dtype} "
+                f"{tuple(k.shape)}, k_scale {None if k_scale is None else tuple(k_scale.shape)}; build both "
+                "with fp8_index_cache(k)"
+            )
+        return torch.ops.cpattn.indexer_scores_fp8(q, w, k, k_scale, key_start, visible, int(max_keys))
     if fp8:
         q8, q_scale = fp8_quantize(q)  # [T, H, D], [T, H]
         k8, k_scale = fp8_quantize(k)  # [S, D], [S]
@@ -388,6 +481,31 @@ def mla_softmax_scale(qk_head_dim: int, rope_factor: float | None = None, mscale
         m = 0.1 * mscale_all_dim * math.log(rope_factor) + 1.0
         scale *= m * m
     return scale
+
+
+def fp8_index_cache(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 indexer key cache as DeepSeek-V3.2 keeps it: e4m3 keys and one fp32 scale per key.
+
+    k: [S, D_I] (D_I = 128: one scale per 128-element block is one per key).
+    Returns (k8 [S, D_I] float8_e4m3fn, k_scale [S] float32), ``k ~= k8 * k_scale``;
+    pass both to :func:`indexer_scores` (``k=k8, k_scale=k_scale``). 1 + 4/D_I
+    bytes per element instead of 2 (bf16).
+
+    Example
+    -------
+    >>> import torch
+    >>> from cpattn.ops.dsa import fp8_index_cache, indexer_scores
+    >>> k8, s = fp8_index_cache(torch.randn(6, 16))
+    >>> k8.dtype, s.shape
+    (torch.float8_e4m3fn, torch.Size([6]))
+    >>> q, w = torch.randn(1, 4, 16), torch.rand(1, 4)
+    >>> one = torch.zeros(1, dtype=torch.long)
+    >>> indexer_scores(q, w, k8, one, one + 6, k_scale=s).shape
+    torch.Size([1, 6])
+    """
+    if k.dim() != 2:
+        raise ValueError(f"k must be [S, D_I] indexer keys; got shape {tuple(k.shape)}")
+    return fp8_quantize(k)
 
 
 def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
