@@ -10,7 +10,16 @@ Decode step at long context, GQA (32 q heads, 8 kv heads, dim 128), batch 4:
   ratios, in wall time and in process CPU time (robust to a shared machine);
 - KV bytes per rank (tokens held, exact) and merge bytes per rank per step
   from ``group.stats`` at every context length (they must not grow with it);
-- paged vs contiguous cache attention on one rank.
+- paged vs contiguous cache attention on one rank;
+- the demo's model (tiny Qwen3): one whole decode step, one rank vs DCP,
+  for every DCP decode-layer variant (``ag_rs`` 4 collectives per layer,
+  ``a2a`` 3, ``local_a2a`` 2, ``local_ag`` 1: "local" computes the group's
+  query heads on every rank, the hidden state being replicated), eager and
+  graph-captured ("before" = ``ag_rs``, "after" = ``local_ag``), with the
+  collectives and bytes of one step counted.
+
+Attention-level steps: ``ag_rs`` / ``a2a`` gather the query heads first
+(3 / 2 collectives); ``local a2a`` takes every head locally (1 collective).
 
 Usage::
 
@@ -71,8 +80,8 @@ def rank_main(group, cfg):
             m = sh["meta"]
             return paged_attention_with_lse(q_all, sh["k"], sh["v"], sh["table"], m.req_indices, m.kv_lens[who])
 
-        def step(sh, g, merge, qq):
-            return dcp_decode(qq, (sh["k"], sh["v"]), sh["meta"], group=g, merge=merge)
+        def step(sh, g, merge, qq, query="gather"):
+            return dcp_decode(qq, (sh["k"], sh["v"]), sh["meta"], group=g, merge=merge, query=query)
 
         noop = lambda: None  # noqa: E731
         runs = {
@@ -82,6 +91,8 @@ def rank_main(group, cfg):
             "step_ag_rs_dcp": lambda: step(mine, group, "ag_rs", q),
             "step_a2a_one": (lambda: step(full, solo, "a2a", q_all)) if r == 0 else noop,
             "step_a2a_dcp": lambda: step(mine, group, "a2a", q),
+            "step_local_a2a_one": (lambda: step(full, solo, "a2a", q_all, "local")) if r == 0 else noop,
+            "step_local_a2a_dcp": lambda: step(mine, group, "a2a", q_all, "local"),
         }
         samples = measure(runs, cfg["reps"], group=group, warmup=1)
         rec = {"samples": {k: Samples(s.wall, s.cpu) for k, s in samples.items()},
@@ -89,9 +100,12 @@ def rank_main(group, cfg):
                "kv_bytes_allocated": mine["k"].nbytes + mine["v"].nbytes}
         if full is not None:
             rec.update(kv_bytes_one=full["kv_bytes"])
-        for merge in ("ag_rs", "a2a"):
+        for merge in ("ag_rs", "a2a", "local_a2a"):
             group.stats.reset()
-            step(mine, group, merge, q)
+            if merge == "local_a2a":
+                step(mine, group, "a2a", q_all, "local")
+            else:
+                step(mine, group, merge, q)
             rec[f"bytes_{merge}"] = group.stats.as_dict()
         group.all_reduce(torch.zeros(1))
         if r == 0 and cfg["paged_vs_contiguous"]:
@@ -100,6 +114,93 @@ def rank_main(group, cfg):
         out[ctx] = rec
         del mine, full
     return out
+
+
+# ----------------------------------------------------------------------------- the demo model's decode step
+STEP_VARIANTS = ("ag_rs", "a2a", "local_a2a", "local_ag")  # DCPStep.merge; collectives per layer 4, 3, 2, 1
+
+
+def _model_shard(fam, cfg, ctx, n, gen):
+    """A paged shard for one request of ``ctx`` cached tokens, random data (as prefilled), interleave = block 16."""
+    from cpattn.engine.paged_cache import PagedShard
+
+    sh = PagedShard.empty(fam.kv_layouts(cfg), capacity=[ctx + 8], dcp_size=n, block_size=16, interleave_size=16)
+    for t in (*sh.k, *sh.v):
+        if t is not None:
+            t.copy_(torch.randn(t.shape, generator=gen))
+    return sh
+
+
+def model_step_rank(group, cfg):
+    """The demo's embedded tiny Qwen3: one whole decode step (embedding, layers with DCP attention, lm_head),
+    one rank vs DCP ranks, for every DCPStep variant (eager; graph-captured for "ag_rs" and "local_ag")."""
+    from cpattn.bench.demo_run import EMBEDDED_STD
+    from cpattn.engine.decode import decode_step, make_runner
+    from cpattn.engine.family import get_family
+
+    fam = get_family("qwen3")
+    mcfg = fam.config_class.tiny()  # the demo's embedded model
+    params = fam.init_params(mcfg, seed=0, std=EMBEDDED_STD)
+    ctx, n, r = cfg["model_context"], group.size, group.rank
+    gen = torch.Generator().manual_seed(99 + r)
+    solo = SimMesh(1).groups()[0]
+
+    def batch_of(sh):
+        return {"tokens": torch.tensor([7]), "seq_lens": torch.tensor([ctx + 1]), "block_table": sh.block_table}
+
+    def eager(sh, g, merge):
+        b = {**batch_of(sh), "cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32)}
+        return lambda: decode_step({"params": params, "shard": sh}, b, family=fam, cfg=mcfg, group=g, merge=merge)[1]
+
+    noop = lambda: None  # noqa: E731
+    full = _model_shard(fam, mcfg, ctx, 1, gen) if r == 0 else None
+    runs = {"one": eager(full, solo, "ag_rs") if r == 0 else noop}
+    shards = {}
+    for v in STEP_VARIANTS:
+        shards[v] = _model_shard(fam, mcfg, ctx, n, gen)
+        runs[v] = eager(shards[v], group, v)
+    counts = {}
+    for v in STEP_VARIANTS:  # collectives and bytes of one step, counted
+        group.stats.reset()
+        runs[v]()
+        counts[v] = {"calls": sum(group.stats.calls.values()), "bytes": group.stats.total_sent(),
+                     "kinds": dict(group.stats.calls)}
+    if cfg["model_graph"]:
+        for v in ("ag_rs", "local_ag"):
+            sh = _model_shard(fam, mcfg, ctx, n, gen)
+            runner = make_runner(group, fam, params, mcfg, sh, num_speculative_tokens=0, max_requests=1, merge=v,
+                                 capture_sizes=[1], backend="cpu")
+            runs[f"graph_{v}"] = (lambda rn=runner, s=sh: rn(batch_of(s), [1]))
+    samples = measure(runs, cfg["reps"], group=group, inner=5, warmup=2)
+    return {"samples": {k: Samples(s.wall, s.cpu) for k, s in samples.items()}, "counts": counts,
+            "layers": mcfg.num_hidden_layers}
+
+
+def _model_report(cfg, res, n) -> list[dict]:
+    s, counts, layers = res["samples"], res["counts"], res["layers"]
+    print(f"\nWhole decode step of the demo's model (tiny Qwen3, {layers} layers, batch 1, context "
+          f"{cfg['model_context']}): one rank (eager) vs DCP = {n} on gloo, every DCP decode-layer variant, "
+          f"{cfg['reps']} interleaved rounds of 5 steps (slowest rank). x one = step / one rank's; x ag_rs = step / "
+          "the ag_rs step's (before -> after): median [low-high] of per-round ratios")
+    print(f"{'variant':<16} {'collectives/layer':>17} {'bytes/step/rank':>15} {'step ms':>8} {'x one':>18} "
+          f"{'x ag_rs':>18}")
+    rows = []
+    one_ms = 1e3 * s["one"].median
+    print(f"{'one rank':<16} {0:>17} {0:>15} {one_ms:>8.2f} {'1':>18} {'':>18}")
+    for name in (*STEP_VARIANTS, "graph_ag_rs", "graph_local_ag"):
+        if name not in s:
+            continue
+        v = name.removeprefix("graph_")
+        base = s["graph_ag_rs" if name.startswith("graph_") else "ag_rs"]
+        c = counts[v]
+        x1, xb = ratio(s[name], s["one"]), ratio(s[name], base)
+        label = f"{v} (graph)" if name.startswith("graph_") else v
+        print(f"{label:<16} {c['calls'] / layers:>17.0f} {c['bytes']:>15,} {1e3 * s[name].median:>8.2f} "
+              f"{str(x1):>18} {str(xb):>18}")
+        rows.append({"metric": "model_step", "variant": label, "collectives_per_layer": c["calls"] / layers,
+                     "bytes_per_step": c["bytes"], "kinds": c["kinds"], "step_ms": 1e3 * s[name].median,
+                     "vs_one_rank": x1.as_dict(), "vs_ag_rs": xb.as_dict()})
+    return rows
 
 
 def _folded_contiguous(q, k, v, scale):
@@ -139,9 +240,9 @@ def _paged_vs_contiguous(sh, q_all, cfg):
 
 
 def _bytes(rec, merge, cfg, n):
-    """(merge bytes, query-gather bytes) one rank sends per step, from group.stats."""
+    """(merge bytes, query-gather bytes) one rank sends per step, from group.stats ("local_*": no gather)."""
     total = sum(rec[f"bytes_{merge}"]["bytes_sent"].values())
-    q_gather = cfg["batch"] * cfg["hq"] // n * cfg["d"] * DTYPES[cfg["dtype"]].itemsize * (n - 1)
+    q_gather = 0 if merge.startswith("local") else cfg["batch"] * cfg["hq"] // n * cfg["d"] * DTYPES[cfg["dtype"]].itemsize * (n - 1)
     return total - q_gather, q_gather
 
 
@@ -155,6 +256,10 @@ def _parser():
     p.add_argument("--batch", type=cli.positive_int, default=4, help="decode requests")
     cli.add_dtype(p, default="bfloat16", help="KV cache and query dtype")
     p.add_argument("--reps", type=cli.positive_int, default=5, help="interleaved timing rounds")
+    p.add_argument("--model-context", type=cli.positive_int, default=4096,
+                   help="cached tokens of the demo-model decode step (the demo's prompt length)")
+    p.add_argument("--no-model-graph", action="store_true",
+                   help="skip the graph-captured demo-model steps (two inductor compiles per rank)")
     cli.add_json(p)
     cli.add_timeout(p)
     return p
@@ -167,6 +272,7 @@ def main(argv=None):
     n = args.decode_context_parallel_size
     if args.quick:
         args.batch, args.contexts, args.reps = 2, (2048, 8192), min(args.reps, 3)
+        args.model_context, args.no_model_graph = 1024, True
     if n < 2:
         cli.bad_value(p.prog, "--decode-context-parallel-size/--dcp", n, "at least 2 (this benchmark compares "
                       "DCP against one rank)", "pass --dcp 2 or more")
@@ -175,11 +281,14 @@ def main(argv=None):
                      block_size=args.block_size, cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size)
     cfg = dict(batch=args.batch, hq=HEADS, hkv=KV_HEADS, d=HEAD_DIM, block_size=args.block_size,
                interleave=args.cp_kv_cache_interleave_size, dtype=args.dtype, contexts=list(args.contexts),
-               reps=args.reps, paged_vs_contiguous=True)
+               reps=args.reps, paged_vs_contiguous=True, model_context=args.model_context,
+               model_graph=not args.no_model_graph)
     t0 = time.time()
     with cli.report_to(args.json):
         ranks = spawn(n, rank_main, cfg, threads=1, timeout_s=args.timeout)
         rows = _report(cfg, ranks, n)
+        model = spawn(n, model_step_rank, cfg, threads=1, timeout_s=max(args.timeout, 900.0))[0]
+        rows += _model_report(cfg, model, n)
         print(f"({time.time() - t0:.0f} s)")
     write_json(args.json, {"config": cfg, "dcp": n, "rows": rows})
     return 0
@@ -197,7 +306,8 @@ def _report(cfg, ranks, n) -> list[dict]:
     for ctx in cfg["contexts"]:
         a = ranks[0][ctx]
         s = a["samples"]  # already the slowest rank's, sample by sample
-        for key, name in (("attn", "attention"), ("step_ag_rs", "step, merge=ag_rs"), ("step_a2a", "step, merge=a2a")):
+        for key, name in (("attn", "attention"), ("step_ag_rs", "step, ag_rs (3 coll.)"),
+                          ("step_a2a", "step, a2a (2 coll.)"), ("step_local_a2a", "step, local a2a (1 coll.)")):
             for clock, what in (("wall", "wall ms"), ("cpu", "CPU ms")):
                 one, dcp = s[f"{key}_one"], s[f"{key}_dcp"]
                 r = ratio(dcp, one, clock=clock)
@@ -212,7 +322,7 @@ def _report(cfg, ranks, n) -> list[dict]:
         print(f"{ctx:>8} | {'KV bytes held/rank (MiB)':<30} | {a['kv_bytes_one'] / 2**20:>10.2f} | "
               f"{held / 2**20:>10.2f} | {held / a['kv_bytes_one']:.3f} (off 1/{n} by {worst:.2f} interleave units)")
         rows.append({"context": ctx, "metric": "kv_bytes_per_rank", "one_rank": a["kv_bytes_one"], "dcp": held})
-        for m in ("ag_rs", "a2a"):
+        for m in ("ag_rs", "a2a", "local_a2a"):
             merge_b, q_b = _bytes(a, m, cfg, n)
             kinds = ", ".join(f"{k} {v}" for k, v in a[f"bytes_{m}"]["bytes_sent"].items())
             print(f"{ctx:>8} | {'bytes sent/rank, ' + m:<30} | merge {merge_b} + query gather {q_b}  ({kinds})")
@@ -225,7 +335,7 @@ def _report(cfg, ranks, n) -> list[dict]:
                   f"{a['paged_cpu_s'] * 1e3:.1f} ms, max diff {a['paged_vs_contig_maxdiff']:.1e})")
             rows.append({"context": ctx, "metric": "contiguous_over_paged", **c})
     c0, c1 = cfg["contexts"][0], cfg["contexts"][-1]
-    for m in ("ag_rs", "a2a"):
+    for m in ("ag_rs", "a2a", "local_a2a"):
         b0, b1 = _bytes(ranks[0][c0], m, cfg, n)[0], _bytes(ranks[0][c1], m, cfg, n)[0]
         print(f"merge bytes/rank ({m}): {b0} at {c0} tokens, {b1} at {c1} -> "
               f"{'independent of' if b0 == b1 else 'CHANGES with'} context length")

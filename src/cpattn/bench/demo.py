@@ -94,7 +94,10 @@ def parser():
                    help="DecodeRunner backend: cpu (torch.compile inductor), aot_eager, eager, cuda, npu, torchair")
     p.add_argument("--capture-sizes", type=cli.int_list, default=None,
                    help="comma-separated capture sizes in query tokens (default: the one bucket that holds --batch)")
-    p.add_argument("--merge", choices=["ag_rs", "a2a"], default="ag_rs", help="DCP partial merge")
+    p.add_argument("--merge", choices=["local_ag", "local_a2a", "a2a", "ag_rs"], default="local_ag",
+                   help="DCP decode layer: local_ag (query heads computed locally, one all-gather of [O | L]: 1 "
+                        "collective per layer), local_a2a (2), a2a (3), ag_rs (4: query gather, LSE all-gather, "
+                        "reduce-scatter, output gather)")
     cli.add_dtype(p, help="parameter and KV-cache data type")
     p.add_argument("--seed", type=cli.nonnegative_int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--no-eager-row", action="store_true", help="skip the eager DCP decode run next to the graph one")

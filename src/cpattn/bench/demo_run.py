@@ -59,7 +59,7 @@ class Spec:
     backend: str = "cpu"
     block_size: int = 16
     interleave_size: int | None = None
-    merge: str = "ag_rs"
+    merge: str = "local_ag"
     dtype: str = "float32"
     seed: int = 0
     capture_sizes: tuple[int, ...] | None = None

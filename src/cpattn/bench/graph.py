@@ -96,7 +96,7 @@ def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"
 
 
 def _collectives(group, cfg, b, device):
-    """One layer's collectives of the demo program (ag_rs merge) on tensors of the step's shapes."""
+    """One layer's collectives of the demo program (its merge) on tensors of the step's shapes."""
     n = group.size
     hl, d = cfg.num_heads // n, cfg.head_dim
     q = torch.randn(b, hl, d, device=device)
@@ -105,11 +105,13 @@ def _collectives(group, cfg, b, device):
     x = torch.randn(b, cfg.hidden, device=device)
 
     def run():
-        group.all_gather(q, dim=1)
-        if cfg.merge == "ag_rs":
+        if cfg.merge in ("ag_rs", "a2a"):
+            group.all_gather(q, dim=1)
+        if cfg.merge in ("ag_rs", "fold"):
             group.all_gather(lse, dim=0)
+        if cfg.merge == "ag_rs":
             group.reduce_scatter(o, dim=1)
-        else:
+        elif cfg.merge in ("a2a", "local_a2a"):
             group.all_to_all(torch.cat([o, lse[0, ..., None]], -1), dim=1)
         group.all_reduce(x)
 
@@ -132,7 +134,10 @@ def _parser():
     p.add_argument("--heads", type=cli.positive_int, default=8, help="query heads (a multiple of --dcp)")
     p.add_argument("--kv-heads", type=cli.positive_int, default=2, help="key/value heads (a divisor of --heads)")
     p.add_argument("--head-dim", type=cli.positive_int, default=32, help="head dim (even: rotary embedding)")
-    p.add_argument("--merge", default="ag_rs", choices=["ag_rs", "a2a"], help="DCP partial merge")
+    p.add_argument("--merge", default="ag_rs", choices=["ag_rs", "a2a", "local_a2a", "fold"],
+                   help="DCP layer of the program: ag_rs (4 collectives per layer with the TP all-reduce), a2a (3), "
+                        "local_a2a (2: query heads computed locally, one all-to-all), fold (2: LSE all-gather, the "
+                        "merge folded into the TP all-reduce)")
     p.add_argument("--reps", type=cli.positive_int, default=30, help="interleaved timing rounds")
     p.add_argument("--backend", default="cpu",
                    help="graph backend for the CPU section (cpu = inductor; see cpattn.graphs.backends())")

@@ -4,8 +4,14 @@
   compute) or "allgather" (KV gathered once) -- :func:`cpattn.pcp_prefill`;
 - ``dsa_split``: how a DSA model's prefill tokens are split over the group:
   "balanced" (the PCP head-tail chunks) or "contiguous" (the guide's DSA-CP);
-- ``dcp_merge``: "ag_rs" (all-gather LSE + reduce-scatter) or "a2a" (one
-  all-to-all) -- :func:`cpattn.dcp.dcp_decode`;
+- ``dcp_merge``: how a DCP decode layer gets every head's exact output on
+  every rank (:class:`cpattn.engine.paged_cache.DCPStep`,
+  :func:`cpattn.dcp.dcp_decode`); collectives per layer in brackets:
+  "local_ag" (default; the hidden state is replicated, so every rank
+  computes all query heads, then one all-gather of ``[O | L]``) [1],
+  "local_a2a" (local heads, one all-to-all, output heads gathered) [2],
+  "a2a" (query heads gathered, all-to-all, output gathered) [3], "ag_rs"
+  (query gathered, LSE all-gather + reduce-scatter, output gathered) [4];
 - ``handoff``: how prefill KV reaches the DCP owners when both engines share
   ranks: "a2a" (each row sent to its owner, one all-to-all) or "allgather"
   (everything gathered, each rank keeps its own).
@@ -13,7 +19,7 @@
 Example
 -------
 >>> Algorithms(pcp_method="allgather").dcp_merge
-'ag_rs'
+'local_ag'
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CHOICES = {"pcp_method": ("ring", "allgather"), "dsa_split": ("balanced", "contiguous"),
-           "dcp_merge": ("ag_rs", "a2a"), "handoff": ("a2a", "allgather")}
+           "dcp_merge": ("local_ag", "local_a2a", "a2a", "ag_rs"), "handoff": ("a2a", "allgather")}
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,7 @@ class Algorithms:
 
     pcp_method: str = "ring"
     dsa_split: str = "balanced"
-    dcp_merge: str = "ag_rs"
+    dcp_merge: str = "local_ag"
     handoff: str = "a2a"
 
     def __post_init__(self):

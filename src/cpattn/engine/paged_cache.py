@@ -123,6 +123,13 @@ class PagedShard:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.k_index) if t is not None)
 
 
+# DCPStep.merge -> (query, merge) of dcp_decode, and the collectives per layer (output gather included):
+# "ag_rs" 4 (query gather, LSE gather, reduce-scatter, output gather), "a2a" 3, "local_a2a" 2, "local_ag" 1.
+# The model's hidden state is the same on every DCP rank, so "local_*" compute every query head locally.
+STEP_MERGES = {"ag_rs": ("gather", "ag_rs"), "a2a": ("gather", "a2a"), "local_a2a": ("local", "a2a"),
+               "local_ag": ("local", "ag")}
+
+
 @dataclass
 class DCPStep:
     """One decode (or verification) step on a DCP rank: ``positions`` [T] from the plan; called per layer."""
@@ -140,10 +147,15 @@ class DCPStep:
         """Write this step's k/v where owned, then DCP attention. q: [T, Hq, Dk] -> [T, Hq, Dv]."""
         g = self.group
         self.shard.write(layer, k, v, self.meta.slot_mapping[g.rank])
+        dv = self.shard.layouts[layer].v_head_dim
+        query, merge = STEP_MERGES[self.merge]
+        if query == "local" and merge == "ag":  # q is replicated: one all-gather of [O | L], every head merged
+            return dcp_decode(q, self.shard.cache(layer), self.meta, group=g, merge="ag", query="local",
+                              softmax_scale=scale, v_head_dim=dv)  # [T, Hq, Dv]
         hl = q.shape[1] // g.size  # the engine checked that the DCP size divides the heads
-        q_mine = q[:, g.rank * hl : (g.rank + 1) * hl]  # [T, Hl, Dk]: this rank's TP heads
-        out = dcp_decode(q_mine, self.shard.cache(layer), self.meta, group=g, merge=self.merge,
-                         softmax_scale=scale, v_head_dim=self.shard.layouts[layer].v_head_dim)  # [T, Hl, Dv]
+        q_in = q if query == "local" else q[:, g.rank * hl : (g.rank + 1) * hl]  # all heads, or this rank's
+        out = dcp_decode(q_in, self.shard.cache(layer), self.meta, group=g, merge=merge, query=query,
+                         softmax_scale=scale, v_head_dim=dv)  # [T, Hl, Dv]
         return g.all_gather(out, dim=1)  # [T, Hq, Dv]: the heads back together, as TP would
 
     def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
