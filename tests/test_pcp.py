@@ -116,9 +116,16 @@ def test_ring_and_allgather_traffic_is_about_2T_Hkv_D_over_P():
         return g.stats.total_sent()
 
     per_token = k[0].nbytes + v[0].nbytes
-    for method in ("ring", "allgather"):
-        sent = cpattn.simulate(4, rank_fn, method)
-        assert all(s == 32 * per_token * 3 for s in sent), (method, sent)  # T_r * (P-1) tokens
+    sent = cpattn.simulate(4, rank_fn, "allgather")
+    assert all(s == 32 * per_token * 3 for s in sent), sent  # T_r * (P-1) tokens
+    # the ring forwards only kv_a of rank src once no rank it still visits needs kv_b (those after src)
+    from cpattn.pcp import _needs_b
+
+    sent = cpattn.simulate(4, rank_fn, "ring")
+    for r in range(4):
+        want = sum((32 if _needs_b((r - s) % 4, s, 4) else 16) * per_token for s in range(3))
+        assert sent[r] == want <= 32 * per_token * 3, (r, sent)
+    assert sum(sent) < 4 * 32 * per_token * 3
 
 
 def test_wrong_shard_is_named():

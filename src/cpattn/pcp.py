@@ -197,8 +197,17 @@ def _span(n: int, device) -> torch.Tensor:
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k [T, Hkv, Dk], v [T, Hkv, Dv] -> one flat head-major message [Hkv*T*Dk + Hkv*T*Dv]."""
-    return torch.cat([k.transpose(0, 1).reshape(-1), v.transpose(0, 1).reshape(-1)])
+    """k [T, Hkv, Dk], v [T, Hkv, Dv] -> one flat head-major message [Hkv*T*Dk + Hkv*T*Dv].
+
+    Written straight into one buffer (two transposing copies, no concatenation pass).
+    """
+    t, hkv, dk = k.shape
+    dv = v.shape[-1]
+    msg = k.new_empty(hkv * t * (dk + dv))
+    n = hkv * t * dk
+    msg[:n].view(hkv, t, dk).copy_(k.transpose(0, 1))
+    msg[n:].view(hkv, t, dv).copy_(v.transpose(0, 1))
+    return msg
 
 
 def _unpack(msg: torch.Tensor, t: int, hkv: int, dk: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,25 +216,44 @@ def _unpack(msg: torch.Tensor, t: int, hkv: int, dk: int, dv: int) -> tuple[torc
     return msg[:n].view(hkv, t, dk).transpose(0, 1), msg[n:].view(hkv, t, dv).transpose(0, 1)
 
 
+def _needs_b(src: int, step: int, p: int) -> bool:
+    """Whether a rank the KV of ``src`` still visits after ``step`` attends its second half (chunk b).
+
+    The KV of rank ``src`` reaches rank ``(src + t) % p`` at step t. Rank j uses kv_b of src
+    only when src > j (its q_b comes after both of src's chunks); ranks after src in the ring
+    order use kv_a alone. So once no later visitor is below src, only kv_a travels on.
+
+    >>> [_needs_b(0, 0, 2), _needs_b(1, 0, 2)]  # P = 2: rank 1 uses only kv_a of rank 0
+    [False, True]
+    """
+    return any((src + t) % p < src for t in range(step + 1, p))
+
+
 def _ring(q, q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b):
     p, r, dev = plan.size, group.rank, q_a.device
     hkv, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     cu_a, cu_b = plan.cu_a[r].to(dev), plan.cu_b[r].to(dev)
     t_r, one_request = plan.num_tokens[r], plan.num_requests == 1
     rows_all = slice(0, t_r)
-    # one head-major message per step: the kernel then reads each head's keys as contiguous rows
-    msg, src = _pack(k, v), r
+    # one head-major message per step: the kernel then reads each head's keys as contiguous rows.
+    # A message carries only kv_a once no rank it still visits needs kv_b (_needs_b): fewer bytes.
+    msg, src, whole = _pack(k, v), r, True
     for s in range(p):
         pending = None
         if s + 1 < p:  # start the next transfer before computing this step
-            nxt = (r - s - 1) % p
-            pending = group.ring_exchange(msg, (plan.num_tokens[nxt] * hkv * (dk + dv),))
-        ks, vs = _unpack(msg, plan.num_tokens[src], hkv, dk, dv)
+            send = msg
+            if whole and not _needs_b(src, s, p):  # kv_a alone travels on
+                ks, vs = _unpack(msg, plan.num_tokens[src], hkv, dk, dv)
+                send = _pack(ks[: plan.num_a(src)], vs[: plan.num_a(src)])
+            nxt = (r - s - 1) % p  # whose KV arrives: its sender applied the same rule
+            n_recv = plan.num_tokens[nxt] if _needs_b(nxt, s, p) else plan.num_a(nxt)
+            pending = group.ring_exchange(send, (n_recv * hkv * (dk + dv),))
+        t_src = plan.num_tokens[src] if whole else plan.num_a(src)
+        ks, vs = _unpack(msg, t_src, hkv, dk, dv)
         na = plan.num_a(src)
         k_a, v_a, k_b, v_b = ks[:na], vs[:na], ks[na:], vs[na:]
         cu_ka, cu_kb = plan.cu_a[src].to(dev), plan.cu_b[src].to(dev)
         if one_request:  # [A | B] is the request's [a | b]: one kernel call per step
-            t_src = plan.num_tokens[src]
             if s == 0:  # square causal over [a | b]: q_b sees all of a and b up to itself
                 _attend(acc, rows_all, q, _span(t_r, dev), ks, vs, _span(t_src, dev), True, scale)
             elif src < r:
@@ -243,7 +271,8 @@ def _ring(q, q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b):
             _attend(acc, rows_b, q_b, cu_b, k_a, v_a, cu_ka, False, scale)
             _attend(acc, rows_b, q_b, cu_b, k_b, v_b, cu_kb, False, scale)
         if pending is not None:
-            msg, src = pending.wait(), (r - s - 1) % p
+            src = (r - s - 1) % p
+            msg, whole = pending.wait(), _needs_b(src, s, p)
 
 
 def _allgather(q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b):
