@@ -39,6 +39,7 @@ per live source tensor (dropped with it, refreshed when it is modified in place)
 
 from __future__ import annotations
 
+import importlib
 import weakref
 
 import torch
@@ -76,7 +77,7 @@ def _nz(torch_npu, w: torch.Tensor) -> torch.Tensor:
 def mla_preprocess_npu(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight,
                        kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave):
     """The NPU kernel: input RMSNorm in torch, ``npu_mla_prolog_v3`` (TND), the paged write by slot."""
-    from cpattn.ops import mla_preprocess as mp
+    mp = importlib.import_module("cpattn.ops.mla_preprocess")  # the module: cpattn.ops.mla_preprocess is the function
     from cpattn.ops.npu import import_torch_npu
 
     args = (hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_a_norm_weight,
@@ -101,7 +102,7 @@ def mla_preprocess_npu(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q
 
 def _generic(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_a_norm_weight,
              w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave):
-    from cpattn.ops import mla_preprocess as mp
+    mp = importlib.import_module("cpattn.ops.mla_preprocess")  # the module: cpattn.ops.mla_preprocess is the function
 
     q, kv, q_lora, x = mp._chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight,
                                  kv_a_weight, kv_a_norm_weight, w_uk, cos, sin, eps, rope_interleave)
@@ -118,7 +119,7 @@ def register() -> str:
     >>> mla_preprocess_npu.register()  # doctest: +SKIP
     'npu'
     """
-    from cpattn.ops import mla_preprocess  # noqa: F401 - defines the op
+    import cpattn.ops.mla_preprocess  # noqa: F401 - defines the op
     from cpattn.ops.npu import import_torch_npu
 
     import_torch_npu()
