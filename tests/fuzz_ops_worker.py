@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import oracle  # noqa: E402
+import ref as oracle  # noqa: E402
 from cpattn import ops, pcp_plan, pcp_shard, pcp_unshard  # noqa: E402
 from cpattn.ops import paged  # noqa: E402
 

@@ -5,46 +5,36 @@ import torch
 
 from cpattn.ops import attention_with_lse, registry
 from devices import needs_cuda
-from oracle import attention as oracle
-from oracle import plain_error
+from ref import AttnCase, plain_error
+from ref import attention as oracle
 
 CASES = [
-    # (q lens, k lens, Hq, Hkv, Dqk, Dv, causal)
-    ([5], [5], 4, 4, 16, 16, True),
-    ([3, 0, 7], [3, 0, 7], 8, 2, 32, 32, True),  # GQA, empty request
-    ([2, 4], [9, 4], 4, 1, 16, 16, True),  # new tokens after cached context (bottom-right)
-    ([6, 1], [3, 1], 4, 2, 16, 16, True),  # more queries than keys: first rows see nothing
-    ([4, 5], [6, 2], 4, 2, 16, 8, False),  # non-causal, Dv < Dqk
-    ([3, 5], [7, 5], 8, 1, 72, 64, True),  # MLA-like: one KV head, Dqk > Dv
-    ([3], [4], 2, 2, 8, 12, True),  # Dv > Dqk
-    ([1, 1, 1], [40, 1, 0], 8, 2, 16, 16, True),  # decode rows: one query after its cache (GQA folded)
-    ([1, 2], [33, 20], 16, 1, 72, 64, False),  # MLA-like decode, heads folded into rows
+    AttnCase((5,), (5,), 4, 4, 16, 16, note="square causal"),
+    AttnCase((3, 0, 7), (3, 0, 7), 8, 2, 32, 32, note="GQA, an empty request"),
+    AttnCase((2, 4), (9, 4), 4, 1, 16, 16, note="new tokens after cached context (bottom-right)"),
+    AttnCase((6, 1), (3, 1), 4, 2, 16, 16, note="more queries than keys: first rows see nothing"),
+    AttnCase((4, 5), (6, 2), 4, 2, 16, 8, causal=False, note="non-causal, Dv < Dqk"),
+    AttnCase((3, 5), (7, 5), 8, 1, 72, 64, note="MLA-like: one KV head, Dqk > Dv"),
+    AttnCase((3,), (4,), 2, 2, 8, 12, note="Dv > Dqk"),
+    AttnCase((1, 1, 1), (40, 1, 0), 8, 2, 16, 16, note="decode rows, GQA folded"),
+    AttnCase((1, 2), (33, 20), 16, 1, 72, 64, causal=False, note="MLA-like decode, heads folded into rows"),
 ]
 
 
 def _cu(lens):
-    return torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return AttnCase(tuple(lens), tuple(lens), 1, 1, 1, 1).cu()[0]
 
 
 def _inputs(lq, lk, hq, hkv, dqk, dv, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lq), hq, dqk, generator=g).to(dtype)
-    k = torch.randn(sum(lk), hkv, dqk, generator=g).to(dtype)
-    v = torch.randn(sum(lk), hkv, dv, generator=g).to(dtype)
-    q_req = torch.cat([torch.full((n,), i) for i, n in enumerate(lq)])
-    k_req = torch.cat([torch.full((n,), i) for i, n in enumerate(lk)])
-    # bottom-right: query j of request i sits at position lk - lq + j
-    q_pos = torch.cat([torch.arange(n) + lk[i] - n for i, n in enumerate(lq)])
-    k_pos = torch.cat([torch.arange(n) for n in lk])
-    return q, k, v, q_req, k_req, q_pos, k_pos
+    return AttnCase(tuple(lq), tuple(lk), hq, hkv, dqk, dv).inputs(dtype, seed)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_matches_oracle(case, dtype):
-    lq, lk, hq, hkv, dqk, dv, causal = case
-    q, k, v, q_req, k_req, q_pos, k_pos = _inputs(lq, lk, hq, hkv, dqk, dv, dtype)
-    out, lse = attention_with_lse(q, k, v, _cu(lq), _cu(lk), causal=causal)
+def test_matches_oracle(case: AttnCase, dtype):
+    lq, hq, dv, causal = case.q_lens, case.hq, case.dv, case.causal
+    q, k, v, q_req, k_req, q_pos, k_pos = case.inputs(dtype)
+    out, lse = attention_with_lse(q, k, v, *case.cu(), causal=causal)
     ref_out, ref_lse = oracle(q, k, v, q_req, k_req, q_pos, k_pos, causal=causal)
     assert out.dtype == dtype and out.shape == (sum(lq), hq, dv)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -57,11 +47,12 @@ def test_matches_oracle(case, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("case", CASES)
-def test_cuda_kernel_matches_oracle(case):
-    lq, lk, hq, hkv, dqk, dv, causal = case
-    q, k, v, q_req, k_req, q_pos, k_pos = _inputs(lq, lk, hq, hkv, dqk, dv)
-    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), _cu(lq).cuda(), _cu(lk).cuda(), causal=causal)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_cuda_kernel_matches_oracle(case: AttnCase):
+    lq, hq, dv, causal = case.q_lens, case.hq, case.dv, case.causal
+    q, k, v, q_req, k_req, q_pos, k_pos = case.inputs()
+    cu_q, cu_k = case.cu()
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), causal=causal)
     ref_out, ref_lse = oracle(q, k, v, q_req, k_req, q_pos, k_pos, causal=causal)
     assert out.device.type == "cuda" and out.shape == (sum(lq), hq, dv)
     torch.testing.assert_close(out.double().cpu(), ref_out, atol=2e-5, rtol=2e-4)

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-import oracle
+import ref as oracle
 from cpattn.comm import simulate
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh

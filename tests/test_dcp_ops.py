@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from devices import needs_cuda
-from oracle import plain_error
+from ref import PagedCase, paged_attention, paged_cache, plain_error
 
 from cpattn.graphs.check import agree
 from cpattn.ops import paged
@@ -18,64 +18,22 @@ from cpattn.ops.paged import paged_attention_with_lse, write_kv, write_kv_mla
 from cpattn.ops.paged_ref import paged_attention_ref, write_kv_ref
 
 
-def oracle(q, k_cache, v_cache, block_table, req, lens, scale):
-    """float64 out [T, Hq, Dv], lse [T, Hq] by a per-row loop over visible keys."""
-    t, hq, _ = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(t, hq, v_cache.shape[-1], dtype=torch.float64)
-    lse = torch.full((t, hq), float("-inf"), dtype=torch.float64)
-    for i in range(t):
-        b, n = int(req[i]), int(lens[i])
-        if b < 0 or n == 0:
-            continue
-        rows = [(int(block_table[b, j // bs]), j % bs) for j in range(n)]
-        k = torch.stack([k_cache[x, y] for x, y in rows]).double()  # [n, Hkv, Dk]
-        v = torch.stack([v_cache[x, y] for x, y in rows]).double()
-        for h in range(hq):
-            s = k[:, h // (hq // hkv)] @ q[i, h].double() * scale  # [n]
-            lse[i, h] = torch.logsumexp(s, 0)
-            out[i, h] = torch.softmax(s, 0) @ v[:, h // (hq // hkv)]
-    return out, lse
-
-
-def make_cache(gen, lens_per_req, bs, hkv, dk, dv, dtype, spare_blocks=3, mla=False):
-    """NaN-poisoned caches with each request's first lens keys written at shuffled blocks."""
-    mb = max(1, max(-(-n // bs) for n in lens_per_req)) + 1  # one unused column
-    nb = len(lens_per_req) * mb + spare_blocks
-    perm = torch.randperm(nb, generator=gen)
-    table = perm[: len(lens_per_req) * mb].view(len(lens_per_req), mb)
-    k_cache = torch.full((nb, bs, hkv, dk), float("nan"), dtype=dtype)
-    v_cache = k_cache[..., :dv] if mla else torch.full((nb, bs, hkv, dv), float("nan"), dtype=dtype)
-    for b, n in enumerate(lens_per_req):
-        for j in range(n):
-            blk, off = int(table[b, j // bs]), j % bs
-            k_cache[blk, off] = torch.randn(hkv, dk, generator=gen).to(dtype)
-            if not mla:
-                v_cache[blk, off] = torch.randn(hkv, dv, generator=gen).to(dtype)
-    return k_cache, v_cache, table
-
-
 CASES = [
-    # (kv lens per request, rows as (req, visible)), bs, hq, hkv, dk, dv
-    ([37, 5, 0], [(0, 30), (0, 31), (0, 37), (1, 5), (2, 0), (-1, 0)], 16, 4, 2, 32, 32),
-    ([130, 1], [(0, 128), (0, 129), (0, 129), (0, 130), (1, 1)], 128, 8, 8, 64, 64),
-    ([70], [(0, 70 - 40 + i // 2) for i in range(40)], 16, 2, 1, 16, 16),  # a prefill chunk of 40 rows
-    ([20, 9], [(0, 20), (1, 0), (1, 9), (0, 3)], 16, 6, 3, 16, 24),  # Dv > Dk, request runs interleaved
+    PagedCase((37, 5, 0), ((0, 30), (0, 31), (0, 37), (1, 5), (2, 0), (-1, 0)), 16, 4, 2, 32, 32,
+              note="decode and spec rows, an empty request, a padding row"),
+    PagedCase((130, 1), ((0, 128), (0, 129), (0, 129), (0, 130), (1, 1)), 128, 8, 8, 64, 64,
+              note="MHA, rows across a block edge"),
+    PagedCase((70,), tuple((0, 70 - 40 + i // 2) for i in range(40)), 16, 2, 1, 16, 16, note="a prefill chunk of 40 rows"),
+    PagedCase((20, 9), ((0, 20), (1, 0), (1, 9), (0, 3)), 16, 6, 3, 16, 24, note="Dv > Dk, request runs interleaved"),
 ]
 
 
 def case_args(case):
     """CASES[case] as float32 op arguments (q, k_cache, v_cache, block_table, req_indices, kv_lens)."""
-    kv_lens, rows, bs, hq, hkv, dk, dv = CASES[case]
-    gen = torch.Generator().manual_seed(case)
-    k_cache, v_cache, table = make_cache(gen, kv_lens, bs, hkv, dk, dv, torch.float32)
-    q = torch.randn(len(rows), hq, dk, generator=gen)
-    req = torch.tensor([r for r, _ in rows])
-    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
-    return q, k_cache, v_cache, table, req, lens
+    return CASES[case].args(torch.float32, seed=case)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c.id for c in CASES])
 @pytest.mark.parametrize("small_elems, chunk_elems", [
     (1 << 40, 1 << 18),  # the batched small-batch path
     (0, 1 << 18),  # the per-request flash path, one chunk per request
@@ -86,7 +44,7 @@ def test_paged_attention_matches_oracle_fp32(case, small_elems, chunk_elems, mon
     monkeypatch.setattr(paged, "SMALL_ROW_ELEMS", small_elems)
     monkeypatch.setattr(paged, "CHUNK_ELEMS", chunk_elems)
     q, k_cache, v_cache, table, req, lens = case_args(case)
-    want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
+    want_o, want_l = paged_attention(q, k_cache, v_cache, table, req, lens, 0.3)
     for fn in (paged_attention_with_lse, None):
         if fn is None:  # the plain reference, in float64
             o, l = paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, req, lens, 0.3)
@@ -108,7 +66,7 @@ def test_paged_attention_bf16_within_twice_plain_torch(mla, small_elems, monkeyp
     gen = torch.Generator().manual_seed(7)
     dk, dv, hkv, hq = (576, 512, 1, 8) if mla else (64, 64, 2, 8)
     kv_lens = [300, 77]
-    k_cache, v_cache, table = make_cache(gen, kv_lens, 16, hkv, dk, dv, torch.bfloat16, mla=mla)
+    k_cache, v_cache, table = paged_cache(gen, kv_lens, 16, hkv, dk, dv, torch.bfloat16, mla=mla)
     rows = [(0, 298), (0, 299), (0, 300), (1, 77)]
     q = torch.randn(len(rows), hq, dk, generator=gen).bfloat16()
     req = torch.tensor([r for r, _ in rows])
@@ -117,7 +75,7 @@ def test_paged_attention_bf16_within_twice_plain_torch(mla, small_elems, monkeyp
     o, l = paged_attention_with_lse(q, k_cache, v_cache, table, req, lens, softmax_scale=scale)
     assert o.dtype == torch.bfloat16 and l.dtype == torch.float32
     s = scale or dk**-0.5
-    want, want_l = oracle(q, k_cache, v_cache, table, req, lens, s)
+    want, want_l = paged_attention(q, k_cache, v_cache, table, req, lens, s)
     err = (o.double() - want).abs().max().item()
     # plain torch in bf16 on the same keys: pack each row's visible keys as its own request
     ks, vs, q_req, k_req, q_pos, k_pos = [], [], [], [], [], []
@@ -137,10 +95,10 @@ def test_paged_attention_bf16_within_twice_plain_torch(mla, small_elems, monkeyp
 
 
 @needs_cuda
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c.id for c in CASES])
 def test_cuda_paged_attention_and_write_kv_match_the_oracle(case):
     q, k_cache, v_cache, table, req, lens = case_args(case)
-    want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
+    want_o, want_l = paged_attention(q, k_cache, v_cache, table, req, lens, 0.3)
     dev = [x.cuda() for x in (q, k_cache, v_cache, table, req, lens)]
     o, l = paged_attention_with_lse(*dev, softmax_scale=0.3)
     torch.testing.assert_close(o.double().cpu(), want_o, rtol=1e-5, atol=2e-5)
@@ -162,10 +120,10 @@ def _traced(fn, backend="aot_eager"):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c.id for c in CASES])
 def test_traced_decomposition_matches_oracle(case, backend):
     q, k_cache, v_cache, table, req, lens = case_args(case)
-    want_o, want_l = oracle(q, k_cache, v_cache, table, req, lens, 0.3)
+    want_o, want_l = paged_attention(q, k_cache, v_cache, table, req, lens, 0.3)
     o, l = _traced(paged_attention_with_lse, backend)(q, k_cache, v_cache, table, req, lens, softmax_scale=0.3)
     torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(l.double(), want_l, rtol=1e-5, atol=2e-5)
@@ -187,7 +145,7 @@ def test_unused_table_entries_may_hold_any_id(backend):
     good = fn(q, kc, vc, torch.tensor([[0, 1, -1, -1], [2, 3, 4, -1]]), req, lens)
     odd = fn(q, kc, vc, torch.tensor([[0, 1, 6, 10**6], [2, 3, 4, 10**6]]), req, lens)
     assert torch.equal(good[0], odd[0]) and torch.equal(good[1], odd[1])
-    want_o, want_l = oracle(q, kc, vc, torch.tensor([[0, 1, 0, 0], [2, 3, 4, 0]]), req, lens, 16**-0.5)
+    want_o, want_l = paged_attention(q, kc, vc, torch.tensor([[0, 1, 0, 0], [2, 3, 4, 0]]), req, lens, 16**-0.5)
     torch.testing.assert_close(good[0].double(), want_o, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(good[1].double(), want_l, rtol=1e-5, atol=2e-5)
 
@@ -236,13 +194,13 @@ def test_eager_kernel_picks_its_path_by_the_visible_length(monkeypatch):
         calls.clear()
         out = paged_attention_with_lse(q, kc, vc, table, torch.tensor([0, 1]), torch.tensor(lens))
         assert calls == want
-        ref = oracle(q, kc, vc, table, torch.tensor([0, 1]), torch.tensor(lens), 32**-0.5)
+        ref = paged_attention(q, kc, vc, table, torch.tensor([0, 1]), torch.tensor(lens), 32**-0.5)
         torch.testing.assert_close(out[0].double(), ref[0], rtol=1e-5, atol=2e-5)
 
 
 def test_mla_shared_view_gathers_once_and_matches_padded_values():
     gen = torch.Generator().manual_seed(3)
-    latent, _, table = make_cache(gen, [50], 16, 1, 576, 512, torch.float32, mla=True)
+    latent, _, table = paged_cache(gen, [50], 16, 1, 576, 512, torch.float32, mla=True)
     q = torch.randn(2, 4, 576, generator=gen)
     req, lens = torch.tensor([0, 0]), torch.tensor([49, 50])
     shared = paged_attention_with_lse(q, latent, latent[..., :512], table, req, lens, softmax_scale=0.07)
@@ -323,7 +281,7 @@ def test_bad_arguments_are_named(bad, match):
 
 def _op_args():
     gen = torch.Generator().manual_seed(1)
-    k_cache, v_cache, table = make_cache(gen, [20, 3], 8, 2, 16, 16, torch.float32)
+    k_cache, v_cache, table = paged_cache(gen, [20, 3], 8, 2, 16, 16, torch.float32)
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)  # opcheck compares outputs
     q = torch.randn(3, 4, 16, generator=gen)
     return q, k_cache, v_cache, table, torch.tensor([0, 0, 1]), torch.tensor([19, 20, 3], dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""DSA-CP and key-sharded (DCP) exact top-k against the HF-style float64 oracle of test_dsa_ops.
+"""DSA-CP and key-sharded (DCP) exact top-k against the HF-style float64 oracle (ref.dsa).
 
 World sizes 1..8 on the simulated mesh, 2 and 4 on real gloo (one spawn each);
 uneven lengths, zero-length requests, lengths below the world size, cached
@@ -23,7 +23,8 @@ from cpattn.dsa import (
     select_topk_candidates,
 )
 from cpattn.ops.dsa import causal_key_ranges, indexer_scores, mla_softmax_scale, topk_indices
-from test_dsa_ops import hf_dsa, make_batch
+from ref import dsa as hf_dsa
+from test_dsa_ops import make_batch
 
 SCALE = mla_softmax_scale(24)
 DV = 32

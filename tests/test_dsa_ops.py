@@ -1,6 +1,6 @@
 """DSA ops (indexer_scores, topk_indices, sparse_mla_attention_with_lse) against a float64 oracle.
 
-The oracle ``hf_dsa`` is written plainly, the way Hugging Face transformers'
+The oracle ``ref.dsa`` (tests/ref.py) is written plainly, the way Hugging Face transformers'
 DeepSeek-V3.2 attention does it: indexer scores over every key, additive
 causal -inf mask, top-k of min(index_topk, keys) columns, an additive -inf
 mask scattered from the top-k, dense softmax over all keys. One deliberate
@@ -24,46 +24,14 @@ from cpattn.ops.dsa import (
     topk_indices,
 )
 from cpattn.dsa import dsa_attention
-from oracle import attention as dense_oracle
-from oracle import req_pos
+import ref
+from ref import attention as dense_oracle
+from ref import req_pos
 
 NEG = float("-inf")
 
 
 # ----------------------------------------------------------------------------- oracle
-def hf_dsa(q, latent, q_idx, w_idx, k_idx, cu_q, cu_k, topk, scale, dv):
-    """float64 DSA of a packed batch; returns out [Tq, H, dv], lse [Tq, H], indices [Tq, topk].
-
-    Request b: queries q[cu_q[b]:cu_q[b+1]] are the last Lq of its Lk keys.
-    """
-    cu_q, cu_k = [int(c) for c in cu_q], [int(c) for c in cu_k]
-    tq, h, _ = q.shape
-    out = torch.zeros(tq, h, dv, dtype=torch.float64)
-    lse = torch.full((tq, h), NEG, dtype=torch.float64)
-    idx_all = torch.full((tq, topk), -1, dtype=torch.int64)
-    for b in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-        lq, lk = q1 - q0, k1 - k0
-        if lq == 0:
-            continue
-        pos = torch.arange(lk - lq, lk)  # absolute position of each query
-        causal = torch.where(torch.arange(lk)[None, :] <= pos[:, None], 0.0, NEG).double()  # [Lq, Lk]
-        qi, wi, ki = q_idx[q0:q1].double(), w_idx[q0:q1].double(), k_idx[k0:k1].double()
-        index_scores = torch.einsum("ths,th->ts", torch.relu(torch.einsum("thd,sd->ths", qi, ki)), wi)
-        index_scores = index_scores + causal
-        kk = min(topk, lk)
-        srt = torch.sort(index_scores, dim=-1, descending=True, stable=True)
-        top = srt.indices[:, :kk]
-        index_mask = torch.full((lq, lk), NEG, dtype=torch.float64).scatter(-1, top, 0.0)
-        kv = latent[k0:k1].double()
-        logits = torch.einsum("thd,sd->ths", q[q0:q1].double(), kv) * scale
-        logits = logits + index_mask[:, None, :] + causal[:, None, :]
-        lse[q0:q1] = torch.logsumexp(logits, dim=-1)
-        out[q0:q1] = torch.einsum("ths,sd->thd", torch.softmax(logits, dim=-1), kv[:, :dv])
-        idx_all[q0:q1, :kk] = torch.where(srt.values[:, :kk] == NEG, -1, top)
-    return out, lse, idx_all
-
-
 def grid(shape, step, lo=-1.0, hi=1.0, gen=None):
     """Random multiples of ``step`` in [lo, hi]: sums of few products stay exact in fp32."""
     n = int(round((hi - lo) / step))
@@ -263,7 +231,7 @@ def test_dsa_matches_hf_oracle(dtype):
     scale = mla_softmax_scale(24)
     out, lse, idx = dsa_attention(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"], b["cu_q"], b["cu_k"],
                                   topk=topk, softmax_scale=scale, value_dim=32, return_lse=True, return_indices=True)
-    want, want_lse, want_idx = hf_dsa(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"],
+    want, want_lse, want_idx = ref.dsa(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"],
                                       b["cu_q"], b["cu_k"], topk, scale, 32)
     assert torch.equal(idx.long(), want_idx)  # exact selection, ties included
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
@@ -290,7 +258,7 @@ def test_dsa_real_mla_dims():
     scale = mla_softmax_scale(192, 40, 1.0)
     out = dsa_attention(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"], b["cu_q"], b["cu_k"],
                         topk=8, softmax_scale=scale)
-    want, _, _ = hf_dsa(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"], b["cu_q"], b["cu_k"], 8, scale, 512)
+    want, _, _ = ref.dsa(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"], b["cu_q"], b["cu_k"], 8, scale, 512)
     assert out.shape == (10, 2, 512)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
 

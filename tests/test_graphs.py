@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import oracle
+import ref as oracle
 from cpattn.comm import simulate
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh

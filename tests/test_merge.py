@@ -5,7 +5,7 @@ import torch
 
 from cpattn.ops import attention_with_lse, merge_attn_states
 
-from oracle import attention as oracle
+from ref import attention as oracle
 
 
 def test_merging_key_splits_equals_full_attention():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cpattn
-import oracle
+import ref as oracle
 from cpattn import attention_with_lse
 from cpattn.dcp import dcp_decode, dcp_plan
 from cpattn.layout.dcp import dcp_slot_mapping

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from cpattn.ops import attention, npu, registry
-from oracle import attention as oracle
-from oracle import plain_error
+from ref import attention as oracle
+from ref import plain_error
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -9,8 +9,8 @@ from cpattn.comm.launch import spawn
 from cpattn.pcp import Context
 
 from gloo_cases import pcp_cases
-from oracle import attention as oracle
-from oracle import plain_error, req_pos
+from ref import attention as oracle
+from ref import plain_error, req_pos
 
 LENS = {
     "single": [37],
