@@ -1,0 +1,28 @@
+"""``cpattn.plan``: a performance model for hardware we do not have, calibrated on the hardware we do.
+
+Modules (one idea each):
+
+- :mod:`~cpattn.plan.profiles` -- devices and links (H200 node, B200 node, Ascend 910C node, this CPU),
+  each published number with its source;
+- :mod:`~cpattn.plan.specs` -- model shapes: built-in entries and Hugging Face ``config.json``;
+- :mod:`~cpattn.plan.costs` -- exact attention pairs / FLOPs and the alpha + beta cost of each collective;
+- :mod:`~cpattn.plan.model` -- TTFT, TPOT, KV bytes and concurrency per (tp, pcp, dcp), and a recommendation;
+- :mod:`~cpattn.plan.calibrate` -- microbenchmarks that fit the CPU profile;
+- :mod:`~cpattn.plan.validate` -- predicted vs measured ratios of ``cpattn bench pcp / dcp / graph``;
+- :mod:`~cpattn.plan.anchors` -- the published PCP and DCP anchors, predicted;
+- :mod:`~cpattn.plan.cli` -- ``cpattn plan`` and its subcommands.
+
+Example
+-------
+>>> from cpattn.plan import Layout, get_model, get_profile, predict
+>>> p = predict(get_model("qwen3-235b-a22b"), get_profile("h200"), Layout(8, 1, 2), context=32768, batch=8)
+>>> p.fits, p.ttft_s > 0, p.tpot_s > 0
+(True, True, True)
+"""
+
+from cpattn.plan.model import Layout, Options, Prediction, layouts, predict, recommend
+from cpattn.plan.profiles import Profile, get_profile
+from cpattn.plan.specs import ModelSpec, get_model
+
+__all__ = ["Layout", "Options", "Prediction", "layouts", "predict", "recommend", "Profile", "get_profile",
+           "ModelSpec", "get_model"]

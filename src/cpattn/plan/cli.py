@@ -1,0 +1,239 @@
+"""``cpattn plan``: predict TTFT, TPOT, KV bytes and concurrency per (tp, pcp, dcp) on hardware we do not have.
+
+Usage::
+
+    cpattn plan --model deepseek-v3.2 --context 65536 --batch 4 --devices 8 --profile h200
+    cpattn plan --model path/to/config.json --profile ascend-910c --devices 16 --json -
+    cpattn plan calibrate [--quick] [--out PATH]    # fit the CPU profile on this machine
+    cpattn plan validate --pcp-json p.json --dcp-json d.json --graph-json g.json
+    cpattn plan anchors                             # the published anchors, predicted
+
+Models: a built-in name (deepseek-v3.2, deepseek-r1, glm-5, qwen3-235b-a22b,
+kimi-k2) or a Hugging Face config.json. Profiles: h200, b200, ascend-910c,
+cpu (the calibrated one once ``cpattn plan calibrate`` saved it), or a
+profile JSON. Every layout ``EngineConfig.create`` accepts for the model and
+device count is predicted; the recommendation names its reason. Every
+assumption the numbers rest on is printed.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cpattn.bench import args as cli
+from cpattn.bench.common import table, write_json
+
+SUBCOMMANDS = ("calibrate", "validate", "anchors")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``cpattn plan ARGV``; return the exit status (0 ok, 2 usage error)."""
+    argv = list(argv or [])
+    if argv and argv[0] in SUBCOMMANDS:
+        return {"calibrate": _calibrate, "validate": _validate, "anchors": _anchors}[argv[0]](argv[1:])
+    return _plan(argv)
+
+
+# ----------------------------------------------------------------------------- cpattn plan
+def _plan_parser():
+    from cpattn.plan.model import DCP_MERGES, PCP_METHODS
+
+    p = cli.parser("cpattn plan", __doc__)
+    p.add_argument("--model", default="deepseek-v3.2", help="built-in model name or a Hugging Face config.json")
+    p.add_argument("--context", type=cli.positive_int, default=65536, help="prompt / cached tokens per request")
+    p.add_argument("--batch", type=cli.positive_int, default=1, help="requests (prefilled together; decoded together)")
+    p.add_argument("--devices", type=cli.positive_int, default=8, help="devices of one engine (tp * pcp)")
+    p.add_argument("--profile", default="h200", help="h200, b200, ascend-910c, cpu or a profile JSON")
+    p.add_argument("--output-len", type=cli.positive_int, default=1024, help="generated tokens per request (KV sizing)")
+    p.add_argument("--weights", default=None, help="weight dtype override: bf16, fp8, w8a8, int4, nvfp4")
+    p.add_argument("--kv-cache-dtype", default=None, help="KV dtype override: bf16 or fp8")
+    p.add_argument("--pcp-method", choices=PCP_METHODS, default="ring", help="PCP KV exchange")
+    p.add_argument("--dcp-merge", choices=DCP_MERGES, default="local_a2a", help="DCP decode-layer variant")
+    cli.add_json(p)
+    return p
+
+
+def _plan(argv) -> int:
+    from cpattn.plan.model import Options, layouts, predict, recommend
+    from cpattn.plan.profiles import get_profile
+    from cpattn.plan.specs import WEIGHT_BYTES, get_model
+
+    ap = _plan_parser()
+    a = ap.parse_args(argv)
+    for flag, v in (("--weights", a.weights), ("--kv-cache-dtype", a.kv_cache_dtype)):
+        if v is not None and v not in WEIGHT_BYTES:
+            cli.bad_value(ap.prog, flag, repr(v), f"one of {', '.join(WEIGHT_BYTES)}", "pick a listed dtype")
+    try:
+        spec = get_model(a.model, weights=a.weights, kv_dtype=a.kv_cache_dtype)
+        prof = get_profile(a.profile)
+    except ValueError as e:
+        cli.usage_error(ap.prog, str(e))
+    lays = layouts(spec, a.devices)
+    if not lays:
+        cli.bad_value(ap.prog, "--devices", a.devices, f"a device count some (tp, pcp, dcp) of {spec.name} accepts "
+                      f"({spec.heads} heads must split over tp)", "use a divisor or multiple of the head count")
+    opts = Options(pcp_method=a.pcp_method, dcp_merge=a.dcp_merge, output=a.output_len)
+    preds = [predict(spec, prof, lay, context=a.context, batch=a.batch, opts=opts) for lay in lays]
+    best, why = recommend(preds)
+    rows = [{"layout": str(p.layout), "TTFT_ms": 1e3 * p.ttft_s, "TPOT_ms": 1e3 * p.tpot_s,
+             "weights_GB": p.weights_bytes / 1e9, "KV_GB_per_device": p.kv_bytes / 1e9,
+             "KV_B_per_token": p.kv_bytes_per_token, "max_requests": p.max_requests, "fits": p.fits,
+             "tok_s_per_device": p.tokens_per_s_per_device} for p in preds]
+    with cli.report_to(a.json):
+        print(f"{spec.name} ({spec.attention}, {spec.total_params() / 1e9:.0f}B params, {spec.weights} weights, "
+              f"{spec.kv_dtype} KV) on {a.devices} x {prof.device}; context {a.context}, batch {a.batch}, "
+              f"{a.output_len} output tokens; PCP {a.pcp_method}, DCP {a.dcp_merge}")
+        print(table(rows, list(rows[0])))
+        print(f"\nrecommendation: {why}")
+        print("\nassumptions:")
+        for line in _assumptions(spec, prof):
+            print(f"  - {line}")
+    write_json(a.json, {"model": spec.name, "profile": prof.name, "context": a.context, "batch": a.batch,
+                        "devices": a.devices, "predictions": [p.as_dict() for p in preds],
+                        "recommendation": None if best is None else str(best.layout), "reason": why,
+                        "assumptions": _assumptions(spec, prof)})
+    return 0
+
+
+def _assumptions(spec, prof) -> list[str]:
+    from cpattn.plan.model import KERNELS_PER_LAYER
+
+    src = prof.sources
+    return [
+        f"model shapes: {spec.source or 'config.json'}",
+        *(f"{prof.name} {k}: {v}" for k, v in src.items()),
+        "attention, dense and shared-expert weights over TP; routed experts over all tp * pcp devices (expert "
+        "parallel, token rows split over TP for dispatch); uniform routing",
+        f"{KERNELS_PER_LAYER['prefill']} eager kernels per prefill layer; {KERNELS_PER_LAYER['decode']} kernels per "
+        "decode layer at the in-graph launch cost",
+        "decode with pcp > 1: every PCP rank runs the step, KV sharded over pcp * dcp, one more all-gather over PCP",
+        "KV capacity: mem_util of device memory, less a 5% reserve and the weights",
+    ]
+
+
+# ----------------------------------------------------------------------------- calibrate
+def _calibrate(argv) -> int:
+    from cpattn.plan.calibrate import calibrate, summary
+    from cpattn.plan.profiles import CPU_PROFILE_PATH, save_profile
+
+    ap = cli.parser("cpattn plan calibrate", "Fit the CPU profile from microbenchmarks on this machine.")
+    cli.add_quick(ap, "smaller microbenchmarks, no inductor compile (~30 s)")
+    ap.add_argument("--out", default=CPU_PROFILE_PATH, help="where the profile JSON goes (the 'cpu' profile)")
+    cli.add_json(ap)
+    cli.add_timeout(ap, default=300.0)
+    a = ap.parse_args(argv)
+    with cli.report_to(a.json):
+        prof = calibrate(quick=a.quick, timeout_s=a.timeout)
+        save_profile(prof, a.out)
+        print(summary(prof))
+        print(f"saved to {a.out}")
+    write_json(a.json, prof.as_dict())
+    return 0
+
+
+# ----------------------------------------------------------------------------- validate
+def _load(path):
+    import json
+
+    if path is None:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _validate(argv) -> int:
+    from cpattn.plan import validate as v
+    from cpattn.plan.profiles import get_profile
+
+    ap = cli.parser("cpattn plan validate", "Predicted vs measured ratios of cpattn bench pcp / dcp / graph.")
+    ap.add_argument("--profile", default="cpu", help="the calibrated CPU profile (default) or a profile JSON")
+    ap.add_argument("--pcp-json", default=None, help="cpattn bench pcp --json output (its spec is predicted)")
+    ap.add_argument("--dcp-json", default=None, help="cpattn bench dcp --json output")
+    ap.add_argument("--graph-json", default=None, help="cpattn bench graph --json output")
+    ap.add_argument("--pcp-seq", type=cli.positive_int, default=16384, help="without --pcp-json: tokens")
+    ap.add_argument("--pcp-heads", default="32,8", help="without --pcp-json: query,kv heads")
+    ap.add_argument("--dcp-context", type=cli.positive_int, default=65536, help="context of the dcp ratio")
+    cli.add_json(ap)
+    a = ap.parse_args(argv)
+    try:
+        prof = get_profile(a.profile)
+    except ValueError as e:
+        cli.usage_error(ap.prog, str(e))
+    pairs, detail = [], {}
+    pcp = _load(a.pcp_json)
+    if pcp is not None:
+        s = pcp["spec"]
+        seq, heads, kvh, d, p = sum(s["seq_lens"]), s["heads"], s["kv_heads"], s["head_dim"], pcp["world_size"]
+    else:
+        seq, (heads, kvh), d, p = a.pcp_seq, (int(x) for x in a.pcp_heads.split(",")), 128, 2
+    pr = v.predict_pcp(prof, seq=seq, heads=heads, kv_heads=kvh, head_dim=d, pcp=p)
+    detail["pcp"] = pr
+    pairs.append((f"bench pcp: ring / one rank ({seq} tokens, {heads}/{kvh} heads, P={p})", pr["ratio"],
+                  None if pcp is None else v.measured_pcp(pcp)))
+    dcp = _load(a.dcp_json)
+    ctx = a.dcp_context
+    if dcp is not None:
+        c = dcp["config"]
+        ctx = ctx if ctx in c["contexts"] else c["contexts"][-1]
+        dr = v.predict_dcp(prof, context=ctx, batch=c["batch"], heads=c["hq"], kv_heads=c["hkv"], head_dim=c["d"],
+                           dcp=dcp["dcp"], kv_bytes=2 if c["dtype"] in ("bfloat16", "float16") else 4)
+        meas = v.measured_dcp(dcp, ctx)
+    else:
+        dr, meas = v.predict_dcp(prof, context=ctx), {}
+    detail["dcp"] = dr
+    for k, val in dr["ratio"].items():
+        pairs.append((f"bench dcp: whole step {k} / one rank ({ctx} context)", val, meas.get(k)))
+    graph = _load(a.graph_json)
+    if graph is not None:
+        c = graph["config"]
+        gr = v.predict_graph(prof, layers=c["layers"], batches=tuple(c["batches"]), dcp=c["decode_context_parallel_size"],
+                             merge=c["merge"], hidden=c["hidden"], heads=c["heads"], kv_heads=c["kv_heads"],
+                             head_dim=c["head_dim"], context=c["context"])
+        meas_g = v.measured_graph(graph)
+    else:
+        gr, meas_g = v.predict_graph(prof), {}
+    detail["graph"] = gr
+    for b, val in gr.items():
+        pairs.append((f"bench graph: eager / graph, batch {b}", val["speedup"], meas_g.get(b)))
+    rows = v.table(pairs)
+    with cli.report_to(a.json):
+        print(f"profile: {prof.device}")
+        shown = [{**r, "error": "-" if r["error"] is None else f"{r['error']:.1%}",
+                  "measured": "-" if r["measured"] is None else r["measured"]} for r in rows]
+        print(table(shown, ["what", "predicted", "measured", "error"]))
+        worst = max((r["error"] for r in rows if r["error"] is not None), default=math.nan)
+        print(f"\nlargest error {worst:.1%} (target: within 15%)" if not math.isnan(worst) else
+              "\n(no measured values given: pass the benchmarks' --json outputs)")
+        ranks = detail["pcp"]["ranks"]
+        print("\nwhere a PCP rank's time goes (predicted, seconds): " +
+              "; ".join(f"rank {r}: " + ", ".join(f"{k} {x:.3g}" for k, x in parts.items())
+                        for r, parts in enumerate(ranks)))
+    write_json(a.json, {"profile": prof.name, "rows": rows, "detail": detail})
+    return 0
+
+
+# ----------------------------------------------------------------------------- anchors
+def _anchors(argv) -> int:
+    from cpattn.plan import anchors
+
+    ap = cli.parser("cpattn plan anchors", "The published anchors, predicted, with their assumptions.")
+    cli.add_json(ap)
+    a = ap.parse_args(argv)
+    pcp = anchors.pcp_anchor()
+    dcp = anchors.dcp_anchor()
+    with cli.report_to(a.json):
+        lo, hi = anchors.PCP_RANGE
+        print(f"PCP = 2 TTFT reduction on Atlas 800T A3 (published {lo:.0%}-{hi:.0%}, DeepSeek-R1 / Qwen3-235B, "
+              "32K-128K, 64 NPUs):")
+        print(table([{**r, "ttft_reduction": f"{r['ttft_reduction']:.1%}"} for r in pcp],
+                    ["model", "context", "ttft_tp16_s", "ttft_tp16_pcp2_s", "ttft_reduction", "in_range"]))
+        lo, hi = anchors.DCP_RANGE
+        print(f"\nDCP8 over TP8, Kimi-K2 on 8 x B200, tokens/s per GPU (published {dcp['published']['ratio']:.2f}x, "
+              f"range {lo}-{hi}x): predicted {dcp['ratio']:.2f}x (concurrency {dcp['tp8']['concurrency']} -> "
+              f"{dcp['tp8_dcp8']['concurrency']}, TPOT {dcp['tp8']['tpot_s'] * 1e3:.1f} -> "
+              f"{dcp['tp8_dcp8']['tpot_s'] * 1e3:.1f} ms); in range: {dcp['in_range']}")
+        print("\nassumptions:")
+        for line in anchors.ASSUMPTIONS:
+            print(f"  - {line}")
+    write_json(a.json, {"pcp": pcp, "dcp": dcp, "assumptions": anchors.ASSUMPTIONS})
+    return 0

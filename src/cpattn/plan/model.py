@@ -1,0 +1,327 @@
+"""The performance model: TTFT, TPOT, KV bytes and concurrency of a model on a profile, per (tp, pcp, dcp).
+
+Every op is priced by the roofline of :meth:`Profile.op_time` from exact
+FLOP and byte counts (:mod:`cpattn.plan.costs`), every collective by the
+alpha + beta cost of the algorithm the code runs, and a transfer the code
+overlaps with compute (the PCP ring) costs only what compute does not hide.
+
+Prefill (TTFT of ``batch`` prompts of ``context`` tokens): per layer, each
+PCP rank runs the projections and MLP on its ``1/pcp`` of the tokens
+(``1/tp`` of the weights), its balanced share of the causal attention pairs,
+a TP all-reduce after attention and after a dense MLP, the expert-parallel
+dispatch and combine of MoE layers (routed experts spread over the engine's
+``tp * pcp`` devices, the token rows split over TP; bytes that leave the
+node go over the slower fabric), and the PCP KV exchange: ``ring`` (P-1 steps of one
+rank's KV, each step hidden behind that step's attention) or ``allgather``
+(one gather, not hidden, as vLLM-Ascend does).
+
+Decode (TPOT with ``batch`` requests of ``context`` cached tokens): per
+layer, the weights a step reads (routed experts: those the batch hits), the
+KV each device reads (``1/dcp`` of the tokens), the attention FLOPs, two TP
+all-reduces and the DCP merge (``dcp_merge``: "ag_rs" gathers the query heads
+and merges with an LSE all-gather + reduce-scatter; "a2a" gathers and merges
+in one all-to-all; "local_a2a" computes the group's heads locally, one
+all-to-all; "fold" local heads, LSE all-gather, merge folded into the TP
+all-reduce), plus a launch cost per kernel (graph mode).
+
+Memory: weights per device (attention and dense weights over TP, routed
+experts over the whole engine, ``tp * pcp`` devices); the rest of
+``mem_util`` of the device, less a 5% reserve, holds KV. KV per token and
+device: one layer's bytes (:meth:`ModelSpec.kv_bytes_per_token_layer`, KV
+heads over TP, replicated past ``num_kv_heads``) divided by ``dcp * pcp``.
+
+Example
+-------
+>>> from cpattn.plan.profiles import get_profile
+>>> from cpattn.plan.specs import get_model
+>>> p = predict(get_model("deepseek-v3.2"), get_profile("h200"), Layout(8, 1, 8), context=65536, batch=4)
+>>> p.kv_bytes_per_token < predict(get_model("deepseek-v3.2"), get_profile("h200"), Layout(8, 1, 1),
+...                                context=65536, batch=4).kv_bytes_per_token
+True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, ep_all_to_all_time, expected_experts
+from cpattn.plan.profiles import Profile
+from cpattn.plan.specs import WEIGHT_BYTES, ModelSpec
+
+DCP_MERGES = ("local_a2a", "fold", "a2a", "ag_rs")
+PCP_METHODS = ("ring", "allgather")
+ACT = 2  # bytes of an activation element (bf16)
+KERNELS_PER_LAYER = {"prefill": 24, "decode": 30}  # launches per layer (norms, projections, rope, attention, MLP)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """tp: tensor-parallel ranks; pcp: prefill context-parallel ranks (added); dcp: decode context-parallel
+    ranks (a share of the TP ranks). Devices: ``tp * pcp``."""
+
+    tp: int
+    pcp: int = 1
+    dcp: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pcp
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pcp={self.pcp} dcp={self.dcp}"
+
+
+@dataclass(frozen=True)
+class Options:
+    """pcp_method: "ring" or "allgather"; dcp_merge: see module doc; output: tokens generated per request
+    (for KV sizing); weights: override the spec's weight dtype; compute_dtype: peak FLOP/s key;
+    prefix_hit: fraction of each prompt already cached (prefix caching; only the rest is prefilled);
+    max_requests: the scheduler's cap on concurrent requests (vLLM's max_num_seqs)."""
+
+    pcp_method: str = "ring"
+    dcp_merge: str = "local_a2a"
+    output: int = 1024
+    compute_dtype: str = "bf16"
+    prefix_hit: float = 0.0
+    max_requests: int = 1024
+    reserve: float = 0.05
+
+
+@dataclass
+class Prediction:
+    """One layout's numbers (seconds, bytes per device); ``parts``: where the time goes."""
+
+    layout: Layout
+    ttft_s: float
+    tpot_s: float
+    weights_bytes: float
+    kv_bytes_per_token: float
+    kv_bytes: float
+    max_requests: int
+    fits: bool
+    tokens_per_s_per_device: float
+    parts: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["layout"] = asdict(self.layout)
+        return d
+
+
+# ----------------------------------------------------------------------------- memory
+def weights_per_device(spec: ModelSpec, lay: Layout) -> float:
+    """Weight bytes on one device: attention, dense MLP, shared experts, embedding and lm_head over TP;
+    routed experts over the engine's ``tp * pcp`` devices."""
+    wb = spec.weight_bytes()
+    routed = sum(spec.mlp_params(i)[1] for i in range(spec.layers))
+    rest = spec.total_params() - routed
+    return wb * (rest / lay.tp + routed / lay.devices)
+
+
+def kv_heads_per_device(spec: ModelSpec, tp: int) -> int:
+    """GQA KV heads a TP rank holds (at least one: replicated past ``num_kv_heads``)."""
+    return max(1, math.ceil(spec.kv_heads / tp)) if spec.attention == "gqa" else 1
+
+
+def kv_bytes_per_token(spec: ModelSpec, lay: Layout) -> float:
+    """KV bytes one token costs on one device, all layers (sharded over DCP and PCP)."""
+    per_layer = spec.kv_bytes_per_token_layer(kv_heads_per_device(spec, lay.tp))
+    return spec.layers * per_layer / (lay.dcp * lay.pcp)
+
+
+# ----------------------------------------------------------------------------- prefill
+def _attn_dims(spec: ModelSpec) -> tuple[int, int]:
+    """(Dqk, Dv) of prefill attention (MLA prefills in the expanded multi-head form)."""
+    if spec.attention == "gqa":
+        return spec.head_dim, spec.head_dim
+    return spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim
+
+
+def _prefill_attention_flops(spec: ModelSpec, new: int, cached: int) -> float:
+    """One layer, one request of ``new`` tokens after ``cached`` ones, all heads."""
+    dqk, dv = _attn_dims(spec)
+    full = causal_pairs(new, new + cached)
+    if spec.attention != "dsa":
+        return attention_flops(full, spec.heads, dqk, dv)
+    k = spec.index_topk
+    # each query attends min(visible, k) keys; the indexer scores every visible key
+    sparse = sum(min(cached + i + 1, k) for i in range(0, new, max(1, new // 4096))) * max(1, new // 4096)
+    return attention_flops(sparse, spec.heads, dqk, dv) + 2.0 * full * spec.index_heads * spec.index_dim
+
+
+def _kv_exchange_bytes(spec: ModelSpec, tokens: int, tp: int) -> float:
+    """Bytes of ``tokens`` tokens' K/V one TP rank holds (what a PCP rank sends per layer and step)."""
+    dqk, dv = _attn_dims(spec)
+    if spec.attention == "gqa":
+        return tokens * kv_heads_per_device(spec, tp) * (dqk + dv) * ACT
+    return tokens * (spec.kv_lora_rank + spec.qk_rope_head_dim + (spec.index_dim if spec.attention == "dsa" else 0)) * ACT
+
+
+def prefill_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch: int, opts: Options) -> dict:
+    """TTFT parts (seconds) for ``batch`` prompts of ``context`` tokens; see the module doc."""
+    dt = opts.compute_dtype
+    cached = int(context * opts.prefix_hit)
+    new = context - cached
+    tokens = batch * new / lay.pcp  # per PCP rank
+    dpn = prof.devices_per_node
+    tp_link, pcp_link = prof.link(lay.tp > dpn), prof.link(lay.devices > dpn)
+    wb = spec.weight_bytes()
+    gemm = attn = comm_tp = comm_pcp = comm_ep = other = 0.0
+    for i in range(spec.layers):
+        shared, routed = spec.mlp_params(i)
+        active = spec.attn_params() + shared + (spec.experts_per_token * routed // spec.experts if routed else 0)
+        w_bytes = wb * ((spec.attn_params() + shared) / lay.tp + routed / lay.devices)
+        gemm += prof.op_time("gemm", flops=2.0 * tokens * active / lay.tp, bytes_=w_bytes, dtype=dt)
+        a_flops = batch * _prefill_attention_flops(spec, new, cached) / lay.pcp / lay.tp
+        kv_bytes = _kv_exchange_bytes(spec, int(batch * (new + cached) / lay.pcp), lay.tp)
+        a_time = prof.op_time("attention_causal", flops=a_flops, bytes_=kv_bytes, dtype=dt)
+        attn += a_time
+        if lay.tp > 1:  # after attention, and after a dense MLP (routed experts reduce in the combine)
+            comm_tp += (1 if routed else 2) * collective_time("all_reduce", tokens * spec.hidden * ACT, lay.tp, tp_link)
+        if routed:  # expert parallel over the engine's devices: dispatch + combine of top-k hidden rows
+            sent = tokens / lay.tp * spec.experts_per_token * spec.hidden * ACT
+            comm_ep += 2 * ep_all_to_all_time(sent, lay.devices, dpn, prof.links["intra"], prof.link(True))
+        if lay.pcp > 1:
+            if opts.pcp_method == "ring":  # P-1 steps, each hidden behind 1/P of the layer's attention
+                step = collective_time("ring", kv_bytes, lay.pcp, pcp_link)
+                comm_pcp += (lay.pcp - 1) * max(0.0, step - pcp_link.overlap * a_time / lay.pcp)
+            else:
+                comm_pcp += collective_time("all_gather", kv_bytes, lay.pcp, pcp_link)
+        other += prof.op_time("elementwise", flops=0.0, bytes_=12 * tokens * spec.hidden * ACT / lay.tp, dtype=dt)
+        other += KERNELS_PER_LAYER["prefill"] * prof.launch.get("eager", 0.0)
+    head = prof.op_time("gemm", flops=2.0 * batch * spec.vocab * spec.hidden / lay.tp,
+                        bytes_=wb * spec.vocab * spec.hidden / lay.tp, dtype=dt)
+    parts = {"gemm": gemm, "attention": attn, "tp_comm": comm_tp, "ep_comm": comm_ep, "pcp_comm": comm_pcp,
+             "other": other + head}
+    return {**parts, "total": sum(parts.values())}
+
+
+# ----------------------------------------------------------------------------- decode
+def _dcp_comm(spec: ModelSpec, lay: Layout, batch: int, link, merge: str) -> float:
+    """One decode layer's DCP collectives (the TP all-reduce is priced apart)."""
+    n = lay.dcp
+    if n == 1:
+        return 0.0
+    heads = spec.heads / lay.tp  # this rank's heads
+    dqk = spec.head_dim if spec.attention == "gqa" else spec.kv_lora_rank + spec.qk_rope_head_dim
+    dv = spec.head_dim if spec.attention == "gqa" else spec.kv_lora_rank
+    q_gather = collective_time("all_gather", batch * heads * dqk * ACT, n, link)
+    partial = batch * heads * n * (dv + 1) * 4  # fp32 [O | L] of the group's heads
+    lse = collective_time("all_gather", batch * heads * n * 4, n, link)
+    if merge == "ag_rs":
+        return q_gather + lse + collective_time("reduce_scatter", batch * heads * n * dv * 4, n, link)
+    if merge == "a2a":
+        return q_gather + collective_time("all_to_all", partial, n, link)
+    if merge == "local_a2a":
+        return collective_time("all_to_all", partial, n, link)
+    if merge == "fold":
+        return lse
+    raise ValueError(f"dcp_merge must be one of {DCP_MERGES}; got {merge!r}")
+
+
+def decode_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch: int, opts: Options) -> dict:
+    """TPOT parts (seconds) of one step of ``batch`` requests at ``context`` cached tokens.
+
+    The KV is sharded over ``dcp * pcp`` devices; with pcp > 1 (an engine that decodes with its PCP
+    group, as vLLM-Ascend's co-located PCP does) every PCP rank runs the step on the same tokens and
+    the partials are merged over the PCP group too (one all-gather of ``[O | L]``).
+    """
+    dt = opts.compute_dtype
+    tp, dcp, pcp = lay.tp, lay.dcp, lay.pcp
+    wb = spec.weight_bytes()
+    kvb = WEIGHT_BYTES[spec.kv_dtype]
+    dpn = prof.devices_per_node
+    link, pcp_link = prof.link(tp > dpn), prof.link(lay.devices > dpn)
+    gemm = attn = comm_tp = comm_cp = comm_ep = other = 0.0
+    for i in range(spec.layers):
+        shared, routed = spec.mlp_params(i)
+        one = routed // spec.experts if routed else 0
+        touched = expected_experts(spec.experts, batch * spec.experts_per_token) if routed else 0.0
+        w_bytes = wb * ((spec.attn_params() + shared) / tp + touched * one / lay.devices)
+        active = spec.attn_params() + shared + spec.experts_per_token * one
+        gemm += prof.op_time("gemm", flops=2.0 * batch * active / tp, bytes_=w_bytes, dtype=dt)
+        shards = dcp * pcp
+        local = context / shards  # tokens each device attends
+        h_dev = spec.heads / tp
+        if spec.attention == "gqa":
+            byts = batch * local * 2 * kv_heads_per_device(spec, tp) * spec.head_dim * kvb
+            flops = 4.0 * batch * local * h_dev * dcp * spec.head_dim
+            dv = spec.head_dim
+        else:
+            dqk, dv = spec.kv_lora_rank + spec.qk_rope_head_dim, spec.kv_lora_rank
+            keys = min(spec.index_topk, context) / shards if spec.attention == "dsa" else local
+            byts = batch * keys * dqk * kvb
+            flops = 2.0 * batch * keys * h_dev * dcp * (dqk + dv)
+            if spec.attention == "dsa":
+                byts += batch * local * (spec.index_dim + 4)
+                flops += 2.0 * batch * local * spec.index_heads * spec.index_dim
+        attn += prof.op_time("decode_attention", flops=flops, bytes_=byts, dtype=dt)
+        if tp > 1:
+            comm_tp += (1 if routed else 2) * collective_time("all_reduce", batch * spec.hidden * ACT, tp, link)
+        if routed:
+            sent = batch / tp * spec.experts_per_token * spec.hidden * ACT
+            comm_ep += 2 * ep_all_to_all_time(sent, lay.devices, dpn, prof.links["intra"], prof.link(True))
+        comm_cp += _dcp_comm(spec, lay, batch, link, opts.dcp_merge)
+        if pcp > 1:
+            comm_cp += collective_time("all_gather", batch * h_dev * (dv + 1) * 4, pcp, pcp_link)
+        other += KERNELS_PER_LAYER["decode"] * prof.launch.get("graph", 0.0)
+    head = prof.op_time("gemm", flops=2.0 * batch * spec.vocab * spec.hidden / tp,
+                        bytes_=wb * spec.vocab * spec.hidden / tp, dtype=dt)
+    parts = {"gemm": gemm, "attention": attn, "tp_comm": comm_tp, "ep_comm": comm_ep, "cp_comm": comm_cp,
+             "other": other + head}
+    return {**parts, "total": sum(parts.values())}
+
+
+# ----------------------------------------------------------------------------- one layout, every layout
+def predict(spec: ModelSpec, prof: Profile, lay: Layout, *, context: int, batch: int,
+            opts: Options = Options()) -> Prediction:
+    """TTFT, TPOT, KV bytes and concurrency of ``spec`` on ``prof`` with layout ``lay`` (module doc)."""
+    w = weights_per_device(spec, lay)
+    per_tok = kv_bytes_per_token(spec, lay)
+    capacity = prof.mem_bytes * (prof.mem_util - opts.reserve) - w
+    per_req = per_tok * (context + opts.output)
+    max_req = max(0, int(capacity // per_req)) if per_req > 0 else 0
+    max_req = min(max_req, opts.max_requests)
+    pre = prefill_time(spec, prof, lay, context, batch, opts)
+    dec = decode_time(spec, prof, lay, context, batch, opts)
+    at_max = decode_time(spec, prof, lay, context, max_req, opts)["total"] if max_req else math.inf
+    tput = max_req / at_max / lay.devices if max_req else 0.0
+    return Prediction(lay, pre["total"], dec["total"], w, per_tok, per_tok * batch * (context + opts.output),
+                      max_req, max_req >= batch, tput, {"prefill": pre, "decode": dec})
+
+
+def layouts(spec: ModelSpec, devices: int) -> list[Layout]:
+    """Every (tp, pcp, dcp) with ``tp * pcp == devices`` that ``EngineConfig.create`` accepts for the model."""
+    from cpattn.config import ConfigError, EngineConfig
+    from cpattn.config.problems import divisors
+
+    out = []
+    for tp in divisors(devices):
+        pcp = devices // tp
+        for dcp in divisors(tp):
+            try:
+                EngineConfig.create(tp_size=tp, pcp_size=pcp, dcp_size=dcp,
+                                    attention="gqa" if spec.attention == "gqa" else spec.attention,
+                                    num_attention_heads=spec.heads,
+                                    num_kv_heads=spec.kv_heads if spec.attention == "gqa" else None)
+            except ConfigError:
+                continue
+            out.append(Layout(tp, pcp, dcp))
+    return out
+
+
+def recommend(preds: list[Prediction]) -> tuple[Prediction | None, str]:
+    """The layout to pick and why: the lowest TTFT among layouts where the batch fits, ties broken by
+    tokens/s per device; None when nothing fits."""
+    fit = [p for p in preds if p.fits]
+    if not fit:
+        return None, "no layout holds the batch's KV cache in device memory: add devices or shorten the context"
+    best = min(fit, key=lambda p: (round(p.ttft_s, 4), -p.tokens_per_s_per_device))
+    thr = max(fit, key=lambda p: p.tokens_per_s_per_device)
+    why = (f"{best.layout}: lowest predicted TTFT ({best.ttft_s * 1e3:.0f} ms) among the {len(fit)} layouts that fit "
+           f"the batch; TPOT {best.tpot_s * 1e3:.1f} ms, up to {best.max_requests} requests")
+    if thr is not best:
+        why += (f". For decode throughput prefer {thr.layout}: {thr.tokens_per_s_per_device:.0f} tokens/s per device "
+                f"at {thr.max_requests} concurrent requests (vs {best.tokens_per_s_per_device:.0f})")
+    return best, why

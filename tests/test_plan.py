@@ -1,0 +1,194 @@
+"""cpattn.plan: profiles with sources, model shapes, exact counts, predictions per layout, the CLI, and a
+small calibrated case on this machine (machinery only: no timing is asserted).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from cpattn.config import ConfigError, EngineConfig
+from cpattn.layout.pcp import causal_pairs as library_pairs
+from cpattn.layout.pcp import pcp_plan
+from cpattn.plan import Layout, Options, get_model, get_profile, layouts, predict, recommend
+from cpattn.plan.costs import causal_pairs, collective_time, expected_experts
+from cpattn.plan.profiles import ASCEND_910C, B200, H200, Link
+from cpattn.plan.specs import BUILTINS, from_hf_config
+from cpattn.plan.validate import predict_dcp, predict_graph, predict_pcp, ring_pairs, table
+
+
+# ----------------------------------------------------------------------------- profiles and shapes
+@pytest.mark.parametrize("prof", [H200, B200, ASCEND_910C])
+def test_every_published_number_has_a_source(prof):
+    for key in ("flops", "mem_bw", "mem_bytes", "links.intra", "links.inter", "efficiency", "launch"):
+        assert prof.sources.get(key), (prof.name, key)
+    assert prof.flops["bf16"] > 1e14 and prof.mem_bw > 1e12 and prof.devices_per_node >= 8
+
+
+def test_builtin_models_have_their_published_sizes():
+    want = {"deepseek-v3.2": (671, 37), "deepseek-r1": (671, 37), "glm-5": (744, 40),
+            "qwen3-235b-a22b": (235, 22), "kimi-k2": (1030, 32)}
+    for name, (total, active) in want.items():
+        m = get_model(name)
+        assert abs(m.total_params() / 1e9 - total) / total < 0.03, name
+        act = (m.active_params_per_token() + m.vocab * m.hidden) / 1e9
+        assert abs(act - active) / active < 0.08, (name, act)
+
+
+def test_hf_config_round_trip(tmp_path):
+    cfg = {"model_type": "deepseek_v32", "num_hidden_layers": 3, "hidden_size": 64, "vocab_size": 50,
+           "num_attention_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 32, "qk_nope_head_dim": 8,
+           "qk_rope_head_dim": 4, "v_head_dim": 8, "index_topk": 8, "index_n_heads": 2, "index_head_dim": 16,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "intermediate_size": 32,
+           "first_k_dense_replace": 1, "n_shared_experts": 1}
+    spec = from_hf_config(cfg)
+    assert spec.attention == "dsa" and spec.kv_bytes_per_token_layer() == (32 + 4) * 2 + 16 + 4
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert get_model(str(tmp_path)).index_topk == 8 == get_model(str(path)).index_topk
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model("no-such-model")
+
+
+# ----------------------------------------------------------------------------- exact counts
+def test_causal_pairs_count_the_mask():
+    for lq, lk in [(1, 1), (3, 3), (2, 7), (5, 5), (4, 9)]:
+        mask = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+        assert causal_pairs(lq, lk) == int(mask.sum())
+    assert causal_pairs(3, 5, causal=False) == 15
+
+
+@pytest.mark.parametrize("seq,p", [(64, 2), (96, 2), (128, 4)])
+def test_ring_schedule_pairs_equal_the_library_count(seq, p):
+    plan = pcp_plan([0, seq], p)
+    assert ring_pairs(seq, p) == [library_pairs(plan, r) for r in range(p)]
+
+
+def test_collective_costs():
+    link = Link(1e-5, 1e9)
+    assert collective_time("all_gather", 1e6, 1, link) == 0.0
+    ring = collective_time("all_reduce", 1e6, 4, link, "ring")
+    assert math.isclose(ring, 6e-5 + 1.5e-3)
+    assert collective_time("all_gather", 1e6, 4, link, "a2a") < collective_time("all_gather", 1e6, 4, link, "ring")
+    assert expected_experts(8, 0) == 0 and 7.9 < expected_experts(8, 1000) <= 8
+
+
+# ----------------------------------------------------------------------------- predictions
+def test_layouts_are_exactly_what_engine_config_accepts():
+    spec = get_model("qwen3-235b-a22b")
+    got = set(layouts(spec, 8))
+    for tp in (1, 2, 4, 8):
+        for dcp in (1, 2, 4, 8):
+            try:
+                EngineConfig.create(tp_size=tp, pcp_size=8 // tp, dcp_size=dcp, attention="gqa",
+                                    num_attention_heads=64, num_kv_heads=4)
+                ok = True
+            except ConfigError:
+                ok = False
+            assert (Layout(tp, 8 // tp, dcp) in got) == ok, (tp, dcp)
+    assert Layout(8, 1, 4) not in got  # tp // num_kv_heads = 2 caps DCP at 2
+
+
+def test_dcp_shards_kv_and_raises_concurrency():
+    spec, prof = get_model("deepseek-v3.2"), get_profile("h200")
+    preds = {d: predict(spec, prof, Layout(8, 1, d), context=65536, batch=2) for d in (1, 2, 4, 8)}
+    for d in (2, 4, 8):
+        assert math.isclose(preds[d].kv_bytes_per_token * d, preds[1].kv_bytes_per_token)
+        assert preds[d].max_requests >= 2 * preds[1].max_requests - 1
+    assert preds[8].parts["decode"]["cp_comm"] > 0 == preds[1].parts["decode"]["cp_comm"]
+    best, why = recommend(list(preds.values()))
+    assert best is not None and str(best.layout) in why
+
+
+def test_pcp_splits_prefill_and_the_merge_variants_order():
+    spec, prof = get_model("glm-5"), get_profile("ascend-910c")
+    one = predict(spec, prof, Layout(16, 1, 1), context=32768, batch=1)
+    two = predict(spec, prof, Layout(16, 2, 1), context=32768, batch=1)
+    assert 0.4 < two.ttft_s / one.ttft_s < 0.9
+    costs = {m: predict(spec, prof, Layout(16, 1, 16), context=32768, batch=8,
+                        opts=Options(dcp_merge=m)).parts["decode"]["cp_comm"] for m in ("ag_rs", "a2a", "local_a2a")}
+    assert costs["local_a2a"] < costs["a2a"] < costs["ag_rs"]
+
+
+def test_nothing_fits_is_said():
+    spec, prof = get_model("kimi-k2"), get_profile("h200")
+    preds = [predict(spec, prof, lay, context=131072, batch=64) for lay in layouts(spec, 8)]
+    best, why = recommend(preds)
+    assert best is None and "no layout" in why
+
+
+# ----------------------------------------------------------------------------- the CLI
+def _run(argv, capsys):
+    from cpattn.plan.cli import main
+
+    code = main(argv)
+    return code, capsys.readouterr()
+
+
+def test_cli_json_is_pure_and_has_every_layout(capsys):
+    code, out = _run(["--model", "qwen3-235b-a22b", "--context", "32768", "--batch", "2", "--devices", "8",
+                      "--json", "-"], capsys)
+    assert code == 0
+    data = json.loads(out.out)
+    assert len(data["predictions"]) == len(layouts(get_model("qwen3-235b-a22b"), 8))
+    assert data["recommendation"] and data["assumptions"]
+
+
+@pytest.mark.parametrize("argv,flag", [(["--model", "nope"], "unknown model"), (["--devices", "0"], "--devices"),
+                                       (["--profile", "tpu"], "unknown profile"), (["--weights", "fp3"], "--weights")])
+def test_cli_usage_errors_are_one_line(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        _run(argv, capsys)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and flag in err and len(err.splitlines()) == 1
+
+
+def test_cli_anchors_print_assumptions(capsys):
+    code, out = _run(["anchors"], capsys)
+    assert code == 0 and "assumptions" in out.out and "Kimi-K2" in out.out
+
+
+# ----------------------------------------------------------------------------- a small calibrated case
+def _dcp_small(group, ctx, reps):
+    from cpattn.bench.common import measure
+    from cpattn.comm.sim import SimMesh
+    from cpattn.dcp import dcp_decode, dcp_plan
+
+    torch.manual_seed(group.rank)
+    b, hq, hkv, d, bs = 2, 32, 8, 128, 128
+
+    def shard(n):
+        nb = b * ctx // (n * bs)
+        kc = torch.randn(nb, bs, hkv, d).bfloat16()
+        table = torch.arange(nb).view(b, -1)
+        return kc, kc.clone(), dcp_plan([ctx] * b, [1] * b, table, dcp_size=n, interleave_size=bs, block_size=bs)
+
+    mine, full = shard(group.size), shard(1) if group.rank == 0 else None
+    q = torch.randn(b, hq, d).bfloat16()
+    solo = SimMesh(1).groups()[0]
+    runs = {"one": (lambda: dcp_decode(q, full[:2], full[2], group=solo, merge="a2a", query="local"))
+            if group.rank == 0 else (lambda: None),
+            "dcp": lambda: dcp_decode(q, mine[:2], mine[2], group=group, merge="a2a", query="local")}
+    s = measure(runs, reps, group=group, warmup=1)
+    return s["dcp"].median / s["one"].median
+
+
+def test_small_calibrated_case_predicts_and_measures(tmp_path):
+    from cpattn.comm.launch import spawn
+    from cpattn.plan.calibrate import calibrate, summary
+    from cpattn.plan.profiles import load_profile, save_profile
+
+    prof = calibrate(quick=True)
+    save_profile(prof, tmp_path / "cpu.json")
+    prof = load_profile(str(tmp_path / "cpu.json"))
+    assert "gloo all-to-all" in summary(prof) and prof.links["a2a"].alpha >= 0 and prof.flops["fp32"] > 0
+    ctx = 2048
+    predicted = predict_dcp(prof, context=ctx, batch=2)["ratio"]["local_a2a"]
+    measured = spawn(2, _dcp_small, ctx, 3, threads=1, timeout_s=300)[0]
+    rows = table([("dcp local a2a, 2K", predicted, measured)])
+    assert math.isfinite(predicted) and predicted > 0 and measured > 0 and rows[0]["error"] is not None
+    pcp = predict_pcp(prof, seq=2048, heads=8, kv_heads=2, head_dim=128)
+    assert 0 < pcp["ratio"] < 2 and len(pcp["ranks"]) == 2
+    graph = predict_graph(prof, layers=1, batches=(2,), hidden=64, heads=4, kv_heads=1, head_dim=16, context=32)
+    assert graph[2]["ops"]["ops"] > graph[2]["ops"]["kernels"] > 0 and graph[2]["speedup"] > 1
