@@ -109,6 +109,44 @@ def test_window_sink_is_a_zero_valued_partial():
     torch.testing.assert_close(ls_, ml, rtol=1e-6, atol=1e-6)
 
 
+def band_case(seed=0):
+    """One request's 40 consecutive rows (a prefill chunk: positions 4..43, window 6) over a ring of 48
+    slots in scrambled blocks; slots no row reads are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, bs = 4, 2, 8, 4
+    table = torch.randperm(14, generator=g)[:12].view(1, 12)
+    cache = torch.full((14, bs, hkv, d), NAN)
+    pos = torch.arange(0, 44)
+    flat = cache.view(-1, hkv, d)
+    flat[table[0, pos // bs] * bs + pos % bs] = torch.randn(44, hkv, d, generator=g)
+    ends = torch.arange(5, 45)
+    return torch.randn(40, hq, d, generator=g), cache, table, torch.zeros(40, dtype=torch.long), ends - 6, ends
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_window_band_path_matches_reference(poison, monkeypatch):
+    """Rows of one request spanning less than the ring take the band path (the union gathered once); a NaN
+    key in the union sends the chunk to the per-row path, so only the rows that see it become NaN."""
+    from cpattn.ops import window_attention as wa
+
+    calls = []
+    band = wa.band_rows
+    monkeypatch.setattr(wa, "band_rows", lambda *a: calls.append(band(*a)) or calls[-1])
+    q, cache, table, req, starts, ends = band_case()
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    if poison:
+        cache.view(-1, 2, 8)[int(table[0, 20 // 4]) * 4 + 20 % 4, 1, 2] = NAN  # position 20, kv head 1
+    out, lse = window_attention_with_lse(q, cache, cache, table, req, starts, ends, softmax_scale=0.3, sinks=sinks)
+    want_o, want_l = window_attention_ref(q, cache, cache, table, req, starts, ends, 0.3, sinks)
+    assert len(calls) == 1 and (calls[0] is None) == poison  # one band chunk; poisoned: per-row instead
+    sees = (starts <= 20) & (20 < ends)  # rows whose window holds position 20
+    if poison:
+        assert torch.isnan(out[sees][:, 2:]).any() and torch.isfinite(out[sees][:, :2]).all()  # heads of kv 1
+        assert torch.isfinite(out[~sees]).all()
+    torch.testing.assert_close(out.double(), want_o, rtol=2e-6, atol=2e-6, equal_nan=True)
+    torch.testing.assert_close(lse.double(), want_l, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
 def test_window_range_longer_than_the_ring_is_refused():
     q, cache, table, req, starts, ends, _ = ring_case()
     with pytest.raises(ValueError, match="ring holds 12"):

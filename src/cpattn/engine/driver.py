@@ -349,10 +349,13 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
         pg = DistGroup(pg_raw)
         out = prefill_fn(pg, family, params, cfg, p, algorithms, False, None, hidden_layers(drafter))
         prefill_s = time.perf_counter() - t0
-        rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order: any prefill rank can send any block
-        blocks = request_blocks(rows, cu, decode_cfg.cache.block_size)
-        facts = send_blocks(blocks, out.first_logits if pg.rank == 0 else None, prefill_rank=pg.rank,
-                            prefill_size=psize, decode_ranks=list(range(psize, psize + nsize)))
+        if family.stages is not None:  # the family's own payload, with the first-token logits
+            facts = family.stages.send(pg, out, list(range(psize, psize + nsize)))
+        else:
+            rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order: any prefill rank sends any block
+            blocks = request_blocks(rows, cu, decode_cfg.cache.block_size)
+            facts = send_blocks(blocks, out.first_logits if pg.rank == 0 else None, prefill_rank=pg.rank,
+                                prefill_size=psize, decode_ranks=list(range(psize, psize + nsize)))
         if out.hidden is not None and pg.rank == 0:  # the drafter's prompt hidden states go with the KV
             send_hidden(out.hidden, list(range(psize, psize + nsize)))
         tokens = torch.zeros(p.num_requests, max_new_tokens, dtype=torch.int64)
@@ -362,12 +365,16 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
     else:
         dg = DistGroup(dg_raw)
         dtype = next(iter(params.values())).dtype
-        received, first_logits, facts = recv_blocks(list(p.query_lens), decode_rank=dg.rank, decode_size=nsize,
-                                                    prefill_ranks=list(range(psize)),
-                                                    block_size=decode_cfg.cache.block_size,
-                                                    width=row_width(layouts), dtype=dtype, vocab_size=vocab)
-        shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter)
-        place_blocks(shard, received)
+        if family.stages is not None:
+            shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter, dg)
+            first_logits, facts = family.stages.recv(shard, p, src=0)
+        else:
+            received, first_logits, facts = recv_blocks(list(p.query_lens), decode_rank=dg.rank, decode_size=nsize,
+                                                        prefill_ranks=list(range(psize)),
+                                                        block_size=decode_cfg.cache.block_size,
+                                                        width=row_width(layouts), dtype=dtype, vocab_size=vocab)
+            shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter)
+            place_blocks(shard, received)
         layers = hidden_layers(drafter)
         hidden = None
         if layers is not None:

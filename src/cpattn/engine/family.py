@@ -30,8 +30,10 @@ this declaration: it never sniffs module names or config attributes.
   params, prompts, steps, decode_cfg, num_speculative_tokens, group)`` (a
   cache with ``kv_bytes()``), ``collect(prefill_group, out)`` (what the
   decode caches need, on every prefill rank), ``place(cache, collected)``,
-  ``handoff(prefill_group, cache, out)`` (both, engines on the same ranks)
-  and ``decode_program(group, params, cfg, cache, *, merge, hidden_layers)``
+  ``handoff(prefill_group, cache, out)`` (both, engines on the same ranks),
+  ``send(prefill_group, out, decode_ranks)`` / ``recv(cache, prompts, src)``
+  (P/D on separate ranks; recv returns the first-token logits) and
+  ``decode_program(group, params, cfg, cache, *, merge, hidden_layers)``
   (``state``, ``fields``, ``step`` for the graph runner; ``batch(requests,
   context_lens, tokens)`` plans a step; ``commit(requests, seq_lens)``
   keeps what verification accepted).

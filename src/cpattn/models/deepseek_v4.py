@@ -3,7 +3,10 @@
 ``forward(params, cfg, tokens, attn)`` runs the decoder on one step's packed
 tokens; ``attn`` is an attention step offering ``attn.positions`` [T] and
 ``attn.attend(layer, LayerInput) -> [T, H, D]`` (:class:`cpattn.v4.step.V4Step`
-on one device or a DCP rank; the engine may supply others). Per layer::
+on one device or a DCP rank; on the engine the PCP prefill step
+:class:`cpattn.v4.prefill.V4PrefillStep` and the planned, capturable decode
+step :class:`cpattn.v4.decode.V4DecodeStep` -- ``FAMILY.stages``,
+:mod:`cpattn.v4.engine`). Per layer::
 
     streams [T, n_hc, H] --hyper-connection--> x = rms_norm(sum_j pre_j streams_j)
     q_res = rms_norm(q_a_proj x);  q = rope(rms_norm_unweighted(q_b_proj q_res))   # [T, H, 512]
@@ -20,8 +23,10 @@ entries (at position ``e * m``) and the indexer. The MoE routes by
 ``hash_moe`` layers by a fixed ``tid2eid[token]`` table.
 
 Supported: every layer type of the Hugging Face port, RoPE default / YaRN,
-float32 / float64 / bfloat16 parameters. Not supported: FP8 checkpoints,
-the MTP layers (skipped on load).
+float32 / float64 / bfloat16 parameters (the reference's float32 tensors
+stay float32); the engine's layouts (PCP, DCP, both, P/D), speculative
+decoding and graph capture. Not supported: FP8 checkpoints, the MTP layers
+(skipped on load), a cached prefix.
 
 Example
 -------

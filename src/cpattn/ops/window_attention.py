@@ -20,11 +20,15 @@ once (see :mod:`cpattn.v4.attention` for the rule). Padding rows
 (``req_indices < 0``) get ``(0, -inf)`` with or without sinks; a live row
 with no visible key and a sink gets ``(0, sink)``.
 
-The CPU kernel gathers each row's keys (at most R of them) in row chunks
-and runs two batched matmuls; float64 inputs stay in float64. Under
-torch.compile on CPU the same gather at the ring's static width is the
-op's decomposition (no host sync). Slots outside a row's range are never
-read into a result (NaN there is harmless).
+The CPU kernel works in row chunks; float64 inputs stay in float64. A
+chunk of one request's rows whose ranges together span at most the ring
+(a prefill's consecutive queries, a request's 1 + k decode rows) gathers
+the union of their ranges once and masks each row to its band (``W``
+times fewer rows gathered for a long chunk); other chunks, and any chunk
+whose union holds a non-finite key or value, gather each row's own keys.
+Under torch.compile on CPU the per-row gather at the ring's static width
+is the op's decomposition (no host sync). Slots outside a row's range are
+never read into a result (NaN there is harmless).
 """
 
 from __future__ import annotations
@@ -77,6 +81,43 @@ def window_rows(
     return out.to(q.dtype), lse
 
 
+def band_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, req: int,
+    kv_starts: torch.Tensor, kv_ends: torch.Tensor, softmax_scale: float, sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The op on rows of one live request ``req`` whose ranges' union spans at most the ring: one gather of
+    the union, each row masked to its own band. None when the union holds a non-finite key or value or an
+    unallocated block (the per-row path then keeps NaN to the rows that see it). Host reads: CPU kernel only.
+    """
+    acc = acc_dtype(q.dtype)
+    t, hq, dk = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    dv, g = v_cache.shape[-1], hq // hkv
+    ring = block_table.shape[1] * bs
+    lo, hi = int(kv_starts.min()), int(kv_ends.max())
+    pos = torch.arange(lo, max(hi, lo), device=q.device)  # [U] the union of the rows' ranges
+    slot = pos % ring
+    blk = block_table[req].long()[torch.div(slot, bs, rounding_mode="floor")]  # [U]
+    if bool((blk < 0).any()) or bool((blk >= nb).any()):
+        return None
+    flat = blk * bs + slot % bs
+    k = k_cache.reshape(-1, hkv, dk)[flat].to(acc)  # [U, Hkv, Dk]
+    v = v_cache.reshape(-1, hkv, dv)[flat].to(acc)  # [U, Hkv, Dv]
+    if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+        return None
+    seen = (pos[None, :] >= kv_starts.long()[:, None]) & (pos[None, :] < kv_ends.long()[:, None])  # [T, U]
+    s = torch.einsum("tkgd,lkd->tkgl", q.to(acc).view(t, hkv, g, dk), k) * softmax_scale  # [T, Hkv, G, U]
+    s = s.masked_fill(~seen[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1).reshape(t, hq)  # [T, Hq]
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(acc)[None, :])
+    fin = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(fin, lse, 0.0).view(t, hkv, g, 1))
+    out = torch.einsum("tkgl,lkd->tkgd", p, v).reshape(t, hq, dv)
+    out = torch.where(fin[..., None], out, 0.0)
+    return out.to(q.dtype), lse
+
+
 @registry.define("window_attention_with_lse")
 def _window_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -109,10 +150,22 @@ def _window_cpu(q, k_cache, v_cache, block_table, req_indices, kv_starts, kv_end
     row = max(width, 1) * k_cache.shape[2] * max(k_cache.shape[3], v_cache.shape[3])
     step = max(1, CHUNK_ELEMS // row)
     starts = kv_starts.long().clamp(min=0)  # gather from the first non-negative position
-    for a in range(0, t, step):
-        b = min(a + step, t)
-        out[a:b], lse[a:b] = window_rows(q[a:b], k_cache, v_cache, block_table, req_indices[a:b], starts[a:b],
-                                         kv_ends[a:b], softmax_scale, sinks, width)
+    ends = torch.maximum(kv_ends.long(), starts)  # an empty range stays empty
+    band = max(step, width)  # rows per chunk of the band path: the union then spans at most 2 x width
+    for a in range(0, t, band):
+        b = min(a + band, t)
+        reqs = req_indices[a:b]
+        one_req = bool((reqs == reqs[0]).all()) and int(reqs[0]) >= 0
+        if one_req and int(ends[a:b].max()) - int(starts[a:b].min()) <= ring:
+            got = band_rows(q[a:b], k_cache, v_cache, block_table, int(reqs[0]), starts[a:b], ends[a:b],
+                            softmax_scale, sinks)
+            if got is not None:
+                out[a:b], lse[a:b] = got
+                continue
+        for c in range(a, b, step):
+            d = min(c + step, b)
+            out[c:d], lse[c:d] = window_rows(q[c:d], k_cache, v_cache, block_table, req_indices[c:d], starts[c:d],
+                                             kv_ends[c:d], softmax_scale, sinks, width)
     return out, lse
 
 

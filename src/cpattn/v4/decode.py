@@ -157,7 +157,13 @@ def decode_plan(cache: V4Cache, requests: list[int], context_lens: list[int],
 
 
 def cache_state(cache: V4Cache) -> dict:
-    """The cache's tensors as a step's state (a pytree the graph runner passes unchanged every step)."""
+    """The cache's tensors as a step's state (a pytree the graph runner passes unchanged every step).
+
+    >>> lay = V4Layout(kinds=("sliding", "hca"), head_dim=4, window=4, hca_ratio=4, block_size=2)
+    >>> st = cache_state(V4Cache.empty(lay, batch=1, max_len=8))
+    >>> [t is None for t in st["entries"]], sorted(st["tables"])
+    ([True, False], ['ent_hca', 'raw_hca', 'window'])
+    """
     return {"window": cache.window, "raw": cache.raw, "index_raw": cache.index_raw, "entries": cache.entries,
             "index_keys": cache.index_keys, "tables": dict(cache.tables)}
 
@@ -176,6 +182,16 @@ def entry_topk(index_q: torch.Tensor, index_weights: torch.Tensor, index_keys: t
     [NB, BS, D_I]; table: [B, n] entry blocks; req: [T] (-1: padding);
     kv_lens: [T, N] entries row t sees on each rank. Returns slots [T, topk]
     of the selected entries this rank holds, -1 elsewhere.
+
+    Example
+    -------
+    One rank, entries 0..5 scoring 1, 5, 3, 0, 4, 2 (blocks in order: entry j at slot j); the row sees 5:
+
+    >>> from cpattn.comm.sim import SimMesh
+    >>> keys = torch.tensor([1.0, 5.0, 3.0, 0.0, 4.0, 2.0]).view(3, 2, 1)   # [NB 3, BS 2, D_I 1]
+    >>> entry_topk(torch.ones(1, 1, 1), torch.ones(1, 1), keys, torch.tensor([[0, 1, 2]]), torch.tensor([0]),
+    ...            torch.tensor([[5]]), group=SimMesh(1).groups()[0], interleave=1, topk=2).tolist()
+    [[1, 4]]
     """
     t, bs, d = index_q.shape[0], index_keys.shape[1], index_keys.shape[-1]
     rank, size = group.rank, group.size

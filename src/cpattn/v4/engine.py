@@ -48,7 +48,7 @@ from cpattn.engine.options import Algorithms
 from cpattn.graphs.runner import Field
 from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.decode import V4DecodeStep, cache_state, decode_plan, plan_fields
-from cpattn.v4.handoff import V4Handoff, collect, seed_cache
+from cpattn.v4.handoff import V4Handoff, collect, recv_handoff, seed_cache, send_handoff
 from cpattn.v4.prefill import V4PrefillOut, v4_prefill
 
 
@@ -166,6 +166,22 @@ class V4Stages:
         self.place(holder, h)
         sent = prefill_group.stats.total_sent() - before
         return HandoffFacts(rows_kept=int(h.tail.requests.numel()), bytes_sent=sent)
+
+    def send(self, prefill_group: Group, out: V4PrefillOut, decode_ranks: list[int]) -> HandoffFacts:
+        """P/D, on every prefill rank: collect over the prefill group; rank 0 sends the hand-off and the
+        first-token logits to every decode rank (world ranks ``decode_ranks``)."""
+        h = collect(prefill_group, out)
+        if prefill_group.rank != 0:
+            return HandoffFacts()
+        return HandoffFacts(bytes_sent=send_handoff(h, out.first_logits, decode_ranks))
+
+    def recv(self, holder: V4DecodeCache, prompts: Prompts, src: int) -> tuple[torch.Tensor, HandoffFacts]:
+        """P/D, on every decode rank: receive ``prompts``' hand-off from world rank ``src`` and seed this rank's
+        cache. Returns the first-token logits [B, V] and what arrived."""
+        c = holder.cache
+        h, first, got = recv_handoff(c.layout, prompts.query_lens, c.window[0].dtype, src)
+        self.place(holder, h)
+        return first, HandoffFacts(bytes_received=got)
 
     def decode_program(self, group: Group, params: dict, cfg: Any, holder: V4DecodeCache, *, merge: str = "ag_rs",
                        hidden_layers: tuple | None = None) -> V4DecodeProgram:

@@ -13,8 +13,11 @@ A V4 decode cache holds, per request of L prompt tokens:
 So the hand-off is one all-gather of the tail rows over the prefill group
 (:func:`collect`: every rank then holds the same :class:`V4Handoff`, in
 request order) and a local write (:func:`seed_cache`: rings whole, the
-entries this rank owns). Nothing is sent per entry; P/D sends the
-:class:`V4Handoff` once.
+entries this rank owns). Nothing is sent per entry. P/D on separate
+ranks: prefill rank 0 sends the :class:`V4Handoff` (and the first-token
+logits) to every decode rank point to point (:func:`send_handoff` /
+:func:`recv_handoff`: each tensor after a small shape header), and each
+keeps its share.
 
 Example
 -------
@@ -40,7 +43,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.layout.dcp import dcp_slot_mapping
 from cpattn.ops.rows import write_rows
-from cpattn.v4.cache import V4Cache
+from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.prefill import GatheredEntries, TailRows, V4PrefillOut
 from cpattn.v4.ring import ring_slots
 
@@ -128,3 +131,63 @@ def seed_cache(cache: V4Cache, h: V4Handoff) -> V4Cache:
         if kind == "csa":
             write_rows(cache.index_keys[layer], h.entries.index_keys[layer][src], slots)
     return replace(cache, seq_lens=tuple(h.lens), high_water=tuple(h.lens))
+
+
+MAX_DIMS = 4  # a header carries ndim and up to this many sizes
+
+
+def _tensors(h: V4Handoff, first_logits: torch.Tensor) -> list[torch.Tensor]:
+    """The payload in a fixed order that :func:`recv_handoff` rebuilds from the layout alone."""
+    t, e = h.tail, h.entries
+    ts = [first_logits.float(), t.requests.long(), t.positions.long()]
+    ts += [x for x in (*t.window, *t.raw, *t.index_raw, *e.entries, *e.index_keys) if x is not None]
+    return ts + [e.offsets[k].long() for k in sorted(e.offsets)]
+
+
+def send_handoff(h: V4Handoff, first_logits: torch.Tensor, decode_ranks: list[int]) -> int:
+    """P/D: send the hand-off and first-token logits [B, V] to every decode rank (world ranks), point to
+    point with torch.distributed; each tensor goes after an int64 header ``[ndim, *shape]``. Returns bytes sent."""
+    import torch.distributed as dist
+
+    sent = 0
+    for d in decode_ranks:
+        for x in _tensors(h, first_logits):
+            header = torch.zeros(1 + MAX_DIMS, dtype=torch.int64)
+            header[0] = x.dim()
+            header[1 : 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+            dist.send(header, dst=d)
+            if x.numel():
+                dist.send(x.contiguous(), dst=d)
+                sent += x.numel() * x.element_size()
+    return sent
+
+
+def recv_handoff(layout: V4Layout, lens: tuple[int, ...], dtype: torch.dtype, src: int):
+    """P/D: receive what :func:`send_handoff` sent from world rank ``src``: (:class:`V4Handoff`, first-token
+    logits [B, V] float32, bytes received). ``layout`` says which layers carry which tensors; rows arrive
+    in ``dtype`` (the model's)."""
+    import torch.distributed as dist
+
+    got = 0
+
+    def take(dt: torch.dtype) -> torch.Tensor:
+        nonlocal got
+        header = torch.zeros(1 + MAX_DIMS, dtype=torch.int64)
+        dist.recv(header, src=src)
+        x = torch.empty(header[1 : 1 + int(header[0])].tolist(), dtype=dt)
+        if x.numel():
+            dist.recv(x, src=src)
+            got += x.numel() * x.element_size()
+        return x
+
+    kinds = layout.kinds
+    first = take(torch.float32)
+    req, pos = take(torch.int64), take(torch.int64)
+    window = tuple(take(dtype) for _ in kinds)
+    raw = tuple(take(dtype) if k != "sliding" else None for k in kinds)
+    index_raw = tuple(take(dtype) if k == "csa" else None for k in kinds)
+    entries = tuple(take(dtype) if k != "sliding" else None for k in kinds)
+    index_keys = tuple(take(dtype) if k == "csa" else None for k in kinds)
+    offsets = {k: take(torch.int64) for k in sorted({k for k in kinds if k != "sliding"})}
+    tail = TailRows(req, pos, window, raw, index_raw)
+    return V4Handoff(tuple(lens), tail, GatheredEntries(entries, index_keys, offsets)), first, got
