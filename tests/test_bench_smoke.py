@@ -78,14 +78,17 @@ def test_bench_dcp_tiny_run_reports_ratios_with_spread_and_constant_merge_bytes(
 
     out = tmp_path / "dcp.json"
     argv = ["--contexts", "256,512", "--batch", "1", "--reps", "2", "--dtype", "fp32", "--block-size", "16",
-            "--cp-kv-cache-interleave-size", "16", "--json", str(out)]
+            "--cp-kv-cache-interleave-size", "16", "--model-context", "64", "--no-model-graph", "--json", str(out)]
     assert dcp.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     timed = [r for r in rows if "ratio" in r]
     assert timed and all(r["ratio"]["low"] <= r["ratio"]["median"] <= r["ratio"]["high"] for r in timed)
     merges = {r["context"]: r["merge"] for r in rows if r["metric"] == "bytes_sent_ag_rs"}
     assert merges[256] == merges[512] > 0
-    assert "independent of context length" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "independent of context length" in printed
+    steps = {r["variant"]: r for r in rows if r["metric"] == "model_step"}  # the demo model's step per variant
+    assert [steps[v]["collectives_per_layer"] for v in ("ag_rs", "a2a", "local_a2a", "local_ag")] == [4, 3, 2, 1]
 
 
 def test_bench_dsa_cp_prefill_tiny_run_has_spreads_and_exact_work():

@@ -256,8 +256,8 @@ def _parser():
     p.add_argument("--batch", type=cli.positive_int, default=4, help="decode requests")
     cli.add_dtype(p, default="bfloat16", help="KV cache and query dtype")
     p.add_argument("--reps", type=cli.positive_int, default=5, help="interleaved timing rounds")
-    p.add_argument("--model-context", type=cli.positive_int, default=4096,
-                   help="cached tokens of the demo-model decode step (the demo's prompt length)")
+    p.add_argument("--model-context", type=cli.nonnegative_int, default=4096,
+                   help="cached tokens of the demo-model decode step (the demo's prompt length; 0: skip that part)")
     p.add_argument("--no-model-graph", action="store_true",
                    help="skip the graph-captured demo-model steps (two inductor compiles per rank)")
     cli.add_json(p)
@@ -287,8 +287,9 @@ def main(argv=None):
     with cli.report_to(args.json):
         ranks = spawn(n, rank_main, cfg, threads=1, timeout_s=args.timeout)
         rows = _report(cfg, ranks, n)
-        model = spawn(n, model_step_rank, cfg, threads=1, timeout_s=max(args.timeout, 900.0))[0]
-        rows += _model_report(cfg, model, n)
+        if cfg["model_context"]:
+            model = spawn(n, model_step_rank, cfg, threads=1, timeout_s=max(args.timeout, 900.0))[0]
+            rows += _model_report(cfg, model, n)
         print(f"({time.time() - t0:.0f} s)")
     write_json(args.json, {"config": cfg, "dcp": n, "rows": rows})
     return 0
