@@ -25,10 +25,10 @@ def test_kv_rows_are_the_exact_table_and_shard_the_entries():
 
 
 def test_timed_parts_report_ratios_with_spreads():
-    cfg = {"decode": {"context": 300, "dtypes": ["float32"], "reps": 1},
-           "prefill": {"tokens": 300, "heads": 2, "index_heads": 2, "topk": 8, "dtype": "float32", "reps": 1}}
+    cfg = {"decode": {"context": 200, "batch": 2, "dtypes": ["float32"], "reps": 1},
+           "prefill": {"tokens": 128, "heads": 2, "index_heads": 2, "topk": 8, "dtype": "float32", "reps": 1}}
     res = cpattn.simulate(2, bench.timed_rank, cfg)
-    dec = bench.decode_rows([r["decode"] for r in res], 300, 2, ["float32"])
+    dec = bench.decode_rows([r["decode"] for r in res], 200, 2, ["float32"], 2)
     pre = bench.prefill_rows([r["prefill"] for r in res], cfg["prefill"], 2)
     assert [r["kind"] for r in dec] == ["csa", "hca"] and [r["kind"] for r in pre] == ["sliding", "csa", "hca"]
     for r in dec + pre:

@@ -12,13 +12,17 @@ shard, its rings are replicated; MLA's rows shard).
 
 Part 2 -- one decode step of one V4 attention layer (CSA and HCA) at 64K
 context, real per-layer sizes (64 heads of 512, window 128, m = 4 / 128,
-top-512 by a 64 x 128 indexer), batch 1: one rank vs DCP = 2 on two gloo
+top-512 by a 64 x 128 indexer), 4 requests: one rank vs DCP = 2 on two gloo
 processes with one thread each (rank 0 also runs the one-rank step; the
 samples of both are taken in interleaved rounds, each the slowest rank's),
 in bf16 (as models run) and fp32. The step is the engine's planned decode
 step (:class:`~cpattn.v4.decode.V4DecodeStep`: window with sinks for this
 rank's heads, compressor pooling, indexer top-k over key-sharded entries
 with the candidate exchange, sparse entry attention, one all-gather merge).
+Of that, only the indexer's scoring grows with the context (and halves under
+DCP); the window, pooling, the sparse attention over 512 entries and the
+merge are fixed per step, so the ratio nears 2 only at long contexts --
+DCP's sure gain is the KV bytes per rank (part 1 and the table's KV MB/rank).
 
 Part 3 -- prefill of one V4 attention layer (sliding, CSA, HCA) over 16K
 tokens, one rank vs PCP = 2 (:func:`~cpattn.v4.pcp.v4_pcp_attention`:
@@ -133,14 +137,16 @@ def _layout(kind: str) -> V4Layout:
                     block_size=BLOCK)
 
 
-def filled_cache(kind: str, ctx: int, dtype: torch.dtype, rank: int, size: int, gen: torch.Generator) -> V4Cache:
-    """This DCP rank's cache of one request after ``ctx`` tokens, random rows everywhere (as if prefilled)."""
-    cache = V4Cache.empty(_layout(kind), batch=1, max_len=ctx + 8, dtype=dtype, dcp_rank=rank, dcp_size=size)
+def filled_cache(kind: str, ctx: int, dtype: torch.dtype, rank: int, size: int, gen: torch.Generator,
+                 batch: int = 1) -> V4Cache:
+    """This DCP rank's cache of ``batch`` requests after ``ctx`` tokens each, random rows everywhere (as if
+    prefilled)."""
+    cache = V4Cache.empty(_layout(kind), batch=batch, max_len=ctx + 8, dtype=dtype, dcp_rank=rank, dcp_size=size)
     for ts in (cache.window, cache.raw, cache.index_raw, cache.entries, cache.index_keys):
         for t in ts:
             if t is not None:
                 t.copy_(torch.randn(t.shape, generator=gen))
-    return replace(cache, seq_lens=(ctx,), high_water=(ctx,))
+    return replace(cache, seq_lens=(ctx,) * batch, high_water=(ctx,) * batch)
 
 
 # ----------------------------------------------------------------------------- part 2: decode, one rank vs DCP
@@ -152,11 +158,12 @@ def decode_rank(group, cfg: dict) -> dict:
     for dtype_name in cfg["dtypes"]:
         dtype = DTYPES[dtype_name]
         for kind in ("csa", "hca"):
-            inp = layer_input(kind, 1, HEADS, H_I, dtype, torch.Generator().manual_seed(5))  # same on every rank
+            b = cfg["batch"]
+            inp = layer_input(kind, b, HEADS, H_I, dtype, torch.Generator().manual_seed(5))  # same on every rank
 
             def step(g, rank, size, kind=kind, dtype=dtype, inp=inp):
-                cache = filled_cache(kind, cfg["context"], dtype, rank, size, gen)
-                plan = decode_plan(cache, [0], [cfg["context"]], 1)
+                cache = filled_cache(kind, cfg["context"], dtype, rank, size, gen, b)
+                plan = decode_plan(cache, list(range(b)), [cfg["context"]] * b, 1)
                 st = V4DecodeStep(cache.layout, cache_state(cache), plan, g)
                 return (lambda: st.attend(0, inp)), cache.kv_bytes()
 
@@ -173,7 +180,7 @@ def decode_rank(group, cfg: dict) -> dict:
     return {"samples": {k: Samples(s.wall, s.cpu) for k, s in samples.items()}, "facts": held}
 
 
-def decode_rows(res: list[dict], ctx: int, dcp: int, dtypes: list[str]) -> list[dict]:
+def decode_rows(res: list[dict], ctx: int, dcp: int, dtypes: list[str], batch: int = 1) -> list[dict]:
     """Table rows of part 2 from every rank's :func:`decode_rank` result."""
     s = res[0]["samples"]  # the slowest rank's, sample by sample
     rows = []
@@ -182,7 +189,8 @@ def decode_rows(res: list[dict], ctx: int, dcp: int, dtypes: list[str]) -> list[
             key = f"{kind}_{dtype_name}"
             one, cp = s[f"{key}_one"], s[f"{key}_dcp"]
             wall, cpu = ratio(one, cp), ratio(one, cp, clock="cpu")
-            rows.append({"kind": kind, "dtype": dtype_name, "context": ctx, "dcp": dcp, "one_ms": 1e3 * one.median,
+            rows.append({"kind": kind, "dtype": dtype_name, "context": ctx, "batch": batch, "dcp": dcp,
+                         "one_ms": 1e3 * one.median,
                          "dcp_ms": 1e3 * cp.median, "speedup": wall.as_dict(), "cpu_speedup": cpu.as_dict(),
                          "kv_bytes_per_rank": max(x["facts"][key] for x in res),
                          "bytes_sent_per_rank": max(x["facts"][key + "_sent"] for x in res)})
@@ -254,6 +262,8 @@ def _parser():
     cli.add_dtype(ap, default="float32", help="dtype of the prefill part (the decode part runs bf16 and fp32)")
     ap.add_argument("--context", type=cli.positive_int, default=None,
                     help="decode context in tokens (None: 65536, or 4096 with --quick)")
+    ap.add_argument("--batch", type=cli.positive_int, default=None,
+                    help="decode requests per step, each at the full context (None: 4, or 1 with --quick)")
     ap.add_argument("--prefill-tokens", type=cli.positive_int, default=None,
                     help="prefill length in tokens (None: 16384, or 512 with --quick)")
     ap.add_argument("--reps", type=cli.positive_int, default=None,
@@ -277,9 +287,10 @@ def main(argv=None) -> int:
     cli.check_engine(ap.prog, tp_size=dcp, dcp_size=dcp, attention="v4", num_attention_heads=HEADS, num_kv_heads=1)
     cli.check_engine(ap.prog, pcp_size=pcp, attention="v4")
     torch.manual_seed(0)
-    sizes = dict(decode_ctx=4096, prefill=512, reps=2) if args.quick else dict(decode_ctx=65536, prefill=16384, reps=3)
-    sizes.update({k: v for k, v in (("decode_ctx", args.context), ("prefill", args.prefill_tokens),
-                                    ("reps", args.reps)) if v is not None})
+    sizes = dict(decode_ctx=4096, batch=1, prefill=512, reps=2) if args.quick else \
+        dict(decode_ctx=65536, batch=4, prefill=16384, reps=3)
+    sizes.update({k: v for k, v in (("decode_ctx", args.context), ("batch", args.batch),
+                                    ("prefill", args.prefill_tokens), ("reps", args.reps)) if v is not None})
     with cli.report_to(args.json):
         result = _run(args, pcp, dcp, sizes)
     write_json(args.json, result)
@@ -310,10 +321,11 @@ def _run(args, pcp: int, dcp: int, sizes: dict) -> dict:
     dtypes, heads = ["bfloat16", "float32"], HEADS // 8
     pre_cfg = {"tokens": sizes["prefill"], "heads": heads, "index_heads": H_I // 8, "topk": PREFILL_TOPK,
                "dtype": args.dtype, "reps": sizes["reps"]}
-    res = spawn(dcp, timed_rank, {"decode": {"context": sizes["decode_ctx"], "dtypes": dtypes, "reps": sizes["reps"]},
-                                  "prefill": pre_cfg}, threads=1, timeout_s=args.timeout)
-    dec = decode_rows([r["decode"] for r in res], sizes["decode_ctx"], dcp, dtypes)
-    print(f"\nDecode step of one V4 attention layer, {sizes['decode_ctx']:,} context, batch 1, {HEADS} heads x {D}, "
+    dec_cfg = {"context": sizes["decode_ctx"], "batch": sizes["batch"], "dtypes": dtypes, "reps": sizes["reps"]}
+    res = spawn(dcp, timed_rank, {"decode": dec_cfg, "prefill": pre_cfg}, threads=1, timeout_s=args.timeout)
+    dec = decode_rows([r["decode"] for r in res], sizes["decode_ctx"], dcp, dtypes, sizes["batch"])
+    print(f"\nDecode step of one V4 attention layer, {sizes['decode_ctx']:,} context, batch {sizes['batch']}, "
+          f"{HEADS} heads x {D}, "
           f"top-{TOPK} by {H_I}x{D_I} indexer: one rank vs DCP {dcp} (gloo, 1 thread per rank; ms: medians of "
           f"{sizes['reps']} interleaved rounds, slowest rank)")
     print(f"{'layer':>5} {'dtype':>9} {'one ms':>8} {'DCP ms':>8} {'x wall [low-high]':>18} {'best':>5} "
