@@ -111,3 +111,16 @@ def test_bench_pool_ttft_on_lmdb(tmp_path):
     for r in rows.values():
         assert r["shared"] == 224 and r["hit_blocks"] == 224 // pool.BLOCK
         assert r["stored_bytes_per_rank"] > 0 and r["cold_ms"] > 0 and r["warm_ms"] > 0
+
+
+def test_bench_mlapo_times_both_paths_with_equal_logits(tmp_path):
+    from cpattn.bench import mlapo
+
+    out = tmp_path / "mlapo.json"
+    assert mlapo.main(["--quick", "--layers", "1", "--reps", "1", "--dcp-sizes", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dcp"], r["mode"]) for r in rows] == [(1, "eager"), (1, "graph")]
+    for r in rows:  # fusing changes no rounding: the fused step's logits are the unfused step's
+        assert r["bitwise_equal_logits"] and r["fused_ms"]["best"] > 0 and r["unfused_ms"]["best"] > 0
+        x = r["fused_over_unfused"]
+        assert x["low"] <= x["median"] <= x["high"]

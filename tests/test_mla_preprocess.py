@@ -156,7 +156,7 @@ def test_generic_body_and_cpu_kernel_agree():
     cache2 = torch.full_like(cache, float("nan"))
     w = weights
     b = body(hidden, w["input_norm_weight"], w["q_a_weight"], w["q_a_norm_weight"], w["q_b_weight"],
-             w["kv_a_weight"], w["kv_a_norm_weight"], w["w_uk"], cos, sin, cache2, slots, 1e-6, True)
+             w["kv_a_weight"], w["kv_a_norm_weight"], w["w_uk"], cos, sin, cache2, slots, 1e-6, True, 1e-6)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(cache.view(torch.int32), cache2.view(torch.int32))
     assert "mla_preprocess" in registry.decompositions()
@@ -166,7 +166,7 @@ def _op_args(args, weights, interleave=True):
     hidden, cache, slots, cos, sin = args
     w = weights
     return (hidden, w["input_norm_weight"], w["q_a_weight"], w["q_a_norm_weight"], w["q_b_weight"], w["kv_a_weight"],
-            w["kv_a_norm_weight"], w["w_uk"], cos, sin, cache, slots, 1e-6, interleave)
+            w["kv_a_norm_weight"], w["w_uk"], cos, sin, cache, slots, 1e-6, interleave, 1e-6)
 
 
 @pytest.mark.parametrize("lora", [True, False])

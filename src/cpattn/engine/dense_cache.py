@@ -168,6 +168,10 @@ class DenseStep:
             rows.append(buf[b, : start + n])
         return torch.cat(rows)
 
+    def fused_cache(self, layer: int) -> None:
+        """None: this step writes its rows into the dense cache itself."""
+        return None
+
     def finish(self) -> DenseKVCache:
         """The cache after this step (same tensors, longer ``seq_lens``)."""
         c = self.cache

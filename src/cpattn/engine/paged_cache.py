@@ -75,10 +75,13 @@ class PagedShard:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
               k_index: torch.Tensor | None = None) -> None:
-        """Store k [T, Hkv, Dk] (and v, and DSA indexer keys [T, D_I]) at ``slots`` [T] (-1: not this rank's)."""
+        """Store k [T, Hkv, Dk] (and v, and DSA indexer keys [T, D_I]) at ``slots`` [T] (-1: not this rank's);
+        ``k=None``: the rows are already there (a fused op wrote them), only the indexer keys are stored."""
         lay = self.layouts[layer]
         if self.k_index[layer] is not None and k_index is not None:  # same slots, [num_blocks * block_size, D_I] rows
             scatter_rows(self.k_index[layer].view(-1, k_index.shape[-1]), k_index, slots)
+        if k is None:
+            return
         if lay.values_in_keys:
             write_kv_mla(self.k[layer], k[:, 0, : lay.v_head_dim], k[:, 0, lay.v_head_dim :], slots)
         else:
@@ -143,8 +146,17 @@ class DCPStep:
     def __post_init__(self):
         self.positions = self.meta.positions
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """Write this step's k/v where owned, then DCP attention. q: [T, Hq, Dk] -> [T, Hq, Dv]."""
+    def fused_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's paged MLA latent cache of ``layer`` and the step's slots [T] (-1: not this rank's), for a
+        model that writes its latent rows itself (:func:`cpattn.ops.mla_preprocess`); None for a GQA layer."""
+        if not self.shard.layouts[layer].values_in_keys:
+            return None
+        return self.shard.k[layer], self.meta.slot_mapping[self.group.rank]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+        """Write this step's k/v where owned (``k=None``: already written), then DCP attention.
+        q: [T, Hq, Dk] -> [T, Hq, Dv]."""
         g = self.group
         self.shard.write(layer, k, v, self.meta.slot_mapping[g.rank])
         dv = self.shard.layouts[layer].v_head_dim

@@ -72,6 +72,10 @@ class PCPStep:
         self.positions = self.plan.positions[self.group.rank]
         self._context = _split_prefix(self.prefix, self.layouts)
 
+    def fused_cache(self, layer: int) -> None:
+        """None: a prefill step keeps this rank's rows for the hand-off itself."""
+        return None
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
         """q: [T_r, Hq, Dk], k: [T_r, Hkv, Dk], v: [T_r, Hkv, Dv] or None. Returns [T_r, Hq, Dv]."""
         self.kv[layer] = (k, v, None)
@@ -104,6 +108,10 @@ class DSACPStep:
     def __post_init__(self):
         self.positions = self.plan.positions[self.group.rank]
         self._context = _split_prefix(self.prefix, self.layouts)
+
+    def fused_cache(self, layer: int) -> None:
+        """None: a prefill step keeps this rank's rows for the hand-off itself."""
+        return None
 
     def __call__(self, layer, q, k, v, scale):
         raise TypeError("DSACPStep serves DSA layers only; the model must call step.dsa(...)")

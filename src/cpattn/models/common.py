@@ -32,6 +32,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from cpattn.ops.norm_rope import rms_norm, rope_half, rope_interleaved  # noqa: F401 (the models' names)
+
 
 class Attention(Protocol):
     """What a model's layers call to attend: one step of an explicit KV cache and its parallel layout.
@@ -39,32 +41,28 @@ class Attention(Protocol):
     ``attn.positions``: [T] int64 absolute positions of this step's tokens (for RoPE).
     ``attn(layer, q, k, v, scale) -> out`` with q: [T, Hq, Dqk], k: [T, Hkv, Dqk],
     v: [T, Hkv, Dv] or ``None`` (values are the first Dv dims of k: the MLA
-    latent cache). The step stores k/v in its cache and returns out: [T, Hq, Dv].
-    DSA models call ``attn.dsa(layer, q, kv, q_index, w_index, k_index, topk, scale)``.
-    See :mod:`cpattn.models.cache` and :mod:`cpattn.models.dcp_cache`.
+    latent cache). The step stores k/v in its cache and returns out: [T, Hq, Dv];
+    ``k=None`` means the step's cache already holds this step's rows.
+    DSA models call ``attn.dsa(layer, q, kv, q_index, w_index, k_index, topk, scale)``
+    (and ``attn.dsa_shared`` for layers that reuse a selection).
+    ``attn.fused_cache(layer) -> (latent cache, slot_mapping [T]) | None``: a
+    paged MLA latent cache the model may write itself in one fused op
+    (:func:`cpattn.ops.mla_preprocess`), with this step's slots; None where
+    the step keeps its rows otherwise. The steps are the engine's
+    (:mod:`cpattn.engine.dense_cache`, :mod:`cpattn.engine.prefill_steps`,
+    :mod:`cpattn.engine.paged_cache`).
     """
 
     positions: torch.Tensor
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float
     ) -> torch.Tensor: ...
+
+    def fused_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 # -- normalization and activations ---------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, normalized in float32 like the reference.
-
-    x: [..., D]; weight: [D]. Returns [..., D] in ``weight * x.dtype`` promotion.
-
-    >>> rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6).shape
-    torch.Size([2, 4])
-    """
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 def lm_head(params: dict[str, torch.Tensor], cfg: Any) -> torch.Tensor:
@@ -170,28 +168,6 @@ def rope_cos_sin(
     """
     angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device, torch.float32)[None]  # [T, dim/2]
     return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
-
-
-def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX / half-split RoPE: dims ``i`` and ``i + d/2`` form a rotated pair.
-
-    x: [T, H, d]; cos, sin: [T, d/2]. Returns [T, H, d].
-    """
-    c, s = cos[:, None], sin[:, None]  # [T, 1, d/2]
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's interleaved RoPE: dims ``2i`` and ``2i+1`` form a rotated pair.
-
-    The output is laid out half-split (rotated evens, then rotated odds), as
-    the reference does; q and k get the same permutation, so q.k is unchanged.
-    x: [T, H, d]; cos, sin: [T, d/2]. Returns [T, H, d].
-    """
-    c, s = cos[:, None], sin[:, None]  # [T, 1, d/2]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 # -- the decoder trunk every family shares --------------------------------------------

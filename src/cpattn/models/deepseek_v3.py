@@ -47,15 +47,13 @@ from cpattn.models.common import (
     config_dict,
     mlp_dense,
     pre_norm_decoder,
-    rms_norm,
     rope_cos_sin,
-    rope_half,
-    rope_interleaved,
     rope_inv_freq,
     rope_parameters,
     yarn_mscale,
 )
 from cpattn.models.moe import MOE_IMPLS, moe_experts, sigmoid_route
+from cpattn.ops.mla_preprocess import mla_chain, mla_preprocess, mla_weights
 
 # the query- and kv-latent RMSNorms use this eps whatever rms_norm_eps says (as the reference builds them)
 LATENT_NORM_EPS = 1e-6
@@ -90,6 +88,8 @@ class DeepseekV3Config:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     moe_impl: str = "auto"  # routed experts: "auto" | "sparse" | "dense" (see cpattn.models.moe.use_dense)
+    # MLAPO: where the step offers a paged latent cache (DCP decode), project and write it in one fused op
+    mla_preprocess: bool = True
 
     # RoPE on the query/key rope dims in (at least) float32 whatever the activations' dtype (DeepSeek-V2 does)
     rope_float32: ClassVar[bool] = False
@@ -180,7 +180,7 @@ def empty_cache(cfg: DeepseekV3Config, *, batch: int, max_len: int, dtype=torch.
 def mla_project(
     p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ):
-    """MLA projections of one layer in absorbed form.
+    """MLA projections of one layer in absorbed form (:func:`cpattn.ops.mla_preprocess.mla_chain`).
 
     x: [T, H] (after input_layernorm); cos, sin: [T, rope/2] (float32 or
     wider when ``cfg.rope_float32``: the rope dims are rotated in that dtype).
@@ -188,27 +188,24 @@ def mla_project(
     with r = kv_lora_rank; q_lora is the normalized query latent (the DSA
     indexer reads it). The latent norms use :data:`LATENT_NORM_EPS`.
     """
-    t, nh = x.shape[0], cfg.num_attention_heads
-    nope, rope_d, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q_lora = None
-    if cfg.q_lora_rank is None:
-        q = F.linear(x, p[pre + "q_proj.weight"])
-    else:
-        q_lora = rms_norm(F.linear(x, p[pre + "q_a_proj.weight"]), p[pre + "q_a_layernorm.weight"], LATENT_NORM_EPS)
-        q = F.linear(q_lora, p[pre + "q_b_proj.weight"])
-    q = q.view(t, nh, nope + rope_d)  # [T, Hq, nope + rope]
-    q_nope, q_rope = q[..., :nope], q[..., nope:]
-    ckv = F.linear(x, p[pre + "kv_a_proj_with_mqa.weight"])  # [T, r + rope]
-    c = rms_norm(ckv[:, :r], p[pre + "kv_a_layernorm.weight"], LATENT_NORM_EPS)  # [T, r]
-    k_rope = ckv[:, None, r:]  # [T, 1, rope]
-    rot = rope_interleaved if cfg.rope_interleave else rope_half
-    q_rope = rot(q_rope.to(cos.dtype), cos, sin).to(q.dtype)
-    k_rope = rot(k_rope.to(cos.dtype), cos, sin).to(ckv.dtype)
-    w_uk = p[pre + "kv_b_proj.weight"].view(nh, nope + cfg.v_head_dim, r)[:, :nope]  # [Hq, nope, r]
-    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hq, r]
-    q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, Hq, r + rope]
-    kv = torch.cat([c[:, None], k_rope], dim=-1)  # [T, 1, r + rope]
-    return q_full, kv, q_lora
+    q, kv, q_lora, _ = mla_chain(x, cos=cos, sin=sin, **_mla_args(p, cfg, pre))
+    return q, kv, (q_lora if cfg.q_lora_rank is not None else None)
+
+
+def _mla_args(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str) -> dict:
+    """Keyword arguments of the MLA chain / fused op for one layer (input already normed), but cos / sin."""
+    w = mla_weights(p, pre, num_heads=cfg.num_attention_heads, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                    v_head_dim=cfg.v_head_dim)
+    return dict(w, input_norm_weight=None, eps=cfg.rms_norm_eps,
+                rope_interleave=cfg.rope_interleave, latent_eps=LATENT_NORM_EPS)
+
+
+def _mla_fused(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor):
+    """:func:`mla_project` that also writes the latent rows at ``slots`` [T] of the paged ``cache`` (MLAPO).
+    Returns (q, None, q_lora or None): the step reads its rows from the cache."""
+    out = mla_preprocess(x, cache, slots, cos, sin, **_mla_args(p, cfg, pre))
+    return out.q, None, (out.q_lora if cfg.q_lora_rank is not None else None)
 
 
 def mla_output(p: dict[str, torch.Tensor], cfg: DeepseekV3Config, pre: str, o_lat: torch.Tensor) -> torch.Tensor:
@@ -298,7 +295,11 @@ def decoder(params: dict[str, torch.Tensor], cfg: DeepseekV3Config, tokens: torc
 
     def attention(i: int, x: torch.Tensor) -> torch.Tensor:
         pre = f"model.layers.{i}.self_attn."
-        q, kv, q_lora = mla_project(p, cfg, pre, x, cos, sin)
+        fused = attn.fused_cache(i) if cfg.mla_preprocess and hasattr(attn, "fused_cache") else None
+        if fused is None:
+            q, kv, q_lora = mla_project(p, cfg, pre, x, cos, sin)
+        else:  # kv None: already in the step's cache
+            q, kv, q_lora = _mla_fused(p, cfg, pre, x, cos, sin, *fused)
         o_lat = attend(p, cfg, pre, i, x, q, kv, q_lora, cos, sin, attn)  # [T, Hq, r]
         return mla_output(p, cfg, pre, o_lat)
 

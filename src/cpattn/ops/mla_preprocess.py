@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.ops import registry
+from cpattn.ops.norm_rope import rms_norm, rope_half, rope_interleaved
 from cpattn.ops.paged import scatter_rows
 
 
@@ -59,37 +60,29 @@ class MLAPreprocessOut(NamedTuple):
     x: torch.Tensor  # [T, H]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+def mla_chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_a_norm_weight,
+             w_uk, cos, sin, eps, rope_interleave, latent_eps):
+    """The preprocessing chain without the cache write: (q, kv, q_lora, x) of :class:`MLAPreprocessOut`.
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    c, s = cos[:, None], sin[:, None]  # [T, 1, d/2]
-    if interleave:
-        a, b = x[..., 0::2], x[..., 1::2]
-    else:
-        a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
-
-
-def _chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_a_norm_weight,
-           w_uk, cos, sin, eps, rope_interleave):
-    """Everything but the cache write: (q, kv, q_lora, x)."""
+    The models' unfused path (:func:`cpattn.models.deepseek_v3.mla_project`)
+    runs this same code, so fused and unfused round identically. Arguments
+    as :func:`mla_preprocess` (positional, no checks).
+    """
     t, (hq, nope, r) = hidden.shape[0], w_uk.shape
-    x = _rms_norm(hidden, input_norm_weight, eps)  # [T, H]
+    x = hidden if input_norm_weight is None else rms_norm(hidden, input_norm_weight, eps)  # [T, H]
     if q_a_weight is None:
         q_lora = x.new_empty(t, 0)
         q = F.linear(x, q_b_weight)
     else:
-        q_lora = _rms_norm(F.linear(x, q_a_weight), q_a_norm_weight, eps)  # [T, Rq]
+        q_lora = rms_norm(F.linear(x, q_a_weight), q_a_norm_weight, latent_eps)  # [T, Rq]
         q = F.linear(q_lora, q_b_weight)
     q = q.view(t, hq, nope + 2 * cos.shape[-1])  # [T, Hq, nope + rope]
     ckv = F.linear(x, kv_a_weight)  # [T, r + rope]
-    c = _rms_norm(ckv[:, :r], kv_a_norm_weight, eps)  # [T, r]
-    q_rope = _rope(q[..., nope:], cos, sin, rope_interleave)  # [T, Hq, rope]
-    k_rope = _rope(ckv[:, None, r:], cos, sin, rope_interleave)  # [T, 1, rope]
+    c = rms_norm(ckv[:, :r], kv_a_norm_weight, latent_eps)  # [T, r]
+    # RoPE in the tables' dtype (float32 or wider where the model rotates wider), cast back
+    rot = rope_interleaved if rope_interleave else rope_half
+    q_rope = rot(q[..., nope:].to(cos.dtype), cos, sin).to(q.dtype)  # [T, Hq, rope]
+    k_rope = rot(ckv[:, None, r:].to(cos.dtype), cos, sin).to(ckv.dtype)  # [T, 1, rope]
     q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)  # [T, Hq, r]
     q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, Hq, r + rope]
     kv = torch.cat([c[:, None], k_rope], dim=-1)  # [T, 1, r + rope]
@@ -99,7 +92,7 @@ def _chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, k
 @registry.define("mla_preprocess", mutates_args=("kv_cache",))
 def _mla_preprocess_op(
     hidden: torch.Tensor,
-    input_norm_weight: torch.Tensor,
+    input_norm_weight: torch.Tensor | None,
     q_a_weight: torch.Tensor | None,
     q_a_norm_weight: torch.Tensor | None,
     q_b_weight: torch.Tensor,
@@ -112,11 +105,12 @@ def _mla_preprocess_op(
     slot_mapping: torch.Tensor,
     eps: float,
     rope_interleave: bool,
+    latent_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, kv, q_lora, x = _chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight,
-                              kv_a_norm_weight, w_uk, cos, sin, eps, rope_interleave)
+    q, kv, q_lora, x = mla_chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight,
+                              kv_a_norm_weight, w_uk, cos, sin, eps, rope_interleave, latent_eps)
     scatter_rows(kv_cache.view(-1, *kv_cache.shape[2:]), kv, slot_mapping)  # sync-free; slot -1 writes nothing
-    return q, kv, q_lora, x
+    return q, kv, q_lora, (x if input_norm_weight is not None else x.clone())  # an op's output may not alias an input
 
 
 registry.generic("mla_preprocess")  # the body above: any device, and the CPU decomposition for graphs
@@ -124,17 +118,17 @@ registry.generic("mla_preprocess")  # the body above: any device, and the CPU de
 
 @registry.kernel("mla_preprocess", "cpu")
 def _mla_preprocess_cpu(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight,
-                        kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave):
-    q, kv, q_lora, x = _chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight,
-                              kv_a_norm_weight, w_uk, cos, sin, eps, rope_interleave)
+                        kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave, latent_eps):
+    q, kv, q_lora, x = mla_chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight,
+                              kv_a_norm_weight, w_uk, cos, sin, eps, rope_interleave, latent_eps)
     rows = (slot_mapping >= 0).nonzero().view(-1)  # host-side selection: fine inside a CPU kernel
     kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, slot_mapping[rows].long(), kv[rows].to(kv_cache.dtype))
-    return q, kv, q_lora, x
+    return q, kv, q_lora, (x if input_norm_weight is not None else x.clone())  # an op's output may not alias an input
 
 
 @registry.fake("mla_preprocess")
 def _mla_preprocess_fake(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight,
-                         kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave):
+                         kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave, latent_eps):
     t, (hq, _, r) = hidden.shape[0], w_uk.shape
     d = r + 2 * cos.shape[-1]
     rq = 0 if q_a_weight is None else q_a_weight.shape[0]
@@ -154,7 +148,7 @@ def mla_preprocess(
     cos: torch.Tensor,
     sin: torch.Tensor,
     *,
-    input_norm_weight: torch.Tensor,
+    input_norm_weight: torch.Tensor | None,
     q_a_weight: torch.Tensor | None,
     q_a_norm_weight: torch.Tensor | None,
     q_b_weight: torch.Tensor,
@@ -163,6 +157,7 @@ def mla_preprocess(
     w_uk: torch.Tensor,
     eps: float,
     rope_interleave: bool,
+    latent_eps: float | None = None,
 ) -> MLAPreprocessOut:
     """MLA preprocessing of one layer for T tokens, writing their latent rows into a paged cache.
 
@@ -173,8 +168,10 @@ def mla_preprocess(
         written in place (cast to its dtype).
     slot_mapping: [T] int32/int64, ``block * block_size + offset`` or -1 (not
         written: a token another DCP rank owns, a padding row). Valid slots distinct.
-    cos, sin: [T, rope/2] RoPE tables at the tokens' positions (hidden dtype).
-    input_norm_weight: [H] (``input_layernorm.weight``).
+    cos, sin: [T, rope/2] RoPE tables at the tokens' positions, in the hidden
+        dtype or wider (the rope dims rotate in the tables' dtype, then cast back).
+    input_norm_weight: [H] (``input_layernorm.weight``), or None when ``hidden``
+        is already normed (a decoder trunk that applies ``input_layernorm`` itself).
     q_a_weight: [Rq, H] (``q_a_proj.weight``) and q_a_norm_weight: [Rq]
         (``q_a_layernorm.weight``), or both None for a model without q LoRA.
     q_b_weight: [Hq * (nope + rope), Rq] (``q_b_proj.weight``), or
@@ -183,7 +180,9 @@ def mla_preprocess(
         kv_a_norm_weight: [r] (``kv_a_layernorm.weight``).
     w_uk: [Hq, nope, r], the key half of ``kv_b_proj.weight``:
         ``kv_b.view(Hq, nope + v_head_dim, r)[:, :nope]`` (:func:`mla_weights`).
-    eps: RMSNorm epsilon; rope_interleave: pairs (2i, 2i+1) (True, DeepSeek)
+    eps: the input RMSNorm's epsilon; latent_eps: the q / kv latent norms'
+        (default ``eps``; the DeepSeek and GLM-5 models use 1e-6 there whatever
+        ``rms_norm_eps`` says); rope_interleave: pairs (2i, 2i+1) (True, DeepSeek)
         or (i, i + rope/2).
 
     Every weight must have the hidden dtype.
@@ -227,7 +226,8 @@ def mla_preprocess(
         raise ValueError(f"slot_mapping must be int32/int64 [T={t}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if (q_a_weight is None) != (q_a_norm_weight is None):
         raise ValueError("q_a_weight and q_a_norm_weight go together: pass both (q LoRA) or neither (q_proj)")
-    _shape("input_norm_weight", input_norm_weight, (h,), "[H]")
+    if input_norm_weight is not None:
+        _shape("input_norm_weight", input_norm_weight, (h,), "[H]")
     q_in = h
     if q_a_weight is not None:
         q_in = q_a_weight.shape[0]
@@ -237,14 +237,16 @@ def mla_preprocess(
     _shape("kv_a_weight", kv_a_weight, (r + rope, h), "[r + rope, H]")
     _shape("kv_a_norm_weight", kv_a_norm_weight, (r,), "[r]")
     named = dict(input_norm_weight=input_norm_weight, q_a_weight=q_a_weight, q_a_norm_weight=q_a_norm_weight,
-                 q_b_weight=q_b_weight, kv_a_weight=kv_a_weight, kv_a_norm_weight=kv_a_norm_weight, w_uk=w_uk,
-                 cos=cos, sin=sin)
+                 q_b_weight=q_b_weight, kv_a_weight=kv_a_weight, kv_a_norm_weight=kv_a_norm_weight, w_uk=w_uk)
     for name, w in named.items():
         if w is not None and w.dtype != hidden.dtype:
             raise ValueError(f"{name} is {w.dtype} but hidden is {hidden.dtype}; cast the weights to one dtype")
+    if cos.dtype != sin.dtype or torch.promote_types(cos.dtype, hidden.dtype) != cos.dtype:
+        raise ValueError(f"cos / sin are {cos.dtype} / {sin.dtype}; they must share a dtype at least as wide as "
+                         f"hidden's {hidden.dtype}")
     out = registry.call("mla_preprocess", hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight,
                         kv_a_weight, kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, float(eps),
-                        bool(rope_interleave))
+                        bool(rope_interleave), float(eps if latent_eps is None else latent_eps))
     return MLAPreprocessOut(*out)
 
 

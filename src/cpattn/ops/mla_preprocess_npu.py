@@ -39,12 +39,12 @@ per live source tensor (dropped with it, refreshed when it is modified in place)
 
 from __future__ import annotations
 
-import importlib
 import weakref
 
 import torch
 
 from cpattn.ops import registry
+from cpattn.ops.norm_rope import rms_norm
 from cpattn.ops.paged import scatter_rows
 
 HE = {1024, 2048, 3072, 4096, 5120, 6144, 7168, 7680, 8192}
@@ -75,39 +75,38 @@ def _nz(torch_npu, w: torch.Tensor) -> torch.Tensor:
 
 
 def mla_preprocess_npu(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight,
-                       kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave):
+                       kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave, latent_eps):
     """The NPU kernel: input RMSNorm in torch, ``npu_mla_prolog_v3`` (TND), the paged write by slot."""
-    mp = importlib.import_module("cpattn.ops.mla_preprocess")  # the module: cpattn.ops.mla_preprocess is the function
     from cpattn.ops.npu import import_torch_npu
 
     args = (hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_a_norm_weight,
-            w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave)
+            w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave, latent_eps)
     if not fits_prolog(hidden, q_a_weight, w_uk, cos, kv_cache, rope_interleave):
         return _generic(*args)
     torch_npu = import_torch_npu()
     t, r, rope = hidden.shape[0], w_uk.shape[2], 2 * cos.shape[1]
-    x = mp._rms_norm(hidden, input_norm_weight, eps).contiguous()  # [T, He]
+    x = (hidden if input_norm_weight is None else rms_norm(hidden, input_norm_weight, eps)).contiguous()  # [T, He]
     kv_c = x.new_empty(t, 1, r)  # TND result buffers
     k_pe = x.new_empty(t, 1, rope)
     q_nope, q_rope, _, q_lora, _ = torch_npu.npu_mla_prolog_v3(
         x, _nz(torch_npu, q_a_weight), _nz(torch_npu, q_b_weight), w_uk.contiguous(), _nz(torch_npu, kv_a_weight),
         q_a_norm_weight.contiguous(), kv_a_norm_weight.contiguous(),
         torch.cat([sin, sin], dim=-1).contiguous(), torch.cat([cos, cos], dim=-1).contiguous(), kv_c, k_pe,
-        rmsnorm_epsilon_cq=eps, rmsnorm_epsilon_ckv=eps, cache_mode="TND", query_norm_flag=True,
+        rmsnorm_epsilon_cq=latent_eps, rmsnorm_epsilon_ckv=latent_eps, cache_mode="TND", query_norm_flag=True,
     )
     kv = torch.cat([kv_c, k_pe], dim=-1)  # [T, 1, r + rope]
     scatter_rows(kv_cache.view(-1, *kv_cache.shape[2:]), kv, slot_mapping)
-    return torch.cat([q_nope, q_rope], dim=-1), kv, q_lora, x
+    return torch.cat([q_nope, q_rope], dim=-1), kv, q_lora, (x if input_norm_weight is not None else x.clone())
 
 
 def _generic(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_a_norm_weight,
-             w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave):
-    mp = importlib.import_module("cpattn.ops.mla_preprocess")  # the module: cpattn.ops.mla_preprocess is the function
+             w_uk, cos, sin, kv_cache, slot_mapping, eps, rope_interleave, latent_eps):
+    from cpattn.ops.mla_preprocess import mla_chain  # the module's function (the package attribute is the op)
 
-    q, kv, q_lora, x = mp._chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight,
-                                 kv_a_weight, kv_a_norm_weight, w_uk, cos, sin, eps, rope_interleave)
+    q, kv, q_lora, x = mla_chain(hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight,
+                                 kv_a_weight, kv_a_norm_weight, w_uk, cos, sin, eps, rope_interleave, latent_eps)
     scatter_rows(kv_cache.view(-1, *kv_cache.shape[2:]), kv, slot_mapping)
-    return q, kv, q_lora, x
+    return q, kv, q_lora, (x if input_norm_weight is not None else x.clone())  # an op's output may not alias an input
 
 
 def register() -> str:
@@ -119,7 +118,7 @@ def register() -> str:
     >>> mla_preprocess_npu.register()  # doctest: +SKIP
     'npu'
     """
-    import cpattn.ops.mla_preprocess  # noqa: F401 - defines the op
+    import cpattn.ops.mla_preprocess  # noqa: F401 (defines the op)
     from cpattn.ops.npu import import_torch_npu
 
     import_torch_npu()

@@ -36,6 +36,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: 
 def mla_preprocess_ref(
     hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_a_norm_weight, w_uk,
     cos, sin, kv_cache, slot_mapping, eps: float, rope_interleave: bool, dtype: torch.dtype = torch.float64,
+    latent_eps: float | None = None,
 ):
     """The chain on copies in ``dtype``; returns (q, kv, q_lora, x, cache) -- the cache a new tensor.
 
@@ -46,18 +47,19 @@ def mla_preprocess_ref(
     f = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     t_len, (hq, nope, r) = hidden.shape[0], w_uk.shape
     rope = 2 * cos.shape[-1]
-    x = rms_norm_ref(f(hidden), f(input_norm_weight), eps)  # [T, H]
+    latent_eps = eps if latent_eps is None else latent_eps
+    x = f(hidden) if input_norm_weight is None else rms_norm_ref(f(hidden), f(input_norm_weight), eps)  # [T, H]
     if q_a_weight is None:
         q_lora = x.new_zeros(t_len, 0)
         q = x @ f(q_b_weight).T  # [T, Hq*(nope+rope)]
     else:
-        q_lora = rms_norm_ref(x @ f(q_a_weight).T, f(q_a_norm_weight), eps)  # [T, Rq]
+        q_lora = rms_norm_ref(x @ f(q_a_weight).T, f(q_a_norm_weight), latent_eps)  # [T, Rq]
         q = q_lora @ f(q_b_weight).T
     q = q.reshape(t_len, hq, nope + rope)
     q_lat = torch.stack([q[:, h, :nope] @ f(w_uk)[h] for h in range(hq)], dim=1)  # [T, Hq, r]
     q_rope = rope_ref(q[:, :, nope:], f(cos), f(sin), rope_interleave)  # [T, Hq, rope]
     ckv = x @ f(kv_a_weight).T  # [T, r + rope]
-    c = rms_norm_ref(ckv[:, :r], f(kv_a_norm_weight), eps)  # [T, r]
+    c = rms_norm_ref(ckv[:, :r], f(kv_a_norm_weight), latent_eps)  # [T, r]
     k_rope = rope_ref(ckv[:, None, r:], f(cos), f(sin), rope_interleave)  # [T, 1, rope]
     kv = torch.cat([c[:, None], k_rope], dim=-1)  # [T, 1, r + rope]
     cache = kv_cache.to(dtype).clone()
