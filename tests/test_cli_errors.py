@@ -40,6 +40,26 @@ CASES = [  # argv, what the one line must name
     (["bench", "comm", "--sizes", "0"], "--sizes"),
     (["bench", "dsa", "--tp", "1"], "--tp"),
     (["bench", "paged", "--reps", "0"], "--reps"),
+    (["bench", "spec", "--pcp", "0"], "--pcp"),
+    (["bench", "spec", "--timeout", "-1"], "--timeout"),
+    (["bench", "pool", "--prompt-len", "0"], "--prompt-len"),
+    (["bench", "mlapo", "--dcp-sizes", "3"], "--dcp-sizes"),
+    (["bench", "mlapo", "--graph-backend", "nonsense"], "--graph-backend"),
+    (["pool", "serve", "--port", "70000"], "--port"),
+    (["pool", "serve", "--memory", "3x"], "--memory"),
+    (["demo", "--pcp", "2", "--dcp", "3"], "--dcp"),
+    (["demo", "--model-type", "nonsense"], "--model-type"),
+    (["demo", "--kv-pool", "redis:x"], "--kv-pool"),
+    (["demo", "--backend", "nonsense"], "--backend"),
+    (["demo", "--capture-sizes", "0"], "--capture-sizes"),
+    (["demo", "--block-size", "16", "--cp-kv-cache-interleave-size", "5"], "interleave"),
+    (["demo", "--model", "{models}/missing"], "is not a directory"),
+    (["demo", "--model", "{models}/no_config"], "has no config.json"),
+    (["demo", "--model", "{models}/no_weights"], "has no *.safetensors"),
+    (["demo", "--model", "{models}/bad_json"], "is not valid JSON"),
+    (["demo", "--model", "{models}/lacks_keys"], "lacks 'vocab_size'"),
+    (["demo", "--model", "{models}/other_family"], "model_type 'llama' is not supported"),
+    (["demo", "--model", "{models}/bad_weights"], "is not a readable safetensors file"),
     (["nonsense"], "'nonsense'"),
     (["bench", "nonsense"], "'nonsense'"),
     (["bench"], "benchmark"),
@@ -49,7 +69,7 @@ CASES = [  # argv, what the one line must name
 RUNNER = r"""
 import importlib, json, os, signal, sys, tempfile, time, traceback
 import cpattn.cli as cli
-for target, _ in [*cli.COMMANDS.values(), *cli.BENCHMARKS.values()]:
+for target, _ in [*cli.COMMANDS.values(), *(v for t in cli.GROUPS.values() for v in t.values())]:
     try:  # preload, so each case costs milliseconds; a module that fails to import fails its own cases
         importlib.import_module(target.split(":")[0])
     except Exception:
@@ -88,12 +108,35 @@ def _env():
     return {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])}
 
 
+QWEN3 = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+
+
+def broken_checkpoints(root):
+    """Checkpoint directories each broken in one way (the demo reads config.json and the weights' headers)."""
+    files = {
+        "no_config": {"model.safetensors": ""},
+        "no_weights": {"config.json": json.dumps(QWEN3)},
+        "bad_json": {"config.json": "{not json", "model.safetensors": ""},
+        "lacks_keys": {"config.json": json.dumps({"model_type": "qwen3"}), "model.safetensors": ""},
+        "other_family": {"config.json": json.dumps({**QWEN3, "model_type": "llama"}), "model.safetensors": ""},
+        "bad_weights": {"config.json": json.dumps(QWEN3), "model.safetensors": "garbage"},
+    }
+    for name, content in files.items():
+        (root / name).mkdir()
+        for f, text in content.items():
+            (root / name / f).write_text(text)
+
+
 @pytest.fixture(scope="module")
-def results():
-    proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps([argv for argv, _ in CASES]),
-                          capture_output=True, text=True, timeout=600, env=_env())
+def results(tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")
+    broken_checkpoints(models)
+    argvs = [[a.replace("{models}", str(models)) for a in argv] for argv, _ in CASES]
+    proc = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(argvs), capture_output=True, text=True,
+                          timeout=600, env=_env())
     assert proc.returncode == 0, proc.stderr
-    return {tuple(r["argv"]): r for r in json.loads(proc.stdout)}
+    return {tuple(argv): r for (argv, _), r in zip(CASES, json.loads(proc.stdout))}
 
 
 @pytest.mark.parametrize("argv, names", CASES, ids=[" ".join(a) for a, _ in CASES])
@@ -128,9 +171,9 @@ def test_json_dash_is_pure_json_and_a_log_gets_no_progress_updates():
 
 
 def _parsers():
-    """Every command's parser (demo and bench spec excepted), captured as its main() parses."""
+    """Every command's parser (cpattn COMMAND and cpattn GROUP NAME), captured as its main() parses."""
+    from cpattn import cli as top
     from cpattn.bench import args as cli
-    from cpattn.bench import comm, dcp, dsa, graph, paged, pcp
 
     seen = []
 
@@ -141,15 +184,16 @@ def _parsers():
         seen.append(self)
         raise Stop
 
-    mains = [pcp.prefill_main, pcp.bench_main, dcp.main, dsa.main, graph.main, paged.main, comm.main]
+    targets = [t for t, _ in [*top.COMMANDS.values(), *(v for g in top.GROUPS.values() for v in g.values())]]
     original = cli.Parser.parse_args
     cli.Parser.parse_args = grab
     try:
-        for main in mains:
+        for target in targets:
             with pytest.raises(Stop):
-                main([])
+                top._load(target)([])
     finally:
         cli.Parser.parse_args = original
+    assert len(seen) == len(targets)
     return seen
 
 
@@ -163,7 +207,10 @@ def test_every_option_has_help_showing_its_default_and_no_work_item_numbers():
             if isinstance(action, argparse._HelpAction):
                 continue
             assert action.help and action.help != argparse.SUPPRESS, (p.prog, action.option_strings)
-        assert text.count("(default:") == len(p._actions) - 1, p.prog  # every option but --help
+        for action in p._actions:  # every option states its default, on/off switches aside
+            if not isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
+                assert "default" in p._get_formatter()._get_help_string(action), (p.prog, action.option_strings)
+        assert "(default: False)" not in text and ") (default: None)" not in text, p.prog
 
 
 def test_parallel_flags_take_vllm_names_short_aliases_and_any_dtype_spelling():

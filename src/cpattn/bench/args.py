@@ -96,7 +96,14 @@ FLAG_OF_FIELD = {
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Help with every option's default, and the description / epilog kept as written."""
+    """Help with every option's default (unless its help already states one, or it is an on/off switch),
+    and the description / epilog kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or isinstance(action, (argparse._StoreTrueAction,
+                                                                    argparse._StoreFalseAction)):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
@@ -232,7 +239,7 @@ def add_json(p: argparse.ArgumentParser) -> None:
     """Add ``--json PATH``; ``-`` puts only JSON on stdout (see :func:`report_stream`)."""
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the results as JSON to PATH; '-' writes only JSON to stdout and the "
-                        "text report to stderr")
+                        "text report to stderr (default: no JSON)")
 
 
 def add_quick(p: argparse.ArgumentParser, help: str) -> None:
@@ -255,7 +262,7 @@ def add_progress(p: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------- checks and output
 def check_engine(prog: str, flags: dict[str, str] | None = None, **flat):
-    """``cpattn.config.EngineConfig.create(**flat)``, or a usage error with one line per broken rule.
+    """``cpattn.config.EngineConfig.create(**flat)``, or a one-line usage error naming every broken rule.
 
     ``flags`` maps config fields to the flag that sets them in this command
     (default :data:`FLAG_OF_FIELD`). Exits with status 2 on any problem.
@@ -271,7 +278,7 @@ def check_engine(prog: str, flags: dict[str, str] | None = None, **flat):
     ...         print(e.code)
     2
     >>> print(err.getvalue().strip())  # doctest: +NORMALIZE_WHITESPACE
-    cpattn x: error: argument --decode-context-parallel-size/--dcp: saw --dcp=4, --tp=2 (mla); rule: MLA/DSA models
+    cpattn x: error: argument --decode-context-parallel-size/--dcp: saw --dcp=4, --tp=2 (mla); rule: MLA/DSA/V4 models
     need --tp >= --dcp and --tp % --dcp == 0 (DCP reuses TP ranks); fix: use --dcp in [1, 2] or raise --tp to a
     multiple of 4
     """
@@ -284,8 +291,9 @@ def check_engine(prog: str, flags: dict[str, str] | None = None, **flat):
 
 
 def speak_problems(prog: str, problems: list[str], flags: dict[str, str] | None = None) -> NoReturn:
-    """Print config problems (``"field: saw ...; rule: ...; fix: ..."``) as usage errors in flag names, one
-    line each, and exit with status 2. ``flags`` adds to :data:`FLAG_OF_FIELD`.
+    """Print config problems (``"field: saw ...; rule: ...; fix: ..."``) as one usage-error line in flag
+    names (several problems joined by `` -- also ``), and exit with status 2. ``flags`` adds to
+    :data:`FLAG_OF_FIELD`.
 
     >>> import contextlib, io
     >>> err = io.StringIO()
@@ -299,14 +307,13 @@ def speak_problems(prog: str, problems: list[str], flags: dict[str, str] | None 
     cpattn x: error: argument --block-size: saw 0; rule: a positive int; fix: pass --block-size >= 1
     """
     names = {**FLAG_OF_FIELD, **(flags or {})}
-    lines = []
+    parts = []
     for prob in problems:
         field, _, rest = prob.partition(": ")
         for name, flag in names.items():  # speak in flags: "use dcp_size in [1, 2]" -> "use --dcp in [1, 2]"
             rest = re.sub(rf"\b{name}\b", flag.split("/")[-1], rest)
-        lines.append(f"{prog}: error: argument {names.get(field, field)}: {rest}")
-    print("\n".join(lines), file=sys.stderr)
-    raise SystemExit(2)
+        parts.append(f"argument {names.get(field, field)}: {rest}")
+    usage_error(prog, " -- also ".join(parts))
 
 
 def report_stream(json_path: str | None):

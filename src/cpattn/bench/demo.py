@@ -105,7 +105,7 @@ def parser():
     p.add_argument("--threads", type=cli.positive_int, default=1, help="intra-op threads per rank")
     p.add_argument("--kv-pool", metavar="SPEC", default=None,
                    help="also run a cold and a warm request through a KV pool: lmdb:DIR or mooncake:HOST:PORT "
-                        "(cpattn pool serve starts the latter)")
+                        "(cpattn pool serve starts the latter; default: no pool)")
     p.add_argument("--torchrun", action="store_true", help="run as one rank under torchrun (also detected from RANK)")
     p.add_argument("--perturb-reference", action="store_true",
                    help="testing aid: change one reference token, so the check must fail (exit 1)")

@@ -109,9 +109,25 @@ def model_config(spec: Spec) -> tuple[ModelFamily, Any]:
         raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
     family = get_family(d)
     try:
-        return family, family.config_class.from_hf(d)
+        cfg = family.config_class.from_hf(d)
     except KeyError as e:
         raise ValueError(f"{path} lacks {e.args[0]!r}, which a {family.name} config needs") from None
+    _check_safetensors(spec.model_dir)
+    return family, cfg
+
+
+def _check_safetensors(model_dir: str) -> None:
+    """Every *.safetensors file of the checkpoint has a readable header (only headers are read)."""
+    import os
+
+    from safetensors import SafetensorError, safe_open
+
+    for name in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        try:
+            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{os.path.join(model_dir, name)} is not a readable safetensors file ({e})") from None
 
 
 def load_model(spec: Spec) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:

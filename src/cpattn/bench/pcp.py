@@ -231,7 +231,7 @@ def parser(prog: str, doc_defaults: dict):
                    help="key/value heads (a divisor of --heads)")
     p.add_argument("--head-dim", type=cli.positive_int, default=128, help="query/key head dim")
     p.add_argument("--v-head-dim", type=cli.positive_int, default=None,
-                   help="value head dim (None: --head-dim; MLA: 576 / 512)")
+                   help="value head dim (default: --head-dim; MLA: 576 / 512)")
     p.add_argument("--method", choices=["ring", "allgather", "both"], default="both", help="PCP schedule(s) to run")
     cli.add_dtype(p)
     p.add_argument("--reps", type=cli.positive_int, default=doc_defaults["reps"],

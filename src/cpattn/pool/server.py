@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 
+from cpattn.bench import args as cli
 from cpattn.pool.base import StoreUnavailable
 from cpattn.pool.mooncake_store import (
     MooncakeStore, mooncake_unavailable_reason, start_master, stop_process,
@@ -48,18 +49,32 @@ def parse_bytes(text: str) -> int:
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB or a byte count)")
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a size such as 512MiB, 2GiB or a byte count")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def port(text: str) -> int:
+    """argparse type: a TCP port, 1..65535.
+
+    >>> port("50051")
+    50051
+    """
+    value = cli.positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a TCP port in 1..65535")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cpattn pool serve", description=__doc__.split("\n")[0])
-    p.add_argument("--host", default="127.0.0.1", help="address the master and the memory holder use (127.0.0.1)")
-    p.add_argument("--port", type=int, default=50051, help="the master's RPC port (50051)")
-    p.add_argument("--memory", type=parse_bytes, default=1 << 30, help="pool memory to contribute (1GiB)")
-    p.add_argument("--lease-ttl-ms", type=int, default=1000,
-                   help="how long a read or written object is protected from eviction (1000)")
-    p.add_argument("--master-log", default=None, help="file for mooncake_master's log (discarded by default)")
+    p = cli.parser("cpattn pool serve", __doc__)
+    p.add_argument("--host", default="127.0.0.1", help="address the master and the memory holder use")
+    p.add_argument("--port", type=port, default=50051, help="the master's RPC port")
+    p.add_argument("--memory", type=parse_bytes, default=1 << 30, metavar="SIZE",
+                   help="pool memory to contribute, e.g. 512MiB or 2GiB (default: 1GiB)")
+    p.add_argument("--lease-ttl-ms", type=cli.positive_int, default=1000, metavar="MS",
+                   help="how long a read or written object is protected from eviction")
+    p.add_argument("--master-log", default=None, metavar="PATH",
+                   help="file for mooncake_master's log (default: discarded)")
     return p
 
 
