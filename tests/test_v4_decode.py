@@ -18,7 +18,7 @@ from cpattn.comm.sim import SimMesh
 from cpattn.graphs import Field
 from cpattn.v4.cache import V4Cache
 from cpattn.v4.decode import V4DecodeStep, cache_state, decode_plan, plan_fields
-from test_v4_attention import LENGTHS, layout, make_layer, oracle, packed_input, run_steps
+from test_v4_attention import layout, make_layer, oracle, packed_input, run_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PREFILL = [[20, 5], [9, 30]]

@@ -57,7 +57,7 @@ from cpattn.layout.pcp import pcp_shard
 from cpattn.v4.attention import Compression, LayerInput
 from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.decode import V4DecodeStep, cache_state, decode_plan
-from cpattn.v4.kv_bytes import V3, V4, V32, kv_bytes_table, mla_kv_elements, v4_kv_elements
+from cpattn.v4.kv_bytes import V3, V4, V32, kv_bytes_table, v4_kv_elements
 from cpattn.v4.pcp import v4_pcp_attention, v4_pcp_plan
 
 # per-layer sizes of DeepseekV4Config() (transformers 5.24 defaults)
