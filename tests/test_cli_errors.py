@@ -50,6 +50,7 @@ CASES = [  # argv, what the one line must name
     (["demo", "--pcp", "2", "--dcp", "3"], "--dcp"),
     (["demo", "--model-type", "nonsense"], "--model-type"),
     (["demo", "--kv-pool", "redis:x"], "--kv-pool"),
+    (["demo", "--model-type", "deepseek_v4", "--kv-pool", "lmdb:/tmp/cpattn-unused"], "--kv-pool"),
     (["demo", "--backend", "nonsense"], "--backend"),
     (["demo", "--capture-sizes", "0"], "--capture-sizes"),
     (["demo", "--block-size", "16", "--cp-kv-cache-interleave-size", "5"], "interleave"),

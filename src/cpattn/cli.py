@@ -25,6 +25,8 @@ COMMANDS = {
     "demo": ("cpattn.bench.demo:main",
              "main job: PCP prefill -> KV handoff -> DCP decode in graph mode on P gloo ranks, checked vs one device"),
     "prefill": ("cpattn.bench.pcp:prefill_main", "PCP prefill attention on P gloo ranks, checked against one rank"),
+    "plan": ("cpattn.plan.cli:main",
+             "predicted TTFT / TPOT / KV bytes per (tp, pcp, dcp) on H200, B200, Ascend 910C (plan calibrate|validate|anchors)"),
 }
 BENCHMARKS = {
     "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),
@@ -35,6 +37,7 @@ BENCHMARKS = {
     "spec": ("cpattn.bench.spec:main", "speculative acceptance per drafter/k; TTFT PCP+DCP vs PCP prefill + P/D transfer"),
     "dsa": ("cpattn.bench.dsa:main", "DSA decode vs dense MLA at 32K/64K, FP8 selection, DSA-CP prefill on TP ranks"),
     "pool": ("cpattn.bench.pool:main", "KV pool: store / load per block; TTFT cold vs warm (pooled prefix), 1 and 2 ranks"),
+    "v4": ("cpattn.bench.v4:main", "DeepSeek-V4: KV bytes per token vs V3.2/MLA; 64K decode 1 rank vs DCP; 16K prefill 1 rank vs PCP"),
     "mlapo": ("cpattn.bench.mlapo:main", "DeepSeek decode step with / without the fused MLA preprocessing op, DCP 1 and 2"),
 }
 POOL = {

@@ -157,7 +157,8 @@ def check(spec: Spec):
     except ConfigError as e:
         # the demo's decode engine has tp = dcp: a TP rule is a DCP rule here; head counts are the model's
         cli.speak_problems(PROG, e.problems, {"tp_size": "--decode-context-parallel-size/--dcp",
-                                              "num_attention_heads": "num_attention_heads", "graph_backend": "--backend"})
+                                              "num_attention_heads": "num_attention_heads", "graph_backend": "--backend",
+                                              "kv_pool": "--kv-pool"})
 
 
 def run_rank(group: Group, spec: Spec, threads: int = 1) -> dict:
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
     spec = _spec(a, None)
     engines = check(spec)
     with cli.report_to(a.json):
+        torch.set_num_threads(a.threads)  # the reference gets what one rank gets
         ref = reference_run(spec)  # the one-device run, here, before any rank starts
         res = spawn(spec.world_size, run_rank, spec, a.threads, threads=a.threads, timeout_s=a.timeout)[0]
         s = summarize(res, ref, spec, engines)
@@ -201,6 +203,7 @@ def _torchrun(a) -> int:
         if group.rank != 0:
             spec = dataclasses.replace(spec, progress=False)
         engines = check(spec)
+        torch.set_num_threads(a.threads)  # the reference gets what one rank gets
         ref = reference_run(spec) if group.rank == 0 else None
         group.all_reduce(torch.zeros(1))  # wait for the reference
         res = run_rank(group, spec, a.threads)

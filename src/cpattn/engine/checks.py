@@ -13,7 +13,9 @@ engine has its own limits, each reported as
   on separate ranks (P/D) the world is ``pcp_size + dcp_size`` ranks and
   KV moves as whole blocks (``cp_kv_cache_interleave_size == block_size``);
 - a compiler graph backend needs a family whose decode step is capturable;
-- speculation: k >= 1 drafts with a drafter, none without.
+- speculation: k >= 1 drafts with a drafter, none without;
+- a KV pool moves whole blocks of the paged cache: not for a family with
+  its own cache (``ModelFamily.stages``, DeepSeek-V4).
 
 Example
 -------
@@ -92,6 +94,10 @@ def engine_problems(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode
                            f"{decode.cache.cp_kv_cache_interleave_size} with block_size={decode.cache.block_size} "
                            f"and a KV pool (dcp_size={n})", "a DCP rank stores and loads whole blocks of a KV pool, "
                            "so interleave size == block size", f"set cp_kv_cache_interleave_size={decode.cache.block_size}"))
+    if pool and family.stages is not None:
+        out.append(problem("kv_pool", f"a KV pool for {family.name}", f"{family.name} keeps its own cache "
+                           "(ModelFamily.stages), which the pool's whole-block rows do not describe",
+                           "run without a KV pool"))
     backend = decode.compilation.graph_backend
     if decode.compilation.captures and backend not in ("auto", "eager") and not family.capturable:
         out.append(problem("graph_backend", f"{backend!r} for {family.name}",
