@@ -1,4 +1,5 @@
-"""``cpattn demo --kv-pool lmdb:DIR``: a cold and a warm request through a real LMDB pool, on 2 gloo ranks.
+"""``cpattn demo --kv-pool``: a cold and a warm request through a real pool (LMDB; Mooncake served by
+``cpattn pool serve``), on 2 gloo ranks.
 
 The warm request shares the cold one's first whole blocks: it must load them
 from the pool and still give the single-device tokens (the demo checks them
@@ -20,8 +21,23 @@ ARGS = ["--prompt-len", "64", "--max-new-tokens", "4", "--graph-mode", "none", "
         "--no-eager-row"]
 
 
-def test_demo_warm_request_loads_pooled_blocks_and_a_second_run_finds_them(tmp_path):
-    pool = f"lmdb:{tmp_path / 'pool'}"
+@pytest.fixture(params=["lmdb", "mooncake"])
+def pool(request, tmp_path):
+    if request.param == "lmdb":
+        yield f"lmdb:{tmp_path / 'pool'}"
+        return
+    from test_pool_mooncake import REASON, Served
+
+    if REASON is not None:
+        pytest.skip(f"Mooncake Store unavailable: {REASON}")
+    served = Served(memory="64MiB", lease_ms=300)
+    try:
+        yield served.spec
+    finally:
+        served.stop()
+
+
+def test_demo_warm_request_loads_pooled_blocks_and_a_second_run_finds_them(tmp_path, pool):
     runs = []
     for i in range(2):
         out = tmp_path / f"run{i}.json"
