@@ -23,10 +23,11 @@ latent norms' eps of 1e-6, the legacy cache helpers.
 Example
 -------
 >>> import torch
+>>> from cpattn.engine.dense_cache import DenseKVCache
 >>> from cpattn.models import deepseek_v2 as ds
 >>> cfg = ds.DeepseekV2Config.tiny()
 >>> params = ds.init_params(cfg, seed=0)
->>> step = ds.empty_cache(cfg, batch=1, max_len=8).step([4])
+>>> step = DenseKVCache.empty(ds.FAMILY.kv_layouts(cfg), batch=1, max_len=8).step([4])
 >>> ds.forward(params, cfg, torch.tensor([1, 2, 3, 4]), step).shape
 torch.Size([4, 64])
 """
@@ -102,7 +103,6 @@ class DeepseekV2Config(v3.DeepseekV3Config):
 
 
 # legacy, removed when the engine lands: today's generate() builds caches through it
-empty_cache = v3.empty_cache
 
 
 def mlp(p: dict[str, torch.Tensor], cfg: DeepseekV2Config, layer: int, x: torch.Tensor) -> torch.Tensor:

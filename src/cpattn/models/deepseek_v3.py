@@ -24,10 +24,11 @@ the multi-token-prediction layer (ignored), ``attention_bias``.
 Example
 -------
 >>> import torch
+>>> from cpattn.engine.dense_cache import DenseKVCache
 >>> from cpattn.models import deepseek_v3 as ds
 >>> cfg = ds.DeepseekV3Config.tiny()
 >>> params = ds.init_params(cfg, seed=0)
->>> step = ds.empty_cache(cfg, batch=1, max_len=8).step([4])
+>>> step = DenseKVCache.empty(ds.FAMILY.kv_layouts(cfg), batch=1, max_len=8).step([4])
 >>> ds.forward(params, cfg, torch.tensor([1, 2, 3, 4]), step).shape
 torch.Size([4, 64])
 """
@@ -41,7 +42,6 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.engine.family import KVLayout, ModelFamily
-from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import (
     Attention,
     config_dict,
@@ -162,19 +162,6 @@ class DeepseekV3Config:
             m = yarn_mscale(self.rope["factor"], self.rope["mscale_all_dim"])
             scale = scale * m * m
         return scale
-
-    @property  # legacy, removed when the engine lands: today's generate() reads it
-    def kv_dims(self) -> tuple[int, int, int, bool]:
-        """(kv heads, key dim, value dim, values-share-keys) of one latent cache row."""
-        return 1, self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank, True
-
-
-# legacy, removed when the engine lands: today's generate() builds caches through it
-def empty_cache(cfg: DeepseekV3Config, *, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> DenseKVCache:
-    """A dense single-device latent cache ([B, max_len, 1, kv_lora_rank + rope] per layer)."""
-    h, dk, dv, shared = cfg.kv_dims
-    return DenseKVCache.empty(num_layers=cfg.num_hidden_layers, batch=batch, max_len=max_len, kv_heads=h,
-                              dk=dk, dv=dv, shared_v=shared, dtype=dtype, device=device)
 
 
 def mla_project(

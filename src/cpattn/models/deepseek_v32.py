@@ -22,10 +22,11 @@ GLM-5's cross-layer top-k sharing (``glm_moe_dsa``).
 Example
 -------
 >>> import torch
+>>> from cpattn.engine.dense_cache import DenseKVCache
 >>> from cpattn.models import deepseek_v32 as ds
 >>> cfg = ds.DeepseekV32Config.tiny()
 >>> params = ds.init_params(cfg, seed=0)
->>> step = ds.empty_cache(cfg, batch=1, max_len=8).step([4])
+>>> step = DenseKVCache.empty(ds.FAMILY.kv_layouts(cfg), batch=1, max_len=8).step([4])
 >>> ds.forward(params, cfg, torch.tensor([1, 2, 3, 4]), step).shape
 torch.Size([4, 64])
 """
@@ -41,7 +42,6 @@ import torch.nn.functional as F
 
 from cpattn.models import deepseek_v3 as v3
 from cpattn.engine.family import KVLayout, ModelFamily
-from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import config_dict, rope_half
 
 
@@ -70,14 +70,6 @@ class DeepseekV32Config(v3.DeepseekV3Config):
         base.update(index_topk=4, index_n_heads=4, index_head_dim=16)
         base.update(over)
         return cls(**base)
-
-
-# legacy, removed when the engine lands: today's generate() builds caches through it
-def empty_cache(cfg: DeepseekV32Config, *, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> DenseKVCache:
-    """A dense single-device cache: latent rows [B, max_len, 1, r + rope] and indexer keys [B, max_len, D_I]."""
-    h, dk, dv, shared = cfg.kv_dims
-    return DenseKVCache.empty(num_layers=cfg.num_hidden_layers, batch=batch, max_len=max_len, kv_heads=h, dk=dk,
-                              dv=dv, shared_v=shared, index_dim=cfg.index_head_dim, dtype=dtype, device=device)
 
 
 def indexer(p: dict[str, torch.Tensor], cfg: DeepseekV32Config, pre: str, x: torch.Tensor, q_lora: torch.Tensor,
@@ -112,7 +104,7 @@ def forward(
     """Logits of one step's packed tokens (see :func:`cpattn.models.deepseek_v3.forward`).
 
     ``attn`` must offer ``attn.dsa(layer, q, kv, q_index, w_index, k_index,
-    topk, scale)`` (every step of :mod:`cpattn.models.cache` and
+    topk, scale)`` (every step of :mod:`cpattn.engine.dense_cache` and
     :mod:`cpattn.models.dcp_cache` does). tokens: [T]; returns [T or T', V],
     or ``(logits, hidden)`` with ``hidden_layers``.
     """

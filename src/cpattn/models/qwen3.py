@@ -2,7 +2,7 @@
 
 ``forward(params, cfg, tokens, attn)`` runs the whole decoder on one step's
 packed tokens; ``attn`` is the step of an explicit KV cache (see
-:mod:`cpattn.models.cache`), which also gives the positions for RoPE.
+:class:`cpattn.models.common.Attention`), which also gives the positions for RoPE.
 
 Supported: GQA/MQA, q/k norm, RoPE ``default`` and ``yarn``, tied or untied
 embeddings, ``attention_bias``. Qwen3-MoE (:mod:`cpattn.models.qwen3_moe`)
@@ -13,11 +13,11 @@ Example
 -------
 >>> import torch
 >>> from cpattn.models import qwen3
->>> from cpattn.models.cache import DenseKVCache
+>>> from cpattn.engine.dense_cache import DenseKVCache
 >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
 ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
 >>> params = qwen3.init_params(cfg, seed=0)
->>> cache = qwen3.empty_cache(cfg, batch=1, max_len=8)
+>>> cache = DenseKVCache.empty(qwen3.FAMILY.kv_layouts(cfg), batch=1, max_len=8)
 >>> step = cache.step([3])
 >>> qwen3.forward(params, cfg, torch.tensor([1, 2, 3]), step).shape
 torch.Size([3, 32])
@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.engine.family import KVLayout, ModelFamily
-from cpattn.models.cache import DenseKVCache
 from cpattn.models.common import (
     Attention,
     config_dict,
@@ -75,10 +74,6 @@ class Qwen3Config:
         """From a transformers ``Qwen3Config``, a config.json dict, or a checkpoint path."""
         return cls(**qwen3_fields(config_dict(config), "qwen3"))
 
-    @property  # legacy, removed when the engine lands: today's generate() reads it
-    def kv_dims(self) -> tuple[int, int, int, bool]:
-        """(kv heads, key dim, value dim, values-share-keys) of one cache row."""
-        return self.num_key_value_heads, self.head_dim, self.head_dim, False
 
 
 def qwen3_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -106,14 +101,6 @@ def qwen3_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=bool(d.get("attention_bias", False)),
     )
-
-
-# legacy, removed when the engine lands: today's generate() builds caches through it
-def empty_cache(cfg: Qwen3Config, *, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> DenseKVCache:
-    """A dense single-device KV cache for ``batch`` requests of up to ``max_len`` tokens."""
-    h, dk, dv, shared = cfg.kv_dims
-    return DenseKVCache.empty(num_layers=cfg.num_hidden_layers, batch=batch, max_len=max_len, kv_heads=h,
-                              dk=dk, dv=dv, shared_v=shared, dtype=dtype, device=device)
 
 
 def forward(

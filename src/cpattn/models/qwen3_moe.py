@@ -21,10 +21,11 @@ sliding-window layers.
 Example
 -------
 >>> import torch
+>>> from cpattn.engine.dense_cache import DenseKVCache
 >>> from cpattn.models import qwen3_moe
 >>> cfg = qwen3_moe.Qwen3MoeConfig.tiny()
 >>> params = qwen3_moe.init_params(cfg, seed=0)
->>> step = qwen3_moe.empty_cache(cfg, batch=1, max_len=8).step([3])
+>>> step = DenseKVCache.empty(qwen3_moe.FAMILY.kv_layouts(cfg), batch=1, max_len=8).step([3])
 >>> qwen3_moe.forward(params, cfg, torch.tensor([1, 2, 3]), step).shape
 torch.Size([3, 64])
 """
@@ -96,7 +97,6 @@ class Qwen3MoeConfig(qwen3.Qwen3Config):
 
 
 # legacy, removed when the engine lands: today's generate() builds caches through it
-empty_cache = qwen3.empty_cache
 
 
 def mlp(p: dict[str, torch.Tensor], cfg: Qwen3MoeConfig, layer: int, x: torch.Tensor) -> torch.Tensor:
