@@ -10,8 +10,10 @@ One process (one thread, as every benchmark rank runs) times:
 - attention on head-major storage (how the PCP ring lays out K/V and q) vs
   token-major (what a caller passes);
 - a transposing copy (PCP's head-major packing) and a merge (elementwise);
-- the per-op cost of eager dispatch on small tensors, and (unless ``quick``)
-  the per-kernel cost inside an inductor-compiled program.
+- the per-op cost of eager dispatch: small aten ops alone, and cpattn's own
+  eager code (one step of the demo decode program on one rank, over the
+  ops it dispatches: custom-op dispatch and host-side work included); and (unless ``quick``)
+  the per-call and per-kernel costs of an inductor-compiled program.
 
 Two gloo ranks then time the collectives the code uses: one
 ``all_to_all_single`` (cpattn's small-message path on gloo) and the ring
@@ -113,19 +115,43 @@ def _eager_op_cost(reps: int) -> tuple[float, float]:
     return _median(ops, reps) / 100, _median(views, reps) / 150
 
 
-def _graph_kernel_cost(reps: int) -> float:
-    """Seconds per kernel of an inductor-compiled program: 24 chained tiny matmuls (each its own kernel)."""
+def _eager_program_op_cost(reps: int, view_cost: float) -> float:
+    """Seconds per aten op of cpattn's eager code: one eager step of the demo decode program on one rank
+    (no collectives: a group of one), over the number of ops it dispatches (traced)."""
+    from cpattn.comm.sim import SimMesh
+    from cpattn.graphs import demo_program as dp
+    from cpattn.plan.validate import count_ops
+
+    cfg = dp.ProgramConfig(num_layers=2, hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                           max_blocks=4, num_blocks=16)
+    state = dp.init_state(cfg, dp.init_params(cfg), poison=0.0)
+    step = dp.make_step(cfg, SimMesh(1).groups()[0])
+    batch = {"x": torch.randn(4, cfg.hidden), "seq_lens": torch.full((4,), 40),
+             "block_table": torch.arange(16).view(4, 4), "cu_seqlens_q": torch.arange(5, dtype=torch.int32)}
+    ops = count_ops(lambda: step(state, batch))
+    sec = _median(lambda: step(state, batch), reps, inner=5)
+    return max(sec - ops["views"] * view_cost, 0.0) / ops["ops"]
+
+
+def _graph_costs(reps: int) -> tuple[float, float]:
+    """(seconds per call, seconds per kernel) of an inductor-compiled program: chains of 8 and 40 tiny
+    matmuls (each its own kernel), fitted to ``call + kernels * per_kernel``."""
     w = torch.randn(16, 16)
 
-    def chain(x):
-        for _ in range(24):
-            x = torch.mm(x, w)
-        return x
+    def chain(n):
+        def fn(x):
+            for _ in range(n):
+                x = torch.mm(x, w)
+            return x
 
-    fn = torch.compile(chain, backend="inductor", fullgraph=True)
+        return torch.compile(fn, backend="inductor", fullgraph=True)
+
     x = torch.randn(4, 16)
-    fn(x)
-    return _median(lambda: fn(x), reps, inner=20) / 24
+    short, long = chain(8), chain(40)
+    short(x), long(x)
+    s = measure({"short": lambda: short(x), "long": lambda: long(x)}, reps, inner=20, warmup=1)
+    per_kernel = max((s["long"].median - s["short"].median) / 32, 0.0)
+    return max(s["short"].median - 8 * per_kernel, 0.0), per_kernel
 
 
 def compute_part(quick: bool = False) -> dict:
@@ -146,8 +172,9 @@ def compute_part(quick: bool = False) -> dict:
         "attention_gqa": _attention_rate(t, 8, 2, False, reps),
         "decode_attention_bw": _paged_rate(1024 if quick else 8192, reps),
     }
-    out["eager_op"], out["eager_view"] = _eager_op_cost(reps)
-    out["graph_kernel"] = None if quick else _graph_kernel_cost(reps)
+    out["simple_op"], out["eager_view"] = _eager_op_cost(reps)
+    out["eager_op"] = _eager_program_op_cost(reps, out["eager_view"])
+    out["graph_call"], out["graph_kernel"] = (None, None) if quick else _graph_costs(reps)
     return out
 
 
@@ -225,7 +252,8 @@ def calibrate(quick: bool = False, timeout_s: float = 300.0) -> Profile:
            "concurrent_compute": min(1.0, m["concurrent"]["compute"])}
     a2a, ring = m["a2a"], m["ring"]
     launch = {"eager": c["eager_op"], "view": c["eager_view"],
-              "graph": c["graph_kernel"] if c["graph_kernel"] is not None else CPU_DEFAULT.launch["graph"]}
+              "graph": c["graph_kernel"] if c["graph_kernel"] is not None else CPU_DEFAULT.launch["graph"],
+              "graph_call": c["graph_call"] if c["graph_call"] is not None else CPU_DEFAULT.launch["graph_call"]}
     when = time.strftime("%Y-%m-%d %H:%M")
     return Profile(
         name="cpu", device=f"this machine's CPU (calibrated {when}), one thread per rank, gloo over loopback",
@@ -254,7 +282,7 @@ def summary(p: Profile) -> str:
         f"{ln['ring'].overlap:.0%} hidden behind compute",
         f"  with every rank busy each keeps {e.get('concurrent_bandwidth', 1):.0%} of the memory bandwidth and "
         f"{e.get('concurrent_compute', 1):.0%} of the compute rate",
-        f"  eager op {p.launch['eager'] * 1e6:.1f} us, view {p.launch.get('view', 0) * 1e6:.1f} us, compiled kernel "
-        f"{p.launch['graph'] * 1e6:.1f} us",
+        f"  eager op {p.launch['eager'] * 1e6:.1f} us, view {p.launch.get('view', 0) * 1e6:.1f} us; compiled program "
+        f"{p.launch.get('graph_call', 0) * 1e6:.0f} us per call + {p.launch['graph'] * 1e6:.1f} us per kernel",
     ])
 

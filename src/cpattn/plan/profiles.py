@@ -168,7 +168,7 @@ CPU_DEFAULT = Profile(
     efficiency={"gemm": 1.0, "attention": 0.8, "attention_gqa": 0.8, "attention_causal": 0.65,
                 "attention_causal_hm": 0.7, "decode_attention": 1.0, "transpose": 0.5, "elementwise": 1.0,
                 "concurrent_bandwidth": 0.9, "concurrent_compute": 1.0},
-    launch={"eager": 8e-6, "graph": 1e-6, "view": 2e-6},
+    launch={"eager": 8e-6, "graph": 1e-6, "view": 2e-6, "graph_call": 100e-6},
     sources={"all": "defaults; run `cpattn plan calibrate` to fit them on this machine"},
 )
 

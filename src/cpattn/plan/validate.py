@@ -16,11 +16,14 @@ calibrated CPU profile (:mod:`cpattn.plan.calibrate`):
   ops (counted by tracing one step) at the measured dispatch cost plus the
   collectives; the captured step is the kernels inductor would emit (every
   op that is not pointwise, plus one per run of pointwise ops) at the
-  measured compiled-kernel cost, plus the same collectives and the runner's
-  copies into its static buffers.
+  measured compiled-kernel cost, plus one compiled call, the same
+  collectives and the runner's copies into its static buffers.
 
 :func:`table` puts predictions next to measured ratios (from the benchmarks'
-``--json`` output) with the relative error.
+``--json`` output) with the relative error. On a machine other jobs load,
+wall-clock ratios measure the load as much as the code; the benchmarks
+also report process CPU time, and ``dedicated=True`` predicts that ratio
+(each rank on cores of its own, no waits).
 
 Example
 -------
@@ -50,13 +53,18 @@ def _copy(prof: Profile, nbytes: float, kind: str = "elementwise") -> float:
     return prof.op_time(kind, flops=0.0, bytes_=2 * nbytes, dtype="fp32")
 
 
-def predict_pcp(prof: Profile, *, seq: int, heads: int, kv_heads: int, head_dim: int, pcp: int = 2) -> dict:
-    """Ring vs one rank for one request of ``seq`` tokens, fp32 (``cpattn bench pcp``); see module doc."""
+def predict_pcp(prof: Profile, *, seq: int, heads: int, kv_heads: int, head_dim: int, pcp: int = 2,
+                dedicated: bool = False) -> dict:
+    """Ring vs one rank for one request of ``seq`` tokens, fp32 (``cpattn bench pcp``); see module doc.
+
+    ``dedicated``: as on cores of its own per rank (no share lost to the other rank, no exposed wait):
+    what the benchmark's CPU-time ratio measures.
+    """
     from cpattn.pcp import _needs_b
 
     d, p = head_dim, pcp
     one = _attn(prof, seq, seq, True, heads, kv_heads, d, head_major=False)
-    share = prof.efficiency.get("concurrent_compute", 1.0)
+    share = 1.0 if dedicated else prof.efficiency.get("concurrent_compute", 1.0)
     ring_link = prof.links.get("ring", prof.links["intra"])
     tok = 4 * kv_heads * 2 * d  # K and V bytes per token
     t_r, na = seq // p, seq // (2 * p)
@@ -75,7 +83,7 @@ def predict_pcp(prof: Profile, *, seq: int, heads: int, kv_heads: int, head_dim:
             n_recv = t_r if _needs_b(src, s - 1, p) else na
             comm = collective_time("ring", n_recv * tok, p, ring_link)
             hide = step0 if s == 1 else later / max(s - 1, 1)
-            exposed += max(0.0, comm - ring_link.overlap * hide)
+            exposed += 0.0 if dedicated else max(0.0, comm - ring_link.overlap * hide)
             del prev
             if src < r:  # every local query, kv_a of src
                 later += _attn(prof, t_r, na, False, heads, kv_heads, d, head_major=True) / share
@@ -110,11 +118,12 @@ def ring_pairs(seq: int, pcp: int) -> list[int]:
 
 
 def predict_dcp(prof: Profile, *, context: int, batch: int = 4, heads: int = 32, kv_heads: int = 8,
-                head_dim: int = 128, dcp: int = 2, kv_bytes: int = 2) -> dict:
-    """Whole DCP decode step vs one rank (``cpattn bench dcp``): ratios per variant."""
+                head_dim: int = 128, dcp: int = 2, kv_bytes: int = 2, dedicated: bool = False) -> dict:
+    """Whole DCP decode step vs one rank (``cpattn bench dcp``): ratios per variant (``dedicated``: see
+    :func:`predict_pcp`; the collectives' waits then drop out too)."""
     kv = batch * context * kv_heads * head_dim * 2 * kv_bytes
     one = prof.op_time("decode_attention", flops=0.0, bytes_=kv, dtype="bf16")
-    share = prof.efficiency.get("concurrent_bandwidth", 1.0)
+    share = 1.0 if dedicated else prof.efficiency.get("concurrent_bandwidth", 1.0)
     mine = prof.op_time("decode_attention", flops=0.0, bytes_=kv / dcp, dtype="bf16") / share
     link = prof.links.get("a2a", prof.links["intra"])
     hl = heads // dcp
@@ -127,6 +136,8 @@ def predict_dcp(prof: Profile, *, context: int, batch: int = 4, heads: int = 32,
         "a2a": collective_time("all_gather", q, dcp, link, "a2a") + collective_time("all_to_all", part, dcp, link, "a2a"),
         "local_a2a": collective_time("all_to_all", part, dcp, link, "a2a"),
     }
+    if dedicated:
+        comm = {k: 0.0 for k in comm}
     return {"one_rank_s": one, "attention_s": mine, "comm_s": comm,
             "ratio": {k: (mine + c) / one for k, c in comm.items()}}
 
@@ -208,25 +219,25 @@ def predict_graph(prof: Profile, *, layers: int = 4, batches=(1, 8, 32), dcp: in
         comm = layers * sum(collective_time(k, n, dcp, link, "a2a") for k, n in per_layer)
         eager = ops["ops"] * prof.launch["eager"] + ops["views"] * prof.launch.get("view", 0.0) + comm
         copies = 4 * prof.launch["eager"]  # the runner copies the batch into its static buffers
-        graph = ops["kernels"] * prof.launch["graph"] + comm + copies
+        graph = prof.launch.get("graph_call", 0.0) + ops["kernels"] * prof.launch["graph"] + comm + copies
         out[b] = {"eager_s": eager, "graph_s": graph, "comm_s": comm, "ops": ops, "speedup": eager / graph}
     return out
 
 
 # ----------------------------------------------------------------------------- measured values, table
-def measured_pcp(result: dict) -> float | None:
-    """ring / one rank (median of per-round ratios) from ``cpattn bench pcp --json``."""
+def measured_pcp(result: dict, clock: str = "wall") -> float | None:
+    """ring / one rank (median of per-round ratios, wall or CPU time) from ``cpattn bench pcp --json``."""
     row = next((r for r in result.get("rows", []) if r["method"] == "ring"), None)
-    return None if row is None else row["vs_one_rank"]
+    return None if row is None else row["cpu_vs_one_rank" if clock == "cpu" else "vs_one_rank"]
 
 
-def measured_dcp(result: dict, context: int) -> dict:
-    """Whole-step DCP / one rank per variant (median of per-round wall ratios) from ``cpattn bench dcp --json``."""
-    out = {}
+def measured_dcp(result: dict, context: int, clock: str = "wall") -> dict:
+    """Whole-step DCP / one rank per variant (median of per-round ratios) from ``cpattn bench dcp --json``."""
+    out, tail = {}, f"_{clock}_ms"
     for r in result.get("rows", []):
         m = r.get("metric", "")
-        if r.get("context") == context and m.startswith("step_") and m.endswith("_wall_ms"):
-            out[m[len("step_"):-len("_wall_ms")]] = r["ratio"]["median"]
+        if r.get("context") == context and m.startswith("step_") and m.endswith(tail):
+            out[m[len("step_"):-len(tail)]] = r["ratio"]["median"]
     return out
 
 
