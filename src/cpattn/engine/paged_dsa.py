@@ -47,7 +47,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta
-from cpattn.dsa import select_topk_candidates
+from cpattn.dsa import exchange_topk
 from cpattn.ops import merge_attn_states
 from cpattn.ops.dsa import indexer_scores, sparse_mla_attention_with_lse, topk_indices
 
@@ -94,7 +94,8 @@ def owned_slots(gids: torch.Tensor, requests: torch.Tensor, block_table: torch.T
 
 def dsa_topk(q_index: torch.Tensor, w_index: torch.Tensor, index_cache: torch.Tensor, meta: DCPMeta, *, rank: int,
              group: Group, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact global top-k over a key-sharded paged indexer cache, with static shapes.
+    """Exact global top-k over a key-sharded paged indexer cache, with static shapes (:func:`sharded_topk`
+    with the step's metadata).
 
     Arguments
     ---------
@@ -110,28 +111,35 @@ def dsa_topk(q_index: torch.Tensor, w_index: torch.Tensor, index_cache: torch.Te
     slots [T, topk] int64 of the selected keys this rank owns (-1 elsewhere).
     One all_gather of ``T * topk`` (score, int64 id) pairs: 12 bytes each for float32 scores.
     """
-    t, bs = q_index.shape[0], meta.block_size
-    d = index_cache.shape[-1]
-    slots = local_slots(meta.block_table, meta.req_indices, bs)  # [T, L]
+    return sharded_topk(q_index, w_index, index_cache, meta.block_table, meta.req_indices, meta.kv_lens[rank],
+                        rank=rank, size=meta.dcp_size, interleave_size=meta.interleave_size, group=group, topk=topk)
+
+
+def sharded_topk(q_index: torch.Tensor, w_index: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+                 requests: torch.Tensor, visible: torch.Tensor, *, rank: int, size: int, interleave_size: int,
+                 group: Group, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static-width exact global top-k over any key-sharded paged cache (DSA's keys, V4's CSA entries).
+
+    q_index: [T, H_I, D_I]; w_index: [T, H_I]; index_cache: [NB, BS, D_I]
+    this rank's keys; block_table: [B, max_blocks]; requests: [T] request
+    of each row (-1: padding); visible: [T] local keys row t sees (0 for
+    padding). Every row scores every local index of the table's width, keeps
+    its local top-k, and :func:`cpattn.dsa.exchange_topk` re-selects the
+    global top-k. Returns (global ids [T, topk], owned slots [T, topk]).
+    """
+    t, bs, d = q_index.shape[0], index_cache.shape[1], index_cache.shape[-1]
+    slots = local_slots(block_table, requests, bs)  # [T, L]
     width = slots.shape[1]
     flat = index_cache.reshape(-1, d)  # [num_blocks * bs, D_I]
     keys = flat[slots.clamp(0, flat.shape[0] - 1)].reshape(t * width, d)  # [T*L, D_I]: row t's keys at t*L
     start = torch.arange(t, device=keys.device) * width  # [T]
-    visible = meta.kv_lens[rank].long()  # [T] local keys row t sees (0 for padding)
-    scores = indexer_scores(q_index, w_index, keys, start, visible, width)  # [T, L]
+    scores = indexer_scores(q_index, w_index, keys, start, visible.long(), width)  # [T, L]
     local = topk_indices(scores, topk).long()  # [T, k] local indices, -1 padded
-    live = local >= 0
-    cand_s = torch.where(live, scores.gather(1, local.clamp(min=0)), float("-inf"))  # [T, k] scores' dtype
-    cand_i = global_ids(local, rank, meta.dcp_size, meta.interleave_size)  # [T, k]
-    nb = cand_s.element_size()
-    msg = torch.cat([cand_s[..., None].view(torch.uint8), cand_i[..., None].view(torch.uint8)], -1)  # [T, k, nb + 8]
-    got = group.all_gather(msg[None], dim=0)  # [N, T, k, nb + 8]: every rank's candidates, exact bits
-    got = got.transpose(0, 1).reshape(t, -1, nb + 8)  # [T, N*k, nb + 8]
-    all_s = got[..., :nb].contiguous().view(cand_s.dtype)[..., 0]  # [T, N*k]
-    all_i = got[..., nb:].contiguous().view(torch.int64)[..., 0]  # [T, N*k]
-    gids, _ = select_topk_candidates(all_s, all_i, topk)  # [T, k]
-    return gids, owned_slots(gids, meta.req_indices, meta.block_table, rank=rank, size=meta.dcp_size,
-                             interleave_size=meta.interleave_size, block_size=bs)
+    cand_s = torch.where(local >= 0, scores.gather(1, local.clamp(min=0)), float("-inf"))  # [T, k] scores' dtype
+    cand_i = global_ids(local, rank, size, interleave_size)  # [T, k]
+    gids, _ = exchange_topk(cand_s, cand_i, topk, group=group)  # [T, k]
+    return gids, owned_slots(gids, requests, block_table, rank=rank, size=size, interleave_size=interleave_size,
+                             block_size=bs)
 
 
 def sparse_partials_merged(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor, *, group: Group,

@@ -50,12 +50,10 @@ from __future__ import annotations
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.dsa import select_topk_candidates
-from cpattn.engine.paged_dsa import global_ids, local_slots, owned_slots
+from cpattn.engine.paged_dsa import sharded_topk
 from cpattn.graphs.runner import Field
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.layout.pcp import chunk_bounds
-from cpattn.ops.dsa import indexer_scores, topk_indices
 from cpattn.ops.paged import paged_attention_with_lse
 from cpattn.ops.rows import write_rows
 from cpattn.ops.window_attention import window_attention_with_lse
@@ -193,26 +191,9 @@ def entry_topk(index_q: torch.Tensor, index_weights: torch.Tensor, index_keys: t
     ...            torch.tensor([[5]]), group=SimMesh(1).groups()[0], interleave=1, topk=2).tolist()
     [[1, 4]]
     """
-    t, bs, d = index_q.shape[0], index_keys.shape[1], index_keys.shape[-1]
-    rank, size = group.rank, group.size
-    slots = local_slots(table, req, bs)  # [T, L]
-    width = slots.shape[1]
-    flat = index_keys.reshape(-1, d)
-    keys = flat[slots.clamp(0, flat.shape[0] - 1)].reshape(t * width, d)  # row t's keys at t * L
-    start = torch.arange(t, device=keys.device) * width
-    visible = torch.where(req >= 0, kv_lens[:, rank], 0)
-    scores = indexer_scores(index_q, index_weights, keys, start, visible, width)  # [T, L]
-    local = topk_indices(scores, topk).long()  # [T, k] local indices, -1 padded
-    cand_s = torch.where(local >= 0, scores.gather(1, local.clamp(min=0)), float("-inf"))
-    cand_i = global_ids(local, rank, size, interleave)
-    if size > 1:  # exchange candidates as exact bytes: [score | id]
-        nb = cand_s.element_size()
-        msg = torch.cat([cand_s[..., None].view(torch.uint8), cand_i[..., None].view(torch.uint8)], -1)
-        got = group.all_gather(msg[None], dim=0).transpose(0, 1).reshape(t, -1, nb + 8)  # [T, N k, nb + 8]
-        cand_s = got[..., :nb].contiguous().view(cand_s.dtype)[..., 0]
-        cand_i = got[..., nb:].contiguous().view(torch.int64)[..., 0]
-    gids, _ = select_topk_candidates(cand_s, cand_i, topk)
-    return owned_slots(gids, req, table, rank=rank, size=size, interleave_size=interleave, block_size=bs)
+    visible = torch.where(req >= 0, kv_lens[:, group.rank], 0)
+    return sharded_topk(index_q, index_weights, index_keys, table, req, visible, rank=group.rank, size=group.size,
+                        interleave_size=interleave, group=group, topk=topk)[1]
 
 
 class V4DecodeStep:

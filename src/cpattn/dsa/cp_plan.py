@@ -1,0 +1,200 @@
+"""DSA-CP's host-side plan: which tokens each rank keeps (contiguous ranges or PCP head-tail chunks), where
+every token's entry lives in the replicated cache, and the work per rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpattn.layout.pcp import pcp_plan
+from cpattn.ops import checks
+
+SPLITS = ("contiguous", "balanced")
+
+
+@dataclass(frozen=True)
+class DSACPPlan:
+    """Host-side DSA-CP plan for one batch (see :func:`dsa_cp_plan`).
+
+    Per rank r: ``token_index[r]`` [T_r] global packed token ids,
+    ``positions[r]`` [T_r] absolute positions, ``requests[r]`` [T_r] request
+    ids, ``num_tokens[r]`` = T_r, ``max_visible[r]`` = max(pos) + 1 (0 if none).
+
+    Global: ``size`` N, ``split``, ``seq_lens`` / ``context_lens`` [B],
+    ``cu_seqlens`` [B+1], ``restore_index`` [T] (``cat(parts)[restore_index]``
+    is request order), ``gather_rows`` [T] (row of token i in the padded
+    rank-major all-gather buffer ``[N * max_tokens]``), ``cache_starts`` [B]
+    (first cache row of each request), ``cache_rows`` [T] (cache row token i
+    is written to: ``start + ctx + offset``), ``cache_size`` (rows needed).
+    """
+
+    size: int
+    split: str
+    seq_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    token_index: tuple[torch.Tensor, ...]
+    positions: tuple[torch.Tensor, ...]
+    requests: tuple[torch.Tensor, ...]
+    num_tokens: tuple[int, ...]
+    max_visible: tuple[int, ...]
+    restore_index: torch.Tensor
+    gather_rows: torch.Tensor
+    cache_starts: tuple[int, ...]
+    cache_rows: torch.Tensor
+    cache_size: int
+
+    @property
+    def max_tokens(self) -> int:
+        """Largest T_r: the padded per-rank size of the all-gather."""
+        return max(self.num_tokens)
+
+
+def dsa_cp_plan(
+    cu_seqlens: torch.Tensor | list[int],
+    cp_size: int,
+    *,
+    context_lens: torch.Tensor | list[int] | None = None,
+    cache_starts: list[int] | None = None,
+    split: str = "contiguous",
+) -> DSACPPlan:
+    """Plan how a packed batch's new tokens are split over a DSA-CP group.
+
+    Arguments
+    ---------
+    cu_seqlens: [B+1] cumulative new-token counts (prefill chunks, or 1 per
+        request in decode).
+    cp_size: N ranks.
+    context_lens: [B] cached tokens before each request's new ones (prefix
+        caching / chunked prefill / decode); positions start there.
+    cache_starts: [B] first row of each request in the replicated cache;
+        default packs requests back to back (``sum_{j<b} ctx_j + n_j``).
+    split: "contiguous" (the packed token dim cut into N near-equal ranges,
+        the guide's DSA-CP) or "balanced" (PCP head-tail chunks per request).
+
+    Example
+    -------
+    >>> from cpattn.dsa import dsa_cp_plan
+    >>> [t.tolist() for t in dsa_cp_plan([0, 8], 2).token_index]
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    >>> [t.tolist() for t in dsa_cp_plan([0, 8], 2, split="balanced").token_index]
+    [[0, 1, 6, 7], [2, 3, 4, 5]]
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+    cp_size = checks.integer("cp_size", cp_size, at_least=1)
+    cu = checks.int_list("cu_seqlens", cu_seqlens)
+    checks.cumulative("cu_seqlens", cu)
+    seq = [b - a for a, b in zip(cu, cu[1:])]
+    ctx = [0] * len(seq) if context_lens is None else checks.int_list("context_lens", context_lens)
+    checks.nonnegative("context_lens", ctx, len(seq), "one per request")
+    if cache_starts is None:
+        cache_starts, acc = [], 0
+        for c, n in zip(ctx, seq):
+            cache_starts.append(acc)
+            acc += c + n
+    cache_starts = checks.int_list("cache_starts", cache_starts)
+    checks.nonnegative("cache_starts", cache_starts, len(seq), "one per request")
+    _check_disjoint(cache_starts, [c + n for c, n in zip(ctx, seq)])
+    n_tok = cu[-1]
+    req_of = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(seq, dtype=torch.int64))  # [T]
+    pos_of = torch.arange(n_tok) - torch.tensor(cu[:-1], dtype=torch.int64)[req_of] + torch.tensor(
+        ctx, dtype=torch.int64)[req_of] if n_tok else torch.zeros(0, dtype=torch.int64)  # [T]
+    if split == "balanced":
+        token_index = list(pcp_plan(cu, cp_size, context_lens=ctx).token_index)
+    else:
+        token_index = [torch.arange(r * n_tok // cp_size, (r + 1) * n_tok // cp_size) for r in range(cp_size)]
+    num = [int(t.numel()) for t in token_index]
+    order = torch.cat(token_index)
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(n_tok)
+    gather_rows = torch.empty(n_tok, dtype=torch.int64)
+    for r, idx in enumerate(token_index):
+        gather_rows[idx] = r * max(num) + torch.arange(num[r])
+    starts_t = torch.tensor(cache_starts, dtype=torch.int64)
+    cache_rows = starts_t[req_of] + pos_of if n_tok else torch.zeros(0, dtype=torch.int64)
+    size = max([s + c + n for s, c, n in zip(cache_starts, ctx, seq)], default=0)
+    return DSACPPlan(
+        size=cp_size,
+        split=split,
+        seq_lens=tuple(seq),
+        context_lens=tuple(ctx),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        token_index=tuple(token_index),
+        positions=tuple(pos_of[t] for t in token_index),
+        requests=tuple(req_of[t] for t in token_index),
+        num_tokens=tuple(num),
+        max_visible=tuple(int(pos_of[t].max()) + 1 if t.numel() else 0 for t in token_index),
+        restore_index=restore,
+        gather_rows=gather_rows,
+        cache_starts=tuple(cache_starts),
+        cache_rows=cache_rows,
+        cache_size=size,
+    )
+
+
+def _check_disjoint(starts: list[int], sizes: list[int]) -> None:
+    """Requests' cache row ranges ``[start, start + ctx + n)`` must not overlap (one request would overwrite another)."""
+    spans = sorted((s, s + n, b) for b, (s, n) in enumerate(zip(starts, sizes)) if n > 0)
+    for (s0, e0, b0), (s1, e1, b1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ValueError(
+                f"cache_starts[{b1}] = {s1} puts request {b1} inside request {b0}'s cache rows {s0}..{e0 - 1} "
+                "(context_lens + new tokens); give each request its own rows"
+            )
+
+
+def dsa_cp_shard(x: torch.Tensor, plan: DSACPPlan, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens of a packed global tensor: [T, ...] -> [T_rank, ...].
+
+    Example
+    -------
+    >>> import torch
+    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
+    >>> dsa_cp_shard(torch.arange(5), dsa_cp_plan([0, 5], 2), 1).tolist()
+    [2, 3, 4]
+    """
+    rank = checks.rank("rank", rank, plan.size, "the plan's DSA-CP ranks")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != plan.restore_index.numel():
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a packed [T={plan.restore_index.numel()}, ...] tensor (the plan's tokens); got {got}")
+    return x[plan.token_index[rank].to(x.device)]
+
+
+def dsa_cp_unshard(parts: list[torch.Tensor], plan: DSACPPlan) -> torch.Tensor:
+    """Inverse of :func:`dsa_cp_shard`: per-rank [T_r, ...] -> global [T, ...] in request order."""
+    if len(parts) != plan.size:
+        raise ValueError(f"dsa_cp_unshard needs {plan.size} parts (one per rank); got {len(parts)}")
+    for r, x in enumerate(parts):
+        if x.shape[0] != plan.num_tokens[r]:
+            raise ValueError(f"part {r} has {x.shape[0]} tokens; the plan gives rank {r} {plan.num_tokens[r]}")
+    cat = torch.cat(list(parts))
+    return cat[plan.restore_index.to(cat.device)]
+
+
+def dsa_cp_work(plan: DSACPPlan, topk: int) -> list[dict]:
+    """Exact per-rank work of a DSA-CP plan (noise-free load balance).
+
+    Returns one dict per rank: ``tokens``, ``indexer_keys`` (sum over local
+    tokens of ``pos + 1``: query-key pairs the indexer scores) and
+    ``attended_keys`` (sum of ``min(pos + 1, topk)``: pairs the sparse
+    attention computes). Indexer FLOPs are ``2 * indexer_keys * H_I * D_I``;
+    attention FLOPs ``2 * attended_keys * H * (Dqk + Dv)``.
+
+    Example
+    -------
+    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_work
+    >>> [w["indexer_keys"] for w in dsa_cp_work(dsa_cp_plan([0, 8], 2), 4)]
+    [10, 26]
+    """
+    out = []
+    for pos in plan.positions:
+        vis = pos + 1
+        out.append({
+            "tokens": int(pos.numel()),
+            "indexer_keys": int(vis.sum()),
+            "attended_keys": int(vis.clamp(max=topk).sum()),
+        })
+    return out
+
