@@ -209,7 +209,7 @@ def test_every_option_has_help_showing_its_default_and_no_work_item_numbers():
                 continue
             assert action.help and action.help != argparse.SUPPRESS, (p.prog, action.option_strings)
         for action in p._actions:  # every option states its default, on/off switches aside
-            if not isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
+            if not isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction, argparse._StoreFalseAction)):
                 assert "default" in p._get_formatter()._get_help_string(action), (p.prog, action.option_strings)
         assert "(default: False)" not in text and ") (default: None)" not in text, p.prog
 

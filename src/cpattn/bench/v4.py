@@ -261,13 +261,13 @@ def _parser():
     cli.add_parallel(ap, pcp=2, dcp=2)
     cli.add_dtype(ap, default="float32", help="dtype of the prefill part (the decode part runs bf16 and fp32)")
     ap.add_argument("--context", type=cli.positive_int, default=None,
-                    help="decode context in tokens (None: 65536, or 4096 with --quick)")
+                    help="decode context in tokens (default 65536; 4096 with --quick)")
     ap.add_argument("--batch", type=cli.positive_int, default=None,
-                    help="decode requests per step, each at the full context (None: 4, or 1 with --quick)")
+                    help="decode requests per step, each at the full context (default 4; 1 with --quick)")
     ap.add_argument("--prefill-tokens", type=cli.positive_int, default=None,
-                    help="prefill length in tokens (None: 16384, or 512 with --quick)")
+                    help="prefill length in tokens (default 16384; 512 with --quick)")
     ap.add_argument("--reps", type=cli.positive_int, default=None,
-                    help="interleaved timing rounds (None: 3, or 2 with --quick)")
+                    help="interleaved timing rounds (default 3; 2 with --quick)")
     cli.add_json(ap)
     cli.add_timeout(ap)
     return ap

@@ -99,6 +99,8 @@ def store_class():
     """``mooncake.store.MooncakeDistributedStore``, or ImportError with the reason and the fix."""
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO lines would fill reports; failures reach us as
+    # return codes (set MC_LOG_LEVEL=INFO to see its whole log)
     try:
         from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415 - optional dependency
     except ImportError as err:
