@@ -29,7 +29,8 @@ from hf_oracle import (  # noqa: E402
 )
 
 from cpattn.models import deepseek_v2, load_checkpoint, qwen3_moe  # noqa: E402
-from cpattn.models.generate import generate  # noqa: E402
+from cpattn.models.generate import disagg_generate, generate, speculative_generate  # noqa: E402
+from cpattn.engine.drafters import NgramDrafter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,6 +97,19 @@ def test_generate_matches_hf(name, pcp, dcp):
     gen = generate(ref.module, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, pcp_size=pcp, dcp_size=dcp, **kw)
     assert gen.tokens.shape == (len(PROMPT_LENS), NEW_TOKENS)
     ref.check(gen)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
+def test_pd_and_speculative_match_hf(name):
+    """P/D (PCP 2 prefill -> whole blocks -> DCP 2 decode) and speculative verification of 1 + 2 rows per
+    request over DCP 2 (n-gram drafts, through a captured DecodeRunner)."""
+    ref = reference(name)
+    ref.check(disagg_generate(ref.module, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, prefill_size=2,
+                              decode_size=2, block_size=4))
+    spec = speculative_generate(ref.module, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, drafter=NgramDrafter(),
+                                num_speculative_tokens=2, dcp_size=2, graph=True, capture_sizes=[3, 6])
+    ref.check(spec)
+    assert spec.stats.drafted == 2 * spec.stats.rows and spec.stats.graph_steps > 0
 
 
 def test_dcp_size_not_dividing_the_heads_is_refused():

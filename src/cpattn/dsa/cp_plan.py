@@ -163,7 +163,16 @@ def dsa_cp_shard(x: torch.Tensor, plan: DSACPPlan, rank: int) -> torch.Tensor:
 
 
 def dsa_cp_unshard(parts: list[torch.Tensor], plan: DSACPPlan) -> torch.Tensor:
-    """Inverse of :func:`dsa_cp_shard`: per-rank [T_r, ...] -> global [T, ...] in request order."""
+    """Inverse of :func:`dsa_cp_shard`: per-rank [T_r, ...] -> global [T, ...] in request order.
+
+    Example
+    -------
+    >>> import torch
+    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_shard, dsa_cp_unshard
+    >>> plan = dsa_cp_plan([0, 5], 2)
+    >>> dsa_cp_unshard([dsa_cp_shard(torch.arange(5), plan, r) for r in range(2)], plan).tolist()
+    [0, 1, 2, 3, 4]
+    """
     if len(parts) != plan.size:
         raise ValueError(f"dsa_cp_unshard needs {plan.size} parts (one per rank); got {len(parts)}")
     for r, x in enumerate(parts):

@@ -168,6 +168,23 @@ def dsa_dcp_topk(
     Exactness also needs every rank to score a key bit-identically to the
     single device (true of the CPU kernel; grid-valued test inputs make it
     hold on any device).
+
+    Example
+    -------
+    Two ranks, keys interleaved one by one (rank 0 holds ids 0, 2, 4):
+
+    >>> import torch
+    >>> from cpattn import simulate
+    >>> from cpattn.dsa import dcp_shard_keys, dsa_dcp_topk
+    >>> g = torch.Generator().manual_seed(0)
+    >>> latent, k_index = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    >>> q, w = torch.randn(1, 2, 4, generator=g), torch.rand(1, 2, generator=g)
+    >>> def rank_fn(group):
+    ...     keys = dcp_shard_keys(latent, k_index, [0, 6], group.rank, 2)
+    ...     ids, rows = dsa_dcp_topk(q, w, torch.tensor([5]), [0, 1], keys, group=group, topk=3)
+    ...     return ids.tolist(), rows.tolist()
+    >>> simulate(2, rank_fn)
+    [([[2, 4, 3]], [[1, 2, -1]]), ([[2, 4, 3]], [[-1, -1, 1]])]
     """
     dev = q_index.device
     t = q_index.shape[0]
