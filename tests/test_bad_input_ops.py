@@ -15,7 +15,7 @@ from cpattn import ops
 from cpattn.comm.sim import SimMesh
 from cpattn.dcp import DCPContext, dcp_decode, dcp_plan
 from cpattn.dsa import (
-    ShardedKeys, dcp_shard_keys, dsa_attention, dsa_cp_plan, dsa_cp_shard, dsa_dcp_attention, dsa_dcp_topk,
+    ShardedKeys, dcp_shard_keys, dsa_attention, dsa_cp_plan, dsa_dcp_attention, dsa_dcp_topk,
 )
 from cpattn.layout.dcp import dcp_local_lens, dcp_owner, dcp_slot_mapping, reshard_kv_blocks
 from cpattn.layout.pcp import pcp_plan, pcp_shard, pcp_unshard
@@ -73,7 +73,7 @@ def topk_args(positions=(0, 1, 2), cu_q=(0, 3), ids=None):
     lat, ki = torch.randn(3, 24), torch.randn(3, 8)
     keys = dcp_shard_keys(lat, ki, [0, 3], 0, 1)
     if ids is not None:
-        keys = ShardedKeys(keys.latent, keys.index_k, T(ids), keys.cu_seqlens)
+        keys = ShardedKeys(keys.latent, keys.k_index, T(ids), keys.cu_seqlens)
     q_i, w_i = torch.randn(3, 2, 8), torch.rand(3, 2)
     return lambda: dsa_dcp_topk(q_i, w_i, T(positions), list(cu_q), keys, group=one(), topk=2)
 
@@ -142,7 +142,7 @@ ROWS = [
     ("pcp_plan context length", lambda: pcp_plan([0, 4, 6], 2, context_lens=[3]),
      "context_lens must hold 2 entries (one per request); got 1"),
     ("pcp_shard rank past plan", lambda: pcp_shard(torch.arange(8), pcp_plan([0, 8], 2), 2),
-     "rank must be in 0..1 (the plan's PCP ranks: 2); got 2"),
+     "rank must be in 0..1 (the plan's ranks: 2); got 2"),
     ("pcp_shard negative rank", lambda: pcp_shard(torch.arange(8), pcp_plan([0, 8], 2), -1),
      "rank must be in 0..1"),
     ("pcp_shard wrong tokens", lambda: pcp_shard(torch.arange(7), pcp_plan([0, 8], 2), 0),
@@ -178,6 +178,10 @@ ROWS = [
     ("dcp_decode rows", lambda: dcp_decode(torch.zeros(2, 2, 8), (torch.zeros(2, 4, 1, 8),) * 2,
                                            dcp_plan([4], [1], T([[0]]), dcp_size=1, interleave_size=1, block_size=4),
                                            group=one()), "q must be [T=1, Hl, Dk]"),
+    ("dcp_decode latent without v_head_dim", lambda: dcp_decode(
+        torch.zeros(1, 2, 8), torch.zeros(2, 4, 1, 8), dcp_plan([4], [1], T([[0]]), dcp_size=1, interleave_size=1,
+                                                                 block_size=4), group=one()),
+     "an MLA latent cache [..., 8] needs v_head_dim in 1..8"),
     ("dcp_decode meta type", lambda: dcp_decode(torch.zeros(1, 2, 8), (torch.zeros(2, 4, 1, 8),) * 2, [4],
                                                 group=one()), "meta must be a DCPMeta"),
     ("DCPContext context past table", dcp_ctx(ctx_lens=(9,)),
@@ -195,8 +199,8 @@ ROWS = [
     ("dsa_cp_plan overlapping cache", lambda: dsa_cp_plan([0, 3, 5], 2, cache_starts=[0, 2]),
      "cache_starts[1] = 2 puts request 1 inside request 0's cache rows 0..2"),
     ("dsa_cp_plan negative context", lambda: dsa_cp_plan([0, 3], 2, context_lens=[-1]), "context_lens[0] = -1"),
-    ("dsa_cp_shard rank", lambda: dsa_cp_shard(torch.arange(3), dsa_cp_plan([0, 3], 2), 2),
-     "rank must be in 0..1 (the plan's DSA-CP ranks: 2); got 2"),
+    ("pcp_shard rank", lambda: pcp_shard(torch.arange(3), dsa_cp_plan([0, 3], 2), 2),
+     "rank must be in 0..1 (the plan's ranks: 2); got 2"),
     ("dcp_shard_keys rank", lambda: dcp_shard_keys(torch.zeros(4, 8), torch.zeros(4, 2), [0, 4], 2, 2),
      "rank must be in 0..1 (the DCP group's ranks: 2); got 2"),
     ("dcp_shard_keys cu past latent", lambda: dcp_shard_keys(torch.zeros(4, 8), torch.zeros(4, 2), [0, 6], 0, 2),

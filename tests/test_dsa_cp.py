@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cpattn
+from cpattn import pcp_shard, pcp_unshard
 from cpattn.comm.launch import spawn
 from cpattn.dsa import (
     DSACache,
@@ -16,8 +17,6 @@ from cpattn.dsa import (
     dsa_attention,
     dsa_cp_attention,
     dsa_cp_plan,
-    dsa_cp_shard,
-    dsa_cp_unshard,
     dsa_cp_work,
     dsa_dcp_attention,
     select_topk_candidates,
@@ -75,7 +74,7 @@ def cp_rank(group, cases, split, output):
     for c in cases:
         plan = dsa_cp_plan(c["cu_q"], group.size, context_lens=c["ctx"], cache_starts=c["starts"], split=split)
         cache = DSACache(c["cache"][0].clone(), c["cache"][1].clone())
-        mine = [dsa_cp_shard(c[k], plan, group.rank) for k in ("q", "new_latent", "q_idx", "w_idx", "new_k")]
+        mine = [pcp_shard(c[k], plan, group.rank) for k in ("q", "new_latent", "q_idx", "w_idx", "new_k")]
         out, lse = dsa_cp_attention(*mine, plan, group=group, topk=c["topk"], softmax_scale=SCALE, value_dim=DV,
                                     cache=cache, output=output, return_lse=True)
         res.append((out, lse, cache))
@@ -107,8 +106,8 @@ def gloo_rank(group, cases):
 def check_cp(c, results, n, split, output):
     plan = dsa_cp_plan(c["cu_q"], n, context_lens=c["ctx"], cache_starts=c["starts"], split=split)
     if output == "token":
-        out = dsa_cp_unshard([r[0] for r in results], plan)
-        lse = dsa_cp_unshard([r[1] for r in results], plan)
+        out = pcp_unshard([r[0] for r in results], plan)
+        lse = pcp_unshard([r[1] for r in results], plan)
     else:
         out = torch.cat([r[0] for r in results], dim=1)
         lse = torch.cat([r[1] for r in results], dim=1)
@@ -117,7 +116,7 @@ def check_cp(c, results, n, split, output):
     torch.testing.assert_close(lse.double(), c["want_lse"], rtol=1e-5, atol=1e-6)
     for r in results:  # every rank's replicated cache got every new token
         torch.testing.assert_close(r[2].latent[plan.cache_rows], c["new_latent"])
-        assert torch.equal(r[2].index_k[plan.cache_rows], c["new_k"])
+        assert torch.equal(r[2].k_index[plan.cache_rows], c["new_k"])
 
 
 def check_dcp(c, results, output):
@@ -213,7 +212,7 @@ def test_errors_are_named():
     c = case([6], seed=1)
     plan = dsa_cp_plan(c["cu_q"], 2)
     args = [c[k] for k in ("q", "new_latent", "q_idx", "w_idx", "new_k")]
-    with pytest.raises(RuntimeError, match="dsa_cp_shard"):
+    with pytest.raises(RuntimeError, match="pcp_shard"):
         cpattn.simulate(2, lambda g: dsa_cp_attention(*args, plan, group=g, topk=4, softmax_scale=SCALE, value_dim=DV))
     with pytest.raises(RuntimeError, match="rebuild the plan"):
         cpattn.simulate(3, lambda g: dsa_cp_attention(*args, plan, group=g, topk=4, softmax_scale=SCALE, value_dim=DV))

@@ -229,7 +229,8 @@ def test_dense_step_selection_matches_float64_oracle():
 @pytest.mark.parametrize("size,split", [(2, "balanced"), (3, "contiguous")])
 def test_dsa_cp_step_selection_matches_float64_oracle(size, split):
     """DSA-CP: each rank reuses the selection it computed on the full layer, over the replicated cache."""
-    from cpattn.dsa import dsa_cp_plan, dsa_cp_shard, dsa_cp_unshard
+    from cpattn import pcp_shard, pcp_unshard
+    from cpattn.dsa import dsa_cp_plan
     from cpattn.engine.prefill_steps import DSACPStep
 
     lens, g = [7, 4], torch.Generator().manual_seed(1)
@@ -237,7 +238,7 @@ def test_dsa_cp_step_selection_matches_float64_oracle(size, split):
     plan = dsa_cp_plan([0, 7, 11], size, split=split)
 
     def rank(grp):
-        m = {k: dsa_cp_shard(v, plan, grp.rank) for k, v in x.items()}
+        m = {k: pcp_shard(v, plan, grp.rank) for k, v in x.items()}
         step = DSACPStep(grp, plan, LAYS)
         out0, sel = step.dsa(0, m["q"], m["kv0"], m["qi"], m["wi"], m["ki"], 3, 0.3, return_selection=True)
         before = grp.stats.total_sent()
@@ -246,8 +247,8 @@ def test_dsa_cp_step_selection_matches_float64_oracle(size, split):
 
     res = cpattn.simulate(size, rank)
     want0, want1 = oracle(x, lens, 3, 0.3)
-    assert torch.allclose(dsa_cp_unshard([r[0] for r in res], plan), want0, atol=1e-12, rtol=0)
-    assert torch.allclose(dsa_cp_unshard([r[1] for r in res], plan), want1, atol=1e-12, rtol=0)
+    assert torch.allclose(pcp_unshard([r[0] for r in res], plan), want0, atol=1e-12, rtol=0)
+    assert torch.allclose(pcp_unshard([r[1] for r in res], plan), want1, atol=1e-12, rtol=0)
     # the shared layer gathers only latents: [max_tokens, 12] float64 per rank to each other rank
     assert all(r[3] == plan.max_tokens * 12 * 8 * (size - 1) for r in res)
 

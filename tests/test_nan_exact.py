@@ -148,7 +148,8 @@ def dsa_nan_case(lens, ctx, bad_req, bad_pos, seed):
 ])
 def test_dsa_nan_rows_match_one_device(lens, ctx, bad, one_thread):
     c = dsa_nan_case(lens, ctx, *bad, seed=3)
-    from cpattn.dsa import dsa_attention, dsa_cp_plan, dsa_cp_unshard
+    from cpattn import pcp_unshard
+    from cpattn.dsa import dsa_attention, dsa_cp_plan
 
     one, one_lse = dsa_attention(c["q"], c["full_latent"], c["q_idx"], c["w_idx"], c["full_k"], c["cu_q"], c["cu_k"],
                                  topk=c["topk"], softmax_scale=SCALE, value_dim=DV, return_lse=True)
@@ -157,8 +158,8 @@ def test_dsa_nan_rows_match_one_device(lens, ctx, bad, one_thread):
         for split in ("contiguous", "balanced"):
             per_rank = cpattn.simulate(n, cp_rank, [c], split, "token")
             plan = dsa_cp_plan(c["cu_q"], n, context_lens=c["ctx"], cache_starts=c["starts"], split=split)
-            out = dsa_cp_unshard([r[0][0] for r in per_rank], plan)
-            lse = dsa_cp_unshard([r[0][1] for r in per_rank], plan)
+            out = pcp_unshard([r[0][0] for r in per_rank], plan)
+            lse = pcp_unshard([r[0][1] for r in per_rank], plan)
             check(out, c["want_nan"], c["want"], lse)
         for interleave in (1, 2):
             res = cpattn.simulate(n, dcp_rank, [c], interleave, "replicated")

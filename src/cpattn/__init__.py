@@ -9,8 +9,8 @@ come out. See README.md and DESIGN.md.
 from cpattn.comm import Group, simulate
 from cpattn.config import EngineConfig, ParallelConfig
 from cpattn.dsa import (
-    DSACache, DSACPPlan, ShardedKeys, dcp_shard_keys, dsa_attention, dsa_cp_attention, dsa_cp_plan, dsa_cp_shard,
-    dsa_cp_sparse_attention, dsa_cp_unshard, dsa_cp_work, dsa_dcp_attention, dsa_dcp_topk, exchange_topk,
+    DSACache, DSACPPlan, ShardedKeys, dcp_shard_keys, dsa_attention, dsa_cp_attention, dsa_cp_plan,
+    dsa_cp_sparse_attention, dsa_cp_work, dsa_dcp_attention, dsa_dcp_topk, exchange_topk,
 )
 from cpattn.graphs import DecodeRunner, Field, capture_sizes, check_static
 from cpattn.dcp import DCPContext, DCPMeta, dcp_decode, dcp_plan
@@ -34,7 +34,7 @@ __all__ = [
     "dcp_owner", "dcp_local_index", "dcp_local_lens", "dcp_slot_mapping", "reshard_kv_blocks", "unshard_kv_blocks",
     "paged_attention_with_lse", "write_kv", "write_kv_mla",
     "DSACache", "DSACPPlan", "ShardedKeys", "dcp_shard_keys", "dsa_attention", "dsa_cp_attention", "dsa_cp_plan",
-    "dsa_cp_shard", "dsa_cp_unshard", "dsa_cp_work", "dsa_cp_sparse_attention", "dsa_dcp_attention", "dsa_dcp_topk",
+    "dsa_cp_work", "dsa_cp_sparse_attention", "dsa_dcp_attention", "dsa_dcp_topk",
     "exchange_topk",
     "indexer_scores", "topk_indices", "sparse_mla_attention_with_lse",
     "DecodeRunner", "Field", "capture_sizes", "check_static",

@@ -388,6 +388,10 @@ def collectives_per_call(query: str, merge: str) -> int:
 
 def _split_cache(kv_cache, v_head_dim):
     if isinstance(kv_cache, torch.Tensor):  # MLA: one latent cache, values are its first dims
+        if v_head_dim is None or not 0 < v_head_dim <= kv_cache.shape[-1]:
+            raise ValueError(f"an MLA latent cache [..., {kv_cache.shape[-1]}] needs v_head_dim in "
+                             f"1..{kv_cache.shape[-1]} (its first dims are the values: 512 for DeepSeek); "
+                             f"got {v_head_dim}")
         return kv_cache, kv_cache[..., :v_head_dim]
     if len(kv_cache) != 2:
         raise ValueError(
@@ -407,7 +411,7 @@ def dcp_decode(
     query: str = "gather",
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    v_head_dim: int = 512,
+    v_head_dim: int | None = None,
 ):
     """Attention of this step's query tokens over a DCP-sharded paged KV cache.
 
@@ -426,7 +430,8 @@ def dcp_decode(
         heads share the cache's Hkv heads (gathered head h reads kv head
         ``h // (N*Hl // Hkv)``), so ranks of a DCP group must hold the same
         kv heads. MLA: pass the latent cache [num_blocks, block_size, 1, 576]
-        alone; its first ``v_head_dim`` (512) dims are the values, and q is
+        alone with ``v_head_dim``: its first ``v_head_dim`` dims (512 in
+        DeepSeek's models) are the values, and q is
         the absorbed query [T, Hl, 576].
     meta: from :func:`dcp_plan` with ``dcp_size == group.size``.
     group: the DCP group (simulated or torch.distributed).

@@ -156,8 +156,8 @@ def pcp_prefill(
         raise ValueError(f"plan must be a PCPPlan from pcp_plan(cu_seqlens, pcp_size); got {type(plan).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
-    if group.size != plan.size:
-        raise ValueError(f"the plan is for {plan.size} PCP ranks but the group has {group.size}; rebuild the plan")
+    if group.size != plan.pcp_size:
+        raise ValueError(f"the plan is for {plan.pcp_size} PCP ranks but the group has {group.size}; rebuild the plan")
     r = group.rank
     if q.shape[0] != plan.num_tokens[r] or k.shape[0] != plan.num_tokens[r]:
         raise ValueError(
@@ -230,7 +230,7 @@ def _needs_b(src: int, step: int, p: int) -> bool:
 
 
 def _ring(q, q_a, q_b, k, v, plan, group, scale, acc, rows_a, rows_b):
-    p, r, dev = plan.size, group.rank, q_a.device
+    p, r, dev = plan.pcp_size, group.rank, q_a.device
     hkv, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     cu_a, cu_b = plan.cu_a[r].to(dev), plan.cu_b[r].to(dev)
     t_r, one_request = plan.num_tokens[r], plan.num_requests == 1

@@ -40,7 +40,8 @@ from cpattn.bench import args as cli
 from cpattn.bench.common import DTYPES, Samples, measure, ratio, safe_div, write_json
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh
-from cpattn.dsa import dsa_cp_attention, dsa_cp_plan, dsa_cp_shard, dsa_cp_work
+from cpattn.dsa import dsa_cp_attention, dsa_cp_plan, dsa_cp_work
+from cpattn.layout.pcp import pcp_shard
 from cpattn.ops import attention_with_lse
 from cpattn.ops.dsa import (
     fp8_index_cache,
@@ -155,7 +156,7 @@ def cp_rank(group, n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> di
 
     def runner(split, g, rank):
         plan = dsa_cp_plan([0, n_tok], g.size, split=split)
-        mine = [dsa_cp_shard(x, plan, rank) for x in inputs]
+        mine = [pcp_shard(x, plan, rank) for x in inputs]
         return lambda: dsa_cp_attention(*mine, plan, group=g, topk=topk, softmax_scale=SCALE, value_dim=D_V)
 
     runs = {"one": runner("contiguous", solo, 0) if group.rank == 0 else (lambda: None)}

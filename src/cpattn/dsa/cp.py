@@ -20,7 +20,7 @@ class DSACache:
     """The replicated DSA cache of a DSA-CP rank (same contents on every rank).
 
     latent: [S, Dqk] -- ``[latent 512 | rope 64]`` per token;
-    index_k: [S, D_I] -- indexer key per token (None for a layer without an
+    k_index: [S, D_I] -- indexer key per token (None for a layer without an
     indexer, :func:`dsa_cp_sparse_attention`). Request b's token at
     position p lives at row ``plan.cache_starts[b] + p``; rows of cached
     context must already hold their entries. :func:`dsa_cp_attention` writes
@@ -28,7 +28,7 @@ class DSACache:
     """
 
     latent: torch.Tensor
-    index_k: torch.Tensor | None
+    k_index: torch.Tensor | None
 
 
 def dsa_cp_attention(
@@ -56,7 +56,7 @@ def dsa_cp_attention(
     latent: [T_r, Dqk] -- their ``[latent | rope]`` cache entries.
     q_index: [T_r, H_I, D_I]; w_index: [T_r, H_I]; k_index: [T_r, D_I] --
         their indexer queries, head weights and keys.
-        (All of them: ``dsa_cp_shard(x, plan, group.rank)`` of the batch.)
+        (All of them: ``pcp_shard(x, plan, group.rank)`` of the batch.)
     plan: :func:`dsa_cp_plan` for ``group.size`` ranks.
     group: the DSA-CP group.
     topk, softmax_scale, value_dim: as :func:`dsa_attention`.
@@ -64,7 +64,7 @@ def dsa_cp_attention(
         caching, chunked prefill, decode); the new tokens are written into
         it in place. ``None``: no context; a scratch cache is used.
     output: "token" -- out [T_r, H, Dv] of this rank's tokens
-        (:func:`dsa_cp_unshard` restores request order); "head" -- one
+        (:func:`pcp_unshard` restores request order); "head" -- one
         all-to-all returns the head-sharded layout out [T, H/N, Dv] of every
         token in request order (needs ``H % N == 0``).
     return_indices: also return the selection, this rank's cache rows
@@ -80,14 +80,15 @@ def dsa_cp_attention(
     Example
     -------
     >>> import torch, cpattn
-    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_shard, dsa_cp_unshard, dsa_cp_attention
+    >>> from cpattn import pcp_shard, pcp_unshard
+    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_attention
     >>> T, H = 9, 4
     >>> x = [torch.randn(T, H, 48), torch.randn(T, 48), torch.randn(T, 2, 16), torch.rand(T, 2), torch.randn(T, 16)]
     >>> plan = dsa_cp_plan([0, 4, 9], 2)
     >>> def rank_fn(g):
-    ...     mine = [dsa_cp_shard(t, plan, g.rank) for t in x]
+    ...     mine = [pcp_shard(t, plan, g.rank) for t in x]
     ...     return dsa_cp_attention(*mine, plan, group=g, topk=3, softmax_scale=0.1, value_dim=32)
-    >>> dsa_cp_unshard(cpattn.simulate(2, rank_fn), plan).shape
+    >>> pcp_unshard(cpattn.simulate(2, rank_fn), plan).shape
     torch.Size([9, 4, 32])
     """
     named = (("q", q), ("latent", latent), ("q_index", q_index), ("w_index", w_index), ("k_index", k_index))
@@ -97,19 +98,19 @@ def dsa_cp_attention(
             raise ValueError("the plan has cached context (context_lens > 0) but cache is None; pass a DSACache")
         d = q.shape[-1]
         cache = DSACache(latent.new_zeros(plan.cache_size, d), k_index.new_zeros(plan.cache_size, k_index.shape[-1]))
-    if cache.index_k is None:
-        raise ValueError("cache.index_k is None but this layer has an indexer; give the cache indexer-key rows")
+    if cache.k_index is None:
+        raise ValueError("cache.k_index is None but this layer has an indexer; give the cache indexer-key rows")
     _check_cache_rows(cache, plan)
 
     # 1. one all-gather of every token's [latent | indexer key] (bytes: dtypes kept exactly)
-    _gather_into(group, plan, [latent, k_index], [cache.latent, cache.index_k])
+    _gather_into(group, plan, [latent, k_index], [cache.latent, cache.k_index])
 
     # 2. indexer + top-k over every key: local top-k is the global top-k
     dev, r, t_r = q.device, group.rank, q.shape[0]
     req = plan.requests[r].to(dev)
     start = torch.tensor(plan.cache_starts, dtype=torch.int64, device=dev)[req] if t_r else req  # [T_r]
     visible = plan.positions[r].to(dev) + 1  # [T_r] causal by absolute position
-    scores = indexer_scores(q_index, w_index, cache.index_k, start, visible, plan.max_visible[r])  # [T_r, M]
+    scores = indexer_scores(q_index, w_index, cache.k_index, start, visible, plan.max_visible[r])  # [T_r, M]
     idx = topk_indices(scores, topk)  # [T_r, k]
     sel = torch.where(idx >= 0, start[:, None] + idx, -1)  # [T_r, k] cache rows
 
@@ -146,23 +147,24 @@ def dsa_cp_sparse_attention(
         return_indices=True)`` of an earlier layer over the same plan.
     plan, group, softmax_scale, value_dim, output, return_lse: as
         :func:`dsa_cp_attention`; cache: a :class:`DSACache` whose
-        ``index_k`` may be None (holding cached context, written in place).
+        ``k_index`` may be None (holding cached context, written in place).
 
     Example
     -------
     >>> import torch, cpattn
-    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_shard, dsa_cp_unshard, dsa_cp_attention
+    >>> from cpattn import pcp_shard, pcp_unshard
+    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_attention
     >>> T, H = 9, 4
     >>> x = [torch.randn(T, H, 48), torch.randn(T, 48), torch.randn(T, 2, 16), torch.rand(T, 2), torch.randn(T, 16)]
     >>> lat2 = torch.randn(T, 48)
     >>> plan = dsa_cp_plan([0, 4, 9], 2)
     >>> def rank_fn(g):
-    ...     mine = [dsa_cp_shard(t, plan, g.rank) for t in x]
+    ...     mine = [pcp_shard(t, plan, g.rank) for t in x]
     ...     _, sel = dsa_cp_attention(*mine, plan, group=g, topk=3, softmax_scale=0.1, value_dim=32,
     ...                               return_indices=True)
-    ...     return dsa_cp_sparse_attention(mine[0], dsa_cp_shard(lat2, plan, g.rank), sel, plan, group=g,
+    ...     return dsa_cp_sparse_attention(mine[0], pcp_shard(lat2, plan, g.rank), sel, plan, group=g,
     ...                                    softmax_scale=0.1, value_dim=32)
-    >>> dsa_cp_unshard(cpattn.simulate(2, rank_fn), plan).shape
+    >>> pcp_unshard(cpattn.simulate(2, rank_fn), plan).shape
     torch.Size([9, 4, 32])
     """
     _check_cp(q, latent, (("q", q), ("latent", latent), ("indices", indices)), plan, group, output)
@@ -182,15 +184,15 @@ def _check_cp(q, latent, named, plan, group, output) -> None:
         raise ValueError(f"output must be one of {OUTPUTS_CP}; got {output!r}")
     if not isinstance(plan, DSACPPlan):
         raise ValueError(f"plan must be a DSACPPlan from dsa_cp_plan(cu_seqlens, cp_size); got {type(plan).__name__}")
-    if group.size != plan.size:
-        raise ValueError(f"the plan is for {plan.size} ranks but the group has {group.size}; rebuild the plan")
+    if group.size != plan.cp_size:
+        raise ValueError(f"the plan is for {plan.cp_size} ranks but the group has {group.size}; rebuild the plan")
     r, n = group.rank, group.size
     _, h, d = q.shape
     for name, x in named:
         if x.shape[0] != plan.num_tokens[r]:
             raise ValueError(
                 f"rank {r} holds {plan.num_tokens[r]} tokens in the plan but {name} has {x.shape[0]}; "
-                "pass dsa_cp_shard(x, plan, group.rank)"
+                "pass pcp_shard(x, plan, group.rank)"
             )
     if latent.shape[-1] != d or latent.dim() != 2:
         raise ValueError(f"latent must be [T_r, Dqk={d}]; got {tuple(latent.shape)}")
@@ -199,9 +201,9 @@ def _check_cp(q, latent, named, plan, group, output) -> None:
 
 
 def _check_cache_rows(cache: DSACache, plan: DSACPPlan) -> None:
-    rows = [cache.latent.shape[0]] + ([] if cache.index_k is None else [cache.index_k.shape[0]])
+    rows = [cache.latent.shape[0]] + ([] if cache.k_index is None else [cache.k_index.shape[0]])
     if min(rows) < plan.cache_size:
-        idx = "no" if cache.index_k is None else cache.index_k.shape[0]
+        idx = "no" if cache.k_index is None else cache.k_index.shape[0]
         raise ValueError(
             f"cache holds {cache.latent.shape[0]} latent / {idx} index rows; the plan needs {plan.cache_size}"
         )

@@ -21,7 +21,7 @@ class DSACPPlan:
     ``positions[r]`` [T_r] absolute positions, ``requests[r]`` [T_r] request
     ids, ``num_tokens[r]`` = T_r, ``max_visible[r]`` = max(pos) + 1 (0 if none).
 
-    Global: ``size`` N, ``split``, ``seq_lens`` / ``context_lens`` [B],
+    Global: ``cp_size`` N, ``split``, ``query_lens`` (new tokens) / ``context_lens`` [B],
     ``cu_seqlens`` [B+1], ``restore_index`` [T] (``cat(parts)[restore_index]``
     is request order), ``gather_rows`` [T] (row of token i in the padded
     rank-major all-gather buffer ``[N * max_tokens]``), ``cache_starts`` [B]
@@ -29,9 +29,9 @@ class DSACPPlan:
     is written to: ``start + ctx + offset``), ``cache_size`` (rows needed).
     """
 
-    size: int
+    cp_size: int
     split: str
-    seq_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     cu_seqlens: torch.Tensor
     token_index: tuple[torch.Tensor, ...]
@@ -116,9 +116,9 @@ def dsa_cp_plan(
     cache_rows = starts_t[req_of] + pos_of if n_tok else torch.zeros(0, dtype=torch.int64)
     size = max([s + c + n for s, c, n in zip(cache_starts, ctx, seq)], default=0)
     return DSACPPlan(
-        size=cp_size,
+        cp_size=cp_size,
         split=split,
-        seq_lens=tuple(seq),
+        query_lens=tuple(seq),
         context_lens=tuple(ctx),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         token_index=tuple(token_index),
@@ -143,43 +143,6 @@ def _check_disjoint(starts: list[int], sizes: list[int]) -> None:
                 f"cache_starts[{b1}] = {s1} puts request {b1} inside request {b0}'s cache rows {s0}..{e0 - 1} "
                 "(context_lens + new tokens); give each request its own rows"
             )
-
-
-def dsa_cp_shard(x: torch.Tensor, plan: DSACPPlan, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s tokens of a packed global tensor: [T, ...] -> [T_rank, ...].
-
-    Example
-    -------
-    >>> import torch
-    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_shard
-    >>> dsa_cp_shard(torch.arange(5), dsa_cp_plan([0, 5], 2), 1).tolist()
-    [2, 3, 4]
-    """
-    rank = checks.rank("rank", rank, plan.size, "the plan's DSA-CP ranks")
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != plan.restore_index.numel():
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be a packed [T={plan.restore_index.numel()}, ...] tensor (the plan's tokens); got {got}")
-    return x[plan.token_index[rank].to(x.device)]
-
-
-def dsa_cp_unshard(parts: list[torch.Tensor], plan: DSACPPlan) -> torch.Tensor:
-    """Inverse of :func:`dsa_cp_shard`: per-rank [T_r, ...] -> global [T, ...] in request order.
-
-    Example
-    -------
-    >>> import torch
-    >>> from cpattn.dsa import dsa_cp_plan, dsa_cp_shard, dsa_cp_unshard
-    >>> plan = dsa_cp_plan([0, 5], 2)
-    >>> dsa_cp_unshard([dsa_cp_shard(torch.arange(5), plan, r) for r in range(2)], plan).tolist()
-    [0, 1, 2, 3, 4]
-    """
-    if len(parts) != plan.size:
-        raise ValueError(f"dsa_cp_unshard needs {plan.size} parts (one per rank); got {len(parts)}")
-    for r, x in enumerate(parts):
-        if x.shape[0] != plan.num_tokens[r]:
-            raise ValueError(f"part {r} has {x.shape[0]} tokens; the plan gives rank {r} {plan.num_tokens[r]}")
-    cat = torch.cat(list(parts))
-    return cat[plan.restore_index.to(cat.device)]
 
 
 def dsa_cp_work(plan: DSACPPlan, topk: int) -> list[dict]:

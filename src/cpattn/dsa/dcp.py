@@ -20,7 +20,7 @@ OUTPUTS_DCP = ("replicated", "head")
 class ShardedKeys:
     """One rank's share of a key-sharded (DCP) DSA cache.
 
-    latent: [S_r, Dqk]; index_k: [S_r, D_I] -- this rank's rows;
+    latent: [S_r, Dqk]; k_index: [S_r, D_I] -- this rank's rows;
     ids: [S_r] int64 -- global (request-local absolute) position of each row,
     ascending within each request; cu_seqlens: [B+1] -- request b's rows are
     ``cu_seqlens[b] : cu_seqlens[b+1]``. Build it with
@@ -28,7 +28,7 @@ class ShardedKeys:
     """
 
     latent: torch.Tensor
-    index_k: torch.Tensor
+    k_index: torch.Tensor
     ids: torch.Tensor
     cu_seqlens: torch.Tensor
 
@@ -41,7 +41,7 @@ def _dcp_owned(seq_len: int, rank: int, size: int, interleave: int) -> torch.Ten
 
 def dcp_shard_keys(
     latent: torch.Tensor,
-    index_k: torch.Tensor,
+    k_index: torch.Tensor,
     cu_seqlens_k: torch.Tensor | list[int],
     rank: int,
     size: int,
@@ -49,7 +49,7 @@ def dcp_shard_keys(
 ) -> ShardedKeys:
     """Rank ``rank``'s DCP share of a packed full cache (owner(t) = (t // I) % N).
 
-    latent: [Tk, Dqk]; index_k: [Tk, D_I]; cu_seqlens_k: [B+1] per-request
+    latent: [Tk, Dqk]; k_index: [Tk, D_I]; cu_seqlens_k: [B+1] per-request
     key counts; interleave: ``cp_kv_cache_interleave_size`` I.
 
     Example
@@ -64,8 +64,8 @@ def dcp_shard_keys(
     interleave = checks.integer("interleave", interleave, at_least=1)
     cu = checks.int_list("cu_seqlens_k", cu_seqlens_k)
     checks.cumulative("cu_seqlens_k", cu, total=latent.shape[0], of=f"latent has {latent.shape[0]} rows")
-    if index_k.shape[0] != latent.shape[0]:
-        raise ValueError(f"index_k has {index_k.shape[0]} rows but latent {latent.shape[0]}; one of each per key token")
+    if k_index.shape[0] != latent.shape[0]:
+        raise ValueError(f"k_index has {k_index.shape[0]} rows but latent {latent.shape[0]}; one of each per key token")
     ids, rows, cu_local = [], [], [0]
     for b in range(len(cu) - 1):
         own = _dcp_owned(cu[b + 1] - cu[b], rank, size, interleave)
@@ -74,7 +74,7 @@ def dcp_shard_keys(
         cu_local.append(cu_local[-1] + own.numel())
     ids_t = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
     rows_t = (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)).to(latent.device)
-    return ShardedKeys(latent[rows_t], index_k[rows_t], ids_t.to(latent.device),
+    return ShardedKeys(latent[rows_t], k_index[rows_t], ids_t.to(latent.device),
                        torch.tensor(cu_local, dtype=torch.int64, device=latent.device))
 
 
@@ -208,7 +208,7 @@ def dsa_dcp_topk(
     start = cu_k[req]  # [T]
     visible = torch.searchsorted(comp, req * big + positions.long(), right=True) - start  # [T] local prefix
     lens = (cu_k[1:] - cu_k[:-1]).tolist()
-    scores = indexer_scores(q_index, w_index, keys.index_k, start, visible, max(lens, default=0))  # [T, M]
+    scores = indexer_scores(q_index, w_index, keys.k_index, start, visible, max(lens, default=0))  # [T, M]
     local = topk_indices(scores, topk).long()  # [T, k] request-local rows
     live = local >= 0
     cand_s = torch.where(live, scores.gather(1, local.clamp(min=0)) if scores.shape[1] else
@@ -236,8 +236,8 @@ def _check_topk_args(q_index, positions, cu_seqlens_q, keys: ShardedKeys) -> Non
     checks.within("positions", positions, 0, None, expected="an absolute position >= 0")
     s_r = keys.latent.shape[0]
     checks.int_tensor("keys.ids", keys.ids, (s_r,), desc=f"[S_r={s_r}] (one global id per row of keys.latent)")
-    if keys.index_k.shape[0] != s_r:
-        raise ValueError(f"keys.index_k has {keys.index_k.shape[0]} rows but keys.latent {s_r}; one of each per key")
+    if keys.k_index.shape[0] != s_r:
+        raise ValueError(f"keys.k_index has {keys.k_index.shape[0]} rows but keys.latent {s_r}; one of each per key")
     checks.cu_seqlens("keys.cu_seqlens", keys.cu_seqlens, total=s_r, of=f"keys.latent has {s_r} rows", exact=True)
     if keys.cu_seqlens.numel() != len(cq):
         raise ValueError(

@@ -38,7 +38,7 @@ class PCPPlan:
       chunk inside the request's new tokens.
     - ``num_tokens[r]``: T_r.
 
-    Global: ``size`` (P), ``seq_lens`` and ``context_lens`` per request,
+    Global: ``pcp_size`` (P), ``query_lens`` (new tokens) and ``context_lens`` per request,
     ``cu_seqlens`` [B+1], ``restore_index`` [T] (``cat(parts)[restore_index]``
     is global order), and for the all-gather method ``prefix_index[r] =
     (idx_a, cu_ka, idx_b, cu_kb)``: rows of the padded rank-major gathered
@@ -46,8 +46,8 @@ class PCPPlan:
     rank r's a- (b-) chunk, with their cu_seqlens.
     """
 
-    size: int
-    seq_lens: tuple[int, ...]
+    pcp_size: int
+    query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     cu_seqlens: torch.Tensor
     token_index: tuple[torch.Tensor, ...]
@@ -67,7 +67,7 @@ class PCPPlan:
 
     @property
     def num_requests(self) -> int:
-        return len(self.seq_lens)
+        return len(self.query_lens)
 
     def num_a(self, rank: int) -> int:
         """Number of local tokens in rank's a-chunks (the ``A`` part of ``[A | B]``)."""
@@ -150,8 +150,8 @@ def pcp_plan(
         _prefix(where, cu, a_bounds[r]) + _prefix(where, cu, b_bounds[r]) for r in range(p)
     )
     return PCPPlan(
-        size=p,
-        seq_lens=tuple(seq_lens),
+        pcp_size=p,
+        query_lens=tuple(seq_lens),
         context_lens=tuple(ctx),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         token_index=tuple(token_index),
@@ -176,6 +176,9 @@ def _prefix(where: torch.Tensor, cu: list[int], bounds) -> tuple[torch.Tensor, t
 def pcp_shard(x: torch.Tensor, plan: PCPPlan, rank: int) -> torch.Tensor:
     """Rank ``rank``'s tokens of a packed global tensor: [T, ...] -> [T_rank, ...].
 
+    ``plan`` is a :class:`PCPPlan` or a :class:`cpattn.dsa.DSACPPlan` (the
+    same ``token_index`` / ``restore_index`` / ``num_tokens`` fields).
+
     Example
     -------
     >>> import torch
@@ -183,7 +186,7 @@ def pcp_shard(x: torch.Tensor, plan: PCPPlan, rank: int) -> torch.Tensor:
     >>> pcp_shard(torch.arange(8), pcp_plan([0, 8], 2), 1).tolist()
     [2, 3, 4, 5]
     """
-    rank = checks.rank("rank", rank, plan.size, "the plan's PCP ranks")
+    rank = checks.rank("rank", rank, len(plan.num_tokens), "the plan's ranks")
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != plan.restore_index.numel():
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a packed [T={plan.restore_index.numel()}, ...] tensor (the plan's tokens); got {got}")
@@ -192,6 +195,8 @@ def pcp_shard(x: torch.Tensor, plan: PCPPlan, rank: int) -> torch.Tensor:
 
 def pcp_unshard(parts: list[torch.Tensor], plan: PCPPlan) -> torch.Tensor:
     """Inverse of :func:`pcp_shard`: per-rank [T_r, ...] tensors -> global [T, ...] in request order.
+
+    ``plan`` is a :class:`PCPPlan` or a :class:`cpattn.dsa.DSACPPlan`.
 
     Example
     -------
@@ -202,8 +207,8 @@ def pcp_unshard(parts: list[torch.Tensor], plan: PCPPlan) -> torch.Tensor:
     >>> torch.equal(pcp_unshard([pcp_shard(x, plan, r) for r in range(2)], plan), x)
     True
     """
-    if len(parts) != plan.size:
-        raise ValueError(f"pcp_unshard needs {plan.size} parts (one per rank); got {len(parts)}")
+    if len(parts) != len(plan.num_tokens):
+        raise ValueError(f"pcp_unshard needs {len(plan.num_tokens)} parts (one per rank); got {len(parts)}")
     for r, x in enumerate(parts):
         if x.shape[0] != plan.num_tokens[r]:
             raise ValueError(f"part {r} has {x.shape[0]} tokens; the plan gives rank {r} {plan.num_tokens[r]}")
@@ -217,7 +222,7 @@ def causal_pairs(plan: PCPPlan, rank: int) -> int:
     Context keys add ``T_r * ctx`` pairs per request and are not counted here.
     Attention FLOPs are ``4 * pairs * Hq * D`` (QK^T and PV, 2 FLOPs a MAC).
     """
-    rank = checks.rank("rank", rank, plan.size, "the plan's PCP ranks")
+    rank = checks.rank("rank", rank, plan.pcp_size, "the plan's PCP ranks")
     return sum(_prefix_pairs(s, e) for s, e in plan.a_bounds[rank] + plan.b_bounds[rank])
 
 

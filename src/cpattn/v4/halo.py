@@ -70,7 +70,7 @@ def halo_plan(pcp: PCPPlan, halo: Callable[[int], int]) -> HaloPlan:
     >>> hp.shifts, [t.tolist() for t in hp.send[0]], hp.ext_pos[1].tolist()
     ((1,), [[2, 3]], [2, 3, 4, 5, 6, 7, 6, 7, 8, 9, 10, 11])
     """
-    p = pcp.size
+    p = pcp.pcp_size
     owner: dict[tuple[int, int], tuple[int, int]] = {}  # (request, position) -> (rank, local row)
     chunks = [local_chunks(pcp, r) for r in range(p)]
     for r in range(p):

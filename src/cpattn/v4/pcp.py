@@ -138,7 +138,7 @@ def _kind_plan(pcp: PCPPlan, lay: V4Layout, kind: str, chunks) -> KindPCP:
             prev.append(None)
         pos.append(e_idx * m)
         made.append([(req, e) for _, req, e in wins])
-    n_ent = [n // m for n in pcp.seq_lens]
+    n_ent = [n // m for n in pcp.query_lens]
     padded = [-(-n // bs) * bs for n in n_ent]
     offsets = torch.tensor([sum(padded[:b]) for b in range(len(padded))], dtype=torch.int64)
     max_w = max(len(x) for x in made)
@@ -191,8 +191,8 @@ def v4_pcp_attention(inp: LayerInput, kind: str, plan: V4PCPPlan, group: Group) 
     kind: the layer's "sliding" | "csa" | "hca"; plan: :func:`v4_pcp_plan` for ``group.size``.
     """
     lay, r, bs = plan.layout, group.rank, plan.layout.block_size
-    if group.size != plan.pcp.size:
-        raise ValueError(f"the plan is for {plan.pcp.size} ranks but the group has {group.size}; rebuild the plan")
+    if group.size != plan.pcp.pcp_size:
+        raise ValueError(f"the plan is for {plan.pcp.pcp_size} ranks but the group has {group.size}; rebuild the plan")
     if inp.q.shape[0] != plan.pcp.num_tokens[r]:
         raise ValueError(f"rank {r} holds {plan.pcp.num_tokens[r]} tokens in the plan but q has {inp.q.shape[0]}; "
                          "pass pcp_shard(x, plan.pcp, group.rank)")
@@ -217,13 +217,13 @@ def v4_pcp_attention(inp: LayerInput, kind: str, plan: V4PCPPlan, group: Group) 
     visible = torch.div(pos + 1, m, rounding_mode="floor")  # [T_r]
     off = kp.offsets.to(dev)
     if kind == "hca":
-        n_blocks = max(1, max(-(-(n // m) // bs) for n in plan.pcp.seq_lens))
+        n_blocks = max(1, max(-(-(n // m) // bs) for n in plan.pcp.query_lens))
         bt = torch.div(off, bs, rounding_mode="floor")[:, None] + torch.arange(n_blocks, device=dev)  # [B, n]
         cache = entries.view(-1, bs, 1, entries.shape[-1])
         parts.append(paged_attention_with_lse(inp.q, cache, cache, bt.clamp(max=cache.shape[0] - 1), req, visible,
                                               softmax_scale=inp.scale))
     else:
-        n_max = max(n // m for n in plan.pcp.seq_lens)
+        n_max = max(n // m for n in plan.pcp.query_lens)
         local = csa_select(inp.index_q, inp.index_weights, keys, off[req], visible, inp.topk, n_max)  # [T_r, k]
         slots = torch.where(local >= 0, off[req][:, None] + local, -1)
         parts.append(sparse_partial(inp.q, entries, slots, inp.scale))

@@ -113,10 +113,10 @@ class V4PrefillStep:
     def __init__(self, group: Group, plan: V4PCPPlan):
         self.group, self.plan = group, plan
         r, reach = group.rank, ring_reach(plan.layout)
-        ends = torch.tensor(plan.pcp.seq_lens, dtype=torch.int64)
+        ends = torch.tensor(plan.pcp.query_lens, dtype=torch.int64)
         self.positions = plan.pcp.positions[r].long()
         kept = []  # every rank's local rows at positions >= L - reach (the plan is the same on every rank)
-        for j in range(plan.pcp.size):
+        for j in range(plan.pcp.pcp_size):
             req, pos = plan.row_request[j], plan.pcp.positions[j].long()
             kept.append((pos >= ends[req] - reach).nonzero().view(-1) if req.numel() else req)
         self._tail = kept[r]
