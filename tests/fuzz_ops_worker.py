@@ -138,7 +138,7 @@ def fuzz_attention(n):
 # ----------------------------------------------------------------------------- paged attention
 def paged_oracle(q, kc, vc, table, req, lens):
     t, hq, _ = q.shape
-    bs, hkv = kc.shape[1], kc.shape[2]
+    bs = kc.shape[1]
     out = torch.zeros(t, hq, vc.shape[-1], dtype=torch.float64)
     lse = torch.full((t, hq), NEG, dtype=torch.float64)
     for i in range(t):

@@ -14,7 +14,7 @@ from cpattn.layout.pcp import pcp_plan
 from cpattn.plan import Layout, Options, get_model, get_profile, layouts, predict, recommend
 from cpattn.plan.costs import causal_pairs, collective_time, expected_experts
 from cpattn.plan.profiles import ASCEND_910C, B200, H200, Link
-from cpattn.plan.specs import BUILTINS, from_hf_config
+from cpattn.plan.specs import from_hf_config
 from cpattn.plan.validate import predict_dcp, predict_graph, predict_pcp, ring_pairs, table
 
 

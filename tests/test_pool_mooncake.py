@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cpattn.pool import PoolIdentity, PoolUnavailableWarning, block_keys, codec, open_pool
-from cpattn.pool.mooncake_store import MooncakeStore, free_port, mooncake_unavailable_reason
+from cpattn.pool.mooncake_store import free_port, mooncake_unavailable_reason
 
 REASON = mooncake_unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"Mooncake Store unavailable: {REASON}")

@@ -11,7 +11,6 @@ point to point to rank 1, which decodes -- the tokens of one device.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from cpattn.comm.launch import spawn

@@ -32,7 +32,6 @@ import torch
 from cpattn.bench import args as cli
 from cpattn.bench.common import measure, safe_div, table, write_json
 from cpattn.ops import paged
-from cpattn.ops.paged import paged_attention_with_lse
 
 # (kv heads, head dim, query heads per kv head, block size): GQA 8 x 128, small GQA, MQA, MLA latent
 HEADS = [(8, 128, 4, 128), (2, 32, 4, 16), (1, 32, 4, 16), (1, 576, 16, 64)]
