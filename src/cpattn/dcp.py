@@ -41,9 +41,10 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
+from cpattn.layout.rows import request_of
 from cpattn.ops import checks, merge_attn_states
 from cpattn.ops.paged import paged_attention_with_lse
-from cpattn.ops.ref import lse_weights
+from cpattn.ops.ref import acc_dtype, lse_weights
 
 MERGES = ("ag_rs", "a2a", "ag")
 QUERIES = ("gather", "local")
@@ -124,7 +125,7 @@ def plan_tensors(
     cu = torch.zeros(b + 1, dtype=torch.int64, device=dev)
     cu[1:] = torch.cumsum(ql, 0)  # [B+1]
     rows = torch.arange(num_tokens, device=dev)  # [T]
-    req = torch.searchsorted(cu[1:], rows, right=True)  # [T]: b with cu[b] <= row < cu[b+1]; B past the end
+    req = request_of(cu, rows)  # [T]: b with cu[b] <= row < cu[b+1]; B past the end
     valid = req < b
     rc = req.clamp(max=b - 1)
     pos = seq[rc] - ql[rc] + (rows - cu[rc])  # [T]: queries are the last q_len tokens
@@ -248,7 +249,7 @@ def dcp_partials(
     >>> o.shape, l[1].tolist()
     (torch.Size([2, 3, 8]), [-inf, -inf, -inf])
     """
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q)
     o, l = paged_attention_with_lse(q, k_cache, v_cache, block_table, req_indices, kv_lens,
                                     softmax_scale=softmax_scale)  # [T, H, Dv], [T, H]
     return o.to(acc), l.to(acc)
@@ -570,7 +571,7 @@ class DCPContext:
         cus = g.all_gather(cu[None], dim=0)  # [N, B+1]: every rank's request boundaries
         t_max = int(cus[:, -1].max())  # host sync: prefill runs eagerly
         dv = self.v_cache.shape[-1]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(q)
         if t_max == 0:
             return q.new_zeros(t, q.shape[1], dv, dtype=acc), torch.full((t, q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         q_pad = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, t_max - t))  # [t_max, Hq, Dk]
@@ -589,5 +590,5 @@ def _rows_to_requests(cu: torch.Tensor, t: int) -> torch.Tensor:
     """Request of each of t rows given cu [B+1]; -1 for rows past cu[-1]. -> [t] int64."""
     b = cu.shape[0] - 1
     rows = torch.arange(t, device=cu.device)
-    req = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    req = request_of(cu, rows)
     return torch.where(req < b, req, -1)

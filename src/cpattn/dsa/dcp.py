@@ -10,6 +10,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.comm.pack import pack_bytes, unpack_bytes
 from cpattn.layout.dcp import dcp_owner
+from cpattn.layout.rows import request_of
 from cpattn.ops import checks, merge_attn_states
 from cpattn.ops.dsa import indexer_scores, sparse_mla_attention_with_lse, topk_indices
 
@@ -191,11 +192,11 @@ def dsa_dcp_topk(
     _check_topk_args(q_index, positions, cu_seqlens_q, keys)
     topk = checks.integer("topk", topk, at_least=1)
     cu_q = torch.as_tensor(checks.int_list("cu_seqlens_q", cu_seqlens_q), dtype=torch.int64, device=dev)
-    req = torch.searchsorted(cu_q[1:], torch.arange(t, device=dev), right=True)  # [T] request of query
+    req = request_of(cu_q, torch.arange(t, device=dev))  # [T] request of query
     cu_k = keys.cu_seqlens.to(dev).long()
     big = int(positions.max()) + 2 if positions.numel() else 1
     big = max(big, int(keys.ids.max()) + 2 if keys.ids.numel() else 1)
-    req_k = torch.searchsorted(cu_k[1:], torch.arange(keys.ids.numel(), device=dev), right=True)  # [S_r]
+    req_k = request_of(cu_k, torch.arange(keys.ids.numel(), device=dev))  # [S_r]
     comp = req_k * big + keys.ids.long()  # [S_r] ascending: (request, id)
     if checks.values_checkable() and comp.numel() > 1:
         down = comp.diff() <= 0

@@ -36,6 +36,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.layout.dcp import dcp_owner
+from cpattn.layout.rows import request_of
 
 METHODS = ("a2a", "allgather")
 _HEADER_TAG = 1 << 30
@@ -58,7 +59,7 @@ def row_owners(plan, rank: int, *, dcp_size: int, interleave_size: int):
     """Request [T_r], position [T_r] and DCP owner [T_r] of prefill rank ``rank``'s rows (plan order)."""
     cu = plan.cu_seqlens.to(torch.int64)
     idx = plan.token_index[rank].to(torch.int64)
-    req = torch.searchsorted(cu[1:].contiguous(), idx, right=True)  # [T_r]
+    req = request_of(cu, idx)  # [T_r]
     pos = plan.positions[rank].to(torch.int64)
     return req, pos, dcp_owner(pos, dcp_size, interleave_size)
 

@@ -43,7 +43,7 @@ def _attention_op(
 @registry.fake("attention_with_lse")
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale):
     t, hq, _ = q.shape
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = ref.acc_dtype(q)
     return q.new_empty(t, hq, v.shape[-1]), q.new_empty(t, hq, dtype=lse_dtype)
 
 
@@ -106,7 +106,7 @@ def varlen(
     checks.cumulative("cu_seqlens_q", cq, total=tq, of=f"q has {tq} tokens", start_zero=False)
     checks.cumulative("cu_seqlens_k", ck, total=k.shape[0], of=f"k has {k.shape[0]} tokens", start_zero=False)
     out = q.new_empty(tq, hq, v.shape[-1])  # rows no block writes are set to (0, -inf) below
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = ref.acc_dtype(q)
     lse = torch.empty((tq, hq), dtype=lse_dtype, device=q.device)
     written = 0  # rows [0, written) are final
     for b in range(len(cq) - 1):

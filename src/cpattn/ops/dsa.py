@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from cpattn.ops import checks, dsa_ref, registry
+from cpattn.ops import checks, dsa_ref, ref, registry
 
 # elements of one fp32 work buffer in the chunked CPU kernels (64 MiB)
 _CHUNK_ELEMS = 1 << 24
@@ -55,7 +55,7 @@ def _indexer_op(
 
 @registry.fake("indexer_scores")
 def _indexer_fake(q, w, k, key_start, visible, max_keys):
-    return q.new_empty(q.shape[0], max_keys, dtype=dsa_ref.acc_dtype(q, w, k))
+    return q.new_empty(q.shape[0], max_keys, dtype=ref.acc_dtype(q, w, k))
 
 
 def _runs(key_start: list[int]) -> list[tuple[int, int]]:
@@ -85,7 +85,7 @@ def _indexer_tiles(q, w, k, k_scale, key_start, visible, max_keys):
     heads, then ``* k_scale`` (a positive per-key factor commutes with ReLU). Returns
     [T, max_keys] with -inf past ``visible``.
     """
-    acc = dsa_ref.acc_dtype(q, w, k)
+    acc = ref.acc_dtype(q, w, k)
     t_all, h, d = q.shape
     out = torch.full((t_all, max_keys), float("-inf"), dtype=acc, device=q.device)
     starts, vis = key_start.tolist(), visible.tolist()  # ranges checked by the public wrapper
@@ -153,7 +153,7 @@ def _indexer_fp8_op(
 
 @registry.fake("indexer_scores_fp8")
 def _indexer_fp8_fake(q, w, k, k_scale, key_start, visible, max_keys):
-    return q.new_empty(q.shape[0], max_keys, dtype=dsa_ref.acc_dtype(q, w))
+    return q.new_empty(q.shape[0], max_keys, dtype=ref.acc_dtype(q, w))
 
 
 @registry.kernel("indexer_scores_fp8", "cpu")
@@ -204,12 +204,12 @@ def _sparse_op(
 @registry.fake("sparse_mla_attention_with_lse")
 def _sparse_fake(q, latent, indices, softmax_scale, value_dim):
     t, h, _ = q.shape
-    return q.new_empty(t, h, value_dim), q.new_empty(t, h, dtype=dsa_ref.acc_dtype(q, latent))
+    return q.new_empty(t, h, value_dim), q.new_empty(t, h, dtype=ref.acc_dtype(q, latent))
 
 
 @registry.kernel("sparse_mla_attention_with_lse", "cpu")
 def _sparse_cpu(q, latent, indices, softmax_scale, value_dim):
-    acc = dsa_ref.acc_dtype(q, latent)
+    acc = ref.acc_dtype(q, latent)
     t_all, h, d = q.shape
     kk = indices.shape[1]
     out = q.new_zeros(t_all, h, value_dim)

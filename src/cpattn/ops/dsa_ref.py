@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from cpattn.ops.ref import acc_dtype
 
-def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64, else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
 
 
 def indexer_scores(

@@ -26,7 +26,7 @@ registry.generic("merge_attn_states")
 
 @registry.fake("merge_attn_states")
 def _merge_fake(outs, lses):
-    lse_dtype = torch.float64 if torch.float64 in (outs.dtype, lses.dtype) else torch.float32
+    lse_dtype = ref.acc_dtype(outs, lses)
     return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:], dtype=lse_dtype)
 
 

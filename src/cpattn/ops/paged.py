@@ -223,7 +223,7 @@ def _paged_op(
 @registry.fake("paged_attention_with_lse")
 def _paged_fake(q, k_cache, v_cache, block_table, req_indices, kv_lens, softmax_scale):
     t, hq, _ = q.shape
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = ref.acc_dtype(q)
     return q.new_empty(t, hq, v_cache.shape[-1]), q.new_empty(t, hq, dtype=lse_dtype)
 
 

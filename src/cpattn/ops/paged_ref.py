@@ -70,4 +70,4 @@ def paged_attention_ref(
     p = torch.exp(s - torch.where(live, lse, 0.0)[..., None])  # [T, Hq, L]
     out = torch.einsum("tkgl,tlkd->tkgd", p.view(t, hkv, group, -1), v).reshape(t, hq, -1)  # [T, Hq, Dv]
     out = torch.where(live[..., None], out, 0.0)
-    return out.to(q.dtype), lse.to(torch.float64 if acc == torch.float64 else torch.float32)
+    return out.to(q.dtype), lse.to(acc_dtype(acc))

@@ -10,9 +10,13 @@ from __future__ import annotations
 import torch
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: float64 stays float64, everything else is float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def acc_dtype(*xs: torch.dtype | torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of dtypes or tensors: float64 if any is float64, else float32.
+
+    >>> acc_dtype(torch.bfloat16), acc_dtype(torch.zeros(1), torch.zeros(1, dtype=torch.float64))
+    (torch.float32, torch.float64)
+    """
+    return torch.float64 if any(getattr(x, "dtype", x) == torch.float64 for x in xs) else torch.float32
 
 
 def dense_block(

@@ -52,6 +52,7 @@ import torch
 from cpattn.ops.compressor import gated_pool
 from cpattn.ops.dsa import indexer_scores, sparse_mla_attention_with_lse, topk_indices
 from cpattn.ops.merge import merge_attn_states
+from cpattn.ops.ref import acc_dtype
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
     """LSE merge of partials [(out [T, H, D], lse [T, H])] in float32 (float64 if any is)."""
     if len(parts) == 1:
         return parts[0]
-    wide = torch.float64 if any(o.dtype == torch.float64 for o, _ in parts) else torch.float32
+    wide = acc_dtype(*(o for o, _ in parts))
     return merge_attn_states(torch.stack([o.to(wide) for o, _ in parts]), torch.stack([l.to(wide) for _, l in parts]))
 
 

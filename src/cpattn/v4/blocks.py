@@ -25,10 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.models.moe import use_dense
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from cpattn.ops.ref import acc_dtype
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     >>> rms_norm(torch.full((1, 4), 3.0), torch.ones(4), 0.0).tolist()
     [[1.0, 1.0, 1.0, 1.0]]
     """
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     xf = x.to(acc)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.to(acc) * xf).to(x.dtype)
@@ -49,7 +46,7 @@ def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     >>> rms_norm_unweighted(torch.full((2,), 2.0), 0.0).tolist()
     [1.0, 1.0]
     """
-    return x * torch.rsqrt(x.to(_acc(x.dtype)).square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(x.to(acc_dtype(x.dtype)).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,7 +60,7 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     [[[5.0, 0.0, 1.0]]]
     """
     r = 2 * cos.shape[-1]
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     c, s = cos.to(acc)[:, None, :], sin.to(acc)[:, None, :]  # [T, 1, r/2]
     tail = x[..., x.shape[-1] - r:].to(acc)
     even, odd = tail[..., 0::2], tail[..., 1::2]  # [T, H, r/2]
@@ -82,7 +79,7 @@ def hyper_weights(
     ``sum_j pre[t, j] streams[t, j]``.
     """
     t, n, _ = streams.shape
-    acc = _acc(streams.dtype)
+    acc = acc_dtype(streams.dtype)
     flat = rms_norm_unweighted(streams.reshape(t, -1).to(acc), rms_eps)
     mix = F.linear(flat, fn.to(acc))  # [T, (2 + n) n]
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
@@ -107,7 +104,7 @@ def hyper_mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb
 def hyper_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                hc_eps: float, rms_eps: float) -> torch.Tensor:
     """The final collapse of the streams [T, n, H] -> [T, H] (before the last RMSNorm)."""
-    acc = _acc(streams.dtype)
+    acc = acc_dtype(streams.dtype)
     flat = rms_norm_unweighted(streams.flatten(1).to(acc), rms_eps)
     pre = torch.sigmoid(F.linear(flat, fn.to(acc)) * scale.to(acc) + base.to(acc)) + hc_eps  # [T, n]
     return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)

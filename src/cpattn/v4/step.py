@@ -41,6 +41,7 @@ from cpattn.dsa import ShardedKeys, dsa_dcp_topk
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.layout.pcp import chunk_bounds
 from cpattn.ops.paged import paged_attention_with_lse
+from cpattn.ops.ref import acc_dtype
 from cpattn.ops.rows import write_rows
 from cpattn.ops.window_attention import window_attention_with_lse
 from cpattn.v4.attention import LayerInput, compress, csa_select, head_slice, merge, sparse_partial
@@ -229,7 +230,7 @@ class V4Step:
 def dcp_merge(out: torch.Tensor, lse: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge every rank's partial (out [T, H, D], lse [T, H]): one all-gather, then an N-way merge."""
     n = group.size
-    wide = torch.float64 if out.dtype == torch.float64 else torch.float32
+    wide = acc_dtype(out)
     msg = torch.cat([out.to(wide), lse.to(wide)[..., None]], dim=-1)  # [T, H, D + 1]
     got = group.all_gather(msg[None], dim=0)  # [N, T, H, D + 1]
     return merge([(got[i, ..., :-1], got[i, ..., -1]) for i in range(n)])
