@@ -131,6 +131,6 @@ def prefill(group: Group, family: ModelFamily, params: dict, cfg: Any, prompts: 
     if hidden is not None:
         hidden = {name: gather_unshard(group, h, plan) for name, h in hidden.items()}
     n = len(layouts)
-    rows = pack_rows(layouts, [step.kv[l][0] for l in range(n)], [step.kv[l][1] for l in range(n)],
-                     [step.kv[l][2] for l in range(n)])  # [T_r, F]
+    kv = [step.kv[l] for l in range(n)]
+    rows = pack_rows(layouts, [r.k for r in kv], [r.v for r in kv], [r.k_index for r in kv])  # [T_r, F]
     return PrefillOut(plan, rows, first, full, hidden, group.stats.total_sent() - before)

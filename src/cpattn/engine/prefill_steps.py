@@ -28,6 +28,7 @@ torch.Size([6, 2, 8])
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -51,14 +52,25 @@ class Prefix:
     context_lens: tuple[int, ...]
 
 
+class LayerRows(NamedTuple):
+    """One layer's rows this prefill rank computed, in the plan's local order (what the hand-off ships).
+
+    k: [T_r, Hkv, Dk] keys (an MLA / DSA latent [T_r, 1, Dqk]); v: [T_r, Hkv, Dv] or None when the values
+    live in the keys; k_index: [T_r, D_I] indexer keys of a full DSA layer, else None.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor | None = None
+    k_index: torch.Tensor | None = None
+
+
 @dataclass
 class PCPStep:
     """Prefill attention over a PCP group: this rank's tokens of a head-tail split.
 
     ``positions``: [T_r] global positions from the plan (RoPE must use them).
-    After the forward, ``kv[l] = (k, v, None)`` holds this rank's keys/values of
-    layer l ([T_r, Hkv, D*]; v None when values live in the keys), in the plan's
-    local order.
+    After the forward, ``kv[l]`` is layer l's :class:`LayerRows` (keys and
+    values of this rank's tokens).
     """
 
     group: Group
@@ -78,7 +90,7 @@ class PCPStep:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
         """q: [T_r, Hq, Dk], k: [T_r, Hkv, Dk], v: [T_r, Hkv, Dv] or None. Returns [T_r, Hq, Dv]."""
-        self.kv[layer] = (k, v, None)
+        self.kv[layer] = LayerRows(k, v)
         lay = self.layouts[layer]
         vv = k[..., : lay.v_head_dim] if lay.values_in_keys else v
         ctx = None
@@ -95,8 +107,8 @@ class DSACPStep:
 
     Each rank keeps all heads of its tokens; latents and indexer keys are
     all-gathered into a replicated cache (:func:`cpattn.dsa.dsa_cp_attention`).
-    ``positions``: [T_r]; after the forward ``kv[l] = (latent [T_r, 1, Dqk],
-    None, k_index [T_r, D_I])`` of this rank's tokens.
+    ``positions``: [T_r]; after the forward ``kv[l]`` is layer l's
+    :class:`LayerRows` (latent [T_r, 1, Dqk] and, for a full layer, k_index).
     """
 
     group: Group
@@ -121,7 +133,7 @@ class DSACPStep:
         """q [T_r, H, Dqk], kv [T_r, 1, Dqk], q_index [T_r, H_I, D_I], w_index [T_r, H_I], k_index [T_r, D_I]
         -> out [T_r, H, v_head_dim]; with ``return_selection`` also the selection (this rank's rows
         [T_r, topk] of the replicated cache, -1 padded) for :meth:`dsa_shared`."""
-        self.kv[layer] = (kv, None, k_index)
+        self.kv[layer] = LayerRows(kv, None, k_index)
         return dsa_cp_attention(q, kv[:, 0], q_index, w_index, k_index, self.plan, group=self.group, topk=topk,
                                 softmax_scale=scale, value_dim=self.layouts[layer].v_head_dim,
                                 cache=self._cache(layer, kv, k_index), return_indices=return_selection)
@@ -131,7 +143,7 @@ class DSACPStep:
         """A layer without an indexer reusing an earlier layer's selection: its latents are all-gathered into
         a replicated cache laid out like the full layer's (same rows), attended at ``selection``.
         q [T_r, H, Dqk], kv [T_r, 1, Dqk] -> out [T_r, H, v_head_dim]."""
-        self.kv[layer] = (kv, None, None)
+        self.kv[layer] = LayerRows(kv)
         return dsa_cp_sparse_attention(q, kv[:, 0], selection, self.plan, group=self.group, softmax_scale=scale,
                                        value_dim=self.layouts[layer].v_head_dim, cache=self._cache(layer, kv, None))
 
