@@ -63,6 +63,15 @@ class ChainState:
     features: target hidden rows ``{name: [..., H]}`` -> ``[..., F]``;
     state: ``{"params": ..., "cache": ...}`` (the cache written in place);
     graph: a graph backend name for the two step programs, or None (eager).
+
+    >>> from cpattn.drafters.eagle3 import Eagle3Drafter
+    >>> from cpattn.models import qwen3
+    >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+    ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> state = Eagle3Drafter.random(qwen3.init_params(cfg), cfg).start(num_requests=1, max_len=16)
+    >>> rows = TargetHidden({i: torch.randn(1, 3, 16) for i in (0, 1, 2)}, (0,), (3,))  # the prompt's rows
+    >>> state.propose([[4, 5, 6, 7]], 3, [0], rows).shape, state.held
+    (torch.Size([1, 3]), [3])
     """
 
     def __init__(self, step: Callable, features: Callable, state: dict, *, num_requests: int, max_len: int,
@@ -86,9 +95,11 @@ class ChainState:
             self.runners[q_len] = r.capture() if self.graph is not None else r
         return self.runners[q_len]
 
-    def run(self, batch: dict, q_lens: list[int]):
-        """One step over rows grouped by request (``q_lens`` rows each): (tokens [T], features [T, F])."""
-        return self.runner(q_lens[0] if q_lens else 1)(batch, q_lens)
+    def run(self, batch: dict, q_lens: list[int], rows: int):
+        """One step over rows grouped by request (``q_lens`` rows each) through the runner for ``rows`` rows
+        per request -- 1 + k for a catch-up, 1 for a chain step; another length (the prompt's catch-up)
+        runs eagerly. Returns (tokens [T], features [T, F])."""
+        return self.runner(rows)(batch, q_lens)
 
     def propose(self, histories: list[list[int]], k: int, requests: list[int],
                 hidden: TargetHidden | None = None) -> torch.Tensor:
@@ -120,7 +131,7 @@ class ChainState:
             self.held[r] = start + valid
         batch = {"tokens": torch.tensor(tokens), "features": feats.reshape(a * q, -1).to(self.dtype),
                  "req": torch.tensor(req), "pos": torch.tensor(pos), "lo": torch.tensor(lo), "hi": torch.tensor(hi)}
-        tok, feat = self.run(batch, [q] * a)
+        tok, feat = self.run(batch, [q] * a, 1 + k)
         idx = torch.tensor(last)
         tok, feat = tok[idx], feat[idx]  # [A], [A, F]
         drafts = [tok]
@@ -129,7 +140,7 @@ class ChainState:
         for d in range(1, k):
             p = torch.tensor([self.held[r] - 1 + d for r in requests])  # provisional rows past the held ones
             tok, feat = self.run({"tokens": tok, "features": feat, "req": reqs, "pos": p, "lo": los, "hi": p + 1},
-                                 [1] * a)
+                                 [1] * a, 1)
             drafts.append(tok)
         return torch.stack(drafts, 1)  # [A, k]
 

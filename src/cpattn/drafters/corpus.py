@@ -34,29 +34,33 @@ PROBS = (0.6, 0.25, 0.15)
 
 @dataclass(frozen=True)
 class Corpus:
-    """phrases: token lists; successors[(i, j)] after phrases i then j: three phrase ids (likeliest first)."""
+    """phrases: token lists; successors[(i, j)] after phrases i then j: three phrase ids (likeliest first),
+    drawn with probabilities ``probs``."""
 
     vocab_size: int
     phrases: tuple[tuple[int, ...], ...]
     successors: tuple[tuple[int, ...], ...]  # flattened: entry i * n + j
+    probs: tuple[float, ...] = PROBS
 
     @classmethod
-    def make(cls, vocab_size: int, seed: int, num_phrases: int = 16, reserved: int = 1) -> Corpus:
-        """A random corpus over tokens ``1 .. vocab_size - 1 - reserved``."""
+    def make(cls, vocab_size: int, seed: int, num_phrases: int = 16, reserved: int = 1,
+             probs: tuple[float, ...] = PROBS) -> Corpus:
+        """A random corpus over tokens ``1 .. vocab_size - 1 - reserved``; ``probs`` of the successors (near
+        ties, e.g. (0.36, 0.33, 0.31), make the target's choice at a phrase boundary hard to predict)."""
         g = torch.Generator().manual_seed(seed)
         top = vocab_size - reserved
         phrases = []
         for _ in range(num_phrases):
             n = int(torch.randint(2, 7, (1,), generator=g))
             phrases.append(tuple(int(t) for t in torch.randint(1, top, (n,), generator=g)))
-        succ = tuple(tuple(int(s) for s in torch.randperm(num_phrases, generator=g)[: len(PROBS)])
+        succ = tuple(tuple(int(s) for s in torch.randperm(num_phrases, generator=g)[: len(probs)])
                      for _ in range(num_phrases * num_phrases))
-        return cls(vocab_size, tuple(phrases), succ)
+        return cls(vocab_size, tuple(phrases), succ, tuple(float(p) for p in probs))
 
     def sample(self, n: int, length: int, seed: int) -> torch.Tensor:
         """n token sequences of ``length`` tokens: [n, length] int64 (walks cut at length)."""
         g = torch.Generator().manual_seed(seed)
-        probs = torch.tensor(PROBS)
+        probs = torch.tensor(self.probs)
         m = len(self.phrases)
         out = []
         for _ in range(n):
@@ -84,4 +88,5 @@ class Corpus:
             return None
         with open(file) as f:
             d = json.load(f)
-        return cls(d["vocab_size"], tuple(tuple(p) for p in d["phrases"]), tuple(tuple(s) for s in d["successors"]))
+        return cls(d["vocab_size"], tuple(tuple(p) for p in d["phrases"]), tuple(tuple(s) for s in d["successors"]),
+                   tuple(d.get("probs", PROBS)))

@@ -103,7 +103,13 @@ class DSparkConfig:
 
 def context(params: dict, cfg: DSparkConfig, rows: dict | torch.Tensor) -> torch.Tensor:
     """``hidden_norm(fc([h_l1 ; h_l2 ; ..]))``: target rows ``{layer: [..., H]}`` (or their concatenation)
-    -> [..., H]."""
+    -> [..., H].
+
+    >>> cfg = DSparkConfig(16, 32, 1, 2, 1, 8, 32, (0,), 2, 31, 4)
+    >>> p = {"fc.weight": torch.eye(16), "hidden_norm.weight": torch.ones(16)}
+    >>> context(p, cfg, {0: torch.full((1, 16), 3.0)}).round(decimals=4).tolist()[0][:2]   # RMS-normed
+    [1.0, 1.0]
+    """
     h = rows if isinstance(rows, torch.Tensor) else torch.cat([rows[i] for i in cfg.target_layer_ids], -1)
     return rms_norm(F.linear(h.to(params["fc.weight"].dtype), params["fc.weight"]), params["hidden_norm.weight"],
                     cfg.rms_norm_eps)
@@ -116,6 +122,15 @@ def block_hidden(params: dict, cfg: DSparkConfig, x: torch.Tensor, pos: torch.Te
     ``attend(layer, q [N, Hq, hd], k_ctx, v_ctx [M, Hkv, hd], k_blk, v_blk [N, Hkv, hd], scale) -> [N, Hq, hd]``
     places the rows' keys and applies the block mask (the draft cache at inference, an explicit mask in
     training). Returns the final-normed block states hn [N, H].
+
+    >>> from cpattn.models import qwen3
+    >>> tcfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+    ...                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> d = DSparkDrafter.random(qwen3.init_params(tcfg), tcfg, block_size=2, mask_token_id=31)
+    >>> attend = lambda i, q, k_c, v_c, k_b, v_b, scale: q               # a stand-in attention
+    >>> block_hidden(d.params, d.cfg, torch.randn(2, 16), torch.arange(2), torch.randn(3, 16), torch.arange(3),
+    ...              attend).shape
+    torch.Size([2, 16])
     """
     p, eps = params, cfg.rms_norm_eps
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -144,6 +159,13 @@ def heads(params: dict, hn: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Ten
     """Markov-corrected logits and confidence logits of block slots hn [..., H] given the previous tokens prev [...].
 
     Returns (logits [..., V], confidence logits [...]); ``sigmoid`` of the latter is the survival estimate.
+
+    >>> p = {"markov_head.markov_w1.weight": torch.ones(8, 2), "markov_head.markov_w2.weight": torch.zeros(8, 2),
+    ...      "lm_head.weight": torch.eye(8, 4), "confidence_head.proj.weight": torch.zeros(1, 6),
+    ...      "confidence_head.proj.bias": torch.zeros(1)}
+    >>> logits, conf = heads(p, torch.tensor([[0.0, 1.0, 0.0, 0.0]]), torch.tensor([3]))
+    >>> logits.argmax(-1).tolist(), torch.sigmoid(conf).tolist()
+    ([1], [0.5])
     """
     e = F.embedding(prev, params["markov_head.markov_w1.weight"])  # [..., r]
     logits = F.linear(hn, params["lm_head.weight"]) + F.linear(e, params["markov_head.markov_w2.weight"])
@@ -154,7 +176,14 @@ def heads(params: dict, hn: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Ten
 
 def draft_block(params: dict, hn: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy drafts through the Markov head, slot by slot: hn [A, B, H], first [A] (the token x) ->
-    (drafts [A, B] int64, confidence [A, B] in [0, 1])."""
+    (drafts [A, B] int64, confidence [A, B] in [0, 1]).
+
+    >>> p = {"markov_head.markov_w1.weight": torch.eye(4), "markov_head.markov_w2.weight": 5 * torch.eye(4).roll(1, 0),
+    ...      "lm_head.weight": torch.zeros(4, 2), "confidence_head.proj.weight": torch.zeros(1, 6),
+    ...      "confidence_head.proj.bias": torch.zeros(1)}
+    >>> draft_block(p, torch.zeros(1, 3, 2), torch.tensor([0]))[0].tolist()    # a pure bigram: 0 -> 1 -> 2 -> 3
+    [[1, 2, 3]]
+    """
     prev, drafts, conf = first, [], []
     for i in range(hn.shape[1]):
         logits, c = heads(params, hn[:, i], prev)
@@ -167,7 +196,11 @@ def draft_block(params: dict, hn: torch.Tensor, first: torch.Tensor) -> tuple[to
 def step_fields(num_requests: int, max_len: int, feature_dim: int, dtype: torch.dtype) -> dict[str, Field]:
     """Inputs of a DSpark step: context rows (token rows: ``features`` [F] the concatenated target layers,
     ``req`` / ``pos`` where their KV goes, pad: scratch) and per request the block's ``anchor`` token x,
-    its position ``start`` S, its cache ``row`` (pad: scratch) and ``lo`` (first cached position)."""
+    its position ``start`` S, its cache ``row`` (pad: scratch) and ``lo`` (first cached position).
+
+    >>> sorted(step_fields(2, 8, 48, torch.float32))
+    ['anchor', 'features', 'lo', 'pos', 'req', 'row', 'start']
+    """
     return {"features": Field("token", (feature_dim,), dtype, pad=0),
             "req": Field("token", (), torch.int64, pad=num_requests),
             "pos": Field("token", (), torch.int64, pad=max_len),
@@ -182,6 +215,16 @@ def dspark_step(state: dict, batch: dict, *, cfg: DSparkConfig) -> tuple[torch.T
 
     state: ``{"params": ..., "cache": [L, 2, R + 1, Lmax + 1, Hkv, hd]}``.
     Returns (drafts [A, B] int64, confidence [A, B]).
+
+    >>> from cpattn.models import qwen3
+    >>> tcfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+    ...                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> d = DSparkDrafter.random(qwen3.init_params(tcfg), tcfg, block_size=3, mask_token_id=31)
+    >>> one = torch.tensor([0])
+    >>> batch = {"features": torch.randn(1, 48), "req": one, "pos": one, "anchor": torch.tensor([7]),
+    ...          "start": one + 1, "row": one, "lo": one}
+    >>> [t.shape for t in dspark_step(d.start(1, 8).state, batch, cfg=d.cfg)]
+    [torch.Size([1, 3]), torch.Size([1, 3])]
     """
     p, cache, b = state["params"], state["cache"], cfg.block_size
     a = batch["anchor"].shape[0]
@@ -228,7 +271,8 @@ class DSparkState:
         self.runners: dict[int, DecodeRunner] = {}
 
     def runner(self, q_len: int) -> DecodeRunner:
-        """The step's runner for ``q_len`` context rows per request (captured on first use with a graph)."""
+        """The step's runner for ``q_len`` context rows per request (captured on first use with a graph;
+        another number of rows runs eagerly)."""
         if q_len not in self.runners:
             k = q_len - 1
             width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
@@ -265,7 +309,7 @@ class DSparkState:
                  "pos": torch.tensor(pos), "anchor": torch.tensor([h[-1] for h in histories]),
                  "start": torch.tensor([len(h) - 1 for h in histories]), "row": torch.tensor(requests),
                  "lo": torch.tensor([self.lo[r] for r in requests])}
-        drafts, conf = self.runner(q)(batch, [q] * a)
+        drafts, conf = self.runner(1 + k)(batch, [q] * a)  # the prompt's rows (q != 1 + k): eager
         for i, r in enumerate(requests):
             self.pending[r] = (conf[i, :k].tolist(), len(histories[i]) - 1)
         return drafts[:, :k]

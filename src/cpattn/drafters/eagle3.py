@@ -87,7 +87,12 @@ class Eagle3Config:
 
 def attention_shape(cfg: Any) -> tuple[int, int, int]:
     """(query heads, KV heads, head dim) of a draft layer for target ``cfg``: the target's own GQA shape,
-    or for a target without one (MLA) ``hidden / heads``-dim heads, two queries per KV head."""
+    or for a target without one (MLA) ``hidden / heads``-dim heads, two queries per KV head.
+
+    >>> from cpattn.models import deepseek_v3
+    >>> attention_shape(deepseek_v3.DeepseekV3Config.tiny())
+    (4, 2, 16)
+    """
     heads = cfg.num_attention_heads
     if isinstance(getattr(cfg, "num_key_value_heads", None), int) and isinstance(getattr(cfg, "head_dim", None), int):
         return heads, cfg.num_key_value_heads, cfg.head_dim
@@ -95,7 +100,12 @@ def attention_shape(cfg: Any) -> tuple[int, int, int]:
 
 
 def fuse(params: dict, cfg: Eagle3Config, rows: dict) -> torch.Tensor:
-    """``fc([h_low ; h_mid ; h_high])``: target hidden rows ``{layer: [..., H]}`` -> features [..., H]."""
+    """``fc([h_low ; h_mid ; h_high])``: target hidden rows ``{layer: [..., H]}`` -> features [..., H].
+
+    >>> cfg = Eagle3Config(16, 32, 2, 1, 8, 32, 32, (0, 2))
+    >>> fuse({"fc.weight": torch.ones(16, 32)}, cfg, {0: torch.ones(3, 16), 2: torch.zeros(3, 16)})[0, :2].tolist()
+    [16.0, 16.0]
+    """
     h = torch.cat([rows[i] for i in cfg.target_layer_ids], -1)
     return F.linear(h.to(params["fc.weight"].dtype), params["fc.weight"])
 
@@ -106,6 +116,15 @@ def eagle3_layer(params: dict, cfg: Eagle3Config, tokens: torch.Tensor, g: torch
 
     ``attend(q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hd], scale) -> [T, Hq, hd]``
     stores the rows' KV and attends (the draft cache, or a causal mask in training).
+
+    >>> from cpattn.models import qwen3
+    >>> tcfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+    ...                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> d = Eagle3Drafter.random(qwen3.init_params(tcfg), tcfg, draft_vocab=24)
+    >>> logits, y = eagle3_layer(d.params, d.cfg, torch.tensor([1, 2]), torch.randn(2, 16), torch.arange(2),
+    ...                          lambda q, k, v, scale: q)                 # a stand-in attention
+    >>> logits.shape, y.shape
+    (torch.Size([2, 24]), torch.Size([2, 16]))
     """
     p, eps, pre = params, cfg.rms_norm_eps, "layers.0."
     t, hq, hkv, hd = tokens.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -140,6 +159,16 @@ def eagle3_step(state: dict, batch: dict, *, cfg: Eagle3Config) -> tuple[torch.T
 
     state: ``{"params": ..., "cache": [2, R + 1, L + 1, Hkv, hd]}`` (keys, values).
     Returns (greedy target tokens [T], output features [T, H]).
+
+    >>> from cpattn.models import qwen3
+    >>> tcfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+    ...                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> d = Eagle3Drafter.random(qwen3.init_params(tcfg), tcfg)
+    >>> one = torch.tensor([0])
+    >>> batch = {"tokens": torch.tensor([5]), "features": torch.randn(1, 16), "req": one, "pos": one, "lo": one,
+    ...          "hi": one + 1}
+    >>> [t.shape for t in eagle3_step(d.start(1, 8).state, batch, cfg=d.cfg)]
+    [torch.Size([1]), torch.Size([1, 16])]
     """
     cache = state["cache"]
 

@@ -52,7 +52,11 @@ TARGETS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # families whose check
 
 
 def block_config(cfg: Any) -> Any:
-    """The target config extended by the MTP layer N (its MLP: MoE when the target has routed experts)."""
+    """The target config extended by the MTP layer N (its MLP: MoE when the target has routed experts).
+
+    >>> block_config(v3.DeepseekV3Config.tiny()).mlp_layer_types
+    ('dense', 'sparse', 'sparse')
+    """
     kind = "sparse" if cfg.n_routed_experts else "dense"
     extra = {"mlp_layer_types": (*cfg.mlp_layer_types, kind), "num_hidden_layers": cfg.num_hidden_layers + 1}
     if hasattr(cfg, "indexer_types"):  # GLM-5's per-layer indexer kinds have one entry per layer too
@@ -68,6 +72,14 @@ def mtp_logits_features(params: dict, cfg: Any, layer: int, tokens: torch.Tensor
     positions: [T] RoPE positions (p + 1); ``attend(q [T, Hq, r + rope], kv
     [T, 1, r + rope], scale) -> [T, Hq, r]`` stores the rows' latent KV and
     attends (the draft cache at inference, a causal mask in training).
+
+    >>> cfg = v3.DeepseekV3Config.tiny()
+    >>> d = MTPDrafter.random("deepseek_v3", cfg)
+    >>> attend = lambda q, lat, scale: q[..., : cfg.kv_lora_rank]      # a stand-in attention
+    >>> logits, hn = mtp_logits_features(d.params, block_config(cfg), 2, torch.tensor([3, 4]), torch.randn(2, 64),
+    ...                                  torch.tensor([1, 2]), attend)
+    >>> logits.shape, hn.shape
+    (torch.Size([2, 64]), torch.Size([2, 64]))
     """
     pre = f"model.layers.{layer}."
     p, eps = params, cfg.rms_norm_eps
@@ -91,6 +103,14 @@ def mtp_step(state: dict, batch: dict, *, cfg: Any, layer: int) -> tuple[torch.T
 
     state: ``{"params": MTP weights, "cache": [1, R + 1, L + 1, 1, r + rope]}``.
     Returns (greedy tokens [T], next features [T, H]).
+
+    >>> cfg = v3.DeepseekV3Config.tiny()
+    >>> state = MTPDrafter.random("deepseek_v3", cfg).start(1, 8).state
+    >>> one = torch.tensor([0])
+    >>> batch = {"tokens": torch.tensor([5]), "features": torch.randn(1, 64), "req": one, "pos": one, "lo": one,
+    ...          "hi": one + 1}
+    >>> [t.shape for t in mtp_step(state, batch, cfg=block_config(cfg), layer=2)]
+    [torch.Size([1]), torch.Size([1, 64])]
     """
     cache = state["cache"][0]
     r = cfg.kv_lora_rank

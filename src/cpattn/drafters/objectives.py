@@ -43,7 +43,11 @@ def weights(depth: int) -> list[float]:
 
 def frozen(method: str) -> tuple[str, ...]:
     """Name suffixes a method does not train: the target's embedding and head it shares or copies, and
-    buffers (router bias, ``d2t``)."""
+    buffers (router bias, ``d2t``).
+
+    >>> "lm_head.weight" in frozen("dspark"), "lm_head.weight" in frozen("eagle3")
+    (True, False)
+    """
     common = ("embed_tokens.weight", "e_score_correction_bias", "d2t")
     return common + {"mtp": ("shared_head.head.weight",), "dspark": ("lm_head.weight",)}.get(method, ())
 
@@ -52,7 +56,14 @@ def chain_loss(logits: list[torch.Tensor], greedy: torch.Tensor, valid_from: int
                ignore: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Weighted cross entropy of depths' logits [B, T, V'] against labels ``greedy[:, q + 1]`` (the token the
     target emits after position q + 1), rows ``q >= j``; ``ignore`` [B, T] marks labels not in the draft
-    vocabulary (Eagle3). Returns (loss, per-depth accuracy)."""
+    vocabulary (Eagle3). Returns (loss, per-depth accuracy).
+
+    >>> greedy = torch.tensor([[1, 2, 3, 0]])
+    >>> perfect = 50 * torch.nn.functional.one_hot(torch.tensor([[2, 3, 0, 0]]), 4).float()
+    >>> loss, acc = chain_loss([perfect], greedy)
+    >>> round(float(loss), 4), acc
+    (0.0, [1.0])
+    """
     b, t = greedy.shape
     label = torch.cat([greedy[:, 1:], greedy[:, -1:]], 1)  # [B, T]: row q's label
     ok = torch.zeros(b, t, dtype=torch.bool)
@@ -70,7 +81,16 @@ def chain_loss(logits: list[torch.Tensor], greedy: torch.Tensor, valid_from: int
 
 
 def mtp_loss(drafter: mt.MTPDrafter, data: GreedyData, idx: torch.Tensor, depth: int):
-    """MTP: chain depths over the target's final-normed states."""
+    """MTP: chain depths over the target's final-normed states; ``idx`` [b] the sequences of the batch.
+
+    >>> from cpattn.drafters import target as tg
+    >>> cfg = tg.tiny_config("deepseek_v3", vocab_size=32, hidden_size=32, num_layers=2)
+    >>> p = tg.init("deepseek_v3", cfg, seed=0)
+    >>> data = tg.greedy_data("deepseek_v3", p, cfg, torch.ones(2, 2, dtype=torch.int64), 5, ())
+    >>> loss, acc = mtp_loss(mt.MTPDrafter.random("deepseek_v3", cfg, target_params=p), data, torch.arange(2), 2)
+    >>> loss.ndim, len(acc)
+    (0, 2)
+    """
     cfg = mt.block_config(drafter.cfg)
 
     def layer(p, c, *a):
@@ -82,7 +102,16 @@ def mtp_loss(drafter: mt.MTPDrafter, data: GreedyData, idx: torch.Tensor, depth:
 
 
 def eagle3_loss(drafter: e3.Eagle3Drafter, data: GreedyData, idx: torch.Tensor, depth: int):
-    """Eagle3: chain depths over fc-fused low/mid/high states; labels in draft-vocabulary ids."""
+    """Eagle3: chain depths over fc-fused low/mid/high states; labels in draft-vocabulary ids.
+
+    >>> from cpattn.drafters import target as tg
+    >>> cfg = tg.tiny_config("qwen3", vocab_size=32, hidden_size=16, num_layers=4)
+    >>> p = tg.init("qwen3", cfg, seed=0)
+    >>> data = tg.greedy_data("qwen3", p, cfg, torch.ones(2, 2, dtype=torch.int64), 5, (0, 1, 2))
+    >>> loss, acc = eagle3_loss(e3.Eagle3Drafter.random(p, cfg, draft_vocab=20), data, torch.arange(2), 2)
+    >>> loss.ndim, len(acc)
+    (0, 2)
+    """
     p, cfg = drafter.params, drafter.cfg
     feats = e3.fuse(p, cfg, {i: data.hidden[i][idx] for i in cfg.target_layer_ids})
     logits = sq.chain_forward(e3.eagle3_layer, p, cfg, data.tokens[idx], feats, depth, rope_offset=0)
@@ -94,7 +123,18 @@ def eagle3_loss(drafter: e3.Eagle3Drafter, data: GreedyData, idx: torch.Tensor, 
 
 
 def dspark_loss(drafter, data: GreedyData, idx: torch.Tensor, anchors_per_seq: int, generator: torch.Generator):
-    """DSpark: blocks at random anchors; returns (loss, per-slot accuracy)."""
+    """DSpark: blocks at random anchors; returns (loss, per-slot accuracy).
+
+    >>> from cpattn.drafters import target as tg
+    >>> from cpattn.drafters.dspark import DSparkDrafter
+    >>> cfg = tg.tiny_config("qwen3", vocab_size=32, hidden_size=16, num_layers=4)
+    >>> p = tg.init("qwen3", cfg, seed=0)
+    >>> data = tg.greedy_data("qwen3", p, cfg, torch.ones(2, 2, dtype=torch.int64), 6, (0, 1, 2))
+    >>> d = DSparkDrafter.random(p, cfg, block_size=2, mask_token_id=31)
+    >>> loss, acc = dspark_loss(d, data, torch.arange(2), 3, torch.Generator().manual_seed(0))
+    >>> loss.ndim, len(acc)
+    (0, 2)
+    """
     p, cfg = drafter.params, drafter.cfg
     tokens, greedy = data.tokens[idx], data.greedy[idx]
     b, t = tokens.shape

@@ -74,6 +74,15 @@ def chain_forward(layer, params, cfg, tokens: torch.Tensor, features: torch.Tens
     ``mla_value_dim``: its attend takes the latent row as key and value). tokens: [B, T];
     features: [B, T, F] the target's (depth-0 features). Returns depth x [B, T, V']: row q of depth j
     predicts the token after position q + 1 (valid for ``j <= q <= T - 2``).
+
+    >>> def layer(p, c, tok, feats, pos, attend):                      # a toy one-head "drafter"
+    ...     x = feats + p["emb"][tok]
+    ...     y = attend(x.view(-1, 1, 4), x.view(-1, 1, 4), x.view(-1, 1, 4), 1.0).view(-1, 4)
+    ...     return y @ p["emb"].T, y
+    >>> out = chain_forward(layer, {"emb": torch.eye(8, 4)}, None, torch.randint(0, 8, (2, 5)), torch.zeros(2, 5, 4),
+    ...                     3, rope_offset=0)
+    >>> [o.shape for o in out]
+    [torch.Size([2, 5, 8]), torch.Size([2, 5, 8]), torch.Size([2, 5, 8])]
     """
     b, t = tokens.shape
     pos = torch.arange(t).repeat(b)
@@ -105,6 +114,13 @@ def chain_reference(layer, params, cfg, history: list[int], features: torch.Tens
 
     features: [L - 1, F] the target's depth-0 features of positions 0..L-2.
     to_target: draft ids -> target ids (Eagle3's ``d2t``), default identity.
+
+    >>> def layer(p, c, tok, feats, pos, attend):                      # predicts "previous token + 1"
+    ...     x = p["emb"][tok] + 0 * attend(feats.view(-1, 1, 8), feats.view(-1, 1, 8), feats.view(-1, 1, 8),
+    ...                                    1.0).view(-1, 8)
+    ...     return x @ p["emb"].roll(1, 0).T, x
+    >>> chain_reference(layer, {"emb": torch.eye(8)}, None, [1, 2, 3], torch.zeros(2, 8), 3, rope_offset=0)
+    [4, 5, 6]
     """
     L = len(history)
     toks = torch.tensor(history[1:])  # t_{p+1} for rows p = 0..L-2
@@ -137,7 +153,11 @@ def chain_reference(layer, params, cfg, history: list[int], features: torch.Tens
 
 def dspark_mask(length: int, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """DSpark's training mask per sequence: block rows (anchor a, slot) see the context rows before a and
-    every row of their own block. anchors: [B, N]. Returns [B, N * S, length + N * S] bool."""
+    every row of their own block. anchors: [B, N]. Returns [B, N * S, length + N * S] bool.
+
+    >>> dspark_mask(3, torch.tensor([[2]]), 2).int().tolist()     # context 0, 1 and the block's two slots
+    [[[1, 1, 0, 1, 1], [1, 1, 0, 1, 1]]]
+    """
     b, n = anchors.shape
     s = block_size
     anchor_b = anchors.repeat_interleave(s, dim=1)  # [B, N * S]
@@ -155,6 +175,16 @@ def dspark_forward(params, cfg, tokens: torch.Tensor, features: torch.Tensor, an
     a .. a + S - 1 with S = block size); prev: [B, N, S] the token before
     each slot's prediction (``t_a``, then the teacher's next tokens) for the
     Markov and confidence heads.
+
+    >>> from cpattn.models import qwen3
+    >>> tcfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+    ...                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> d = ds.DSparkDrafter.random(qwen3.init_params(tcfg), tcfg, block_size=2, mask_token_id=31)
+    >>> tok = torch.randint(0, 31, (1, 6))
+    >>> logits, conf = dspark_forward(d.params, d.cfg, tok, torch.randn(1, 6, 48), torch.tensor([[1, 3]]),
+    ...                               torch.zeros(1, 2, 2, dtype=torch.int64))
+    >>> logits.shape, conf.shape
+    (torch.Size([1, 2, 2, 32]), torch.Size([1, 2, 2]))
     """
     b, t = tokens.shape
     n, s = anchors.shape[1], cfg.block_size
@@ -182,6 +212,14 @@ def dspark_reference(params, cfg, history: list[int], features: torch.Tensor, k:
     """The k drafts (and confidences) DSpark proposes after ``history``, recomputed from scratch.
 
     features: [L - 1, F] the concatenated target layers at positions 0..L-2.
+
+    >>> from cpattn.models import qwen3
+    >>> tcfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+    ...                          num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> d = ds.DSparkDrafter.random(qwen3.init_params(tcfg), tcfg, block_size=3, mask_token_id=31)
+    >>> drafts, conf = dspark_reference(d.params, d.cfg, [1, 2, 3], torch.randn(2, 48), 2)
+    >>> len(drafts), len(conf)
+    (2, 2)
     """
     L, s = len(history), cfg.block_size
     ctx = ds.context(params, cfg, features)  # [L - 1, H]

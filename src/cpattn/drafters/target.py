@@ -39,7 +39,11 @@ from cpattn.models import deepseek_v3, qwen3
 
 
 def tiny_config(model: str, *, vocab_size: int = 64, hidden_size: int = 64, num_layers: int = 4) -> Any:
-    """A tiny target config: Qwen3 (GQA 4/2 heads of hidden/4) or DeepSeek-V3 (MLA, MoE above layer 0)."""
+    """A tiny target config: Qwen3 (GQA 4/2 heads of hidden/4) or DeepSeek-V3 (MLA, MoE above layer 0).
+
+    >>> tiny_config("deepseek_v3").mlp_layer_types
+    ('dense', 'sparse', 'sparse', 'sparse')
+    """
     if model == "qwen3":
         return qwen3.Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
@@ -52,12 +56,21 @@ def tiny_config(model: str, *, vocab_size: int = 64, hidden_size: int = 64, num_
 
 
 def init(model: str, cfg: Any, *, seed: int) -> dict:
-    """Random float32 weights (std 0.02) for a tiny target."""
+    """Random float32 weights (std 0.02) for a tiny target.
+
+    >>> init("qwen3", tiny_config("qwen3", hidden_size=16, num_layers=1), seed=0)["lm_head.weight"].shape
+    torch.Size([64, 16])
+    """
     return get_family(model).init_params(cfg, seed=seed, std=0.02, dtype=torch.float32)
 
 
 def hf_config(model: str, cfg: Any) -> dict:
-    """The config.json dict of a tiny target (what ``from_hf`` and transformers read back)."""
+    """The config.json dict of a tiny target (what ``from_hf`` and transformers read back).
+
+    >>> cfg = tiny_config("deepseek_v3")
+    >>> deepseek_v3.DeepseekV3Config.from_hf(hf_config("deepseek_v3", cfg)) == cfg
+    True
+    """
     if model == "qwen3":
         return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -121,7 +134,13 @@ class SequenceAttention:
 
 class BatchCache:
     """A KV cache of ``batch`` equally long sequences for greedy continuation: one step appends the same
-    number of tokens to each (``step(n)``), attention over the prefix through SDPA."""
+    number of tokens to each (``step(n)``), attention over the prefix through SDPA.
+
+    >>> cache = BatchCache((KVLayout(1, 4, 4),), batch=2, max_len=5, dtype=torch.float32)
+    >>> x = torch.ones(6, 1, 4)
+    >>> cache.step(3)(0, x, x, x, 0.5).shape, cache.len
+    (torch.Size([6, 1, 4]), 3)
+    """
 
     def __init__(self, layouts: tuple[KVLayout, ...], *, batch: int, max_len: int, dtype: torch.dtype):
         self.layouts, self.b, self.len = layouts, batch, 0
@@ -155,7 +174,14 @@ class BatchCache:
 
 
 def forward(model: str, params: dict, cfg: Any, tokens: torch.Tensor, *, hidden_layers=None):
-    """The target on whole sequences tokens [B, T]: logits [B, T, V] (and hidden ``{name: [B, T, H]}``)."""
+    """The target on whole sequences tokens [B, T]: logits [B, T, V] (and hidden ``{name: [B, T, H]}``).
+
+    >>> cfg = tiny_config("qwen3", hidden_size=16, num_layers=2)
+    >>> logits, hidden = forward("qwen3", init("qwen3", cfg, seed=0), cfg, torch.ones(2, 3, dtype=torch.int64),
+    ...                          hidden_layers=(1,))
+    >>> logits.shape, sorted(hidden, key=str)
+    (torch.Size([2, 3, 64]), [1, 'norm'])
+    """
     fam = get_family(model)
     b, t = tokens.shape
     attn = SequenceAttention(fam.kv_layouts(cfg), batch=b, length=t, device=tokens.device)
@@ -169,7 +195,13 @@ def forward(model: str, params: dict, cfg: Any, tokens: torch.Tensor, *, hidden_
 def train(model: str, cfg: Any, corpus: Corpus, *, seconds: float, seed: int, batch: int = 32, length: int = 64,
           lr: float = 3e-3, max_steps: int | None = None, on_step=None) -> tuple[dict, list[float]]:
     """Train a tiny target on the corpus for ``seconds``, or exactly ``max_steps`` steps (reproducible on a
-    loaded machine): Adam, next-token loss. Returns (params, loss per step)."""
+    loaded machine): Adam, next-token loss. Returns (params, loss per step).
+
+    >>> cfg = tiny_config("qwen3", vocab_size=16, hidden_size=16, num_layers=1)
+    >>> _, losses = train("qwen3", cfg, Corpus.make(16, seed=0), seconds=0, seed=0, batch=2, length=8, max_steps=3)
+    >>> len(losses)
+    3
+    """
     torch.manual_seed(seed)
     params = {n: t.clone().requires_grad_(t.is_floating_point()) for n, t in init(model, cfg, seed=seed).items()}
     train_params = [t for n, t in params.items() if t.requires_grad and "e_score_correction_bias" not in n]
@@ -197,14 +229,21 @@ def train(model: str, cfg: Any, corpus: Corpus, *, seconds: float, seed: int, ba
 def save(path: str | os.PathLike, model: str, cfg: Any, params: dict, corpus: Corpus | None = None,
          dtype: torch.dtype | None = None) -> None:
     """Write the target as a checkpoint directory (per-expert names, as transformers saves them; floating
-    weights cast to ``dtype`` when given)."""
+    weights cast to ``dtype`` when given).
+
+    >>> import tempfile
+    >>> d, cfg = tempfile.mkdtemp(), tiny_config("qwen3", hidden_size=16, num_layers=1)
+    >>> save(d, "qwen3", cfg, init("qwen3", cfg, seed=0), dtype=torch.bfloat16)
+    >>> load(d)[1] == cfg
+    True
+    """
     checkpoint.save(path, checkpoint.unstack_experts(params), hf_config(model, cfg), dtype=dtype)
     if corpus is not None:
         corpus.save(path)
 
 
 def load(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[str, Any, dict]:
-    """(family name, family config, params) of a checkpoint directory."""
+    """(family name, family config, params) of a checkpoint directory (see :func:`save`)."""
     from cpattn.models import load_checkpoint
 
     config, params = load_checkpoint(path, dtype=dtype)
@@ -228,7 +267,13 @@ class GreedyData:
 def greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, length: int,
                 hidden_layers: tuple) -> GreedyData:
     """Continue prompts [N, P] greedily to ``length`` tokens (a batch KV cache), then one forward over the
-    whole sequences for the hidden states and argmax of every position."""
+    whole sequences for the hidden states and argmax of every position.
+
+    >>> cfg = tiny_config("qwen3", hidden_size=16, num_layers=2)
+    >>> d = greedy_data("qwen3", init("qwen3", cfg, seed=0), cfg, torch.ones(2, 3, dtype=torch.int64), 6, (0,))
+    >>> d.tokens.shape, torch.equal(d.greedy[:, 2:-1], d.tokens[:, 3:])
+    (torch.Size([2, 6]), True)
+    """
     fam = get_family(model)
     dtype = params["model.embed_tokens.weight"].dtype
     cache = BatchCache(fam.kv_layouts(cfg), batch=prompts.shape[0], max_len=length, dtype=dtype)
