@@ -27,6 +27,10 @@ COMMANDS = {
     "prefill": ("cpattn.bench.pcp:prefill_main", "PCP prefill attention on P gloo ranks, checked against one rank"),
     "plan": ("cpattn.plan.cli:main",
              "predicted TTFT / TPOT / KV bytes per (tp, pcp, dcp) on H200, B200, Ascend 910C (plan calibrate|validate|anchors)"),
+    "train-target": ("cpattn.drafters.train:target_main",
+                     "a tiny Qwen3 / DeepSeek-V3 target trained on the synthetic corpus (CPU, minutes), saved as a checkpoint"),
+    "train-draft": ("cpattn.drafters.train:main",
+                    "an MTP / Eagle3 / DSpark head trained by self-distillation on a target's greedy continuations"),
 }
 BENCHMARKS = {
     "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),
@@ -39,6 +43,8 @@ BENCHMARKS = {
     "pool": ("cpattn.bench.pool:main", "KV pool: store / load per block; TTFT cold vs warm (pooled prefix), 1 and 2 ranks"),
     "v4": ("cpattn.bench.v4:main", "DeepSeek-V4: KV bytes per token vs V3.2/MLA; 64K decode 1 rank vs DCP; 16K prefill 1 rank vs PCP"),
     "mlapo": ("cpattn.bench.mlapo:main", "DeepSeek decode step with / without the fused MLA preprocessing op, DCP 1 and 2"),
+    "drafts": ("cpattn.drafters.report:main",
+               "MTP / Eagle3 / DSpark on tiny trained targets: acceptance per position; decode tok/s vs plain, DCP 1 and 2"),
 }
 POOL = {
     "serve": ("cpattn.pool.server:main", "a Mooncake master on 127.0.0.1 and a long-lived process holding the pool's memory"),
