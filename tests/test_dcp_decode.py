@@ -19,7 +19,7 @@ from cpattn.comm.sim import SimMesh
 from cpattn.dcp import DCPContext, dcp_decode, dcp_plan, plan_tensors
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.layout.pcp import pcp_plan, pcp_shard, pcp_unshard
-from cpattn.ops.paged import write_kv, write_kv_mla
+from cpattn.ops.rows import write_kv, write_kv_mla
 from cpattn.pcp import pcp_prefill
 
 NAN = float("nan")

@@ -14,7 +14,8 @@ from ref import PagedCase, paged_attention, paged_cache, plain_error
 
 from cpattn.graphs.check import agree
 from cpattn.ops import paged
-from cpattn.ops.paged import paged_attention_with_lse, write_kv, write_kv_mla
+from cpattn.ops.paged import paged_attention_with_lse
+from cpattn.ops.rows import write_kv, write_kv_mla
 from cpattn.ops.paged_ref import paged_attention_ref, write_kv_ref
 
 

@@ -18,7 +18,7 @@ from cpattn import attention_with_lse
 from cpattn.dcp import dcp_decode, dcp_plan
 from cpattn.layout.dcp import dcp_slot_mapping
 from cpattn.ops import paged
-from cpattn.ops.paged import write_kv
+from cpattn.ops.rows import write_kv
 from test_dsa_cp import DV, SCALE, case, cp_rank, dcp_rank
 from test_pcp import make, reference, run_sim
 

@@ -32,7 +32,7 @@ from cpattn.engine.family import KVLayout
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.engine.paged_dsa import dsa_topk, sparse_partials_merged
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
-from cpattn.ops.paged import scatter_rows, write_kv, write_kv_mla
+from cpattn.ops.rows import scatter_rows, write_kv, write_kv_mla
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode, dcp_fold_weights, dcp_partials, plan_tensors
 from cpattn.graphs.runner import Field
-from cpattn.ops.paged import write_kv
+from cpattn.ops.rows import write_kv
 
 
 @dataclass(frozen=True)

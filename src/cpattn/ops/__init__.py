@@ -13,9 +13,9 @@ from cpattn.ops.attention import attention_with_lse
 from cpattn.ops.merge import merge_attn_states
 from cpattn.ops.compressor import gated_pool
 from cpattn.ops.mla_preprocess import mla_preprocess, mla_weights
-from cpattn.ops.rows import write_rows
 from cpattn.ops.window_attention import window_attention_with_lse
-from cpattn.ops.paged import paged_attention_with_lse, write_kv, write_kv_mla
+from cpattn.ops.paged import paged_attention_with_lse
+from cpattn.ops.rows import write_kv, write_kv_mla, write_rows
 from cpattn.ops.dsa import indexer_scores, mla_softmax_scale, sparse_mla_attention_with_lse, topk_indices
 
 

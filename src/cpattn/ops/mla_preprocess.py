@@ -32,7 +32,7 @@ Outputs, all new tensors in the hidden dtype:
 - ``x`` [T, H]: the normed hidden state (the DSA indexer's key and weight input).
 
 Implementations: the CPU kernel (host-indexed cache write) and a
-device-generic body (sync-free write, see :func:`cpattn.ops.paged.scatter_rows`)
+device-generic body (sync-free write, see :func:`cpattn.ops.rows.scatter_rows`)
 that is also the op's CPU decomposition under torch.compile; the float64
 oracle is :mod:`cpattn.ops.mla_preprocess_ref`; an Ascend kernel on
 ``torch_npu.npu_mla_prolog_v3`` is in :mod:`cpattn.ops.mla_preprocess_npu`
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from cpattn.ops import registry
 from cpattn.ops.norm_rope import rms_norm, rope_half, rope_interleaved
-from cpattn.ops.paged import scatter_rows
+from cpattn.ops.rows import scatter_rows
 
 
 class MLAPreprocessOut(NamedTuple):

@@ -26,7 +26,7 @@ Facts used from that page:
 - ``cache_mode="TND"`` writes the per-token results into ``kv_cache [T, 1,
   Hckv]`` and ``kr_cache [T, 1, Dr]`` without ``cache_index`` (indices are not
   validated by the kernel, and -1 is not a documented value), so the paged
-  write with slot -1 skipping is done here with :func:`cpattn.ops.paged.scatter_rows`;
+  write with slot -1 skipping is done here with :func:`cpattn.ops.rows.scatter_rows`;
 - ``query_norm_flag=True`` also returns the normed query latent ``c^Q`` (our ``q_lora``);
 - non-quantized mode needs bfloat16; documented sizes: He in {1024, 2048,
   3072, 4096, 5120, 6144, 7168, 7680, 8192}, Hcq in {1536, 2048}, N a power
@@ -45,7 +45,7 @@ import torch
 
 from cpattn.ops import registry
 from cpattn.ops.norm_rope import rms_norm
-from cpattn.ops.paged import scatter_rows
+from cpattn.ops.rows import scatter_rows
 
 HE = {1024, 2048, 3072, 4096, 5120, 6144, 7168, 7680, 8192}
 HCQ = {1536, 2048}

@@ -1,21 +1,175 @@
-"""``write_rows``: write one row per token into a paged cache, in place (an explicit cache write).
+"""Writes into paged caches, in place and without a host sync: ``write_kv`` (GQA keys and values),
+``write_kv_mla`` (one MLA latent row per token) and ``write_rows`` (any row shape).
 
-DeepSeek-V4 keeps several small per-layer caches with one row per token or
-per compressed entry: the sliding-window ring ``[kv]``, the compressor rings
-``[kv | gate]``, the compressed entries and the indexer keys. They all share
-one layout, ``[num_blocks, block_size, *row]``, and one write: row i goes to
-slot ``slots[i] = block * block_size + offset``, or nowhere when the slot is
--1 (a token another DCP rank owns, a ring row overwritten later in the same
-write, a padding row). The op mutates ``cache`` (``mutates_args``), so a
-captured graph sees the write.
+A slot is ``block * block_size + offset`` (DESIGN.md §3); slot -1 writes
+nothing (a token another DCP rank owns, a ring row overwritten later in the
+same write, a padding row). Each op mutates its cache (``mutates_args``), so
+a captured graph sees the write. DeepSeek-V4 keeps several small per-layer
+caches with one row per token or per compressed entry (the sliding-window
+ring ``[kv]``, the compressor rings ``[kv | gate]``, the compressed entries,
+the indexer keys), all ``[num_blocks, block_size, *row]``: ``write_rows``
+serves them all.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cpattn.ops import registry
-from cpattn.ops.paged import scatter_rows
+from cpattn.ops import checks, registry
+
+
+def scatter_rows(flat: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
+    """flat[slots[i]] = src[i] for slots >= 0, in place, without a host sync.
+
+    flat: [S, ...] cache rows (a flat view of a paged cache); src: [T, ...]
+    (cast to flat's dtype); slots: [T] int, -1 skips the row. Rows with slot
+    -1 are redirected to a harmless duplicate write: the first valid row's
+    (slot, value), or slot 0's current value when no row is valid. Duplicate
+    writes carry identical values, so their order cannot matter.
+
+    Example
+    -------
+    >>> flat = torch.zeros(4, 2)
+    >>> scatter_rows(flat, torch.ones(2, 2), torch.tensor([3, -1]))
+    >>> flat[:, 0].tolist()
+    [0.0, 0.0, 0.0, 1.0]
+    """
+    if slots.numel() == 0:
+        return
+    slots = slots.long()
+    valid = slots >= 0  # [T]
+    first = torch.argmax(valid.to(torch.int8)).view(1)  # [1]: first valid row (0 if none)
+    anyv = valid.any()
+    src = src.to(flat.dtype)
+    tgt_slot = torch.where(anyv, slots.index_select(0, first), 0)  # [1]
+    tgt_val = torch.where(anyv, src.index_select(0, first), flat[:1])  # [1, H, D]
+    idx = torch.where(valid, slots, tgt_slot)  # [T]
+    val = torch.where(valid.view(-1, *([1] * (src.dim() - 1))), src, tgt_val)  # [T, H, D]
+    flat.index_copy_(0, idx, val)
+
+
+@registry.define("write_kv", mutates_args=("k_cache", "v_cache"))
+def _write_kv_op(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    scatter_rows(k_cache.view(-1, *k_cache.shape[2:]), k, slot_mapping)
+    scatter_rows(v_cache.view(-1, *v_cache.shape[2:]), v, slot_mapping)
+
+
+registry.generic("write_kv")
+
+
+@registry.kernel("write_kv", "cpu")
+def _write_kv_cpu(k_cache, v_cache, k, v, slot_mapping):
+    # host-side row selection (fine inside a CPU kernel): two index_copy_ calls
+    rows = (slot_mapping >= 0).nonzero().view(-1)  # [T'] tokens this cache keeps
+    slots = slot_mapping[rows].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[rows].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[rows].to(v_cache.dtype))
+
+
+@registry.fake("write_kv")
+def _write_kv_fake(k_cache, v_cache, k, v, slot_mapping):
+    return None
+
+
+@registry.define("write_kv_mla", mutates_args=("kv_cache",))
+def _write_kv_mla_op(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    latent = torch.cat([kv_c, k_pe], dim=-1)[:, None, :]  # [T, 1, Dc + Dr]
+    scatter_rows(kv_cache.view(-1, *kv_cache.shape[2:]), latent, slot_mapping)
+
+
+registry.generic("write_kv_mla")
+
+
+@registry.fake("write_kv_mla")
+def _write_kv_mla_fake(kv_cache, kv_c, k_pe, slot_mapping):
+    return None
+
+
+def _check_cache(name: str, cache: torch.Tensor) -> None:
+    if cache.dim() != 4:
+        raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D]; got shape {tuple(cache.shape)}")
+    if not cache.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (it is written through a flat view); call .contiguous() once")
+
+
+def _check_slots(slot_mapping: torch.Tensor, t: int, cache_name: str, cache: torch.Tensor) -> None:
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slot_mapping must be int32/int64 [T={t}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    nb, bs = cache.shape[:2]
+    checks.within(
+        "slot_mapping", slot_mapping, -1, nb * bs,
+        expected=f"-1 (skip the token) or a slot in 0..{nb * bs - 1} ({cache_name} has {nb} blocks x {bs})",
+        fix="A slot is block_id * block_size + offset, with block ids of this cache",
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new tokens' keys and values into a paged cache, in place.
+
+    Arguments
+    ---------
+    k_cache: [num_blocks, block_size, Hkv, Dk]; v_cache: [num_blocks, block_size, Hkv, Dv]
+        (contiguous; modified in place).
+    k: [T, Hkv, Dk]; v: [T, Hkv, Dv] -- cast to the cache dtype.
+    slot_mapping: [T] int -- ``block * block_size + offset``, or -1 to skip the
+        token (owned by another DCP rank, or a padding row). Valid slots must
+        be distinct. Any other value (below -1, or past the cache) is a
+        ValueError naming the first one (not checked while tracing or capturing).
+
+    Example
+    -------
+    >>> import torch
+    >>> kc, vc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    >>> write_kv(kc, vc, torch.ones(3, 1, 8), torch.ones(3, 1, 8), torch.tensor([5, -1, 0]))
+    >>> kc[1, 1, 0, 0].item(), kc[0, 1, 0, 0].item()
+    (1.0, 0.0)
+    """
+    _check_cache("k_cache", k_cache)
+    _check_cache("v_cache", v_cache)
+    if k.dim() != 3 or k.shape[1:] != k_cache.shape[2:] or v.shape != (k.shape[0], *v_cache.shape[2:]):
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [T, Hkv, D] matching the caches' "
+            f"[.., {', '.join(map(str, k_cache.shape[2:]))}] / [.., {', '.join(map(str, v_cache.shape[2:]))}]"
+        )
+    _check_slots(slot_mapping, k.shape[0], "k_cache", k_cache)
+    registry.call("write_kv", k_cache, v_cache, k, v, slot_mapping)
+
+
+def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write MLA latents into one latent cache, in place: ``cache[slot] = [kv_c | k_pe]``.
+
+    Arguments
+    ---------
+    kv_cache: [num_blocks, block_size, 1, Dc + Dr] (DeepSeek: 576 = 512 + 64), contiguous.
+    kv_c: [T, Dc] compressed latent (the values); k_pe: [T, Dr] rope key part.
+    slot_mapping: [T] int, -1 skips a token; other slots must lie in the cache.
+
+    Example
+    -------
+    >>> import torch
+    >>> cache = torch.zeros(2, 4, 1, 576)
+    >>> write_kv_mla(cache, torch.ones(2, 512), torch.full((2, 64), 2.0), torch.tensor([-1, 6]))
+    >>> cache[1, 2, 0, 511].item(), cache[1, 2, 0, 512].item()
+    (1.0, 2.0)
+    """
+    _check_cache("kv_cache", kv_cache)
+    if kv_cache.shape[2] != 1:
+        raise ValueError(f"kv_cache must hold one latent head [.., .., 1, D]; got shape {tuple(kv_cache.shape)}")
+    if kv_c.dim() != 2 or k_pe.dim() != 2 or kv_c.shape[0] != k_pe.shape[0] or (
+        kv_c.shape[1] + k_pe.shape[1] != kv_cache.shape[3]
+    ):
+        raise ValueError(
+            f"kv_c {tuple(kv_c.shape)} and k_pe {tuple(k_pe.shape)} must be [T, Dc] and [T, Dr] with "
+            f"Dc + Dr = {kv_cache.shape[3]} (the cache's last dim)"
+        )
+    _check_slots(slot_mapping, kv_c.shape[0], "kv_cache", kv_cache)
+    registry.call("write_kv_mla", kv_cache, kv_c, k_pe, slot_mapping)
 
 
 @registry.define("write_rows", mutates_args=("cache",))
