@@ -9,7 +9,7 @@ decode rows (one query: key-major tiles) and prefill rows (query-major).
 import pytest
 import torch
 
-from cpattn.ops import dsa, dsa_ref
+from cpattn.ops import dsa_ref, indexer
 from cpattn.ops.dsa import (
     causal_key_ranges,
     fp8_index_cache,
@@ -23,7 +23,7 @@ from cpattn.ops.dsa import (
 @pytest.fixture
 def small_tile(monkeypatch):
     """Tiles of 7 keys, so every case crosses several tile boundaries."""
-    monkeypatch.setattr(dsa, "_KEY_TILE", 7)
+    monkeypatch.setattr(indexer, "_KEY_TILE", 7)
 
 
 def _case(tq, tk, h=4, d=16, seed=0, dtype=torch.float32):
