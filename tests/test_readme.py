@@ -18,6 +18,8 @@ def test_readme_python_example_runs_and_is_exact(capsys):
         exec(compile(block, str(README), "exec"), scope)  # noqa: S102
     assert torch.allclose(scope["out"], scope["ref"], atol=1e-5)  # the PCP example
     assert torch.allclose(scope["dec"], scope["want"], atol=1e-5)  # the DCP example
+    assert torch.equal(scope["gen"].tokens, scope["one"].tokens)  # the engine example: PCP 2 + DCP 2 = one device
+    assert scope["gen"].tokens.shape == (2, 8)
 
 
 def test_cli_help_lists_commands(capsys):
@@ -30,9 +32,10 @@ def test_cli_help_lists_commands(capsys):
 def test_every_cli_entry_imports_and_answers_help(capsys):
     import pytest
 
-    from cpattn.cli import BENCHMARKS, COMMANDS, _load
+    from cpattn.cli import COMMANDS, GROUPS, _load
 
-    for name, (target, _) in {**COMMANDS, **{f"bench {k}": v for k, v in BENCHMARKS.items()}}.items():
+    groups = {f"{g} {k}": v for g, cmds in GROUPS.items() for k, v in cmds.items()}
+    for name, (target, _) in {**COMMANDS, **groups}.items():
         fn = _load(target)
         with pytest.raises(SystemExit) as e:
             fn(["--help"])
