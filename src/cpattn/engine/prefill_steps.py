@@ -65,18 +65,14 @@ class LayerRows(NamedTuple):
 
 
 @dataclass
-class PCPStep:
-    """Prefill attention over a PCP group: this rank's tokens of a head-tail split.
-
-    ``positions``: [T_r] global positions from the plan (RoPE must use them).
-    After the forward, ``kv[l]`` is layer l's :class:`LayerRows` (keys and
-    values of this rank's tokens).
-    """
+class _SplitPrefill:
+    """What a prefill step over a token split holds: the group, the plan, the layouts, an optional cached
+    prefix, and ``kv[l]``, layer l's :class:`LayerRows` of this rank's tokens after the forward.
+    ``positions``: [T_r] global positions from the plan (RoPE must use them)."""
 
     group: Group
-    plan: PCPPlan
+    plan: PCPPlan | DSACPPlan
     layouts: tuple[KVLayout, ...]
-    method: str = "ring"
     prefix: Prefix | None = None
     kv: dict = field(default_factory=dict)
 
@@ -87,6 +83,14 @@ class PCPStep:
     def fused_cache(self, layer: int) -> None:
         """None: a prefill step keeps this rank's rows for the hand-off itself."""
         return None
+
+
+@dataclass
+class PCPStep(_SplitPrefill):
+    """Prefill attention over a PCP group: this rank's tokens of a head-tail split (``method``: "ring" or
+    "allgather"); fields as :class:`_SplitPrefill`."""
+
+    method: str = "ring"
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float) -> torch.Tensor:
         """q: [T_r, Hq, Dk], k: [T_r, Hkv, Dk], v: [T_r, Hkv, Dv] or None. Returns [T_r, Hq, Dv]."""
@@ -102,28 +106,14 @@ class PCPStep:
 
 
 @dataclass
-class DSACPStep:
+class DSACPStep(_SplitPrefill):
     """Prefill of a DSA model with its tokens split over a DSA-CP group.
 
     Each rank keeps all heads of its tokens; latents and indexer keys are
     all-gathered into a replicated cache (:func:`cpattn.dsa.dsa_cp_attention`).
-    ``positions``: [T_r]; after the forward ``kv[l]`` is layer l's
-    :class:`LayerRows` (latent [T_r, 1, Dqk] and, for a full layer, k_index).
+    Fields as :class:`_SplitPrefill`; ``kv[l]`` holds the latent [T_r, 1, Dqk]
+    and, for a full layer, k_index.
     """
-
-    group: Group
-    plan: DSACPPlan
-    layouts: tuple[KVLayout, ...]
-    prefix: Prefix | None = None
-    kv: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.positions = self.plan.positions[self.group.rank]
-        self._context = _split_prefix(self.prefix, self.layouts)
-
-    def fused_cache(self, layer: int) -> None:
-        """None: a prefill step keeps this rank's rows for the hand-off itself."""
-        return None
 
     def __call__(self, layer, q, k, v, scale):
         raise TypeError("DSACPStep serves DSA layers only; the model must call step.dsa(...)")
