@@ -11,7 +11,7 @@ may live in the keys (``KVLayout.values_in_keys``: the MLA latent row).
 Example
 -------
 >>> import torch
->>> from cpattn.engine.family import KVLayout
+>>> from cpattn.engine.family import KVLayout, nan_caches
 >>> cache = DenseKVCache.empty((KVLayout(2, 4, 4),), batch=1, max_len=8)
 >>> step = cache.step([3])
 >>> out = step(0, torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), 0.5)
@@ -27,7 +27,7 @@ import torch
 
 from cpattn.dsa import dsa_attention
 from cpattn.ops.dsa import causal_key_ranges, sparse_mla_attention_with_lse
-from cpattn.engine.family import KVLayout
+from cpattn.engine.family import KVLayout, nan_caches
 from cpattn.ops import attention_with_lse
 
 
@@ -66,13 +66,7 @@ class DenseKVCache:
               device: torch.device | str = "cpu") -> DenseKVCache:
         """An empty cache; unused rows hold NaN (they must never be read)."""
 
-        def nan(*shape):
-            return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-        k = tuple(nan(batch, max_len, lay.num_kv_heads, lay.head_dim) for lay in layouts)
-        v = tuple(None if lay.values_in_keys else nan(batch, max_len, lay.num_kv_heads, lay.v_head_dim)
-                  for lay in layouts)
-        ki = tuple(nan(batch, max_len, lay.index_head_dim) if lay.index_head_dim else None for lay in layouts)
+        k, v, ki = nan_caches(tuple(layouts), (batch, max_len), dtype, device)
         return cls(tuple(layouts), k, v, ki, (0,) * batch)
 
     @property

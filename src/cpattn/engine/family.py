@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from cpattn.config import ModelConfig
 
 # model_type -> the module that defines FAMILY (imported on first use)
@@ -92,6 +94,23 @@ class KVLayout:
         """Elements of one token's row in this layer: keys, values unless in keys, indexer key."""
         values = 0 if self.values_in_keys else self.num_kv_heads * self.v_head_dim
         return self.num_kv_heads * self.head_dim + values + self.index_head_dim
+
+
+def nan_caches(layouts: tuple[KVLayout, ...], lead: tuple[int, ...], dtype: torch.dtype, device) -> tuple:
+    """Per-layer caches ``(k, v, k_index)`` of leading shape ``lead``, filled with NaN (never to be read
+    unwritten): k [*lead, Hkv, Dk]; v [*lead, Hkv, Dv] or None (values in keys); k_index [*lead, D_I] or None.
+
+    >>> k, v, ki = nan_caches((KVLayout(2, 8, 4),), (3, 16), torch.float32, "cpu")
+    >>> k[0].shape, v[0].shape, ki, bool(k[0].isnan().all())
+    (torch.Size([3, 16, 2, 8]), torch.Size([3, 16, 2, 4]), (None,), True)
+    """
+    def nan(*shape):
+        return torch.full((*lead, *shape), float("nan"), dtype=dtype, device=device)
+
+    k = tuple(nan(lay.num_kv_heads, lay.head_dim) for lay in layouts)
+    v = tuple(None if lay.values_in_keys else nan(lay.num_kv_heads, lay.v_head_dim) for lay in layouts)
+    ki = tuple(nan(lay.index_head_dim) if lay.index_head_dim else None for lay in layouts)
+    return k, v, ki
 
 
 @dataclass(frozen=True)

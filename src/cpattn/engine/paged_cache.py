@@ -28,7 +28,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode
-from cpattn.engine.family import KVLayout
+from cpattn.engine.family import KVLayout, nan_caches
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.engine.paged_dsa import dsa_topk, sparse_partials_merged
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
@@ -62,15 +62,7 @@ class PagedShard:
         per_req = max(1, -(-int(local.max()) // block_size))
         b = len(capacity)
         table = torch.arange(b * per_req, dtype=torch.int64, device=device).view(b, per_req)
-        nb = b * per_req + 1
-
-        def nan(*shape):
-            return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-        k = tuple(nan(nb, block_size, lay.num_kv_heads, lay.head_dim) for lay in layouts)
-        v = tuple(None if lay.values_in_keys else nan(nb, block_size, lay.num_kv_heads, lay.v_head_dim)
-                  for lay in layouts)
-        ki = tuple(nan(nb, block_size, lay.index_head_dim) if lay.index_head_dim else None for lay in layouts)
+        k, v, ki = nan_caches(tuple(layouts), (b * per_req + 1, block_size), dtype, device)
         return cls(tuple(layouts), k, v, ki, table, block_size, interleave_size)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
