@@ -19,11 +19,11 @@ from cpattn.layout.dcp import (
 )
 
 
-def deal(seq_len, n, interleave):
-    """Brute force: walk the tokens in runs of `interleave`, handing runs to ranks 0, 1, ..., n-1, 0, ..."""
+def deal(seq_len, n, interleave_size):
+    """Brute force: walk the tokens in runs of `interleave_size`, handing runs to ranks 0, 1, ..., n-1, 0, ..."""
     owner, local, count = [], [], [0] * n
     for t in range(seq_len):
-        r = (t // interleave) % n
+        r = (t // interleave_size) % n
         owner.append(r)
         local.append(count[r])
         count[r] += 1

@@ -81,11 +81,11 @@ def cp_rank(group, cases, split, output):
     return res
 
 
-def dcp_rank(group, cases, interleave, output):
+def dcp_rank(group, cases, interleave_size, output):
     """Key-sharded DSA for each case; returns (out, lse, global ids) per case."""
     res = []
     for c in cases:
-        keys = dcp_shard_keys(c["full_latent"], c["full_k"], c["cu_k"], group.rank, group.size, interleave)
+        keys = dcp_shard_keys(c["full_latent"], c["full_k"], c["cu_k"], group.rank, group.size, interleave_size)
         positions = torch.cat([torch.arange(cx, cx + n) for cx, n in zip(c["ctx"], c["lens"])])
         res.append(dsa_dcp_attention(c["q"], c["q_idx"], c["w_idx"], positions, c["cu_q"], keys, group=group,
                                      topk=c["topk"], softmax_scale=SCALE, value_dim=DV, output=output,
@@ -157,8 +157,8 @@ def test_dsa_cp_decode_with_cached_context(n):
 def test_dcp_sharded_topk_is_exact(n):
     cases = [case(lens, ctx, h=2 * n, seed=20 + s) for s, (lens, ctx) in enumerate(PREFILL)]
     cases.append(case([1, 1], [25, 9], h=2 * n, topk=5, seed=30))  # decode
-    for interleave in (1, 2, 4):
-        per_rank = cpattn.simulate(n, dcp_rank, cases, interleave, "replicated")
+    for interleave_size in (1, 2, 4):
+        per_rank = cpattn.simulate(n, dcp_rank, cases, interleave_size, "replicated")
         for i, c in enumerate(cases):
             check_dcp(c, [per_rank[r][i] for r in range(n)], "replicated")
     per_rank = cpattn.simulate(n, dcp_rank, cases, 2, "head")
@@ -171,8 +171,8 @@ def test_dcp_exact_with_random_float_scores():
     c = case([40], [60], seed=3, topk=16, random_indexer=True)
     _, single = dsa_attention(c["q"], torch.nan_to_num(c["full_latent"]), c["q_idx"], c["w_idx"], c["full_k"],
                               c["cu_q"], c["cu_k"], topk=16, softmax_scale=SCALE, value_dim=DV, return_indices=True)
-    for n, interleave in ((2, 1), (3, 4), (5, 2)):
-        for r in cpattn.simulate(n, dcp_rank, [c], interleave, "replicated"):
+    for n, interleave_size in ((2, 1), (3, 4), (5, 2)):
+        for r in cpattn.simulate(n, dcp_rank, [c], interleave_size, "replicated"):
             assert torch.equal(r[0][2], single.long())
 
 

@@ -253,8 +253,8 @@ def test_dsa_cp_step_selection_matches_float64_oracle(size, split):
     assert all(r[3] == plan.max_tokens * 12 * 8 * (size - 1) for r in res)
 
 
-@pytest.mark.parametrize("size,interleave,q_len", [(1, 1, 1), (2, 1, 3), (3, 2, 1), (2, 2, 2)])
-def test_dcp_step_selection_matches_float64_oracle(size, interleave, q_len):
+@pytest.mark.parametrize("size,interleave_size,q_len", [(1, 1, 1), (2, 1, 3), (3, 2, 1), (2, 2, 2)])
+def test_dcp_step_selection_matches_float64_oracle(size, interleave_size, q_len):
     """Key-sharded exact top-k: each rank keeps the selected keys in its shard; a shared layer exchanges only
     its partials. q_len > 1: verification rows (1 + k per request), each with its own causal limit."""
     lens, g = [9, 5], torch.Generator().manual_seed(2)
@@ -263,12 +263,12 @@ def test_dcp_step_selection_matches_float64_oracle(size, interleave, q_len):
     rows = torch.cat([torch.arange(cu[b + 1] - q_len, cu[b + 1]) for b in range(2)])  # the last q_len of each
 
     def rank(grp):
-        shard = PagedShard.empty(LAYS, capacity=lens, dcp_size=size, block_size=2, interleave_size=interleave,
+        shard = PagedShard.empty(LAYS, capacity=lens, dcp_size=size, block_size=2, interleave_size=interleave_size,
                                  dtype=torch.float64)
-        full = dcp_plan(lens, lens, shard.block_table, dcp_size=size, interleave_size=interleave, block_size=2)
+        full = dcp_plan(lens, lens, shard.block_table, dcp_size=size, interleave_size=interleave_size, block_size=2)
         for layer, kv in ((0, x["kv0"]), (1, x["kv1"])):  # every key in its owner's shard first
             shard.write(layer, kv, None, full.slot_mapping[grp.rank], x["ki"] if layer == 0 else None)
-        meta = dcp_plan(lens, [q_len] * 2, shard.block_table, dcp_size=size, interleave_size=interleave,
+        meta = dcp_plan(lens, [q_len] * 2, shard.block_table, dcp_size=size, interleave_size=interleave_size,
                         block_size=2)
         step = DCPStep(grp, shard, meta)
         m = {k: v[rows] for k, v in x.items()}

@@ -161,8 +161,8 @@ def test_dsa_nan_rows_match_one_device(lens, ctx, bad, one_thread):
             out = pcp_unshard([r[0][0] for r in per_rank], plan)
             lse = pcp_unshard([r[0][1] for r in per_rank], plan)
             check(out, c["want_nan"], c["want"], lse)
-        for interleave in (1, 2):
-            res = cpattn.simulate(n, dcp_rank, [c], interleave, "replicated")
+        for interleave_size in (1, 2):
+            res = cpattn.simulate(n, dcp_rank, [c], interleave_size, "replicated")
             out, lse, ids = res[0][0]
             assert torch.equal(ids, c["want_idx"])
             check(out, c["want_nan"], c["want"], lse)

@@ -22,20 +22,20 @@ from test_v4_attention import CHUNKS, LENGTHS, layout, make_layer, run_steps
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def dcp_rank(group, kind, xs, chunks, interleave, dtype=torch.float64):
+def dcp_rank(group, kind, xs, chunks, interleave_size, dtype=torch.float64):
     cache = V4Cache.empty(layout(kind), batch=len(xs), max_len=64, dtype=dtype, dcp_rank=group.rank,
-                          dcp_size=group.size, interleave=interleave, seed=1 + group.rank)
+                          dcp_size=group.size, interleave_size=interleave_size, seed=1 + group.rank)
     outs, cache = run_steps(cache, xs, chunks, kind, group)
     return outs, cache.seq_lens
 
 
-@pytest.mark.parametrize("n,interleave", [(2, 1), (3, 2), (4, 1)])
+@pytest.mark.parametrize("n,interleave_size", [(2, 1), (3, 2), (4, 1)])
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-def test_dcp_matches_one_device(kind, n, interleave):
+def test_dcp_matches_one_device(kind, n, interleave_size):
     xs = [make_layer(kind, L, seed=b) for b, L in enumerate(LENGTHS)]
     # the one-device step (equal to the float64 oracle: test_v4_attention)
     one, _ = run_steps(V4Cache.empty(layout(kind), batch=2, max_len=64, dtype=torch.float64, seed=1), xs, CHUNKS, kind)
-    ranks = cpattn.simulate(n, dcp_rank, kind, xs, CHUNKS, interleave)
+    ranks = cpattn.simulate(n, dcp_rank, kind, xs, CHUNKS, interleave_size)
     for r, (outs, lens) in enumerate(ranks):
         assert lens == tuple(LENGTHS)
         for b in range(2):

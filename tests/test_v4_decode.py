@@ -34,10 +34,10 @@ def pad_plan(plan: dict, fields: dict[str, Field], extra: int) -> dict:
     return out
 
 
-def decode_rank(group, kind, xs, interleave, padding=0):
+def decode_rank(group, kind, xs, interleave_size, padding=0):
     lay = layout(kind)
     cache = V4Cache.empty(lay, batch=2, max_len=64, dtype=torch.float64, dcp_rank=group.rank, dcp_size=group.size,
-                          interleave=interleave, seed=3 + group.rank)
+                          interleave_size=interleave_size, seed=3 + group.rank)
     outs, cache = run_steps(cache, xs, PREFILL, kind, group if group.size > 1 else None)
     state, fields = cache_state(cache), plan_fields(lay, dcp_size=group.size)
     done = list(cache.seq_lens)
@@ -47,7 +47,7 @@ def decode_rank(group, kind, xs, interleave, padding=0):
         if padding:
             plan = pad_plan(plan, fields, padding)
             inp = packed_input(xs + xs[:1], [(a, a + 4) for a in done] + [(0, padding)], kind)
-        out = V4DecodeStep(lay, state, plan, group, interleave=interleave).attend(0, inp)
+        out = V4DecodeStep(lay, state, plan, group, interleave_size=interleave_size).attend(0, inp)
         for b in range(2):
             outs[b] = torch.cat([outs[b], out[4 * b : 4 * b + 4]])
         if padding:
@@ -56,12 +56,12 @@ def decode_rank(group, kind, xs, interleave, padding=0):
     return outs, state
 
 
-@pytest.mark.parametrize("n,interleave", [(1, 1), (2, 1), (3, 2)])
+@pytest.mark.parametrize("n,interleave_size", [(1, 1), (2, 1), (3, 2)])
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-def test_planned_decode_matches_oracle(kind, n, interleave):
+def test_planned_decode_matches_oracle(kind, n, interleave_size):
     lengths = [a + b + 4 * DECODE for a, b in zip(*PREFILL)]
     xs = [make_layer(kind, L, seed=b) for b, L in enumerate(lengths)]
-    for r, (outs, _) in enumerate(cpattn.simulate(n, decode_rank, kind, xs, interleave)):
+    for r, (outs, _) in enumerate(cpattn.simulate(n, decode_rank, kind, xs, interleave_size)):
         for b in range(2):
             torch.testing.assert_close(outs[b], oracle(kind, xs[b], lengths[b]), rtol=1e-10, atol=1e-10,
                                        msg=lambda m: f"rank {r}, request {b}: {m}")

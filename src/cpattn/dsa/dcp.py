@@ -34,10 +34,10 @@ class ShardedKeys:
     cu_seqlens: torch.Tensor
 
 
-def _dcp_owned(seq_len: int, rank: int, size: int, interleave: int) -> torch.Tensor:
+def _dcp_owned(seq_len: int, rank: int, size: int, interleave_size: int) -> torch.Tensor:
     """Positions of a sequence owned by ``rank`` under DCP, in local order (ascending position)."""
     t = torch.arange(seq_len, dtype=torch.int64)
-    return t[dcp_owner(t, size, interleave) == rank]
+    return t[dcp_owner(t, size, interleave_size) == rank]
 
 
 def dcp_shard_keys(
@@ -46,30 +46,30 @@ def dcp_shard_keys(
     cu_seqlens_k: torch.Tensor | list[int],
     rank: int,
     size: int,
-    interleave: int = 1,
+    interleave_size: int = 1,
 ) -> ShardedKeys:
     """Rank ``rank``'s DCP share of a packed full cache (owner(t) = (t // I) % N).
 
     latent: [Tk, Dqk]; k_index: [Tk, D_I]; cu_seqlens_k: [B+1] per-request
-    key counts; interleave: ``cp_kv_cache_interleave_size`` I.
+    key counts; interleave_size: ``cp_kv_cache_interleave_size`` I.
 
     Example
     -------
     >>> import torch
     >>> from cpattn.dsa import dcp_shard_keys
-    >>> dcp_shard_keys(torch.zeros(6, 8), torch.zeros(6, 4), [0, 6], 1, 2, interleave=2).ids.tolist()
+    >>> dcp_shard_keys(torch.zeros(6, 8), torch.zeros(6, 4), [0, 6], 1, 2, interleave_size=2).ids.tolist()
     [2, 3]
     """
     size = checks.integer("size", size, at_least=1)
     rank = checks.rank("rank", rank, size, "the DCP group's ranks")
-    interleave = checks.integer("interleave", interleave, at_least=1)
+    interleave_size = checks.integer("interleave_size", interleave_size, at_least=1)
     cu = checks.int_list("cu_seqlens_k", cu_seqlens_k)
     checks.cumulative("cu_seqlens_k", cu, total=latent.shape[0], of=f"latent has {latent.shape[0]} rows")
     if k_index.shape[0] != latent.shape[0]:
         raise ValueError(f"k_index has {k_index.shape[0]} rows but latent {latent.shape[0]}; one of each per key token")
     ids, rows, cu_local = [], [], [0]
     for b in range(len(cu) - 1):
-        own = _dcp_owned(cu[b + 1] - cu[b], rank, size, interleave)
+        own = _dcp_owned(cu[b + 1] - cu[b], rank, size, interleave_size)
         ids.append(own)
         rows.append(own + cu[b])
         cu_local.append(cu_local[-1] + own.numel())

@@ -109,7 +109,7 @@ class V4Cache:
     high_water: tuple[int, ...]
     dcp_rank: int = 0
     dcp_size: int = 1
-    interleave: int = 1
+    interleave_size: int = 1
     max_len: int = 0  # tokens per request the entry caches can hold (0: unchecked)
 
     @classmethod
@@ -123,7 +123,7 @@ class V4Cache:
         device: torch.device | str = "cpu",
         dcp_rank: int = 0,
         dcp_size: int = 1,
-        interleave: int = 1,
+        interleave_size: int = 1,
         seed: int | None = None,
     ) -> V4Cache:
         """An empty cache for ``batch`` requests of up to ``max_len`` tokens, NaN-poisoned.
@@ -150,7 +150,7 @@ class V4Cache:
             if k in kinds:
                 table(f"raw_{k}", ring_capacity(lay.back(f"raw_{k}"), lay.max_rewind, bs) // bs)
                 n_entries = max_len // lay.ratio(k)
-                local = int(dcp_local_lens(torch.tensor([n_entries]), dcp_size, interleave)[0].max())
+                local = int(dcp_local_lens(torch.tensor([n_entries]), dcp_size, interleave_size)[0].max())
                 table(f"ent_{k}", max(1, -(-local // bs)))
         d, di = lay.head_dim, lay.index_head_dim
         win, raw, iraw, ent, ik = [], [], [], [], []
@@ -163,7 +163,7 @@ class V4Cache:
             ik.append(blank(tables["ent_csa"], di) if k == "csa" else None)
         zeros = (0,) * batch
         return cls(lay, tuple(win), tuple(raw), tuple(iraw), tuple(ent), tuple(ik), tables, zeros, zeros,
-                   dcp_rank, dcp_size, interleave, max_len)
+                   dcp_rank, dcp_size, interleave_size, max_len)
 
     @property
     def batch(self) -> int:
@@ -228,7 +228,7 @@ class V4Cache:
                 continue
             slots = dcp_slot_mapping(torch.tensor([e for _, e in ent], device=dev),
                                      torch.tensor([b for b, _ in ent], device=dev), self.tables[f"ent_{k}"],
-                                     dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, interleave_size=self.interleave,
+                                     dcp_rank=self.dcp_rank, dcp_size=self.dcp_size, interleave_size=self.interleave_size,
                                      block_size=bs)
             slots = slots[slots >= 0]
             for kind, ents, keys in zip(lay.kinds, self.entries, self.index_keys):

@@ -130,7 +130,7 @@ def decode_plan(cache: V4Cache, requests: list[int], context_lens: list[int],
                          "tokens per request; build it with a larger max_len")
     req, pos = req.to(dev), pos.to(dev)
     out = {"req": req, "positions": pos, "window_slot": ring_slots(tabs["window"], bs, req, pos)}
-    n, rank, inter = cache.dcp_size, cache.dcp_rank, cache.interleave
+    n, rank, inter = cache.dcp_size, cache.dcp_rank, cache.interleave_size
     for kind in compressed_kinds(lay):
         m, raw = lay.ratio(kind), tabs[f"raw_{kind}"]
         closes = (pos + 1) % m == 0  # [T] this token completes window e
@@ -167,7 +167,7 @@ def cache_state(cache: V4Cache) -> dict:
 
 
 def entry_topk(index_q: torch.Tensor, index_weights: torch.Tensor, index_keys: torch.Tensor, table: torch.Tensor,
-               req: torch.Tensor, kv_lens: torch.Tensor, *, group: Group, interleave: int, topk: int) -> torch.Tensor:
+               req: torch.Tensor, kv_lens: torch.Tensor, *, group: Group, interleave_size: int, topk: int) -> torch.Tensor:
     """The CSA indexer's exact global top-k over key-sharded entries, static widths: this rank's slots [T, topk].
 
     Every row scores every local entry of the table's width (masked past
@@ -188,12 +188,12 @@ def entry_topk(index_q: torch.Tensor, index_weights: torch.Tensor, index_keys: t
     >>> from cpattn.comm.sim import SimMesh
     >>> keys = torch.tensor([1.0, 5.0, 3.0, 0.0, 4.0, 2.0]).view(3, 2, 1)   # [NB 3, BS 2, D_I 1]
     >>> entry_topk(torch.ones(1, 1, 1), torch.ones(1, 1), keys, torch.tensor([[0, 1, 2]]), torch.tensor([0]),
-    ...            torch.tensor([[5]]), group=SimMesh(1).groups()[0], interleave=1, topk=2).tolist()
+    ...            torch.tensor([[5]]), group=SimMesh(1).groups()[0], interleave_size=1, topk=2).tolist()
     [[1, 4]]
     """
     visible = torch.where(req >= 0, kv_lens[:, group.rank], 0)
     return sharded_topk(index_q, index_weights, index_keys, table, req, visible, rank=group.rank, size=group.size,
-                        interleave_size=interleave, group=group, topk=topk)[1]
+                        interleave_size=interleave_size, group=group, topk=topk)[1]
 
 
 class V4DecodeStep:
@@ -206,8 +206,8 @@ class V4DecodeStep:
     """
 
     def __init__(self, layout: V4Layout, state: dict, plan: dict[str, torch.Tensor], group: Group, *,
-                 interleave: int = 1):
-        self.layout, self.state, self.plan, self.group, self.interleave = layout, state, plan, group, interleave
+                 interleave_size: int = 1):
+        self.layout, self.state, self.plan, self.group, self.interleave_size = layout, state, plan, group, interleave_size
         self.positions = plan["positions"]
 
     def attend(self, layer: int, inp: LayerInput) -> torch.Tensor:
@@ -232,7 +232,7 @@ class V4DecodeStep:
             else:
                 self._write_entries(kind, st["index_raw"][layer], st["index_keys"][layer], inp.index_compression)
                 slots = entry_topk(inp.index_q, inp.index_weights, st["index_keys"][layer], table, req,
-                                   plan["csa_kv_lens"], group=g, interleave=self.interleave, topk=inp.topk)
+                                   plan["csa_kv_lens"], group=g, interleave_size=self.interleave_size, topk=inp.topk)
                 parts.append(sparse_partial(inp.q, st["entries"][layer], slots, inp.scale))
         out, lse = merge(parts)
         if g.size > 1:

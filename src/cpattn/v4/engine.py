@@ -64,7 +64,7 @@ class V4DecodeCache:
 
 
 def v4_decode_step(state: dict, batch: dict[str, torch.Tensor], *, forward: Callable[..., Any], cfg: Any,
-                   layout: V4Layout, group: Group, interleave: int, hidden_layers: tuple | None = None):
+                   layout: V4Layout, group: Group, interleave_size: int, hidden_layers: tuple | None = None):
     """One decode / verification step of the whole model, capturable (the plan is in ``batch``).
 
     state: ``{"params", "cache": cache_state(...)}``; batch: ``tokens`` [T] and
@@ -72,7 +72,7 @@ def v4_decode_step(state: dict, batch: dict[str, torch.Tensor], *, forward: Call
     runner's ``cu_seqlens_q``, unused). Returns (logits [T, V] float32,
     argmax [T]) and, with ``hidden_layers``, the hidden states.
     """
-    step = V4DecodeStep(layout, state["cache"], batch, group, interleave=interleave)
+    step = V4DecodeStep(layout, state["cache"], batch, group, interleave_size=interleave_size)
     if hidden_layers is None:
         logits = forward(state["params"], cfg, batch["tokens"], step).float()
         return logits, logits.argmax(-1)
@@ -99,7 +99,7 @@ class V4DecodeProgram:
         self.fields = {"tokens": Field("token", (), torch.int64, pad=0), **plan_fields(c.layout, dcp_size=c.dcp_size)}
         self.state = {"params": params, "cache": cache_state(c)}
         self.step = functools.partial(v4_decode_step, forward=forward, cfg=cfg, layout=c.layout, group=group,
-                                      interleave=c.interleave, hidden_layers=hidden_layers)
+                                      interleave_size=c.interleave_size, hidden_layers=hidden_layers)
         self.device = c.tables["window"].device
         self._last: tuple[list[int], list[int], int] | None = None
 
@@ -148,7 +148,7 @@ class V4Stages:
         lay = cfg.layout(max_rewind=k, block_size=decode_cfg.cache.block_size)
         cache = V4Cache.empty(lay, batch=prompts.num_requests, max_len=max(prompts.query_lens) + steps + k,
                               dtype=dtype, dcp_rank=group.rank, dcp_size=group.size,
-                              interleave=decode_cfg.cache.cp_kv_cache_interleave_size)
+                              interleave_size=decode_cfg.cache.cp_kv_cache_interleave_size)
         return V4DecodeCache(cache)
 
     def collect(self, group: Group, out: V4PrefillOut) -> V4Handoff:

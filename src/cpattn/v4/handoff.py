@@ -125,7 +125,7 @@ def seed_cache(cache: V4Cache, h: V4Handoff) -> V4Cache:
         e_idx = torch.cat([torch.arange(n // m) for n in h.lens]).long()
         src = (h.entries.offsets[kind][b_idx] + e_idx).to(dev)
         slots = dcp_slot_mapping(e_idx.to(dev), b_idx.to(dev), cache.tables[f"ent_{kind}"], dcp_rank=cache.dcp_rank,
-                                 dcp_size=cache.dcp_size, interleave_size=cache.interleave, block_size=bs)
+                                 dcp_size=cache.dcp_size, interleave_size=cache.interleave_size, block_size=bs)
         ents = cache.entries[layer]
         write_rows(ents, h.entries.entries[layer][src].reshape(-1, *ents.shape[2:]), slots)
         if kind == "csa":

@@ -139,18 +139,18 @@ class V4Step:
             prev = torch.where((w_e > 0)[:, None], prev, -1)
         table = c.tables[f"ent_{kind}"]
         slots = dcp_slot_mapping(w_e, w_req, table, dcp_rank=c.dcp_rank, dcp_size=c.dcp_size,
-                                 interleave_size=c.interleave, block_size=bs)
+                                 interleave_size=c.interleave_size, block_size=bs)
         visible = torch.div(self.positions + 1, m, rounding_mode="floor")  # [T] entries each row sees
-        local = dcp_local_lens(visible, c.dcp_size, c.interleave)[:, c.dcp_rank] if visible.numel() else visible
+        local = dcp_local_lens(visible, c.dcp_size, c.interleave_size)[:, c.dcp_rank] if visible.numel() else visible
         plan = KindPlan(raw, rows, prev, w_e * m, slots, local)
         if kind != "csa":
             return plan
         # every local CSA entry after this step, packed per request (the indexer's keys)
         n_after = torch.tensor([(l + n) // m for l, n in zip(self.context_lens, self.query_lens)], dtype=torch.int64)
-        n_local = dcp_local_lens(n_after, c.dcp_size, c.interleave)[:, c.dcp_rank].tolist()
+        n_local = dcp_local_lens(n_after, c.dcp_size, c.interleave_size)[:, c.dcp_rank].tolist()
         k_req = torch.repeat_interleave(torch.arange(c.batch), torch.tensor(n_local, dtype=torch.int64)).to(dev)
         li = torch.cat([torch.arange(n) for n in n_local] or [torch.zeros(0)]).long().to(dev)  # local index
-        n_i, size = c.interleave, c.dcp_size
+        n_i, size = c.interleave_size, c.dcp_size
         ids = torch.div(li, n_i, rounding_mode="floor") * (n_i * size) + c.dcp_rank * n_i + li % n_i  # entry id
         key_slots = table[k_req, torch.div(li, bs, rounding_mode="floor")].long() * bs + li % bs
         cu = [0]
