@@ -1,0 +1,198 @@
+"""MTP, Eagle3 and DSpark under PCP prefill and DCP decode: lossless, identical drafts on every rank, drafts equal
+a no-cache recomputation, P/D (simulated and gloo), float32, graph mode.
+
+Targets and heads are the shipped tiny trained ones (tests/data/speculative, see spec_methods_cases.py), so
+drafts do get accepted and every rollback path runs. The reference is plain single-device greedy generation
+(cpattn.models.generate.generate, itself checked against Hugging Face); float64 makes every logit match to
+rounding, so tokens must be identical; float32 counts near-tie flips (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_methods_cases import TARGET_OF, Recorder, head, prompts, reference_drafts, run_cases, target
+
+from cpattn.comm.launch import spawn
+from cpattn.comm.sim import simulate
+from cpattn.engine import driver
+from cpattn.engine.drafters import speculative_fields
+from cpattn.models.generate import (
+    disagg_generate, generate, pcp_dcp_config, pcp_dcp_generate_on_rank, pd_generate_on_rank, speculative_generate,
+)
+
+NEW = 14
+METHODS = ("mtp", "eagle3", "dspark")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_REF: dict = {}
+
+
+def reference(method: str, dtype=torch.float64):
+    """(model, params, cfg, prompts, plain one-device greedy Generation) of the method's target."""
+    key = (TARGET_OF[method], dtype)
+    if key not in _REF:
+        model, cfg, params = target(TARGET_OF[method], dtype)
+        ps = prompts(TARGET_OF[method])
+        _REF[key] = (model, params, cfg, ps, generate(model, params, cfg, ps, NEW))
+    return _REF[key]
+
+
+def check(out, ref, k: int) -> None:
+    assert torch.equal(out.tokens, ref.tokens)
+    assert torch.allclose(out.logits.double(), ref.logits.double(), rtol=1e-5, atol=1e-6)
+    s = out.stats
+    assert s.drafted == k * s.rows and s.emitted == s.accepted + s.rows and sum(s.accepted_hist) == s.rows
+    assert 0 < s.accepted < s.drafted, "trained heads get drafts accepted, and rejected (rollbacks run)"
+
+
+def same_on_every_rank(outs) -> None:
+    for o in outs[1:]:
+        assert torch.equal(o.tokens, outs[0].tokens)
+        assert o.stats.draft_digest == outs[0].stats.draft_digest, "replicated drafters proposed different drafts"
+
+
+# k = 1..4, each over its own topology: one device; PCP 2 prefill; DCP 2 decode; PCP 2 + DCP 2
+CASES = [(m, k, topo) for m in METHODS for k, topo in zip((1, 2, 3, 4), ("1x1", "pcp2", "dcp2", "pcp2+dcp2"))]
+
+
+@pytest.mark.parametrize("method,k,topo", CASES, ids=[f"{m}-k{k}-{t}" for m, k, t in CASES])
+def test_equals_plain_greedy(method, k, topo):
+    model, params, cfg, ps, ref = reference(method)
+    d = head(method)
+    if topo == "pcp2+dcp2":
+        if method == "dspark":  # PCP takes DSpark for DeepSeek-V4 DSA only: a PCP prefill + DCP decode engine pair
+            pre, dec = driver.engine_configs(model, cfg, pcp_size=2, dcp_size=2, num_speculative_tokens=k)
+            outs = simulate(2, driver.generate_on_rank, model, params, cfg, ps, NEW, prefill=pre,
+                            decode=dec.replace(**speculative_fields(d)), drafter=d)
+        else:  # one engine with PCP and DCP (opt-in): the guide's method for the attention kind
+            outs = simulate(2, pcp_dcp_generate_on_rank, model, params, cfg, ps, NEW,
+                            config=pcp_dcp_config(model, cfg, 2), drafter=d, num_speculative_tokens=k)
+        same_on_every_rank(outs)
+        out = outs[0]
+    else:
+        pcp, dcp = {"1x1": (1, 1), "pcp2": (2, 1), "dcp2": (1, 2)}[topo]
+        out = speculative_generate(model, params, cfg, ps, NEW, drafter=d, num_speculative_tokens=k, pcp_size=pcp,
+                                   dcp_size=dcp, interleave_size=2 if dcp > 1 else 1)
+    check(out, ref, k)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_drafts_equal_a_no_cache_recomputation(method):
+    """Every proposal of the cached, rolled-back, uniformly padded draft state (DCP 2, k = 3) equals the
+    drafter recomputed from scratch on the target's hidden states of the history."""
+    model, params, cfg, ps, ref = reference(method)
+    rec = Recorder(head(method))
+    out = speculative_generate(model, params, cfg, ps, NEW, drafter=rec, num_speculative_tokens=3, dcp_size=2)
+    check(out, ref, 3)
+    seen = {(tuple(h), tuple(d)) for histories, drafts in rec.log for h, d in zip(histories, drafts)}  # both ranks'
+    assert len(seen) >= 12
+    for h, got in sorted(seen):
+        assert reference_drafts(rec.drafter, model, params, cfg, list(h), 3) == list(got), f"history {h}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pd_simulated(method):
+    model, params, cfg, ps, ref = reference(method)
+    out = disagg_generate(model, params, cfg, ps, NEW, prefill_size=2, decode_size=2, drafter=head(method),
+                          num_speculative_tokens=2)
+    check(out, ref, 2)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_float32(method):
+    """float32: verification logits within 1e-4 of plain decode; a differing token only at a near tie."""
+    model, params, cfg, ps, ref = reference(method, torch.float32)
+    out = speculative_generate(model, params, cfg, ps, NEW, drafter=head(method, dtype=torch.float32),
+                               num_speculative_tokens=3, dcp_size=2, interleave_size=2)
+    flips = 0
+    for b in range(len(ps)):
+        diff = (out.tokens[b] != ref.tokens[b]).nonzero()
+        n = NEW if diff.numel() == 0 else int(diff[0]) + 1
+        err = float((out.logits[b, :n] - ref.logits[b, :n]).abs().max())
+        assert err <= 1e-4 * float(ref.logits[b, :n].abs().max())
+        if diff.numel():
+            flips += 1
+            top = ref.logits[b, n - 1].topk(2).values
+            assert float(top[0] - top[1]) <= 2 * err
+    assert flips <= 1 and out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_graph_mode(method):
+    """FULL_DECODE_ONLY: the verify step and the draft steps replay captures (sizes multiples of 1 + k where a
+    request brings 1 + k rows), with the tokens and logits of eager."""
+    model, params, cfg, ps, ref = reference(method)
+    k = 3
+    rec = Recorder(head(method))
+    out = speculative_generate(model, params, cfg, ps, NEW, drafter=rec, num_speculative_tokens=k, dcp_size=2,
+                               graph=True)
+    check(out, ref, k)
+    eager = speculative_generate(model, params, cfg, ps, NEW, drafter=head(method), num_speculative_tokens=k,
+                                 dcp_size=2)
+    assert torch.equal(out.logits, eager.logits)
+    assert out.stats.graph_steps == out.stats.steps
+    for state in rec.states:
+        catch_up = state.runners[1 + k]
+        assert all(s % (1 + k) == 0 for s in catch_up.sizes)
+        assert catch_up.stats.eager == 1 and catch_up.stats.reasons == {"prefill": 1}  # the prompt's catch-up
+        assert catch_up.stats.graph == out.stats.steps - 1
+        if method != "dspark":  # the chain steps, one row per request: every one replayed
+            assert state.runners[1].stats.graph == (k - 1) * out.stats.steps and state.runners[1].stats.eager == 0
+
+
+def test_on_gloo_ranks():
+    """Real gloo processes: P/D (2 prefill -> 2 decode ranks, hidden states sent with the KV) for each method;
+    identical drafts on both decode ranks."""
+    cases = []
+    for method, k in zip(METHODS, (3, 2, 4)):
+        model, params, cfg, ps, _ = reference(method)
+        cases.append((pd_generate_on_rank, (model, params, cfg, ps, NEW),
+                      {"prefill_size": 2, "decode_size": 2, "block_size": 4, "drafter": head(method),
+                       "num_speculative_tokens": k}))
+    per_rank = spawn(4, run_cases, cases)
+    for i, method in enumerate(METHODS):
+        ref = reference(method)[-1]
+        for rank in per_rank:
+            assert torch.equal(rank[i].tokens, ref.tokens)
+        dec = [rank[i] for rank in per_rank[2:]]
+        assert dec[0].stats.accepted > 0 and dec[0].stats.draft_digest == dec[1].stats.draft_digest
+
+
+def test_graph_compiled():
+    """The verify step (returning the hidden rows the drafter reads) and Eagle3's catch-up step compiled by
+    torch.compile (aot_eager, fullgraph; one rank: a compiled step cannot trace the simulated mesh's threads)
+    and replayed for every step: the tokens of plain greedy generation. (Each draft step alone compiles and
+    replays equal to eager in test_drafters_units.py::test_draft_steps_are_capturable.)"""
+    model, params, cfg, ps, ref = reference("eagle3")
+    rec = Recorder(head("eagle3"))
+    out = speculative_generate(model, params, cfg, ps[:2], 8, drafter=rec, num_speculative_tokens=1,
+                               graph="aot_eager")
+    assert torch.equal(out.tokens, ref.tokens[:2, :8])
+    assert out.stats.graph_steps == out.stats.steps and out.stats.accepted > 0
+    (state,) = rec.states
+    assert state.runners[2].stats.graph == out.stats.steps - 1  # all but the prompt's catch-up
+
+
+def test_other_targets_with_random_heads():
+    """Losslessness does not depend on the head: Eagle3 on Qwen3-MoE and MTP on DeepSeek-V3.2 (DSA), random
+    heads, under PCP + DCP on one engine (the guide's methods for GQA and DSA)."""
+    from cpattn.drafters.eagle3 import Eagle3Drafter
+    from cpattn.drafters.mtp import MTPDrafter
+    from cpattn.models import deepseek_v32, qwen3_moe
+
+    ps = [[5, 9, 2, 7, 7, 1, 3], [4], [8, 8, 8, 8, 3]]
+    mcfg = qwen3_moe.Qwen3MoeConfig.tiny()
+    mparams = qwen3_moe.init_params(mcfg, seed=4, std=0.3, dtype=torch.float64)
+    dcfg = deepseek_v32.DeepseekV32Config.tiny()
+    dparams = deepseek_v32.init_params(dcfg, seed=2, dtype=torch.float64)
+    for model, params, cfg, d in (
+            ("qwen3_moe", mparams, mcfg, Eagle3Drafter.random(mparams, mcfg, std=0.3, dtype=torch.float64)),
+            ("deepseek_v32", dparams, dcfg, MTPDrafter.random("deepseek_v32", dcfg, target_params=dparams, std=0.3,
+                                                              dtype=torch.float64))):
+        ref = generate(model, params, cfg, ps, 10)
+        outs = simulate(2, pcp_dcp_generate_on_rank, model, params, cfg, ps, 10,
+                        config=pcp_dcp_config(model, cfg, 2, interleave_size=2), drafter=d, num_speculative_tokens=2)
+        same_on_every_rank(outs)
+        assert torch.equal(outs[0].tokens, ref.tokens)
