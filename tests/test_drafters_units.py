@@ -362,3 +362,15 @@ def test_train_draft_command(tmp_path, capsys):
                        "--prompts", "4", "--length", "24", "--block-size", "2"]) == 0
     assert (out / "loss.png").exists() and json.loads((out / "train.json").read_text())["steps"] >= 1
     assert DRAFTERS["dspark"].from_checkpoint(out).cfg.block_size == 2
+
+
+def test_bench_drafts_acceptance_table():
+    """``cpattn bench drafts``' acceptance part on the shipped checkpoints: a row per (target, method), lossless,
+    tokens per verify step within 1 .. 1 + k, never more verify steps than plain decode steps."""
+    from cpattn.drafters import report
+
+    rows = report.acceptance_rows(report.DEFAULT_DATA, 6, 2, [2])
+    assert {(r["target"], r["method"]) for r in rows} == {(t, m) for t, ms in report.PAIRS.items() for m in ms}
+    for r in rows:
+        assert r["equal"] and 1 <= r["accept len"] <= 3 and r["verify steps"] <= r["plain steps"], r
+        assert r["accepted/step"] == pytest.approx(r["accept len"] - 1)
