@@ -124,3 +124,18 @@ def test_bench_mlapo_times_both_paths_with_equal_logits(tmp_path):
         assert r["bitwise_equal_logits"] and r["fused_ms"]["best"] > 0 and r["unfused_ms"]["best"] > 0
         x = r["fused_over_unfused"]
         assert x["low"] <= x["median"] <= x["high"]
+
+
+def test_bench_pcp_compares_with_pytorchs_ring_on_both_clocks(tmp_path):
+    from cpattn.bench import pcp
+
+    out = tmp_path / "pcp.json"
+    argv = ["--seq-lens", "256", "--heads", "2", "--kv-heads", "2", "--head-dim", "16", "--reps", "1",
+            "--model-prompt-len", "0", "--no-breakdown", "--no-progress", "--json", str(out)]
+    assert pcp.bench_main(argv) == 0
+    res = json.loads(out.read_text())
+    peer = res["ring_vs_torch_ring"]
+    assert peer["peer"].startswith("torch-ring") and peer["cpu"]["peer"].startswith("torch-ring")
+    assert peer["low"] <= peer["median"] <= peer["high"] and peer["cpu"]["low"] <= peer["cpu"]["high"]
+    assert res["targets_apply"] is False  # the targets are for 8K tokens, MHA 16 x 128, fp32
+    assert res["max_abs_err_vs_single_rank"] <= 1e-5 * max(1.0, res["output_max_abs"])
