@@ -29,7 +29,7 @@ def both(group):
     pcp = v4_pcp_attention(shard(inp, plan.pcp.token_index[group.rank]), "csa", plan, group).out
     ys = [make_layer("csa", n, seed=b) for b, n in enumerate(LENGTHS)]
     cache = V4Cache.empty(layout("csa"), batch=2, max_len=64, dtype=torch.float64, dcp_rank=group.rank,
-                          dcp_size=group.size, interleave=2, seed=4)
+                          dcp_size=group.size, interleave_size=2, seed=4)
     dcp, _ = run_steps(cache, ys, CHUNKS, "csa", group)
     return pcp, dcp, engine_runs(group)
 
