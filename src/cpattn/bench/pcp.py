@@ -36,7 +36,7 @@ from cpattn.layout.pcp import causal_pairs, contiguous_causal_pairs, pcp_plan, p
 from cpattn.ops import attention_with_lse
 from cpattn.pcp import pcp_prefill
 
-# the default run, and the run the ring targets are stated for (issue 17: 8K tokens, MHA 16 x 128, fp32, P = 2)
+# the default run, and the run the ring targets are stated for (8K tokens, MHA 16 x 128, fp32, P = 2)
 FULL_SIZE = dict(pcp=2, seq_lens=(16384,), heads=32, kv_heads=8, head_dim=128)
 TARGET_SIZE = dict(pcp=2, seq_lens=(8192,), heads=16, kv_heads=16, head_dim=128)
 TARGETS = {"ring_vs_one_rank": 0.53, "ring_vs_torch_ring": 1.0, "model_ttft_vs_one": 0.53}
