@@ -28,7 +28,7 @@ import torch
 from cpattn.bench.common import DTYPES, Progress
 from cpattn.comm.group import Group
 from cpattn.config import EngineConfig
-from cpattn.engine import checks, driver
+from cpattn.engine import checks, decode_stage, driver
 from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import decode_step, step_fields
 from cpattn.engine.family import ModelFamily, get_family
@@ -255,7 +255,7 @@ def demo_rank(group: Group, spec: Spec) -> dict:
 
     # 2. KV hand-off into the decode engine's paged shards (each row to its DCP owner)
     def new_shard():
-        return driver.new_shard(family, cfg, params, batch, steps, dec_cfg, None)
+        return decode_stage.new_shard(family, cfg, params, batch, steps, dec_cfg, None)
 
     shard = new_shard()
     group.stats.reset()
@@ -279,13 +279,13 @@ def demo_rank(group: Group, spec: Spec) -> dict:
                      "fullgraph): a minute or two on the first run, seconds once inductor's cache is warm")
         _barrier(group)
         t0 = time.perf_counter()
-        runner = driver.capture(dg, family, params, cfg, shard, batch, gcfg, algorithms, None)
+        runner = decode_stage.capture(dg, family, params, cfg, shard, batch, gcfg, algorithms, None)
         capture_s = time.perf_counter() - t0
         _barrier(group)
         bar.step(f"captured sizes {list(sizes)} ({backend})")
         step_bytes = _step_bytes(step_fn, runner.state, pick_size(runner.sizes, nreq) or nreq, dg)
         _barrier(group)
-        dec = driver.run_decode(dg, family, params, cfg, shard, batch, first, steps, gcfg, algorithms, None,
+        dec = decode_stage.run_decode(dg, family, params, cfg, shard, batch, first, steps, gcfg, algorithms, None,
                                 on_step("graph"), runner=runner)
         runs["graph"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "capture_s": capture_s,
                          "stats": dec.runner, "backend": runner.backend.name, "bytes_per_step": step_bytes,
@@ -299,7 +299,7 @@ def demo_rank(group: Group, spec: Spec) -> dict:
         ecfg = dec_cfg.replace(graph_mode="NONE")
         step_bytes = _step_bytes(step_fn, {"params": params, "shard": eshard}, nreq, dg)
         _barrier(group)
-        dec = driver.run_decode(dg, family, params, cfg, eshard, batch, first, steps, ecfg, algorithms, None,
+        dec = decode_stage.run_decode(dg, family, params, cfg, eshard, batch, first, steps, ecfg, algorithms, None,
                                 on_step("eager"))
         runs["eager"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "bytes_per_step": step_bytes,
                          "kv_bytes": eshard.kv_bytes()}

@@ -14,6 +14,8 @@ Layers below it: ops -> layout / comm -> pcp / dcp / dsa -> graphs -> models
 - **decode** (:mod:`cpattn.engine.decode`): dense (one rank) or DCP; plain or
   speculative with any drafter; eager or through a
   :class:`~cpattn.graphs.DecodeRunner` (FULL_DECODE_ONLY).
+  :mod:`cpattn.engine.decode_stage` builds the cache, the runner and the run
+  as a decode engine config asks.
 
 The driver (:mod:`cpattn.engine.driver`) takes a prefill and a decode
 :class:`~cpattn.config.EngineConfig`, checks them once before any rank
