@@ -17,9 +17,12 @@ Part 2, speed (gloo ranks, FULL_DECODE_ONLY graph mode: the verify step and
 the draft steps replayed from captures): decode tokens per second of each
 method against plain decode, on one rank and on DCP = 2, measured side by
 side in one run -- rounds of interleaved runs (each round starts with a
-different one), decode time = the decode steps' wall time. Ratios are
-``plain decode time / method decode time`` per round: best (fastest /
-fastest) and the spread (low-median-high) over rounds.
+different one). Decode speed is the steady state: a step's mean wall time
+from step 3 on over the tokens a step emits (a drafter captures its step
+programs on first use, in steps 1-2; the target's step is captured before
+decode). Ratios are ``plain seconds per token / method seconds per token``
+per round: best (fastest / fastest) and the spread (low-median-high) over
+rounds.
 """
 
 from __future__ import annotations
@@ -75,9 +78,24 @@ def acceptance_rows(data, new_tokens: int, n_prompts: int, ks: list[int]) -> lis
     return rows
 
 
+def seconds_per_token(out, skip: int = 2) -> float:
+    """Steady-state decode seconds per token of one run: the mean wall time of a decode step from step
+    ``skip + 1`` on, over the tokens a step emits (``stats.emitted / stats.steps``). The first steps are left
+    out because a drafter captures its step programs on first use, inside steps 1 and 2 (the target's verify
+    step is captured before decode starts).
+
+    >>> from types import SimpleNamespace as NS
+    >>> seconds_per_token(NS(facts=NS(step_s=(9.0, 9.0, 0.25, 0.75)), stats=NS(emitted=8, steps=4)))
+    0.25
+    """
+    steps = out.facts.step_s[skip:] or out.facts.step_s
+    return statistics.fmean(steps) / (out.stats.emitted / out.stats.steps)
+
+
 def speed_rank(group, data, target: str, methods: dict, prompts, new_tokens: int, reps: int, backend: str):
     """On every rank: ``reps`` rounds of plain decode and each (method, k), interleaved (round i starts with
-    run i); per run the slowest rank's decode time (the sum of its decode steps). Returns {name: [seconds]}."""
+    run i); per run the slowest rank's steady-state seconds per token (see :func:`seconds_per_token`).
+    Returns {name: [seconds per token]}."""
     from cpattn.models.generate import generate_on_rank, speculative_generate_on_rank
 
     model, cfg, params, heads = load(data, target)
@@ -98,8 +116,8 @@ def speed_rank(group, data, target: str, methods: dict, prompts, new_tokens: int
         for j in range(len(names)):
             n = names[(i + j) % len(names)]
             out = runs[n]()
-            mine = torch.tensor([sum(out.facts.step_s)])
-            times[n].append(float(group.all_gather(mine).max()))  # the slowest rank's decode time
+            mine = torch.tensor([seconds_per_token(out)])
+            times[n].append(float(group.all_gather(mine).max()))  # the slowest rank's
     return times
 
 
@@ -110,7 +128,6 @@ def speed_rows(data, new_tokens: int, n_prompts: int, reps: int, backend: str, m
     rows = []
     for tname, methods in methods_k.items():
         ps = bench_prompts(data, tname, n_prompts)
-        tokens = n_prompts * (new_tokens - 1)
         for ranks in (1, 2):
             times = spawn(ranks, speed_rank, str(data), tname, methods, ps, new_tokens, reps, backend)[0]
             plain = Samples(tuple(times["plain"]))
@@ -118,7 +135,7 @@ def speed_rows(data, new_tokens: int, n_prompts: int, reps: int, backend: str, m
                 s = Samples(tuple(t))
                 speedup = ratio(plain, s)
                 rows.append({"target": tname, "ranks": f"dcp={ranks}", "run": name,
-                             "decode tok/s (best)": tokens / s.best, "median s": statistics.median(t),
+                             "decode tok/s (best)": 1 / s.best, "ms/token (median)": 1e3 * statistics.median(t),
                              "speedup best": speedup.best, "speedup [low-high]": str(speedup)})
     return rows
 
@@ -148,9 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
                 best[key] = r
         methods_k = {t: {m: best[(t, m)]["k"] for m in ms if (t, m) in best} for t, ms in PAIRS.items()}
         speed = speed_rows(args.data, new, n, reps, args.backend, methods_k)
-        print(f"\ndecode speed, graph mode ({args.backend}), {reps} interleaved rounds; speedup = plain decode time / "
-              "method decode time")
-        print(table(speed, ["target", "ranks", "run", "decode tok/s (best)", "median s", "speedup best",
+        print(f"\ndecode speed, graph mode ({args.backend}), {reps} interleaved rounds, steady state (decode steps 3 "
+              "on); speedup = plain seconds per token / method seconds per token")
+        print(table(speed, ["target", "ranks", "run", "decode tok/s (best)", "ms/token (median)", "speedup best",
                             "speedup [low-high]"]))
     payload = {"quick": args.quick, "acceptance": acc, "speed": speed, "new_tokens": new, "prompts": n,
                "reps": reps, "backend": args.backend}
