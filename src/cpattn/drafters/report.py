@@ -19,7 +19,7 @@ method against plain decode, on one rank and on DCP = 2, measured side by
 side in one run -- rounds of interleaved runs (each round starts with a
 different one). Decode speed is the steady state: a step's mean wall time
 from step 3 on over the tokens a step emits (a drafter captures its step
-programs on first use, in steps 1-2; the target's step is captured before
+programs on first use, in step 1; the target's step is captured before
 decode). Ratios are ``plain seconds per token / method seconds per token``
 per round: best (fastest / fastest) and the spread (low-median-high) over
 rounds.
@@ -81,8 +81,8 @@ def acceptance_rows(data, new_tokens: int, n_prompts: int, ks: list[int]) -> lis
 def seconds_per_token(out, skip: int = 2) -> float:
     """Steady-state decode seconds per token of one run: the mean wall time of a decode step from step
     ``skip + 1`` on, over the tokens a step emits (``stats.emitted / stats.steps``). The first steps are left
-    out because a drafter captures its step programs on first use, inside steps 1 and 2 (the target's verify
-    step is captured before decode starts).
+    out because a drafter captures its step programs on first use, inside step 1 (the target's verify step
+    is captured before decode starts), and step 2 is the first replay.
 
     >>> from types import SimpleNamespace as NS
     >>> seconds_per_token(NS(facts=NS(step_s=(9.0, 9.0, 0.25, 0.75)), stats=NS(emitted=8, steps=4)))
