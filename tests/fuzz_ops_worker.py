@@ -271,7 +271,7 @@ def fuzz_sparse(n):
         q, cache = torch.randn(t, 2, 12, generator=gen), torch.randn(s, 12, generator=gen)
         it = index_tensor(data, idx) if t else torch.zeros(0, kk, dtype=torch.long)
         res = outcome("sparse_mla_attention_with_lse",
-                      lambda: ops.sparse_mla_attention_with_lse(q, cache, it, softmax_scale=0.3, value_dim=8))
+                      lambda: ops.sparse_mla_attention_with_lse(q, cache, it, softmax_scale=0.3, v_head_dim=8))
         if res is not None:
             want_out = torch.zeros(t, 2, 8, dtype=torch.float64)
             want_lse = torch.full((t, 2), NEG, dtype=torch.float64)

@@ -54,7 +54,7 @@ def indexer(start=(0, 0), vis=(1, 2), max_keys=None):
 
 def sparse(idx):
     q, cache = torch.randn(2, 4, 24), torch.randn(10, 24)
-    return lambda: ops.sparse_mla_attention_with_lse(q, cache, idx, softmax_scale=0.1, value_dim=16)
+    return lambda: ops.sparse_mla_attention_with_lse(q, cache, idx, softmax_scale=0.1, v_head_dim=16)
 
 
 def prefill(context=None, plan=None):
@@ -80,7 +80,7 @@ def topk_args(positions=(0, 1, 2), cu_q=(0, 3), ids=None):
 
 def dsa_one(cu_q=(0, 3), cu_k=(0, 3)):
     x = [torch.randn(3, 4, 24), torch.randn(3, 24), torch.randn(3, 2, 8), torch.rand(3, 2), torch.randn(3, 8)]
-    return lambda: dsa_attention(*x, list(cu_q), list(cu_k), topk=2, softmax_scale=0.1, value_dim=16)
+    return lambda: dsa_attention(*x, list(cu_q), list(cu_k), topk=2, softmax_scale=0.1, v_head_dim=16)
 
 
 ROWS = [
@@ -212,7 +212,7 @@ ROWS = [
     ("dsa_dcp_attention q rows",
      lambda: dsa_dcp_attention(torch.randn(2, 4, 24), torch.randn(3, 2, 8), torch.rand(3, 2), T([0, 1, 2]), [0, 3],
                                dcp_shard_keys(torch.randn(3, 24), torch.randn(3, 8), [0, 3], 0, 1), group=one(),
-                               topk=2, softmax_scale=0.1, value_dim=16), "q must be [T=3, H, Dqk]"),
+                               topk=2, softmax_scale=0.1, v_head_dim=16), "q must be [T=3, H, Dqk]"),
 ]
 
 

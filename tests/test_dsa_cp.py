@@ -75,7 +75,7 @@ def cp_rank(group, cases, split, output):
         plan = dsa_cp_plan(c["cu_q"], group.size, context_lens=c["ctx"], cache_starts=c["starts"], split=split)
         cache = DSACache(c["cache"][0].clone(), c["cache"][1].clone())
         mine = [pcp_shard(c[k], plan, group.rank) for k in ("q", "new_latent", "q_idx", "w_idx", "new_k")]
-        out, lse = dsa_cp_attention(*mine, plan, group=group, topk=c["topk"], softmax_scale=SCALE, value_dim=DV,
+        out, lse = dsa_cp_attention(*mine, plan, group=group, topk=c["topk"], softmax_scale=SCALE, v_head_dim=DV,
                                     cache=cache, output=output, return_lse=True)
         res.append((out, lse, cache))
     return res
@@ -88,7 +88,7 @@ def dcp_rank(group, cases, interleave_size, output):
         keys = dcp_shard_keys(c["full_latent"], c["full_k"], c["cu_k"], group.rank, group.size, interleave_size)
         positions = torch.cat([torch.arange(cx, cx + n) for cx, n in zip(c["ctx"], c["lens"])])
         res.append(dsa_dcp_attention(c["q"], c["q_idx"], c["w_idx"], positions, c["cu_q"], keys, group=group,
-                                     topk=c["topk"], softmax_scale=SCALE, value_dim=DV, output=output,
+                                     topk=c["topk"], softmax_scale=SCALE, v_head_dim=DV, output=output,
                                      return_lse=True, return_indices=True))
     return res
 
@@ -170,7 +170,7 @@ def test_dcp_exact_with_random_float_scores():
     """Random (not grid) indexer inputs: the sharded selection equals the single-device op's, bit for bit."""
     c = case([40], [60], seed=3, topk=16, random_indexer=True)
     _, single = dsa_attention(c["q"], torch.nan_to_num(c["full_latent"]), c["q_idx"], c["w_idx"], c["full_k"],
-                              c["cu_q"], c["cu_k"], topk=16, softmax_scale=SCALE, value_dim=DV, return_indices=True)
+                              c["cu_q"], c["cu_k"], topk=16, softmax_scale=SCALE, v_head_dim=DV, return_indices=True)
     for n, interleave_size in ((2, 1), (3, 4), (5, 2)):
         for r in cpattn.simulate(n, dcp_rank, [c], interleave_size, "replicated"):
             assert torch.equal(r[0][2], single.long())
@@ -213,15 +213,15 @@ def test_errors_are_named():
     plan = dsa_cp_plan(c["cu_q"], 2)
     args = [c[k] for k in ("q", "new_latent", "q_idx", "w_idx", "new_k")]
     with pytest.raises(RuntimeError, match="pcp_shard"):
-        cpattn.simulate(2, lambda g: dsa_cp_attention(*args, plan, group=g, topk=4, softmax_scale=SCALE, value_dim=DV))
+        cpattn.simulate(2, lambda g: dsa_cp_attention(*args, plan, group=g, topk=4, softmax_scale=SCALE, v_head_dim=DV))
     with pytest.raises(RuntimeError, match="rebuild the plan"):
-        cpattn.simulate(3, lambda g: dsa_cp_attention(*args, plan, group=g, topk=4, softmax_scale=SCALE, value_dim=DV))
+        cpattn.simulate(3, lambda g: dsa_cp_attention(*args, plan, group=g, topk=4, softmax_scale=SCALE, v_head_dim=DV))
     with pytest.raises(ValueError, match="split"):
         dsa_cp_plan([0, 4], 2, split="zigzag")
     ctx_plan = dsa_cp_plan(c["cu_q"], 1, context_lens=[3])
     with pytest.raises(RuntimeError, match="DSACache"):
         cpattn.simulate(1, lambda g: dsa_cp_attention(*args, ctx_plan, group=g, topk=4, softmax_scale=SCALE,
-                                                      value_dim=DV))
+                                                      v_head_dim=DV))
 
 
 # ----------------------------------------------------------------------------- real gloo processes

@@ -82,12 +82,12 @@ def test_sparse_one_exp_pass_matches_reference(dtype):
     q, cache = torch.randn(3, 4, 48, generator=g).to(dtype), torch.randn(30, 48, generator=g).to(dtype)
     idx = torch.tensor([[0, 5, 7, -1], [1, 2, 3, 29], [-1, -1, -1, -1]])
     cache[10] = float("nan")  # never selected: must not reach any output
-    out, lse = sparse_mla_attention_with_lse(q, cache, idx, softmax_scale=0.3, value_dim=32)
+    out, lse = sparse_mla_attention_with_lse(q, cache, idx, softmax_scale=0.3, v_head_dim=32)
     want, want_lse = dsa_ref.sparse_mla_attention_with_lse(q.double(), cache.double(), idx, 0.3, 32)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
     assert out[2].eq(0).all() and lse[2].eq(float("-inf")).all()
     nan_idx = torch.tensor([[10, 1, -1, -1]])  # a selected NaN row makes that query NaN, as the dense oracle
-    o2, l2 = sparse_mla_attention_with_lse(q[:1], cache, nan_idx, softmax_scale=0.3, value_dim=32)
+    o2, l2 = sparse_mla_attention_with_lse(q[:1], cache, nan_idx, softmax_scale=0.3, v_head_dim=32)
     assert o2.isnan().all() and l2.isnan().all()

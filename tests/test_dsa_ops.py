@@ -187,7 +187,7 @@ def sparse_case(t=7, h=4, s=40, d=48, dv=32, k=6, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_sparse_attention_matches_oracle_with_poison(dtype):
     q, latent, idx, scale, dv = sparse_case()
-    out, lse = sparse_mla_attention_with_lse(q.to(dtype), latent.to(dtype), idx, softmax_scale=scale, value_dim=dv)
+    out, lse = sparse_mla_attention_with_lse(q.to(dtype), latent.to(dtype), idx, softmax_scale=scale, v_head_dim=dv)
     want, want_lse = sparse_oracle(q, latent, idx, scale, dv)
     assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
@@ -202,7 +202,7 @@ def test_sparse_attention_bf16_within_twice_plain():
     q, latent, idx, scale, dv = sparse_case(seed=5)
     want, _ = sparse_oracle(q, latent, idx, scale, dv)
     live = (idx >= 0).any(-1)
-    out, _ = sparse_mla_attention_with_lse(q.bfloat16(), latent.bfloat16(), idx, softmax_scale=scale, value_dim=dv)
+    out, _ = sparse_mla_attention_with_lse(q.bfloat16(), latent.bfloat16(), idx, softmax_scale=scale, v_head_dim=dv)
     ours = (out.double() - want)[live].abs().max().item()
     plain = (plain_sparse(q, latent, idx, scale, dv, torch.bfloat16).double() - want)[live].abs().max().item()
     assert out.dtype == torch.bfloat16
@@ -212,15 +212,15 @@ def test_sparse_attention_bf16_within_twice_plain():
 def test_sparse_attention_paged_cache_and_errors():
     q, latent, idx, scale, dv = sparse_case()
     paged = latent.view(10, 4, 1, 48)  # [num_blocks, block_size, 1, Dqk]: slots index rows
-    a = sparse_mla_attention_with_lse(q, paged, idx, softmax_scale=scale, value_dim=dv)
-    b = sparse_mla_attention_with_lse(q, latent, idx, softmax_scale=scale, value_dim=dv)
+    a = sparse_mla_attention_with_lse(q, paged, idx, softmax_scale=scale, v_head_dim=dv)
+    b = sparse_mla_attention_with_lse(q, latent, idx, softmax_scale=scale, v_head_dim=dv)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with pytest.raises(ValueError, match="latent_cache rows have"):
-        sparse_mla_attention_with_lse(q, latent[:, :40], idx, softmax_scale=scale, value_dim=dv)
+        sparse_mla_attention_with_lse(q, latent[:, :40], idx, softmax_scale=scale, v_head_dim=dv)
     with pytest.raises(ValueError, match="indices"):
-        sparse_mla_attention_with_lse(q, latent, idx.float(), softmax_scale=scale, value_dim=dv)
+        sparse_mla_attention_with_lse(q, latent, idx.float(), softmax_scale=scale, v_head_dim=dv)
     with pytest.raises(ValueError, match="softmax_scale"):
-        sparse_mla_attention_with_lse(q, latent, idx, softmax_scale=0.0, value_dim=dv)
+        sparse_mla_attention_with_lse(q, latent, idx, softmax_scale=0.0, v_head_dim=dv)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -230,7 +230,7 @@ def test_dsa_matches_hf_oracle(dtype):
     b = make_batch(lens, ctx, dtype=dtype, seed=2)
     scale = mla_softmax_scale(24)
     out, lse, idx = dsa_attention(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"], b["cu_q"], b["cu_k"],
-                                  topk=topk, softmax_scale=scale, value_dim=32, return_lse=True, return_indices=True)
+                                  topk=topk, softmax_scale=scale, v_head_dim=32, return_lse=True, return_indices=True)
     want, want_lse, want_idx = ref.dsa(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"],
                                       b["cu_q"], b["cu_k"], topk, scale, 32)
     assert torch.equal(idx.long(), want_idx)  # exact selection, ties included
@@ -244,7 +244,7 @@ def test_dsa_equals_dense_mla_when_all_keys_fit():
     b = make_batch(lens, ctx, seed=4)
     scale = mla_softmax_scale(24, 40, 1.0)
     out = dsa_attention(b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"], b["cu_q"], b["cu_k"],
-                        topk=16, softmax_scale=scale, value_dim=32)
+                        topk=16, softmax_scale=scale, v_head_dim=32)
     q_req, q_pos = req_pos(b["cu_q"], ctx)
     k_req, k_pos = req_pos(b["cu_k"])
     kv = b["latent"][:, None, :]
@@ -311,7 +311,7 @@ def test_compile_fullgraph_aot_eager():
     def step(qi, wi, ki, start, vis, q, latent):
         scores = indexer_scores(qi, wi, ki, start, vis, 9)
         top = topk_indices(scores, 4)
-        return top, sparse_mla_attention_with_lse(q, latent, idx, softmax_scale=scale, value_dim=dv)
+        return top, sparse_mla_attention_with_lse(q, latent, idx, softmax_scale=scale, v_head_dim=dv)
 
     args = (b["q_idx"], b["w_idx"], b["k_idx"], start, vis, q, latent)
     torch._dynamo.reset()
@@ -329,7 +329,7 @@ def test_compile_fullgraph_inductor_decode_step():
     def step(q, latent, qi, wi, ki, start, vis):
         top = topk_indices(indexer_scores(qi, wi, ki, start, vis, 21), 6)
         rows = torch.where(top >= 0, start[:, None] + top, -1)
-        return sparse_mla_attention_with_lse(q, latent, rows, softmax_scale=0.2, value_dim=32)
+        return sparse_mla_attention_with_lse(q, latent, rows, softmax_scale=0.2, v_head_dim=32)
 
     args = (b["q"], b["latent"], b["q_idx"], b["w_idx"], b["k_idx"], start, vis)
     torch._dynamo.reset()

@@ -152,7 +152,7 @@ def test_dsa_nan_rows_match_one_device(lens, ctx, bad, one_thread):
     from cpattn.dsa import dsa_attention, dsa_cp_plan
 
     one, one_lse = dsa_attention(c["q"], c["full_latent"], c["q_idx"], c["w_idx"], c["full_k"], c["cu_q"], c["cu_k"],
-                                 topk=c["topk"], softmax_scale=SCALE, value_dim=DV, return_lse=True)
+                                 topk=c["topk"], softmax_scale=SCALE, v_head_dim=DV, return_lse=True)
     check(one, c["want_nan"], c["want"], one_lse)
     for n in (2, 3):
         for split in ("contiguous", "balanced"):

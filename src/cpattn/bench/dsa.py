@@ -84,15 +84,15 @@ def decode_case(ctx: int, heads: int, topk: int, reps: int, dtype: torch.dtype =
         return topk_indices(scores, topk)
 
     def sparse():
-        return sparse_mla_attention_with_lse(q, cache, top, softmax_scale=SCALE, value_dim=D_V)
+        return sparse_mla_attention_with_lse(q, cache, top, softmax_scale=SCALE, v_head_dim=D_V)
 
     def dsa():
         return sparse_mla_attention_with_lse(q, cache, topk_indices(indexer(), topk), softmax_scale=SCALE,
-                                             value_dim=D_V)
+                                             v_head_dim=D_V)
 
     def dsa_fp8():
         return sparse_mla_attention_with_lse(q, cache, topk_indices(indexer_fp8(), topk), softmax_scale=SCALE,
-                                             value_dim=D_V)
+                                             v_head_dim=D_V)
 
     def dense():
         return attention_with_lse(q, kv, vv, cu_q, cu_k, causal=True, softmax_scale=SCALE)
@@ -157,7 +157,7 @@ def cp_rank(group, n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> di
     def runner(split, g, rank):
         plan = dsa_cp_plan([0, n_tok], g.size, split=split)
         mine = [pcp_shard(x, plan, rank) for x in inputs]
-        return lambda: dsa_cp_attention(*mine, plan, group=g, topk=topk, softmax_scale=SCALE, value_dim=D_V)
+        return lambda: dsa_cp_attention(*mine, plan, group=g, topk=topk, softmax_scale=SCALE, v_head_dim=D_V)
 
     runs = {"one": runner("contiguous", solo, 0) if group.rank == 0 else (lambda: None)}
     runs.update({split: runner(split, group, group.rank) for split in ("contiguous", "balanced")})

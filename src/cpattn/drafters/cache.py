@@ -43,13 +43,13 @@ def write(buf: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, rows: torch.T
 
 
 def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req: torch.Tensor, lo: torch.Tensor,
-           hi: torch.Tensor, scale: float, *, value_dim: int | None = None) -> torch.Tensor:
+           hi: torch.Tensor, scale: float, *, v_head_dim: int | None = None) -> torch.Tensor:
     """Softmax attention of each query row over its request's cached keys at positions ``[lo, hi)``.
 
     q: [N, Hq, D] query rows; k_buf, v_buf: [R + 1, L + 1, Hkv, D(v)] (Hq a
     multiple of Hkv: query head h reads KV head ``h // (Hq // Hkv)``); req:
     [N] the cache row of each query row; lo, hi: [N] its visible key range.
-    value_dim: values are ``v_buf[..., :value_dim]`` (the MLA latent row
+    v_head_dim: values are ``v_buf[..., :v_head_dim]`` (the MLA latent row
     serves as key and value). A row that sees no key gives 0. Computed in
     float32 (or wider). Returns [N, Hq, Dv] in q's dtype.
     """
@@ -57,8 +57,8 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req: torch
     acc = torch.promote_types(q.dtype, torch.float32)
     k = k_buf[req].to(acc)  # [N, L + 1, Hkv, D]
     v = v_buf[req].to(acc)
-    if value_dim is not None:
-        v = v[..., :value_dim]
+    if v_head_dim is not None:
+        v = v[..., :v_head_dim]
     group = hq // k.shape[2]
     k = k.repeat_interleave(group, dim=2)  # [N, L + 1, Hq, D]
     v = v.repeat_interleave(group, dim=2)

@@ -117,7 +117,7 @@ def mtp_step(state: dict, batch: dict, *, cfg: Any, layer: int) -> tuple[torch.T
 
     def attend(q, lat, scale):
         kv.write(cache, batch["req"], batch["pos"], lat)
-        return kv.attend(q, cache, cache, batch["req"], batch["lo"], batch["hi"], scale, value_dim=r)
+        return kv.attend(q, cache, cache, batch["req"], batch["lo"], batch["hi"], scale, v_head_dim=r)
 
     logits, hn = mtp_logits_features(state["params"], cfg, layer, batch["tokens"], batch["features"],
                                      batch["pos"] + 1, attend)

@@ -42,7 +42,7 @@ def dsa_cp_attention(
     group: Group,
     topk: int,
     softmax_scale: float,
-    value_dim: int = 512,
+    v_head_dim: int = 512,
     cache: DSACache | None = None,
     output: str = "token",
     return_lse: bool = False,
@@ -59,7 +59,7 @@ def dsa_cp_attention(
         (All of them: ``pcp_shard(x, plan, group.rank)`` of the batch.)
     plan: :func:`dsa_cp_plan` for ``group.size`` ranks.
     group: the DSA-CP group.
-    topk, softmax_scale, value_dim: as :func:`dsa_attention`.
+    topk, softmax_scale, v_head_dim: as :func:`dsa_attention`.
     cache: replicated :class:`DSACache` holding the cached context (prefix
         caching, chunked prefill, decode); the new tokens are written into
         it in place. ``None``: no context; a scratch cache is used.
@@ -87,7 +87,7 @@ def dsa_cp_attention(
     >>> plan = dsa_cp_plan([0, 4, 9], 2)
     >>> def rank_fn(g):
     ...     mine = [pcp_shard(t, plan, g.rank) for t in x]
-    ...     return dsa_cp_attention(*mine, plan, group=g, topk=3, softmax_scale=0.1, value_dim=32)
+    ...     return dsa_cp_attention(*mine, plan, group=g, topk=3, softmax_scale=0.1, v_head_dim=32)
     >>> pcp_unshard(cpattn.simulate(2, rank_fn), plan).shape
     torch.Size([9, 4, 32])
     """
@@ -115,7 +115,7 @@ def dsa_cp_attention(
     sel = torch.where(idx >= 0, start[:, None] + idx, -1)  # [T_r, k] cache rows
 
     # 3. sparse MLA over the replicated latent cache (4. and back to heads)
-    res = _attend_cp(q, cache.latent, sel, plan, group, softmax_scale, value_dim, output, return_lse)
+    res = _attend_cp(q, cache.latent, sel, plan, group, softmax_scale, v_head_dim, output, return_lse)
     res = res + ((sel,) if return_indices else ())
     return res[0] if len(res) == 1 else res
 
@@ -128,7 +128,7 @@ def dsa_cp_sparse_attention(
     *,
     group: Group,
     softmax_scale: float,
-    value_dim: int = 512,
+    v_head_dim: int = 512,
     cache: DSACache | None = None,
     output: str = "token",
     return_lse: bool = False,
@@ -145,7 +145,7 @@ def dsa_cp_sparse_attention(
     q: [T_r, H, Dqk]; latent: [T_r, Dqk] -- this rank's tokens.
     indices: [T_r, K] -- cache rows, -1 padded: ``dsa_cp_attention(...,
         return_indices=True)`` of an earlier layer over the same plan.
-    plan, group, softmax_scale, value_dim, output, return_lse: as
+    plan, group, softmax_scale, v_head_dim, output, return_lse: as
         :func:`dsa_cp_attention`; cache: a :class:`DSACache` whose
         ``k_index`` may be None (holding cached context, written in place).
 
@@ -160,10 +160,10 @@ def dsa_cp_sparse_attention(
     >>> plan = dsa_cp_plan([0, 4, 9], 2)
     >>> def rank_fn(g):
     ...     mine = [pcp_shard(t, plan, g.rank) for t in x]
-    ...     _, sel = dsa_cp_attention(*mine, plan, group=g, topk=3, softmax_scale=0.1, value_dim=32,
+    ...     _, sel = dsa_cp_attention(*mine, plan, group=g, topk=3, softmax_scale=0.1, v_head_dim=32,
     ...                               return_indices=True)
     ...     return dsa_cp_sparse_attention(mine[0], pcp_shard(lat2, plan, g.rank), sel, plan, group=g,
-    ...                                    softmax_scale=0.1, value_dim=32)
+    ...                                    softmax_scale=0.1, v_head_dim=32)
     >>> pcp_unshard(cpattn.simulate(2, rank_fn), plan).shape
     torch.Size([9, 4, 32])
     """
@@ -174,7 +174,7 @@ def dsa_cp_sparse_attention(
         cache = DSACache(latent.new_zeros(plan.cache_size, q.shape[-1]), None)
     _check_cache_rows(cache, plan)
     _gather_into(group, plan, [latent], [cache.latent])
-    res = _attend_cp(q, cache.latent, indices, plan, group, softmax_scale, value_dim, output, return_lse)
+    res = _attend_cp(q, cache.latent, indices, plan, group, softmax_scale, v_head_dim, output, return_lse)
     return res[0] if len(res) == 1 else res
 
 
@@ -221,11 +221,11 @@ def _gather_into(group: Group, plan: DSACPPlan, pieces: list[torch.Tensor], cach
         cache.index_copy_(0, rows, x.to(cache.dtype))  # cache write (in place)
 
 
-def _attend_cp(q, latent_cache, sel, plan: DSACPPlan, group: Group, softmax_scale, value_dim, output,
+def _attend_cp(q, latent_cache, sel, plan: DSACPPlan, group: Group, softmax_scale, v_head_dim, output,
                return_lse) -> tuple:
     """Sparse MLA of this rank's tokens over the replicated cache rows ``sel`` [T_r, k]; ``output="head"``:
     one all-to-all of [out | lse] per head slice back to the head-sharded layout. Returns (out,) or (out, lse)."""
-    out, lse = sparse_mla_attention_with_lse(q, latent_cache, sel, softmax_scale=softmax_scale, value_dim=value_dim)
+    out, lse = sparse_mla_attention_with_lse(q, latent_cache, sel, softmax_scale=softmax_scale, v_head_dim=v_head_dim)
     if output == "token":
         return (out, lse) if return_lse else (out,)
     t_r, h, _ = q.shape

@@ -259,7 +259,7 @@ def dsa_dcp_attention(
     group: Group,
     topk: int,
     softmax_scale: float,
-    value_dim: int = 512,
+    v_head_dim: int = 512,
     output: str = "replicated",
     return_lse: bool = False,
     return_indices: bool = False,
@@ -270,7 +270,7 @@ def dsa_dcp_attention(
     ---------
     q: [T, H, Dqk] -- absorbed queries, the same on every rank.
     q_index, w_index, positions, cu_seqlens_q, keys, group, topk: as
-        :func:`dsa_dcp_topk`. softmax_scale, value_dim: as :func:`dsa_attention`.
+        :func:`dsa_dcp_topk`. softmax_scale, v_head_dim: as :func:`dsa_attention`.
     output: "replicated" -- all-gather the partials, every rank gets out
         [T, H, Dv]; "head" -- one all-to-all of the partials per head slice,
         rank r gets heads ``r*H/N .. (r+1)*H/N - 1``: out [T, H/N, Dv].
@@ -290,7 +290,7 @@ def dsa_dcp_attention(
     >>> def rank_fn(g):
     ...     keys = dcp_shard_keys(lat, kI, [0, T], g.rank, g.size)
     ...     return dsa_dcp_attention(q, qI, w, torch.arange(T), [0, T], keys, group=g,
-    ...                              topk=2, softmax_scale=0.1, value_dim=32)
+    ...                              topk=2, softmax_scale=0.1, v_head_dim=32)
     >>> cpattn.simulate(2, rank_fn)[0].shape
     torch.Size([3, 4, 32])
     """
@@ -306,7 +306,7 @@ def dsa_dcp_attention(
     # partial over the selected keys this rank owns, kept in float32 for the merge
     out, lse = sparse_mla_attention_with_lse(
         q.float() if q.dtype != torch.float64 else q, keys.latent, rows,
-        softmax_scale=softmax_scale, value_dim=value_dim,
+        softmax_scale=softmax_scale, v_head_dim=v_head_dim,
     )
     msg = pack_bytes([out, lse[..., None]])  # [T, H, bytes]
     if output == "replicated":

@@ -23,7 +23,7 @@ def dsa_attention(
     *,
     topk: int,
     softmax_scale: float,
-    value_dim: int = 512,
+    v_head_dim: int = 512,
     return_lse: bool = False,
     return_indices: bool = False,
 ):
@@ -40,7 +40,7 @@ def dsa_attention(
 
     Returns
     -------
-    out [Tq, H, value_dim]; with ``return_lse`` also lse [Tq, H] float32;
+    out [Tq, H, v_head_dim]; with ``return_lse`` also lse [Tq, H] float32;
     with ``return_indices`` also the selected request-local key positions
     [Tq, topk] int32 (-1 padded), in (score desc, position asc) order.
 
@@ -51,7 +51,7 @@ def dsa_attention(
     >>> T, H = 6, 4
     >>> out = dsa_attention(torch.randn(T, H, 48), torch.randn(T, 48), torch.randn(T, 2, 16),
     ...                     torch.rand(T, 2), torch.randn(T, 16), [0, 6], [0, 6],
-    ...                     topk=3, softmax_scale=0.1, value_dim=32)
+    ...                     topk=3, softmax_scale=0.1, v_head_dim=32)
     >>> out.shape
     torch.Size([6, 4, 32])
     """
@@ -66,7 +66,7 @@ def dsa_attention(
     scores = indexer_scores(q_index, w_index, k_index, start, visible, max(lens, default=0))  # [Tq, M]
     idx = topk_indices(scores, topk)  # [Tq, k] request-local positions
     rows = torch.where(idx >= 0, start[:, None] + idx, -1)  # [Tq, k] rows of latent
-    out, lse = sparse_mla_attention_with_lse(q, latent, rows, softmax_scale=softmax_scale, value_dim=value_dim)
+    out, lse = sparse_mla_attention_with_lse(q, latent, rows, softmax_scale=softmax_scale, v_head_dim=v_head_dim)
     res = (out,) + ((lse,) if return_lse else ()) + ((idx,) if return_indices else ())
     return res[0] if len(res) == 1 else res
 

@@ -134,7 +134,7 @@ class DenseStep:
         lat = self._append(c.k[layer], kv)[:, 0]  # [sum S_b, Dqk]
         keys = self._append(c.k_index[layer], k_index)  # [sum S_b, D_I]
         return dsa_attention(q, lat, q_index, w_index, keys, self.cu_q, self.cu_k, topk=topk, softmax_scale=scale,
-                             value_dim=lay.v_head_dim, return_indices=return_selection)
+                             v_head_dim=lay.v_head_dim, return_indices=return_selection)
 
     def dsa_shared(self, layer: int, q: torch.Tensor, kv: torch.Tensor, selection: torch.Tensor,
                    scale: float) -> torch.Tensor:
@@ -144,7 +144,7 @@ class DenseStep:
         lat = self._append(c.k[layer], kv)[:, 0]  # [sum S_b, Dqk]
         start = self._key_start()  # [T]
         rows = torch.where(selection >= 0, start[:, None] + selection, -1)  # [T, topk] rows of lat
-        out, _ = sparse_mla_attention_with_lse(q, lat, rows, softmax_scale=scale, value_dim=lay.v_head_dim)
+        out, _ = sparse_mla_attention_with_lse(q, lat, rows, softmax_scale=scale, v_head_dim=lay.v_head_dim)
         return out
 
     def _key_start(self) -> torch.Tensor:

@@ -188,4 +188,4 @@ class DCPStep:
         if kv is not None:
             self.shard.write(layer, kv, None, self.meta.slot_mapping[g.rank])
         return sparse_partials_merged(q, self.shard.k[layer], selection, group=g, softmax_scale=scale,
-                                      value_dim=self.shard.layouts[layer].v_head_dim)
+                                      v_head_dim=self.shard.layouts[layer].v_head_dim)

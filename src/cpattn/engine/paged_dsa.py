@@ -143,7 +143,7 @@ def sharded_topk(q_index: torch.Tensor, w_index: torch.Tensor, index_cache: torc
 
 
 def sparse_partials_merged(q: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor, *, group: Group,
-                           softmax_scale: float, value_dim: int) -> torch.Tensor:
+                           softmax_scale: float, v_head_dim: int) -> torch.Tensor:
     """Sparse MLA over the selected keys this rank owns, merged over the DCP group: every rank gets out [T, H, Dv].
 
     q: [T, H, Dqk] (all heads, the same on every rank); latent_cache: this
@@ -154,8 +154,8 @@ def sparse_partials_merged(q: torch.Tensor, latent_cache: torch.Tensor, slots: t
     t, h, _ = q.shape
     qf = q if q.dtype == torch.float64 else q.float()
     out, lse = sparse_mla_attention_with_lse(qf, latent_cache, slots, softmax_scale=softmax_scale,
-                                             value_dim=value_dim)  # [T, H, Dv], [T, H]
+                                             v_head_dim=v_head_dim)  # [T, H, Dv], [T, H]
     msg = torch.cat([out, lse.to(out.dtype)[..., None]], dim=-1)  # [T, H, Dv + 1]
     parts = group.all_gather(msg[None], dim=0)  # [N, T, H, Dv + 1]
-    merged, _ = merge_attn_states(parts[..., :value_dim].contiguous(), parts[..., value_dim].contiguous())
+    merged, _ = merge_attn_states(parts[..., :v_head_dim].contiguous(), parts[..., v_head_dim].contiguous())
     return merged.to(q.dtype)

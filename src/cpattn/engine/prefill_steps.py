@@ -125,7 +125,7 @@ class DSACPStep(_SplitPrefill):
         [T_r, topk] of the replicated cache, -1 padded) for :meth:`dsa_shared`."""
         self.kv[layer] = LayerRows(kv, None, k_index)
         return dsa_cp_attention(q, kv[:, 0], q_index, w_index, k_index, self.plan, group=self.group, topk=topk,
-                                softmax_scale=scale, value_dim=self.layouts[layer].v_head_dim,
+                                softmax_scale=scale, v_head_dim=self.layouts[layer].v_head_dim,
                                 cache=self._cache(layer, kv, k_index), return_indices=return_selection)
 
     def dsa_shared(self, layer: int, q: torch.Tensor, kv: torch.Tensor, selection: torch.Tensor,
@@ -135,7 +135,7 @@ class DSACPStep(_SplitPrefill):
         q [T_r, H, Dqk], kv [T_r, 1, Dqk] -> out [T_r, H, v_head_dim]."""
         self.kv[layer] = LayerRows(kv)
         return dsa_cp_sparse_attention(q, kv[:, 0], selection, self.plan, group=self.group, softmax_scale=scale,
-                                       value_dim=self.layouts[layer].v_head_dim, cache=self._cache(layer, kv, None))
+                                       v_head_dim=self.layouts[layer].v_head_dim, cache=self._cache(layer, kv, None))
 
     def _cache(self, layer: int, kv: torch.Tensor, k_index: torch.Tensor | None) -> DSACache | None:
         """A replicated cache holding the prefix rows where the plan expects them (None without a prefix).

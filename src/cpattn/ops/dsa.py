@@ -11,7 +11,7 @@ the plain references live in :mod:`cpattn.ops.dsa_ref`):
   visible keys.
 - ``sparse_mla_attention_with_lse``: absorbed MLA ("MQA" form, one latent KV
   head) over the selected cache rows only: keys are the ``Dqk = 576`` dim
-  ``[latent 512 | rope 64]`` entries, values their first ``value_dim = 512``
+  ``[latent 512 | rope 64]`` entries, values their first ``v_head_dim = 512``
   dims; ``-1`` indices are ignored; returns the fp32 LSE for merging.
 
 The softmax scale is always explicit and is the model's:
@@ -70,23 +70,23 @@ def _topk_cpu(scores, k):
 # --------------------------------------------------------------------------- sparse MLA
 @registry.define("sparse_mla_attention_with_lse")
 def _sparse_op(
-    q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, softmax_scale: float, value_dim: int
+    q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, softmax_scale: float, v_head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     raise registry.no_kernel("sparse_mla_attention_with_lse", q)
 
 
 @registry.fake("sparse_mla_attention_with_lse")
-def _sparse_fake(q, latent, indices, softmax_scale, value_dim):
+def _sparse_fake(q, latent, indices, softmax_scale, v_head_dim):
     t, h, _ = q.shape
-    return q.new_empty(t, h, value_dim), q.new_empty(t, h, dtype=ref.acc_dtype(q, latent))
+    return q.new_empty(t, h, v_head_dim), q.new_empty(t, h, dtype=ref.acc_dtype(q, latent))
 
 
 @registry.kernel("sparse_mla_attention_with_lse", "cpu")
-def _sparse_cpu(q, latent, indices, softmax_scale, value_dim):
+def _sparse_cpu(q, latent, indices, softmax_scale, v_head_dim):
     acc = ref.acc_dtype(q, latent)
     t_all, h, d = q.shape
     kk = indices.shape[1]
-    out = q.new_zeros(t_all, h, value_dim)
+    out = q.new_zeros(t_all, h, v_head_dim)
     lse = torch.full((t_all, h), float("-inf"), dtype=acc, device=q.device)
     if t_all == 0 or kk == 0 or latent.shape[0] == 0:
         return out, lse
@@ -107,7 +107,7 @@ def _sparse_cpu(q, latent, indices, softmax_scale, value_dim):
         live = mx != float("-inf")  # only a query without any index is zeroed
         p = torch.exp(s.sub_(torch.where(live, mx, 0.0)[..., None]))  # [n, H, K]
         total = p.sum(-1)  # [n, H]
-        o = torch.bmm(p.div_(total[..., None]), kv[..., :value_dim])  # [n, H, Dv]
+        o = torch.bmm(p.div_(total[..., None]), kv[..., :v_head_dim])  # [n, H, Dv]
         out[a:b] = torch.where(live[..., None], o, 0.0).to(q.dtype)
         lse[a:b] = torch.where(live, mx + torch.log(total), float("-inf"))
     return out, lse
@@ -120,8 +120,8 @@ if torch.cuda.is_available():  # pragma: no cover - needs a GPU
         return dsa_ref.topk_indices(scores, k)
 
     @registry.kernel("sparse_mla_attention_with_lse", "cuda")
-    def _sparse_cuda(q, latent, indices, softmax_scale, value_dim):
-        return dsa_ref.sparse_mla_attention_with_lse(q, latent, indices, softmax_scale, value_dim)
+    def _sparse_cuda(q, latent, indices, softmax_scale, v_head_dim):
+        return dsa_ref.sparse_mla_attention_with_lse(q, latent, indices, softmax_scale, v_head_dim)
 
 
 # --------------------------------------------------------------------------- public wrappers
@@ -159,7 +159,7 @@ def sparse_mla_attention_with_lse(
     indices: torch.Tensor,
     *,
     softmax_scale: float,
-    value_dim: int = 512,
+    v_head_dim: int = 512,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention over the top-k selected cache rows only.
 
@@ -168,7 +168,7 @@ def sparse_mla_attention_with_lse(
     q: [T, H, Dqk] -- absorbed queries ``[q_nope @ W_UK | q_rope]`` (Dqk = 576).
     latent_cache: [S, Dqk], [S, 1, Dqk] or paged [num_blocks, block_size, (1,) Dqk]
         -- one latent KV head; row s is ``[latent 512 | rope key 64]`` and its
-        value is ``row[:value_dim]``. A paged cache is indexed by slot
+        value is ``row[:v_head_dim]``. A paged cache is indexed by slot
         (``block_id * block_size + offset``).
     indices: [T, K] int -- cache rows each query attends; ``-1`` is ignored.
         Rows of one query must be distinct; any other value outside the
@@ -176,11 +176,11 @@ def sparse_mla_attention_with_lse(
         or capturing).
     softmax_scale: the model's scale (``qk_head_dim**-0.5 * mscale**2``, see
         :func:`mla_softmax_scale`), never ``Dqk**-0.5``. Required.
-    value_dim: value width (512 for DeepSeek).
+    v_head_dim: value width (512 for DeepSeek).
 
     Returns
     -------
-    out: [T, H, value_dim] in q's dtype; lse: [T, H] float32 (float64 for
+    out: [T, H, v_head_dim] in q's dtype; lse: [T, H] float32 (float64 for
     float64 inputs). A query without any index gets out 0, lse -inf. Rows of
     the cache a query did not select never reach it (they may hold NaN); a
     NaN in a row it selected makes its output NaN, as in the dense oracle.
@@ -191,7 +191,7 @@ def sparse_mla_attention_with_lse(
     >>> from cpattn.ops.dsa import sparse_mla_attention_with_lse
     >>> q, cache = torch.randn(3, 4, 48), torch.randn(10, 48)
     >>> idx = torch.tensor([[0, 5, -1], [1, 2, 3], [-1, -1, -1]])
-    >>> out, lse = sparse_mla_attention_with_lse(q, cache, idx, softmax_scale=0.1, value_dim=32)
+    >>> out, lse = sparse_mla_attention_with_lse(q, cache, idx, softmax_scale=0.1, v_head_dim=32)
     >>> out.shape, lse[2].tolist()
     (torch.Size([3, 4, 32]), [-inf, -inf, -inf, -inf])
     """
@@ -212,16 +212,16 @@ def sparse_mla_attention_with_lse(
     checks.int_tensor("indices", indices, dims=2, desc=f"[T={q.shape[0]}, K]")
     if indices.shape[0] != q.shape[0]:
         raise ValueError(f"indices must be an integer tensor [T={q.shape[0]}, K]; got {indices.dtype} {tuple(indices.shape)}")
-    value_dim = checks.integer("value_dim", value_dim)
-    if not 0 < value_dim <= d:
-        raise ValueError(f"value_dim must be in 1..{d}; got {value_dim}")
+    v_head_dim = checks.integer("v_head_dim", v_head_dim)
+    if not 0 < v_head_dim <= d:
+        raise ValueError(f"v_head_dim must be in 1..{d}; got {v_head_dim}")
     if softmax_scale is None or not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be the model's positive scale; got {softmax_scale}")
     rows = cache.shape[0]
     checks.within("indices", indices, -1, rows,
                   expected=f"-1 (no key) or a row of latent_cache in 0..{rows - 1} ({rows} rows)",
                   fix="For a paged cache a row is block_id * block_size + offset")
-    return torch.ops.cpattn.sparse_mla_attention_with_lse(q, cache, indices, float(softmax_scale), int(value_dim))
+    return torch.ops.cpattn.sparse_mla_attention_with_lse(q, cache, indices, float(softmax_scale), int(v_head_dim))
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_factor: float | None = None, mscale_all_dim: float | None = None) -> float:

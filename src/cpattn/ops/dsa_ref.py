@@ -52,12 +52,12 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def sparse_mla_attention_with_lse(
-    q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, softmax_scale: float, value_dim: int
+    q: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, softmax_scale: float, v_head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over the cache rows ``indices[t]`` (``-1`` ignored).
 
-    q: [T, H, Dqk]; latent: [S, Dqk] (values are ``latent[:, :value_dim]``);
-    indices: [T, K]. Returns out [T, H, value_dim] in q's dtype and lse
+    q: [T, H, Dqk]; latent: [S, Dqk] (values are ``latent[:, :v_head_dim]``);
+    indices: [T, K]. Returns out [T, H, v_head_dim] in q's dtype and lse
     [T, H] (float32; float64 for float64 inputs); a row without any index
     gets out 0 and lse -inf. Each query gathers its own rows and zeroes the
     unselected slots, so a NaN reaches exactly the queries that selected it.
@@ -76,6 +76,6 @@ def sparse_mla_attention_with_lse(
     lse = torch.logsumexp(s, dim=-1)  # [T, H]
     live = lse != float("-inf")  # only a query with no index is zeroed: NaN stays NaN
     p = torch.exp(s - torch.where(live, lse, 0.0)[..., None])  # [T, H, K]
-    out = torch.einsum("thk,tkd->thd", p, kv[..., :value_dim])
+    out = torch.einsum("thk,tkd->thd", p, kv[..., :v_head_dim])
     out = torch.where(live[..., None], out, 0.0)
     return out.to(q.dtype), lse

@@ -142,4 +142,4 @@ def csa_select(
 
 def sparse_partial(q: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor, scale: float):
     """Attention of q [T, H, D] over the entry rows ``slots`` [T, k] (-1 ignored) of a paged entry cache."""
-    return sparse_mla_attention_with_lse(q, entries, slots, softmax_scale=scale, value_dim=q.shape[-1])
+    return sparse_mla_attention_with_lse(q, entries, slots, softmax_scale=scale, v_head_dim=q.shape[-1])
