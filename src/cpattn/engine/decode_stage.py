@@ -11,7 +11,7 @@ from cpattn.config import EngineConfig
 from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import DecodeOut, cache_capacity, decode, make_runner
 from cpattn.engine.drafters import TargetHidden
-from cpattn.engine.family import ModelFamily
+from cpattn.engine.family import ModelFamily, param_dtype
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut
@@ -75,7 +75,7 @@ def new_shard(family, cfg, params, prompts: Prompts, steps: int, decode_cfg: Eng
     k = decode_cfg.speculative.num_speculative_tokens if drafter is not None else 0
     if family.stages is not None:
         return family.stages.new_cache(cfg, params, prompts, steps, decode_cfg, k, group or SimMesh(1).groups()[0])
-    dtype = next(iter(params.values())).dtype
+    dtype = param_dtype(params)
     return PagedShard.empty(family.kv_layouts(cfg), capacity=cache_capacity(list(prompts.query_lens), steps, k),
                             dcp_size=decode_cfg.parallel.dcp_size, block_size=decode_cfg.cache.block_size,
                             interleave_size=decode_cfg.cache.cp_kv_cache_interleave_size, dtype=dtype)

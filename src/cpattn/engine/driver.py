@@ -50,7 +50,7 @@ from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import DecodeOut
 from cpattn.engine.decode_stage import drafter_hidden, hidden_layers, new_shard, run_decode
 from cpattn.engine.drafters import TargetHidden, check_drafter
-from cpattn.engine.family import ModelFamily, get_family
+from cpattn.engine.family import ModelFamily, get_family, param_dtype
 from cpattn.engine.handoff import (
     HandoffFacts, deal_blocks, exchange, place_blocks, place_rows, recv_blocks, request_blocks, send_blocks,
 )
@@ -205,7 +205,7 @@ def _open_pool(pool, family, cfg, params, decode_cfg: EngineConfig):
     """(open pool or None, whether this call opened it)."""
     if pool is None or not isinstance(pool, PoolSpec):
         return pool, False
-    dtype = next(iter(params.values())).dtype
+    dtype = param_dtype(params)
     return pool.open(dtype, decode_cfg.cache.block_size, row_width(family.kv_layouts(cfg))), True
 
 
@@ -302,7 +302,7 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
         dec_stats = None
     else:
         dg = DistGroup(dg_raw)
-        dtype = next(iter(params.values())).dtype
+        dtype = param_dtype(params)
         if family.stages is not None:
             shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter, dg)
             first_logits, facts = family.stages.recv(shard, p, src=0)

@@ -96,6 +96,22 @@ class KVLayout:
         return self.num_kv_heads * self.head_dim + values + self.index_head_dim
 
 
+def param_dtype(params: dict) -> torch.dtype:
+    """The dtype a model runs in (and its KV cache is kept in): the floating dtype holding most of its
+    parameter elements -- a DeepSeek router kept in float32 beside bfloat16 weights does not count.
+
+    >>> param_dtype({"router": torch.zeros(4, dtype=torch.float32), "w": torch.zeros(8, dtype=torch.bfloat16)})
+    torch.bfloat16
+    """
+    counts: dict[torch.dtype, int] = {}
+    for t in params.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    if not counts:
+        raise ValueError("params hold no floating-point tensor; pass the model's weights")
+    return max(counts, key=counts.get)
+
+
 def nan_caches(layouts: tuple[KVLayout, ...], lead: tuple[int, ...], dtype: torch.dtype, device) -> tuple:
     """Per-layer caches ``(k, v, k_index)`` of leading shape ``lead``, filled with NaN (never to be read
     unwritten): k [*lead, Hkv, Dk]; v [*lead, Hkv, Dv] or None (values in keys); k_index [*lead, D_I] or None.

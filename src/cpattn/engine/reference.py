@@ -26,7 +26,7 @@ import torch
 
 from cpattn.engine.batch import Prompts
 from cpattn.engine.dense_cache import DenseKVCache
-from cpattn.engine.family import ModelFamily, get_family
+from cpattn.engine.family import ModelFamily, get_family, param_dtype
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def reference_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts
     """``max_new_tokens`` greedy tokens per prompt on one device (ties go to the lowest token id)."""
     family = get_family(model)
     p = prompts if isinstance(prompts, Prompts) else Prompts.of(prompts)
-    dtype = next(iter(params.values())).dtype
+    dtype = param_dtype(params)
     steps = max_new_tokens - 1
     cache = DenseKVCache.empty(family.kv_layouts(cfg), batch=p.num_requests, max_len=max(p.query_lens) + steps,
                                dtype=dtype, device=p.tokens.device)

@@ -44,6 +44,7 @@ from cpattn.comm.group import Group
 from cpattn.config import EngineConfig
 from cpattn.engine.batch import Prompts
 from cpattn.engine.handoff import HandoffFacts
+from cpattn.engine.family import param_dtype
 from cpattn.engine.options import Algorithms
 from cpattn.graphs.runner import Field
 from cpattn.v4.cache import V4Cache, V4Layout
@@ -144,7 +145,7 @@ class V4Stages:
                   num_speculative_tokens: int, group: Group) -> V4DecodeCache:
         """An empty decode cache for this DCP rank: prompts plus ``steps`` tokens plus k drafts, rewindable by k."""
         k = int(num_speculative_tokens)
-        dtype = next(iter(params.values())).dtype
+        dtype = param_dtype(params)
         lay = cfg.layout(max_rewind=k, block_size=decode_cfg.cache.block_size)
         cache = V4Cache.empty(lay, batch=prompts.num_requests, max_len=max(prompts.query_lens) + steps + k,
                               dtype=dtype, dcp_rank=group.rank, dcp_size=group.size,
