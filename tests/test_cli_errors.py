@@ -65,6 +65,8 @@ CASES = [  # argv, what the one line must name
     (["train-draft", "--method", "mtp", "--model", "{models}/missing", "--out", "{models}/out"], "--model"),
     (["train-target", "--model", "qwen3", "--out", "{models}/out", "--hidden", "30"], "--hidden"),
     (["bench", "drafts", "--reps", "0"], "--reps"),
+    (["bench", "drafts", "--backend", "nonsense"], "--backend"),
+    (["bench", "drafts", "--data", "/nonexistent"], "--data"),
     (["nonsense"], "'nonsense'"),
     (["bench", "nonsense"], "'nonsense'"),
     (["bench"], "benchmark"),

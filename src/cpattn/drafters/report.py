@@ -30,10 +30,11 @@ from __future__ import annotations
 import os
 import pathlib
 import statistics
+import sys
 
 import torch
 
-from cpattn.bench.args import add_json, add_quick, parser, positive_int, report_to
+from cpattn.bench.args import add_json, add_quick, bad_value, parser, positive_int, report_to
 from cpattn.bench.common import Samples, ratio, table, write_json
 from cpattn.drafters import target as tg
 from cpattn.drafters.corpus import Corpus
@@ -140,15 +141,25 @@ def speed_rows(data, new_tokens: int, n_prompts: int, reps: int, backend: str, m
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Print both tables; return the payload (also written with --json)."""
+def main(argv: list[str] | None = None) -> int:
+    """Print both tables (the payload also as JSON with --json). Exit status 1 when a speculative run's tokens
+    differ from plain greedy decoding, else 0."""
     p = parser("cpattn bench drafts", __doc__)
-    p.add_argument("--data", default=str(DEFAULT_DATA), metavar="DIR", help="trained targets and heads")
+    p.add_argument("--data", default=str(DEFAULT_DATA), metavar="DIR",
+                   help="trained targets and heads (default: the shipped tests/data/speculative)")
     p.add_argument("--reps", type=positive_int, default=5, metavar="R", help="interleaved rounds (part 2)")
-    p.add_argument("--backend", default="inductor", help="graph backend of the captured steps (part 2)")
+    p.add_argument("--backend", default="inductor", help="graph backend of the captured steps (part 2; default: inductor)")
     add_quick(p, "fewer prompts, tokens and rounds")
     add_json(p)
     args = p.parse_args(argv)
+    from cpattn.graphs.backends import backends
+
+    if args.backend not in backends():
+        bad_value(p.prog, "--backend", args.backend, f"one of {', '.join(backends())}", "pass --backend inductor")
+    missing = [t for t in PAIRS if not os.path.isfile(os.path.join(args.data, t, "config.json"))]
+    if missing:
+        bad_value(p.prog, "--data", args.data, f"a directory holding the trained targets {', '.join(PAIRS)} "
+                  "(cpattn train-target) and their heads", "omit --data for the shipped checkpoints")
     new, n, reps = (24, 4, 2) if args.quick else (64, 8, args.reps)
     ks = [1, 2, 3, 4]
     with report_to(args.json):
@@ -172,4 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     payload = {"quick": args.quick, "acceptance": acc, "speed": speed, "new_tokens": new, "prompts": n,
                "reps": reps, "backend": args.backend}
     write_json(args.json, payload)
-    return payload
+    lost = [f"{r['target']} {r['method']} k={r['k']}" for r in acc if not r["equal"]]
+    if lost:
+        print(f"cpattn bench drafts: tokens differ from plain greedy decoding: {', '.join(lost)}", file=sys.stderr)
+        return 1
+    return 0
