@@ -225,7 +225,7 @@ def test_errors_are_named():
 
 
 # ----------------------------------------------------------------------------- real gloo processes
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2])  # 4 ranks: the simulated mesh (suite time)
 def test_gloo_matches_oracle(n):
     cases = [case(lens, ctx, h=4, seed=40 + s) for s, (lens, ctx) in enumerate(PREFILL)]
     cases.append(case([1, 1, 1], [20, 3, 9], h=4, topk=5, seed=50))  # decode, fewer requests than ranks

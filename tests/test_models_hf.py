@@ -153,7 +153,7 @@ def test_errors_name_the_problem():
         normalize_params({"a.weight_scale_inv": torch.ones(1)})
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])  # P, N = 4: the simulated mesh (suite time)
 def test_generate_on_gloo_ranks(world):
     """Real gloo processes: PCP (DSA-CP for DeepSeek-V3.2) prefill, then DCP decode over the same ranks.
 
@@ -161,12 +161,12 @@ def test_generate_on_gloo_ranks(world):
     """
     from models_gloo_cases import generate_cases
 
-    families = ["qwen3", "deepseek_v3", "deepseek_v32"] if world == 2 else ["qwen3", "deepseek_v32"]
+    families = ["qwen3", "deepseek_v3", "deepseek_v32"]
     cases = []
     for family in families:
         ref = reference(family)
         args = (family, ref.params, ref.cfg, [p.tolist() for p in ref.prompts], NEW_TOKENS // 2)
-        merge = "a2a" if world == 4 else "ag_rs"
+        merge = "a2a" if family == "qwen3" else "ag_rs"  # both merges over real collectives
         cases.append((args, {"pcp": True, "dcp": True, "interleave_size": 2, "dcp_merge": merge}))
     per_rank = spawn(world, generate_cases, cases)
     for gens in per_rank:
