@@ -201,7 +201,7 @@ def _parser():
     ap.add_argument("--threads", type=cli.positive_int, default=1,
                     help="intra-op threads for part 1 (1: stable on a shared machine)")
     ap.add_argument("--reps", type=cli.positive_int, default=None,
-                    help="interleaved timing rounds (None: 3, or 2 with --quick)")
+                    help="interleaved timing rounds (default 3; 2 with --quick)")
     cli.add_json(ap)
     cli.add_timeout(ap)
     return ap

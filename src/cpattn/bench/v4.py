@@ -50,7 +50,7 @@ from dataclasses import replace
 import torch
 
 from cpattn.bench import args as cli
-from cpattn.bench.common import DTYPES, Samples, measure, ratio, write_json
+from cpattn.bench.common import DTYPES, Samples, Spread, measure, ratio, write_json
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh
 from cpattn.layout.pcp import pcp_shard
@@ -332,7 +332,7 @@ def _run(args, pcp: int, dcp: int, sizes: dict) -> dict:
           f"{'x cpu':>6} {'KV MB/rank':>11} {'sent KB/rank':>12}")
     for r in dec:
         sp = r["speedup"]
-        x = f"{sp['median']:.2f} [{sp['low']:.2f}-{sp['high']:.2f}]"
+        x = str(Spread(**sp))
         print(f"{r['kind']:>5} {r['dtype']:>9} {r['one_ms']:>8.2f} {r['dcp_ms']:>8.2f} {x:>18} {sp['best']:>5.2f} "
               f"{r['cpu_speedup']['median']:>6.2f} {_mb(r['kv_bytes_per_rank']):>11} "
               f"{r['bytes_sent_per_rank'] / 1024:>12.1f}")
@@ -345,7 +345,7 @@ def _run(args, pcp: int, dcp: int, sizes: dict) -> dict:
           f"{'sent per rank (bytes by collective)':>40}")
     for r in pre:
         sp = r["speedup"]
-        x = f"{sp['median']:.2f} [{sp['low']:.2f}-{sp['high']:.2f}]"
+        x = str(Spread(**sp))
         sent = ", ".join(f"{k} {v:,}" for k, v in r["bytes_sent_per_rank"].items())
         print(f"{r['kind']:>7} {r['one_s']:>7.3f} {r['pcp_s']:>7.3f} {x:>18} {sp['best']:>5.2f} "
               f"{r['cpu_speedup']['median']:>6.2f} {sent:>40}")
