@@ -176,21 +176,25 @@ def test_graph_compiled():
 
 
 def test_other_targets_with_random_heads():
-    """Losslessness does not depend on the head: Eagle3 on Qwen3-MoE and MTP on DeepSeek-V3.2 (DSA), random
-    heads, under PCP + DCP on one engine (the guide's methods for GQA and DSA)."""
+    """Losslessness does not depend on the head: Eagle3 on Qwen3-MoE, MTP on DeepSeek-V3.2 and on GLM-5 (DSA with
+    shared-indexer layers), random heads, under PCP + DCP on one engine (the guide's methods for GQA and DSA)."""
     from cpattn.drafters.eagle3 import Eagle3Drafter
     from cpattn.drafters.mtp import MTPDrafter
-    from cpattn.models import deepseek_v32, qwen3_moe
+    from cpattn.models import deepseek_v32, glm_moe_dsa, qwen3_moe
 
     ps = [[5, 9, 2, 7, 7, 1, 3], [4], [8, 8, 8, 8, 3]]
     mcfg = qwen3_moe.Qwen3MoeConfig.tiny()
     mparams = qwen3_moe.init_params(mcfg, seed=4, std=0.3, dtype=torch.float64)
     dcfg = deepseek_v32.DeepseekV32Config.tiny()
     dparams = deepseek_v32.init_params(dcfg, seed=2, dtype=torch.float64)
+    gcfg = glm_moe_dsa.GlmMoeDsaConfig.tiny()
+    gparams = glm_moe_dsa.init_params(gcfg, seed=2, dtype=torch.float64)
     for model, params, cfg, d in (
             ("qwen3_moe", mparams, mcfg, Eagle3Drafter.random(mparams, mcfg, std=0.3, dtype=torch.float64)),
             ("deepseek_v32", dparams, dcfg, MTPDrafter.random("deepseek_v32", dcfg, target_params=dparams, std=0.3,
-                                                              dtype=torch.float64))):
+                                                              dtype=torch.float64)),
+            ("glm_moe_dsa", gparams, gcfg, MTPDrafter.random("glm_moe_dsa", gcfg, target_params=gparams, std=0.3,
+                                                             dtype=torch.float64))):
         ref = generate(model, params, cfg, ps, 10)
         outs = simulate(2, pcp_dcp_generate_on_rank, model, params, cfg, ps, 10,
                         config=pcp_dcp_config(model, cfg, 2, interleave_size=2), drafter=d, num_speculative_tokens=2)

@@ -116,6 +116,29 @@ def test_mtp_loads_from_a_deepseek_checkpoint(tmp_path):
         mt.MTPDrafter("qwen3", d.params, cfg)
 
 
+def test_mtp_loads_from_a_glm5_checkpoint(tmp_path):
+    """GLM-5 (glm_moe_dsa) checkpoints carry the same module at ``model.layers.{N}.*``; HF's GLM-5 config has
+    no MTP field, the release's config.json sets ``num_nextn_predict_layers``."""
+    from cpattn.drafters import checkpoint
+    from cpattn.models import glm_moe_dsa
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GlmMoeDsaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+                                      qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
+                                      n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                      index_topk=4, index_head_dim=16, index_n_heads=2, index_topk_pattern="FS")
+    config = {**hf.to_dict(), "num_nextn_predict_layers": 1}
+    cfg = glm_moe_dsa.GlmMoeDsaConfig.from_hf(config)
+    params = glm_moe_dsa.init_params(cfg, seed=0)
+    d = mt.MTPDrafter.random("glm_moe_dsa", cfg, target_params=params, seed=1, std=0.1)
+    checkpoint.save(tmp_path, checkpoint.unstack_experts({**params, **d.params}), config)
+    back = mt.MTPDrafter.from_checkpoint(tmp_path)
+    assert (back.model, back.layer) == ("glm_moe_dsa", 2) and back.cfg == cfg
+    assert sorted(back.params) == sorted(d.params)
+    assert all(torch.equal(back.params[n], d.params[n]) for n in d.params)
+
+
 # -- HF's MTP as the oracle ----------------------------------------------------------------------
 
 
