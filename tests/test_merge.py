@@ -151,6 +151,22 @@ def test_merge_into_equals_float64_logsumexp(gap):
     torch.testing.assert_close(acc[2:].double(), want[2:], atol=1e-5, rtol=1e-5)
 
 
+def test_merge_into_traced_body_equals_cpu_kernel():
+    """The sync-free body torch.compile traces (and other devices run) and the eager CPU kernel, which skips
+    zeroing empty partials when it sees none: the same bits, with and without empty rows holding garbage."""
+    from cpattn.ops import merge, registry
+
+    body = registry._DECOMPOSITIONS["merge_into"][0]
+    for empty in (False, True):
+        o, l = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 3)
+        if empty:
+            l[1, 2], o[1, 2] = float("-inf"), float("nan")
+        a1, l1, a2, l2 = o[0].clone(), l[0].clone(), o[0].clone(), l[0].clone()
+        body(a1, l1, o[1], l[1])
+        merge._merge_into_cpu(a2, l2, o[1], l[1])
+        assert torch.equal(a1, a2) and torch.equal(l1, l2) and not a1.isnan().any()
+
+
 def test_merge_into_checks_and_opcheck():
     from cpattn.ops.merge import merge_into
 

@@ -79,10 +79,11 @@ def merge_attn_states(
     return registry.call("merge_attn_states", outs, lses)
 
 
-@registry.define("merge_into", mutates_args=("out_acc", "lse_acc"))
-def _merge_into_op(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    # two-way update, in place: L = logaddexp(L_acc, L_new); O = w_acc O_acc + w_new O_new.
-    # Only lse == -inf is an empty partial; NaN propagates (torch.maximum keeps it).
+def _merge_into_body(out_acc, lse_acc, out, lse, maybe_empty: bool) -> None:
+    # two-way update, in place: L = logaddexp(L_acc, L_new); O = O_acc + w_new (O_new - O_acc), w_new = the new
+    # partial's share (lerp: one pass over O_acc, no temporary). Only lse == -inf is an empty partial; NaN
+    # propagates (torch.maximum keeps it; 0 * NaN is NaN). ``maybe_empty``: some row of the new partial may be
+    # empty, so its output (possibly garbage) is replaced by 0 first -- a full-size temporary.
     inf = float("inf")
     l_new = lse.to(lse_acc.dtype)
     m = torch.maximum(lse_acc, l_new)
@@ -90,10 +91,22 @@ def _merge_into_op(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tens
     a, b = torch.exp(lse_acc - m), torch.exp(l_new - m)  # [T, H]
     total = a + b
     empty = (lse_acc == -inf) & (l_new == -inf)
-    inv = 1.0 / torch.where(empty, 1.0, total)
-    new = torch.where((l_new == -inf)[..., None], 0.0, out)  # an empty partial may hold garbage
-    out_acc.mul_((a * inv)[..., None]).addcmul_(new, (b * inv)[..., None])
+    if maybe_empty:
+        out = torch.where((l_new == -inf)[..., None], 0.0, out)  # an empty partial may hold garbage
+    out_acc.lerp_(out.to(out_acc.dtype), (b / torch.where(empty, 1.0, total))[..., None])
     lse_acc.copy_(torch.where(empty, -inf, m + torch.log(total)))
+
+
+@registry.define("merge_into", mutates_args=("out_acc", "lse_acc"))
+def _merge_into_op(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    _merge_into_body(out_acc, lse_acc, out, lse, True)  # sync-free: the traced and device-generic body
+
+
+@registry.kernel("merge_into", "cpu")
+def _merge_into_cpu(out_acc, lse_acc, out, lse) -> None:
+    # eager CPU: look first (a host check costs nothing here), and skip the temporary -- a fresh 32 MB buffer
+    # costs more in page faults than the merge itself -- when no row of the new partial is empty
+    _merge_into_body(out_acc, lse_acc, out, lse, bool(torch.isneginf(lse).any()))
 
 
 registry.generic("merge_into")
@@ -110,7 +123,8 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, 
     out: [T, H, D] (any float dtype); lse: [T, H] -- the new partial.
 
     The two-way special case of :func:`merge_attn_states`, with no stacking
-    and two passes over ``out_acc``: the running merge of ring attention.
+    and one pass over ``out_acc`` (``lerp_``): the running merge of ring
+    attention.
     Same rule: lse -inf is an empty partial (its out is ignored); NaN is
     data and propagates. Rows of the accumulator with lse -inf must hold
     out 0 (how it starts, and what every kernel returns for such rows).
