@@ -6,6 +6,9 @@ tests/data/speculative holds (bfloat16 on disk, loaded in float64 or float32):
 - ``qwen3`` / ``deepseek_v3``: tiny targets trained on the synthetic corpus (``cpattn train-target``);
 - ``qwen3-eagle3``, ``qwen3-dspark``, ``deepseek_v3-mtp``, ``deepseek_v3-eagle3``, ``deepseek_v3-dspark``:
   heads trained by self-distillation on the target's greedy continuations (``cpattn train-draft``).
+
+DeepSeek-V4 (DSpark's own target) is not shipped: ``v4_target`` is a random-init tiny V4 and ``v4_head`` a
+DSpark head self-distilled on its greedy continuations in a few seconds.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from cpattn.drafters.corpus import Corpus
 from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.drafters import DRAFTERS
 from cpattn.engine.family import get_family
+from cpattn.models import deepseek_v4 as v4
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "speculative"
 TARGET_OF = {"mtp": "deepseek_v3", "eagle3": "qwen3", "dspark": "qwen3"}  # the guide's pairing
@@ -46,6 +50,37 @@ def prompts(name: str = "qwen3") -> list[list[int]]:
     x = corpus.sample(3, 13, seed=2024).tolist()
     g = torch.Generator().manual_seed(5)
     return [x[0], x[1][:6], x[2][:1], torch.randint(1, corpus.vocab_size - 1, (9,), generator=g).tolist()]
+
+
+V4_CFG = v4.DeepseekV4Config.tiny()  # 3 layers: sliding (window 8), CSA (every 4, top-3), HCA (every 16); n_hc = 2
+
+
+@functools.cache
+def v4_target() -> dict:
+    """The float64 tiny V4 target, random-init (std 0.02: its greedy continuations recur in phrases, which a
+    head can learn)."""
+    return {n: t.double() if t.is_floating_point() else t for n, t in v4.init_params(V4_CFG, seed=1, std=0.02).items()}
+
+
+@functools.cache
+def v4_trained():
+    """(float64 DSpark head, losses, per-slot accuracy): block 4, self-distilled on 32 greedy continuations
+    of random 4-token prompts to 24 tokens (60 steps, ~1.5 s)."""
+    from cpattn.drafters.dspark import DSparkDrafter
+    from cpattn.drafters.train import hidden_layers_of, train_drafter
+
+    params = v4_target()
+    ps = torch.randint(1, V4_CFG.vocab_size - 1, (32, 4), generator=torch.Generator().manual_seed(0))
+    data = tg.greedy_data("deepseek_v4", params, V4_CFG, ps, 24, hidden_layers_of("dspark", V4_CFG))
+    d, losses, acc = train_drafter("dspark", "deepseek_v4", V4_CFG, params, data, seconds=0, seed=0, block_size=4,
+                                   batch=8, lr=1e-2, max_steps=60)
+    return DSparkDrafter({n: t.double() for n, t in d.params.items()}, d.cfg), losses, acc
+
+
+def v4_prompts() -> list[list[int]]:
+    """Four prompts of 13, 6, 1 and 20 tokens (shorter and longer than V4's window and HCA ratio)."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(1, V4_CFG.vocab_size - 1, (n,), generator=g).tolist() for n in (13, 6, 1, 20)]
 
 
 class Recorder:

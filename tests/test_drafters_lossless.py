@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_methods_cases import TARGET_OF, Recorder, head, prompts, reference_drafts, run_cases, target
+from spec_methods_cases import (
+    TARGET_OF, V4_CFG, Recorder, head, prompts, reference_drafts, run_cases, target, v4_prompts, v4_target, v4_trained,
+)
 
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import simulate
@@ -143,17 +145,19 @@ def test_graph_mode(method):
 
 
 def test_on_gloo_ranks():
-    """Real gloo processes: P/D (2 prefill -> 2 decode ranks, hidden states sent with the KV) for each method;
-    identical drafts on both decode ranks."""
-    cases = []
+    """Real gloo processes: P/D (2 prefill -> 2 decode ranks, hidden states sent with the KV, each name's
+    width first) for each method, and DSpark on DeepSeek-V4 (its rows are n_hc * H streams); identical drafts
+    on both decode ranks."""
+    runs = []
     for method, k in zip(METHODS, (3, 2, 4)):
-        model, params, cfg, ps, _ = reference(method)
-        cases.append((pd_generate_on_rank, (model, params, cfg, ps, NEW),
-                      {"prefill_size": 2, "decode_size": 2, "block_size": 4, "drafter": head(method),
-                       "num_speculative_tokens": k}))
+        model, params, cfg, ps, ref = reference(method)
+        runs.append(((model, params, cfg, ps, NEW), head(method), k, ref))
+    v4_args = ("deepseek_v4", v4_target(), V4_CFG, v4_prompts(), NEW)
+    runs.append((v4_args, v4_trained()[0], 3, generate(*v4_args)))
+    cases = [(pd_generate_on_rank, args, {"prefill_size": 2, "decode_size": 2, "block_size": 4, "drafter": d,
+                                          "num_speculative_tokens": k}) for args, d, k, _ in runs]
     per_rank = spawn(4, run_cases, cases)
-    for i, method in enumerate(METHODS):
-        ref = reference(method)[-1]
+    for i, (_, _, _, ref) in enumerate(runs):
         for rank in per_rank:
             assert torch.equal(rank[i].tokens, ref.tokens)
         dec = [rank[i] for rank in per_rank[2:]]

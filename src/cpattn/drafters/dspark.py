@@ -1,4 +1,4 @@
-"""DSpark: DeepSeek's semi-autoregressive block drafter (DeepSpec), for Qwen3 targets.
+"""DSpark: DeepSeek's semi-autoregressive block drafter (DeepSpec), for Qwen3, DeepSeek-V3 and DeepSeek-V4 targets.
 
 One forward drafts a whole block. The context is the target's hidden
 states of the final positions, fused from a few target layers
@@ -27,6 +27,13 @@ its context part is the 1 + k verified rows (uniform, a
 1 + k), the block B rows per request. Weight and config names follow
 DeepSpec's DSpark heads (vanilla Markov head, confidence head with Markov
 features).
+
+A fused layer's row is what the target's residual stream holds after that
+layer, flattened: ``[H]`` for Qwen3 / DeepSeek-V3, and for DeepSeek-V4 its
+``hc_mult`` hyper-connection streams ``[n_hc, H]`` as ``n_hc * H`` features
+(lossless; DeepSpec has no V4 head, this is cpattn's choice), so ``fc``
+maps ``len(target_layer_ids) * target_hidden_size`` features to H
+(:attr:`DSparkConfig.feature_size`).
 
 Example
 -------
@@ -57,7 +64,15 @@ from cpattn.models.common import mlp_dense, rms_norm, rope_cos_sin, rope_half, r
 @dataclass(frozen=True)
 class DSparkConfig:
     """Shape of a DSpark head: draft layers (Qwen3-like, ``num_hidden_layers`` of them), the fused target
-    layers, the block (``block_size`` slots, placeholder ``mask_token_id``), the Markov rank."""
+    layers and the width of one's row (``target_hidden_size``; None: ``hidden_size``, as config.json files
+    written before the field read back), the block (``block_size`` slots, placeholder ``mask_token_id``),
+    the Markov rank.
+
+    >>> DSparkConfig(16, 32, 1, 2, 1, 8, 32, (0, 2), 2, 31, 4).feature_size               # 2 layers x [16]
+    32
+    >>> DSparkConfig(16, 32, 1, 2, 1, 8, 32, (0, 2), 2, 31, 4, target_hidden_size=64).feature_size
+    128
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -73,23 +88,37 @@ class DSparkConfig:
     rms_norm_eps: float = 1e-6
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0})
     max_position_embeddings: int = 40960
+    target_hidden_size: int | None = None
+
+    def __post_init__(self):
+        if self.target_hidden_size is None:
+            object.__setattr__(self, "target_hidden_size", self.hidden_size)
+
+    @property
+    def feature_size(self) -> int:
+        """Features ``fc`` reads per position: ``len(target_layer_ids) * target_hidden_size``."""
+        return len(self.target_layer_ids) * self.target_hidden_size
 
     @classmethod
     def for_target(cls, cfg: Any, *, block_size: int, mask_token_id: int, num_layers: int = 1,
                    markov_rank: int = 16, target_layer_ids: tuple[int, ...] | None = None) -> DSparkConfig:
-        """A head for a target: its sizes (heads as :func:`~cpattn.drafters.eagle3.attention_shape`); fused
-        layers default to (0, n // 2 - 1, n - 2)."""
+        """A head for a target: its sizes (:func:`target_sizes`; heads as
+        :func:`~cpattn.drafters.eagle3.attention_shape`); fused layers default to (0, n // 2 - 1, n - 2).
+
+        >>> from cpattn.models.deepseek_v4 import DeepseekV4Config
+        >>> c = DSparkConfig.for_target(DeepseekV4Config.tiny(), block_size=4, mask_token_id=63)
+        >>> c.target_layer_ids, c.target_hidden_size, c.feature_size, c.intermediate_size   # 2 streams of 32
+        ((0, 1), 64, 128, 16)
+        """
         from cpattn.drafters.eagle3 import attention_shape
 
         n = cfg.num_hidden_layers
         ids = target_layer_ids or tuple(sorted({0, max(n // 2 - 1, 0), max(n - 2, 0)}))
         heads, kv_heads, head_dim = attention_shape(cfg)
-        return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                   num_hidden_layers=num_layers, num_attention_heads=heads,
+        return cls(hidden_size=cfg.hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
                    num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=cfg.vocab_size,
                    target_layer_ids=tuple(ids), block_size=block_size, mask_token_id=mask_token_id,
-                   markov_rank=markov_rank, rms_norm_eps=cfg.rms_norm_eps, rope=dict(cfg.rope),
-                   max_position_embeddings=cfg.max_position_embeddings)
+                   markov_rank=markov_rank, **target_sizes(cfg))
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "target_layer_ids": list(self.target_layer_ids), "method": "dspark",
@@ -101,9 +130,34 @@ class DSparkConfig:
         return cls(**{k: (tuple(v) if k == "target_layer_ids" else v) for k, v in d.items() if k in keys})
 
 
+def target_sizes(cfg: Any) -> dict:
+    """The :class:`DSparkConfig` fields a head takes from its target's config besides its hidden size,
+    vocabulary and heads: the width of one fused layer's row, the draft MLP's size, RoPE, positions, eps.
+
+    A DeepSeek-V4 layer's row is its ``hc_mult`` streams flattened (``n_hc * H``); V4 has no dense MLP, so
+    the draft layer takes the experts' size (``moe_intermediate_size``), and the sliding layers' RoPE
+    (``rope_main``: plain, without the compressed layers' YaRN). Qwen3 / DeepSeek-V3: [H] rows, their own
+    ``intermediate_size`` and ``rope``.
+
+    >>> from cpattn.models.deepseek_v4 import DeepseekV4Config
+    >>> s = target_sizes(DeepseekV4Config.tiny())
+    >>> s["target_hidden_size"], s["intermediate_size"], s["rope"]["rope_theta"], s["max_position_embeddings"]
+    (64, 16, 10000.0, 256)
+    """
+    from cpattn.models.deepseek_v4 import DeepseekV4Config
+
+    if isinstance(cfg, DeepseekV4Config):
+        return {"target_hidden_size": cfg.hc_mult * cfg.hidden_size, "intermediate_size": cfg.moe_intermediate_size,
+                "rope": dict(cfg.rope_main), "max_position_embeddings": cfg.max_position_embeddings,
+                "rms_norm_eps": cfg.rms_norm_eps}
+    return {"target_hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "rope": dict(cfg.rope), "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.rms_norm_eps}
+
+
 def context(params: dict, cfg: DSparkConfig, rows: dict | torch.Tensor) -> torch.Tensor:
-    """``hidden_norm(fc([h_l1 ; h_l2 ; ..]))``: target rows ``{layer: [..., H]}`` (or their concatenation)
-    -> [..., H].
+    """``hidden_norm(fc([h_l1 ; h_l2 ; ..]))``: target rows ``{layer: [..., target_hidden_size]}`` (or their
+    concatenation [..., feature_size]) -> [..., H].
 
     >>> cfg = DSparkConfig(16, 32, 1, 2, 1, 8, 32, (0,), 2, 31, 4)
     >>> p = {"fc.weight": torch.eye(16), "hidden_norm.weight": torch.ones(16)}
@@ -111,6 +165,10 @@ def context(params: dict, cfg: DSparkConfig, rows: dict | torch.Tensor) -> torch
     [1.0, 1.0]
     """
     h = rows if isinstance(rows, torch.Tensor) else torch.cat([rows[i] for i in cfg.target_layer_ids], -1)
+    if h.shape[-1] != cfg.feature_size:
+        raise ValueError(f"target rows have {h.shape[-1]} features per position; this head's fc reads "
+                         f"{len(cfg.target_layer_ids)} layers x target_hidden_size={cfg.target_hidden_size} = "
+                         f"{cfg.feature_size}: it was made for another target (DSparkConfig.for_target)")
     return rms_norm(F.linear(h.to(params["fc.weight"].dtype), params["fc.weight"]), params["hidden_norm.weight"],
                     cfg.rms_norm_eps)
 
@@ -195,8 +253,9 @@ def draft_block(params: dict, hn: torch.Tensor, first: torch.Tensor) -> tuple[to
 
 def step_fields(num_requests: int, max_len: int, feature_dim: int, dtype: torch.dtype) -> dict[str, Field]:
     """Inputs of a DSpark step: context rows (token rows: ``features`` [F] the concatenated target layers,
-    ``req`` / ``pos`` where their KV goes, pad: scratch) and per request the block's ``anchor`` token x,
-    its position ``start`` S, its cache ``row`` (pad: scratch) and ``lo`` (first cached position).
+    F = :attr:`DSparkConfig.feature_size`; ``req`` / ``pos`` where their KV goes, pad: scratch) and per
+    request the block's ``anchor`` token x, its position ``start`` S, its cache ``row`` (pad: scratch) and
+    ``lo`` (first cached position).
 
     >>> sorted(step_fields(2, 8, 48, torch.float32))
     ['anchor', 'features', 'lo', 'pos', 'req', 'row', 'start']
@@ -275,9 +334,8 @@ class DSparkState:
         another number of rows runs eagerly)."""
         if q_len not in self.runners:
             k = q_len - 1
-            width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
             r = DecodeRunner(functools.partial(dspark_step, cfg=self.cfg), self.state,
-                             step_fields(self.num_requests, self.max_len, width, self.dtype),
+                             step_fields(self.num_requests, self.max_len, self.cfg.feature_size, self.dtype),
                              num_speculative_tokens=k, capture_sizes=[self.num_requests * q_len],
                              backend=self.graph or "eager")
             self.runners[q_len] = r.capture() if self.graph is not None else r
@@ -291,8 +349,13 @@ class DSparkState:
                              f"most block_size drafts (or train a head with a larger block)")
         if hidden is None:
             raise ValueError("DSpark reads the target's hidden states: propose(..., hidden=TargetHidden)")
-        feats = torch.cat([hidden.rows[i] for i in self.cfg.target_layer_ids], -1)  # [A, Q, F]
-        a, q = feats.shape[:2]
+        a, q = hidden.rows[self.cfg.target_layer_ids[0]].shape[:2]
+        feats = torch.cat([hidden.rows[i].reshape(a, q, -1) for i in self.cfg.target_layer_ids], -1)  # [A, Q, F]
+        if feats.shape[-1] != self.cfg.feature_size:
+            raise ValueError(f"the target's rows of layers {self.cfg.target_layer_ids} have {feats.shape[-1]} "
+                             f"features per position; this head reads {self.cfg.feature_size} "
+                             f"(target_hidden_size={self.cfg.target_hidden_size} per layer): it was made for "
+                             f"another target (DSparkConfig.for_target)")
         req, pos = [], []
         for i, (r, h) in enumerate(zip(requests, histories)):
             start, valid = hidden.start[i], hidden.valid[i]
@@ -342,7 +405,15 @@ class DSparkDrafter:
     def random(cls, target_params: dict, target_cfg: Any, *, block_size: int, mask_token_id: int,
                num_layers: int = 1, markov_rank: int = 16, target_layer_ids: tuple[int, ...] | None = None,
                seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32) -> DSparkDrafter:
-        """A random head for a Qwen3-like target (embedding and lm_head copied from the target)."""
+        """A random head for a target (embedding and lm_head copied from the target; sizes from
+        :meth:`DSparkConfig.for_target`): Qwen3, DeepSeek-V3, DeepSeek-V4 (fc reads its layers' streams).
+
+        >>> from cpattn.models import deepseek_v4 as v4
+        >>> cfg = v4.DeepseekV4Config.tiny()
+        >>> d = DSparkDrafter.random(v4.init_params(cfg), cfg, block_size=4, mask_token_id=63)
+        >>> d.hidden_layers, d.params["fc.weight"].shape                  # 2 layers x (2 streams x 32)
+        ((0, 1), torch.Size([32, 128]))
+        """
         cfg = DSparkConfig.for_target(target_cfg, block_size=block_size, mask_token_id=mask_token_id,
                                       num_layers=num_layers, markov_rank=markov_rank,
                                       target_layer_ids=target_layer_ids)
@@ -355,7 +426,7 @@ class DSparkDrafter:
             cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, cfg.markov_rank
         head = target_params.get("lm_head.weight", target_params["model.embed_tokens.weight"])
         p = {"embed_tokens.weight": target_params["model.embed_tokens.weight"].to(dtype).clone(),
-             "lm_head.weight": head.to(dtype).clone(), "fc.weight": rnd(hs, len(cfg.target_layer_ids) * hs),
+             "lm_head.weight": head.to(dtype).clone(), "fc.weight": rnd(hs, cfg.feature_size),
              "hidden_norm.weight": torch.ones(hs, dtype=dtype), "norm.weight": torch.ones(hs, dtype=dtype),
              "markov_head.markov_w1.weight": rnd(v, r), "markov_head.markov_w2.weight": torch.zeros(v, r, dtype=dtype),
              "confidence_head.proj.weight": rnd(1, hs + r), "confidence_head.proj.bias": torch.zeros(1, dtype=dtype)}

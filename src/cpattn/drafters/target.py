@@ -12,6 +12,14 @@ that :func:`cpattn.models.load_checkpoint` and transformers read.
 target's own greedy continuations of corpus prompts, its hidden states and
 its argmax at every position.
 
+A family with its own engine stages (DeepSeek-V4: ``ModelFamily.stages``;
+its attention state is rings and compressed entries, not per-token KV rows)
+does not run through :class:`SequenceAttention`, so it is not trained here;
+:func:`save` writes one (e.g. random-init) as a checkpoint that
+``cpattn train-draft`` reads, and :func:`greedy_data` takes it through the
+engine instead (one-device greedy generation, then its own prefill over the
+whole sequences).
+
 Example
 -------
 >>> cfg = tiny_config("qwen3", vocab_size=32, hidden_size=16, num_layers=2)
@@ -35,7 +43,7 @@ import torch.nn.functional as F
 from cpattn.drafters import checkpoint
 from cpattn.drafters.corpus import Corpus
 from cpattn.engine.family import KVLayout, get_family
-from cpattn.models import deepseek_v3, qwen3
+from cpattn.models import deepseek_v3, deepseek_v4, qwen3
 
 
 def tiny_config(model: str, *, vocab_size: int = 64, hidden_size: int = 64, num_layers: int = 4) -> Any:
@@ -65,12 +73,27 @@ def init(model: str, cfg: Any, *, seed: int) -> dict:
 
 
 def hf_config(model: str, cfg: Any) -> dict:
-    """The config.json dict of a tiny target (what ``from_hf`` and transformers read back).
+    """The config.json dict of a tiny target (what ``from_hf`` and transformers read back; DeepSeek-V4:
+    what ``DeepseekV4Config.from_hf`` reads back, Hugging Face field names).
 
     >>> cfg = tiny_config("deepseek_v3")
     >>> deepseek_v3.DeepseekV3Config.from_hf(hf_config("deepseek_v3", cfg)) == cfg
     True
+    >>> cfg = deepseek_v4.DeepseekV4Config.tiny()
+    >>> deepseek_v4.DeepseekV4Config.from_hf(hf_config("deepseek_v4", cfg)) == cfg
+    True
     """
+    if model == "deepseek_v4":
+        kinds = {short: name for name, short in deepseek_v4.HF_KINDS.items()}
+        d = dataclasses.asdict(cfg)
+        for name in ("rope_main", "rope_compress", "csa_ratio", "hca_ratio"):
+            del d[name]
+        return {**d, "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"],
+                "layer_types": [kinds[t] for t in cfg.layer_types], "mlp_layer_types": list(cfg.mlp_layer_types),
+                "compress_rates": {"compressed_sparse_attention": cfg.csa_ratio,
+                                   "heavily_compressed_attention": cfg.hca_ratio},
+                "rope_parameters": {"main": dict(cfg.rope_main), "compress": dict(cfg.rope_compress)},
+                "num_nextn_predict_layers": 0, "torch_dtype": "float32"}
     if model == "qwen3":
         return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -183,6 +206,9 @@ def forward(model: str, params: dict, cfg: Any, tokens: torch.Tensor, *, hidden_
     (torch.Size([2, 3, 64]), [1, 'norm'])
     """
     fam = get_family(model)
+    if fam.stages is not None:
+        raise ValueError(f"{model} runs through its own engine stages (ModelFamily.stages), not a whole-sequence "
+                         "SequenceAttention: it cannot be trained here; greedy_data takes it through the engine")
     b, t = tokens.shape
     attn = SequenceAttention(fam.kv_layouts(cfg), batch=b, length=t, device=tokens.device)
     out = fam.forward(params, cfg, tokens.reshape(-1), attn, hidden_layers=hidden_layers)
@@ -272,7 +298,8 @@ class GreedyData:
 def greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, length: int,
                 hidden_layers: tuple) -> GreedyData:
     """Continue prompts [N, P] greedily to ``length`` tokens (a batch KV cache), then one forward over the
-    whole sequences for the hidden states and argmax of every position.
+    whole sequences for the hidden states and argmax of every position. A family with its own stages
+    (DeepSeek-V4) goes through the engine instead (:func:`engine_greedy_data`).
 
     >>> cfg = tiny_config("qwen3", hidden_size=16, num_layers=2)
     >>> d = greedy_data("qwen3", init("qwen3", cfg, seed=0), cfg, torch.ones(2, 3, dtype=torch.int64), 6, (0,))
@@ -280,6 +307,8 @@ def greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, lengt
     (torch.Size([2, 6]), True)
     """
     fam = get_family(model)
+    if fam.stages is not None:
+        return engine_greedy_data(model, params, cfg, prompts, length, hidden_layers)
     dtype = params["model.embed_tokens.weight"].dtype
     cache = BatchCache(fam.kv_layouts(cfg), batch=prompts.shape[0], max_len=length, dtype=dtype)
     x, new = prompts, prompts
@@ -289,3 +318,37 @@ def greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, lengt
         x = torch.cat([x, new], 1)
     logits, hidden = forward(model, params, cfg, x, hidden_layers=tuple(hidden_layers))
     return GreedyData(x, hidden, logits.argmax(-1), prompts.shape[1])
+
+
+@torch.no_grad()
+def engine_greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, length: int,
+                       hidden_layers: tuple) -> GreedyData:
+    """:func:`greedy_data` through the engine, for any family (those with their own stages included): the
+    continuation from one-device greedy generation (:func:`cpattn.models.generate.generate`), then the
+    family's one-device prefill over the whole sequences [N, length] with ``hidden_layers``, its hidden
+    states ``{name: [N, length, F]}`` (trailing dims flattened: a DeepSeek-V4 layer's n_hc streams are
+    ``n_hc * H`` features) and every position's argmax.
+
+    >>> cfg = deepseek_v4.DeepseekV4Config.tiny()
+    >>> p = deepseek_v4.init_params(cfg, seed=0)
+    >>> d = engine_greedy_data("deepseek_v4", p, cfg, torch.ones(2, 3, dtype=torch.int64), 6, (0,))
+    >>> d.tokens.shape, d.hidden[0].shape, d.hidden["norm"].shape    # layer 0: 2 streams of 32
+    (torch.Size([2, 6]), torch.Size([2, 6, 64]), torch.Size([2, 6, 32]))
+    >>> torch.equal(d.greedy[:, 2:-1], d.tokens[:, 3:])
+    True
+    """
+    from cpattn.comm.sim import SimMesh
+    from cpattn.engine.batch import Prompts
+    from cpattn.engine.driver import prefill_fn
+    from cpattn.engine.options import Algorithms
+    from cpattn.models.generate import generate
+
+    n, p = prompts.shape
+    x = prompts
+    if length > p:
+        x = torch.cat([prompts, generate(model, params, cfg, prompts.tolist(), length - p).tokens], 1)  # [N, length]
+    out = prefill_fn(SimMesh(1).groups()[0], get_family(model), params, cfg,
+                     Prompts.of(x.tolist(), vocab_size=cfg.vocab_size), Algorithms(), True, None,
+                     tuple(hidden_layers))
+    hidden = {name: h.reshape(n, x.shape[1], -1) for name, h in out.hidden.items()}
+    return GreedyData(x, hidden, out.prompt_logits.view(n, x.shape[1], -1).argmax(-1), p)

@@ -8,7 +8,9 @@ TARGET_DIR is a checkpoint directory (config.json + safetensors; a tiny
 one from ``cpattn train-target``, whose corpus.json gives the prompts --
 else random prompts). The target continues ``--prompts`` prompts greedily
 (its hidden states and argmax kept), the head -- MTP for a DeepSeek-V3
-target, Eagle3 or DSpark for a Qwen3 target -- trains on them with AdamW
+target, Eagle3 or DSpark for a Qwen3 target, DSpark for a DeepSeek-V4 one
+(e.g. random-init, written by :func:`cpattn.drafters.target.save`: V4 is
+not trained by ``train-target``) -- trains on them with AdamW
 for S seconds (seeded), and DIR receives the checkpoint its drafter's
 ``from_checkpoint`` loads, ``loss.png`` (the loss curve) and
 ``train.json`` (losses, per-position accuracy, settings). Exit status 2
@@ -36,9 +38,14 @@ from cpattn.drafters.dspark import DSparkDrafter
 from cpattn.drafters.eagle3 import Eagle3Drafter
 from cpattn.drafters.mtp import MTPDrafter
 
-# the targets each head can train for: MTP needs a DeepSeek-format target; Eagle3 and DSpark only read hidden
-# states (the guide pairs them with GQA and DeepSeek-V4 targets under PCP; the engine's config enforces that)
-METHODS = {"mtp": ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"), "eagle3": None, "dspark": None}
+# the targets each head can train for (None: any): MTP needs a DeepSeek-format target; Eagle3 fuses [T, H]
+# residual rows, which DeepSeek-V4 (hyper-connection streams [T, n_hc, H]) does not have; DSpark reads either
+# (the guide pairs Eagle3 / DSpark with GQA / DSA and DeepSeek-V4 targets under PCP; the engine's config enforces that)
+METHODS = {"mtp": ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"),
+           "eagle3": ("qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"),
+           "dspark": None}
+RULES = {"mtp": f"MTP is DeepSeek's module, for DeepSeek-format targets {METHODS['mtp']}",
+         "eagle3": "Eagle3 fuses [T, H] residual rows; DeepSeek-V4's are [T, n_hc, H] hyper-connection streams"}
 
 
 def init_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyData | None, *, seed: int,
@@ -225,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model, cfg, params = tg.load(args.model)
     if METHODS[args.method] is not None and model not in METHODS[args.method]:
-        usage_error(prog, f"argument --method: saw {args.method!r} for a {model} target; rule: MTP is DeepSeek's "
-                          f"module, for DeepSeek-format targets {METHODS['mtp']}; fix: --method eagle3 or dspark "
-                          "for this target")
+        fits = [m for m, targets in sorted(METHODS.items()) if targets is None or model in targets]
+        usage_error(prog, f"argument --method: saw {args.method!r} for a {model} target; rule: {RULES[args.method]}; "
+                          f"fix: --method {' or '.join(fits)} for this target")
     prompts = prompts_for(args.model, cfg, args.prompts, args.prompt_len, args.seed)
     data = tg.greedy_data(model, params, cfg, prompts, args.length, hidden_layers_of(args.method, cfg))
     drafter, losses, acc = train_drafter(args.method, model, cfg, params, data, seconds=args.seconds, seed=args.seed,

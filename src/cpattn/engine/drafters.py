@@ -95,10 +95,12 @@ def speculative_fields(drafter) -> dict:
 class TargetHidden:
     """Target hidden states of some rows of each request, the input of drafters that read them.
 
-    rows: ``{name: [A, Q, H]}`` (names as the family's ``hidden``: layer
+    rows: ``{name: [A, Q, F]}`` (names as the family's ``hidden``: layer
     indices and "norm"); row j of request i is the hidden state at position
-    ``start[i] + j``; only its leading ``valid[i]`` rows are final (the rest
-    were computed on rejected drafts, or are padding).
+    ``start[i] + j``, its trailing dims flattened into F features (H for a
+    ``[T, H]`` residual stream; ``n_hc * H`` for DeepSeek-V4's ``[T, n_hc, H]``
+    hyper-connection streams); only its leading ``valid[i]`` rows are final
+    (the rest were computed on rejected drafts, or are padding).
 
     Example
     -------
@@ -107,6 +109,8 @@ class TargetHidden:
     (torch.Size([2, 3, 2]), (0, 4), (3, 2))
     >>> h.take([1]).rows["norm"][0, :2].tolist()
     [[6.0, 7.0], [8.0, 9.0]]
+    >>> TargetHidden.packed({0: torch.zeros(5, 2, 3)}, [0, 3, 5], [0, 0]).rows[0].shape   # [T, n_hc, H] streams
+    torch.Size([2, 3, 6])
     """
 
     rows: dict
@@ -115,13 +119,15 @@ class TargetHidden:
 
     @classmethod
     def packed(cls, hidden: dict, cu_seqlens: list[int], start: list[int]) -> TargetHidden:
-        """From packed request-order rows ``{name: [T, H]}`` (a prefill's) and ``cu_seqlens`` [B+1]:
-        request b's rows are positions ``start[b] ..``, all final (padded to the longest)."""
+        """From packed request-order rows ``{name: [T, ...]}`` (a prefill's) and ``cu_seqlens`` [B+1]:
+        request b's rows are positions ``start[b] ..``, all final (padded to the longest; trailing dims
+        flattened)."""
         lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
         q = max(lens, default=0)
         rows = {}
         for name, h in hidden.items():
-            out = h.new_zeros(len(lens), q, h.shape[-1])  # [B, Q, H]
+            h = h.reshape(h.shape[0], -1)  # [T, F]
+            out = h.new_zeros(len(lens), q, h.shape[-1])  # [B, Q, F]
             for b, (a, n) in enumerate(zip(cu_seqlens, lens)):
                 out[b, :n] = h[a : a + n]
             rows[name] = out

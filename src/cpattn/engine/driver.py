@@ -248,22 +248,29 @@ def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillO
 
 
 def send_hidden(hidden: dict, decode_ranks: list[int]) -> None:
-    """P/D: prefill rank 0 sends the prompts' hidden states ``{name: [T, H]}`` (layer indices ascending, then
-    "norm") to every decode rank, point to point."""
+    """P/D: prefill rank 0 sends the prompts' hidden states ``{name: [T, ...]}`` (layer indices ascending,
+    then "norm") to every decode rank, point to point: first each one's width F (int64 [names]; a
+    DeepSeek-V4 layer's row is its n_hc streams, n_hc * H), then the rows flattened to [T, F]."""
     import torch.distributed as dist
 
-    for name in [*sorted(n for n in hidden if n != "norm"), "norm"]:
-        for r in decode_ranks:
-            dist.send(hidden[name].contiguous(), dst=r)
+    names = [*sorted(n for n in hidden if n != "norm"), "norm"]
+    flat = [hidden[name].reshape(hidden[name].shape[0], -1).contiguous() for name in names]  # [T, F] each
+    widths = torch.tensor([h.shape[1] for h in flat], dtype=torch.int64)
+    for r in decode_ranks:
+        dist.send(widths, dst=r)
+        for h in flat:
+            dist.send(h, dst=r)
 
 
-def recv_hidden(names: list, tokens: int, hidden_size: int, dtype: torch.dtype, src: int) -> dict:
-    """P/D: a decode rank receives what :func:`send_hidden` sent: ``{name: [T, H]}``."""
+def recv_hidden(names: list, tokens: int, dtype: torch.dtype, src: int) -> dict:
+    """P/D: a decode rank receives what :func:`send_hidden` sent: ``{name: [T, F]}``."""
     import torch.distributed as dist
 
+    widths = torch.empty(len(names), dtype=torch.int64)
+    dist.recv(widths, src=src)
     out = {}
-    for name in names:
-        out[name] = torch.empty(tokens, hidden_size, dtype=dtype)
+    for name, f in zip(names, widths.tolist()):
+        out[name] = torch.empty(tokens, f, dtype=dtype)
         dist.recv(out[name], src=src)
     return out
 
@@ -317,7 +324,7 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
         hidden = None
         if layers is not None:
             names = [*sorted(layers), "norm"]
-            hidden = recv_hidden(names, p.cu_seqlens[-1], cfg.hidden_size, dtype, src=0)
+            hidden = recv_hidden(names, p.cu_seqlens[-1], dtype, src=0)
         ttft = time.perf_counter() - t0
         dec = run_decode(dg, family, params, cfg, shard, p, first_logits.argmax(-1), steps, decode_cfg, algorithms,
                          drafter, on_step,
