@@ -83,6 +83,23 @@ def v4_prompts() -> list[list[int]]:
     return [torch.randint(1, V4_CFG.vocab_size - 1, (n,), generator=g).tolist() for n in (13, 6, 1, 20)]
 
 
+def check_lossless(out, ref, k: int, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """A speculative run ``out`` emitted plain greedy's tokens (and logits) ``ref``, its counters add up, and
+    drafts were both accepted and rejected (so every rollback path ran)."""
+    assert torch.equal(out.tokens, ref.tokens)
+    assert torch.allclose(out.logits.double(), ref.logits.double(), rtol=rtol, atol=atol)
+    s = out.stats
+    assert s.drafted == k * s.rows and s.emitted == s.accepted + s.rows and sum(s.accepted_hist) == s.rows
+    assert 0 < s.accepted < s.drafted, "trained heads get drafts accepted, and rejected (rollbacks run)"
+
+
+def same_on_every_rank(outs) -> None:
+    """Every rank's run emitted the same tokens from the same drafts (replicated drafter, logical PCP 1)."""
+    for o in outs[1:]:
+        assert torch.equal(o.tokens, outs[0].tokens)
+        assert o.stats.draft_digest == outs[0].stats.draft_digest, "replicated drafters proposed different drafts"
+
+
 class Recorder:
     """A drafter that records every proposal of the states it starts: ``log`` of (histories, drafts) and
     ``states`` (the real draft states, to look at their runners)."""

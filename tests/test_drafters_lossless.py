@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spec_methods_cases import TARGET_OF, V4_CFG, Recorder
+from spec_methods_cases import check_lossless as check
 from spec_methods_cases import (
-    TARGET_OF, V4_CFG, Recorder, head, prompts, reference_drafts, run_cases, target, v4_prompts, v4_target, v4_trained,
+    head, prompts, reference_drafts, run_cases, same_on_every_rank, target, v4_prompts, v4_target, v4_trained,
 )
 
 from cpattn.comm.launch import spawn
@@ -39,20 +41,6 @@ def reference(method: str, dtype=torch.float64):
         ps = prompts(TARGET_OF[method])
         _REF[key] = (model, params, cfg, ps, generate(model, params, cfg, ps, NEW))
     return _REF[key]
-
-
-def check(out, ref, k: int) -> None:
-    assert torch.equal(out.tokens, ref.tokens)
-    assert torch.allclose(out.logits.double(), ref.logits.double(), rtol=1e-5, atol=1e-6)
-    s = out.stats
-    assert s.drafted == k * s.rows and s.emitted == s.accepted + s.rows and sum(s.accepted_hist) == s.rows
-    assert 0 < s.accepted < s.drafted, "trained heads get drafts accepted, and rejected (rollbacks run)"
-
-
-def same_on_every_rank(outs) -> None:
-    for o in outs[1:]:
-        assert torch.equal(o.tokens, outs[0].tokens)
-        assert o.stats.draft_digest == outs[0].stats.draft_digest, "replicated drafters proposed different drafts"
 
 
 # k = 1..4, each over its own topology: one device; PCP 2 prefill; DCP 2 decode; PCP 2 + DCP 2

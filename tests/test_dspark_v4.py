@@ -27,7 +27,9 @@ from cpattn.models import deepseek_v4 as v4
 from cpattn.models.generate import (
     disagg_generate, generate, pcp_dcp_config, pcp_dcp_generate_on_rank, speculative_generate,
 )
-from spec_methods_cases import DATA, V4_CFG, Recorder, v4_prompts, v4_target, v4_trained
+from spec_methods_cases import (
+    DATA, V4_CFG, Recorder, check_lossless, same_on_every_rank, v4_prompts, v4_target, v4_trained,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,18 +59,7 @@ def reference():
 
 
 def check(out, k: int) -> None:
-    ref = reference()
-    assert torch.equal(out.tokens, ref.tokens)
-    assert torch.allclose(out.logits, ref.logits, rtol=1e-9, atol=1e-9)
-    s = out.stats
-    assert s.drafted == k * s.rows and s.emitted == s.accepted + s.rows and sum(s.accepted_hist) == s.rows
-    assert 0 < s.accepted < s.drafted, "the trained head gets drafts accepted, and rejected (rollbacks run)"
-
-
-def same_on_every_rank(outs) -> None:
-    for o in outs[1:]:
-        assert torch.equal(o.tokens, outs[0].tokens)
-        assert o.stats.draft_digest == outs[0].stats.draft_digest, "replicated drafters proposed different drafts"
+    check_lossless(out, reference(), k, rtol=1e-9, atol=1e-9)
 
 
 def test_head_for_a_v4_target():
