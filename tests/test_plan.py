@@ -2,6 +2,7 @@
 small calibrated case on this machine (machinery only: no timing is asserted).
 """
 
+import dataclasses
 import json
 import math
 
@@ -12,10 +13,11 @@ from cpattn.config import ConfigError, EngineConfig
 from cpattn.layout.pcp import causal_pairs as library_pairs
 from cpattn.layout.pcp import pcp_plan
 from cpattn.plan import Layout, Options, get_model, get_profile, layouts, predict, recommend
-from cpattn.plan.costs import causal_pairs, collective_time, expected_experts
-from cpattn.plan.profiles import ASCEND_910C, B200, H200, Link
+from cpattn.plan.costs import causal_pairs, collective_time, expected_experts, flash_tile_pairs
+from cpattn.plan.profiles import ASCEND_910C, B200, CPU_DEFAULT, H200, Link, Profile
 from cpattn.plan.specs import from_hf_config
-from cpattn.plan.validate import predict_dcp, predict_graph, predict_pcp, ring_pairs, table
+from cpattn.plan.validate import (EchoGroup, concurrent_share, count_ops, graph_program_ops, predict_dcp,
+                                  predict_graph, predict_pcp, profile_gaps, ring_pairs, table)
 
 
 # ----------------------------------------------------------------------------- profiles and shapes
@@ -63,6 +65,103 @@ def test_causal_pairs_count_the_mask():
 def test_ring_schedule_pairs_equal_the_library_count(seq, p):
     plan = pcp_plan([0, seq], p)
     assert ring_pairs(seq, p) == [library_pairs(plan, r) for r in range(p)]
+
+
+def _aten_flash_visits(lq, lk, causal):
+    """Pairs aten's CPU flash kernel visits, walked tile by tile as its loop does (lq == lk when causal)."""
+    q_split = 256 if lq >= 768 else 64 if lq >= 192 else 32
+    q_split, kv_split = min(q_split, lq), min(512, lk)
+    total = 0
+    for m in range(0, lq, q_split):
+        rows = min(q_split, lq - m)
+        num_keys = min(m + rows, lk) if causal else lk
+        n = 0
+        while n < num_keys:
+            total += rows * min(kv_split, lk - n)
+            n += kv_split
+    return total
+
+
+@pytest.mark.parametrize("lq,lk", [(8, 8), (100, 100), (300, 300), (1000, 1000), (2048, 2048), (3000, 3000),
+                                   (96, 200), (1024, 4096)])
+def test_flash_tile_pairs_walk_the_kernel_tiles(lq, lk):
+    """The diagonal is the kernel's causal square; a longer key range adds an unmasked prefix."""
+    want = _aten_flash_visits(lq, lq, True) + lq * (lk - lq)
+    assert flash_tile_pairs(lq, lk) == want >= causal_pairs(lq, lk)
+    assert flash_tile_pairs(lq, lk, causal=False) == _aten_flash_visits(lq, lk, False) == lq * lk
+    waste = [flash_tile_pairs(n, n) / causal_pairs(n, n) for n in (1024, 2048, 4096, 8192)]
+    assert waste == sorted(waste, reverse=True) and waste[-1] < 1.07
+
+
+def test_efficiency_curves_and_one_size_profiles_agree():
+    """A one-size profile (no curves) is the curve model with a flat curve at its rate per computed pair."""
+    from cpattn.plan.validate import LEGACY_ATTN_TOKENS, _attn
+
+    n = LEGACY_ATTN_TOKENS
+    legacy = dataclasses.replace(CPU_DEFAULT, curves={})
+    flat = {k: [[1024.0, CPU_DEFAULT.efficiency[k] * flash_tile_pairs(n, n) / causal_pairs(n, n)]] * 2
+            for k in ("attention_causal", "attention_causal_hm")}
+    flat["attention"] = [[1024.0, CPU_DEFAULT.efficiency["attention"]]]
+    curved = dataclasses.replace(CPU_DEFAULT, curves=flat)
+    for lq, lk, causal in [(8192, 8192, True), (4096, 4096, True), (2048, 4096, False)]:
+        a = _attn(legacy, lq, lk, causal, 16, 16, 128, head_major=True)
+        b = _attn(curved, lq, lk, causal, 16, 16, 128, head_major=True)
+        assert math.isclose(a, b)
+    rising = dataclasses.replace(CPU_DEFAULT, curves={"attention_causal": [[1024, 0.5], [4096, 1.0]]})
+    assert rising.efficiency_at("attention_causal", 2048) == pytest.approx(0.75)
+    assert rising.efficiency_at("attention_causal", 16384) == 1.0
+
+
+def test_old_profile_json_loads_and_names_its_gaps(tmp_path):
+    """A profile saved before the CPU-time shares, transfer costs and curves still validates."""
+    from cpattn.plan.profiles import load_profile
+
+    old = CPU_DEFAULT.as_dict()
+    old.pop("curves")
+    for link in old["links"].values():
+        for key in ("cpu_alpha", "cpu_beta", "cold", "cold_gap"):
+            link.pop(key)
+    old["efficiency"] = {k: v for k, v in old["efficiency"].items() if k != "concurrent_decode"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    prof = load_profile(str(path))
+    assert prof.curves == {} and prof.links["ring"].cpu_beta == 0
+    gaps = profile_gaps(prof)
+    assert any("ring exchange CPU time" in g for g in gaps) and any("concurrent_decode:" in g for g in gaps)
+    assert concurrent_share(prof, "decode", "cpu") == prof.efficiency["concurrent_bandwidth"]
+    cpu = predict_pcp(prof, seq=4096, heads=8, kv_heads=8, head_dim=128, clock="cpu")
+    assert cpu["ranks"][0]["transfer"] > 0  # stands in with the transfer's wall time
+
+
+def test_cpu_clock_prices_the_share_and_the_transfer():
+    ring = dataclasses.replace(CPU_DEFAULT.links["ring"], cpu_alpha=0.0, cpu_beta=1e9)
+    base = dataclasses.replace(CPU_DEFAULT, links={**CPU_DEFAULT.links, "ring": ring},
+                               efficiency={**CPU_DEFAULT.efficiency, "concurrent_compute_cpu": 1.0,
+                                           "concurrent_bandwidth_cpu": 1.0})
+    r = predict_pcp(base, seq=4096, heads=8, kv_heads=8, head_dim=128, clock="cpu")
+    assert math.isclose(r["ring_s"], max(sum(p.values()) for p in r["ranks"]))
+    bytes0 = 4096 // 2 * 4 * 8 * 2 * 128  # rank 0 receives all of rank 1's K/V
+    assert math.isclose(r["ranks"][0]["transfer"], bytes0 / 1e9)
+    slower = dataclasses.replace(base, efficiency={**base.efficiency, "concurrent_compute_cpu": 0.8})
+    assert predict_pcp(slower, seq=4096, heads=8, kv_heads=8, head_dim=128, clock="cpu")["ratio"] > r["ratio"]
+    dcp = predict_dcp(dataclasses.replace(base, efficiency={**base.efficiency, "concurrent_decode_cpu": 0.8}),
+                      context=8192, clock="cpu")
+    assert dcp["ratio"]["local_a2a"] == pytest.approx(0.5 / 0.8) and dcp["share"] == 0.8
+    with pytest.raises(ValueError, match="clock"):
+        predict_dcp(base, context=8192, clock="gpu")
+
+
+def test_echo_group_counts_one_ranks_ops_only():
+    g = EchoGroup(2)
+    x = torch.randn(4, 3)
+    assert count_ops(lambda: g.all_gather(x))["ops"] == 0  # the collective's own work is priced apart
+    two = graph_program_ops(layers=1, hidden=32, heads=4, kv_heads=1, head_dim=8, context=32, batch=2, dcp=2)
+    one = graph_program_ops(layers=1, hidden=32, heads=4, kv_heads=1, head_dim=8, context=32, batch=2, dcp=1)
+    assert two["ops"] > one["ops"]  # the merge of the partials
+    link = Link(1e-4, 1e9, cold=2e-4, cold_gap=1e-4)
+    prof = dataclasses.replace(CPU_DEFAULT, links={**CPU_DEFAULT.links, "a2a": link})
+    g = predict_graph(prof, layers=1, batches=(2,), hidden=32, heads=4, kv_heads=1, head_dim=8, context=32)[2]
+    assert g["cold_s"] == pytest.approx(4 * 2e-4)  # 4 collectives, each reached from > 100 us of host work
 
 
 def test_collective_costs():
@@ -182,7 +281,12 @@ def test_small_calibrated_case_predicts_and_measures(tmp_path):
     prof = calibrate(quick=True)
     save_profile(prof, tmp_path / "cpu.json")
     prof = load_profile(str(tmp_path / "cpu.json"))
-    assert "gloo all-to-all" in summary(prof) and prof.links["a2a"].alpha >= 0 and prof.flops["fp32"] > 0
+    assert isinstance(prof, Profile) and profile_gaps(prof) == []
+    text = summary(prof)
+    assert "gloo all-to-all" in text and "process CPU time" in text and "paged decode" in text
+    assert prof.links["a2a"].alpha >= 0 and prof.flops["fp32"] > 0 and prof.links["ring"].cpu_beta > 0
+    assert all(len(prof.curves[k]) == 2 for k in ("attention_causal", "attention_causal_hm", "attention"))
+    assert 0 < concurrent_share(prof, "decode", "cpu") <= 1 and 0 < concurrent_share(prof, "compute", "cpu") <= 1
     ctx = 2048
     predicted = predict_dcp(prof, context=ctx, batch=2)["ratio"]["local_a2a"]
     measured = spawn(2, _dcp_small, ctx, 3, threads=1, timeout_s=300)[0]

@@ -1,44 +1,66 @@
 """``cpattn plan calibrate``: fit the CPU profile from microbenchmarks on this machine.
 
-One process (one thread, as every benchmark rank runs) times:
+One process (one thread, as every benchmark rank runs) times, in interleaved
+rounds and in process CPU time (a job that shares the cores slices the wall
+clock, not the CPU time a kernel needs):
 
-- a fp32 matmul (the "gemm" peak) and a 64 MB copy (memory bandwidth);
-- the attention kernel through ``attention_with_lse``: a causal square block,
-  an unmasked block (MHA) and an unmasked GQA block (the kernel folds query
-  heads into rows), each turned into an achieved fraction of the gemm peak;
+- a fp32 matmul (the "gemm" peak), a 64 MB copy (memory bandwidth: a
+  fresh buffer, so its first-touch page faults count, as they do for every
+  tensor a kernel returns), a transposing copy (PCP's head-major packing)
+  and an in-place update of a 64 MB buffer (``lerp_``: no fresh memory, the
+  LSE merge's pattern);
+- the attention kernel through ``attention_with_lse`` at two sizes each
+  (:data:`ATTN_SIZES`): causal on token-major inputs (what a caller passes),
+  causal and unmasked on head-major storage (what the PCP ring builds), and
+  unmasked GQA (one size); each turned into an achieved fraction of the gemm
+  rate *per pair the kernel computes* (:func:`cpattn.plan.costs.flash_tile_pairs`:
+  aten's CPU flash kernel computes whole key tiles on the causal diagonal,
+  1.5x the exact pairs at 1024 tokens, 1.06x at 8192), kept as a curve over
+  size that predictions interpolate (``Profile.curves``);
 - paged decode attention in bf16 (bytes of KV read per second);
-- attention on head-major storage (how the PCP ring lays out K/V and q) vs
-  token-major (what a caller passes);
-- a transposing copy (PCP's head-major packing) and a merge (elementwise);
 - the per-op cost of eager dispatch: small aten ops alone, and cpattn's own
-  eager code (one step of the demo decode program on one rank, over the
-  ops it dispatches: custom-op dispatch and host-side work included); and (unless ``quick``)
-  the per-call and per-kernel costs of an inductor-compiled program.
+  eager code (one step of the demo decode program at ``cpattn bench graph``'s
+  default widths, batch 1, on one rank: a group of one, no collectives, over
+  the ops it dispatches: custom-op dispatch and host-side work included); and
+  (unless ``quick``) the per-call and per-kernel costs of an inductor-compiled
+  program.
 
 Two gloo ranks then time the collectives the code uses: one
 ``all_to_all_single`` (cpattn's small-message path on gloo) and the ring
 exchange (``batch_isend_irecv``) at several sizes, each fitted to
-``alpha + bytes / beta`` by least squares; and a ring exchange running while
-the rank computes, giving the fraction of a transfer compute hides on these
-cores (``overlap``); and a copy and a matmul on every rank at once vs on one
-rank alone (the memory bandwidth and compute each rank keeps when all are
-busy: the ranks share this machine's cores and memory).
+``alpha + bytes / beta`` by least squares, in wall time and in process CPU
+time (gloo's loopback transfer and its polling are CPU work of the process);
+a ring exchange running while the rank computes, giving the fraction of a
+transfer compute hides on these cores (``overlap``); a collective reached
+from about half a millisecond of host work vs from another collective (the
+``cold`` extra of an eager step's collectives); and three kernels on both
+ranks at once vs on one rank alone, in both clocks: the attention kernel
+(the share of the compute each PCP rank keeps), bf16 paged decode (the share
+of the memory bandwidth each DCP rank's decode keeps: the two readers share
+one memory bus) and a plain copy.
 
-Every timing is the median of interleaved rounds (:func:`cpattn.bench.common.measure`).
+Every timing is the median of interleaved rounds (:func:`cpattn.bench.common.measure`);
+shares are medians of per-round ratios (:func:`cpattn.bench.common.ratio`).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
-from cpattn.bench.common import measure
+from cpattn.bench.common import measure, ratio
 from cpattn.plan.profiles import CPU_DEFAULT, Link, Profile
 
+# (tokens, heads) of the two attention sizes: the long one with fewer heads keeps the rounds short
+ATTN_SIZES = {"full": ((1024, 8), (4096, 2)), "quick": ((512, 8), (1024, 4))}
+LEGACY_ATTN_TOKENS = 2048  # the one size profiles calibrated before curves measured (causal 2048^2, unmasked 1024 x 2048)
 
-def _median(fn, reps: int, inner: int = 1) -> float:
-    return measure({"f": fn}, reps, inner=inner, warmup=1)["f"].median
+
+def _cpu(s) -> float:
+    """Median process CPU seconds of one :class:`~cpattn.bench.common.Samples`."""
+    return statistics.median(s.cpu)
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -59,13 +81,26 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------- one process
-def _attention_rate(t: int, heads: int, kv_heads: int, causal: bool, reps: int, head_major: bool = True) -> float:
-    """Achieved FLOP/s of attention_with_lse on one block (pairs counted exactly); ``head_major``: q, k, v
-    stored head by head (as the PCP ring lays them out), else token-major (as a caller passes them)."""
-    from cpattn.ops import attention_with_lse
-    from cpattn.plan.costs import attention_flops, causal_pairs
+def attention_case(kind: str, t: int, heads: int, seed: int = 0):
+    """(call, processed FLOPs, size) of one ``attention_with_lse`` block of calibration case ``kind``.
 
-    g = torch.Generator().manual_seed(0)
+    kind: "attention_causal" (causal t x t, token-major q / k / v), "attention_causal_hm" (the same on
+    head-major storage), "attention" (unmasked t/2 x t, head-major), "attention_gqa" (as "attention"
+    with heads / 4 KV heads). FLOPs count the pairs the kernel computes
+    (:func:`~cpattn.plan.costs.flash_tile_pairs`); size is ``sqrt(lq * lk)``, the key of
+    ``Profile.curves``.
+
+    >>> call, flops, size = attention_case("attention", 64, 2)
+    >>> call()[0].shape, flops, size
+    (torch.Size([32, 2, 128]), 2097152.0, 45.254833995939045)
+    """
+    from cpattn.ops import attention_with_lse
+    from cpattn.plan.costs import attention_flops, flash_tile_pairs
+
+    g = torch.Generator().manual_seed(seed)
+    causal = kind.startswith("attention_causal")
+    head_major = kind != "attention_causal"
+    kv_heads = max(1, heads // 4) if kind == "attention_gqa" else heads
     lq = t if causal else t // 2
 
     def make(n, h):
@@ -74,24 +109,23 @@ def _attention_rate(t: int, heads: int, kv_heads: int, causal: bool, reps: int, 
 
     q, k, v = make(lq, heads), make(t, kv_heads), make(t, kv_heads)
     cq, ck = torch.tensor([0, lq], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32)
-    sec = _median(lambda: attention_with_lse(q, k, v, cq, ck, causal=causal), reps)
-    return attention_flops(causal_pairs(lq, t, causal), heads, 128, 128) / sec
+    flops = attention_flops(flash_tile_pairs(lq, t, causal), heads, 128, 128)
+    return (lambda: attention_with_lse(q, k, v, cq, ck, causal=causal)), flops, (lq * t) ** 0.5
 
 
-def _paged_rate(ctx: int, reps: int) -> float:
-    """KV bytes per second read by bf16 paged decode (batch 2, GQA 32 / 8 heads x 128, block 128)."""
+def _paged_case(ctx: int, seed: int = 1):
+    """(call, KV bytes read) of bf16 paged decode: batch 2, GQA 32 / 8 heads x 128, block 128."""
     from cpattn.ops.paged import paged_attention_with_lse
 
     b, hq, hkv, d, bs = 2, 32, 8, 128, 128
     nb = b * ctx // bs
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     kc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16()
     vc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16()
     table = torch.arange(nb).view(b, -1)
     q = torch.randn(b, hq, d, generator=g).bfloat16()
     req, lens = torch.arange(b), torch.full((b,), ctx, dtype=torch.int32)
-    sec = _median(lambda: paged_attention_with_lse(q, kc, vc, table, req, lens), reps)
-    return b * ctx * hkv * d * 2 * 2 / sec
+    return (lambda: paged_attention_with_lse(q, kc, vc, table, req, lens)), b * ctx * hkv * d * 2 * 2
 
 
 def _eager_op_cost(reps: int) -> tuple[float, float]:
@@ -112,24 +146,31 @@ def _eager_op_cost(reps: int) -> tuple[float, float]:
         for _ in range(50):
             x.view(64, 8).transpose(0, 1)[1:]
 
-    return _median(ops, reps) / 100, _median(views, reps) / 150
+    s = measure({"ops": ops, "views": views}, reps, warmup=1)
+    return _cpu(s["ops"]) / 100, _cpu(s["views"]) / 150
 
 
-def _eager_program_op_cost(reps: int, view_cost: float) -> float:
-    """Seconds per aten op of cpattn's eager code: one eager step of the demo decode program on one rank
-    (no collectives: a group of one), over the number of ops it dispatches (traced)."""
+# the demo program's widths in `cpattn bench graph` (its defaults), 2 layers, one request
+EAGER_PROGRAM = dict(num_layers=2, hidden=256, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
+
+
+def _eager_program_op_cost(reps: int, view_cost: float, context: int = 128) -> float:
+    """Seconds per aten op of cpattn's eager code: one eager decode step of the demo program
+    (:data:`EAGER_PROGRAM`, batch 1, ``context`` cached tokens) on one rank (a group of one: no
+    collectives), less its views, over the number of ops it dispatches (traced)."""
     from cpattn.comm.sim import SimMesh
     from cpattn.graphs import demo_program as dp
     from cpattn.plan.validate import count_ops
 
-    cfg = dp.ProgramConfig(num_layers=2, hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-                           max_blocks=4, num_blocks=16)
+    mb = -(-(context + 1) // EAGER_PROGRAM["block_size"]) + 1
+    cfg = dp.ProgramConfig(**EAGER_PROGRAM, max_blocks=mb, num_blocks=mb)
     state = dp.init_state(cfg, dp.init_params(cfg), poison=0.0)
     step = dp.make_step(cfg, SimMesh(1).groups()[0])
-    batch = {"x": torch.randn(4, cfg.hidden), "seq_lens": torch.full((4,), 40),
-             "block_table": torch.arange(16).view(4, 4), "cu_seqlens_q": torch.arange(5, dtype=torch.int32)}
+    batch = {"x": torch.randn(1, cfg.hidden), "seq_lens": torch.full((1,), context + 1),
+             "block_table": torch.arange(mb).view(1, mb), "cu_seqlens_q": torch.arange(2, dtype=torch.int32)}
+    step(state, batch)
     ops = count_ops(lambda: step(state, batch))
-    sec = _median(lambda: step(state, batch), reps, inner=5)
+    sec = _cpu(measure({"f": lambda: step(state, batch)}, reps, inner=5, warmup=1)["f"])
     return max(sec - ops["views"] * view_cost, 0.0) / ops["ops"]
 
 
@@ -150,28 +191,39 @@ def _graph_costs(reps: int) -> tuple[float, float]:
     short, long = chain(8), chain(40)
     short(x), long(x)
     s = measure({"short": lambda: short(x), "long": lambda: long(x)}, reps, inner=20, warmup=1)
-    per_kernel = max((s["long"].median - s["short"].median) / 32, 0.0)
-    return max(s["short"].median - 8 * per_kernel, 0.0), per_kernel
+    per_kernel = max((_cpu(s["long"]) - _cpu(s["short"])) / 32, 0.0)
+    return max(_cpu(s["short"]) - 8 * per_kernel, 0.0), per_kernel
+
+
+ATTN_KINDS = ("attention_causal", "attention_causal_hm", "attention", "attention_gqa")
 
 
 def compute_part(quick: bool = False) -> dict:
-    """The single-process microbenchmarks (module doc); rates in FLOP/s and bytes/s, costs in seconds."""
+    """The single-process microbenchmarks (module doc); rates in FLOP/s and bytes/s, costs in seconds,
+    ``curves``: attention kind -> [[size, achieved fraction of the gemm rate per computed pair], ...]."""
     reps = 3 if quick else 5
     a = torch.randn(512, 512)
-    gemm = 2 * 512**3 / _median(lambda: a @ a, reps, inner=4)
-    big = torch.randn(16 << 20)
-    copy_bw = 2 * big.nbytes / _median(lambda: big.clone(), reps)
+    big, acc = torch.randn(16 << 20), torch.randn(16 << 20)
     t3 = torch.randn(2048, 16, 128)
-    trans_bw = 2 * t3.nbytes / _median(lambda: t3.transpose(0, 1).contiguous(), reps)
-    t = 512 if quick else 2048
-    out = {
-        "gemm": gemm, "copy_bw": copy_bw, "transpose_bw": trans_bw,
-        "attention_causal": _attention_rate(t, 8, 8, True, reps, head_major=False),
-        "attention_causal_hm": _attention_rate(t, 8, 8, True, reps),
-        "attention": _attention_rate(t, 8, 8, False, reps),
-        "attention_gqa": _attention_rate(t, 8, 2, False, reps),
-        "decode_attention_bw": _paged_rate(1024 if quick else 8192, reps),
-    }
+    fns = {"gemm": lambda: [a @ a for _ in range(4)], "copy": lambda: big.clone(),
+           "transpose": lambda: t3.transpose(0, 1).contiguous(), "update": lambda: acc.lerp_(big, 0.5)}
+    work = {}
+    for i, (t, h) in enumerate(ATTN_SIZES["quick" if quick else "full"]):
+        for kind in ATTN_KINDS:
+            if kind == "attention_gqa" and i:  # GQA at one size (not on the validated paths)
+                continue
+            fns[(kind, i)], flops, size = attention_case(kind, t, h)
+            work[(kind, i)] = (flops, size)
+    paged, kv_bytes = _paged_case(1024 if quick else 8192)
+    fns["paged"] = paged
+    s = measure(fns, reps, warmup=1)
+    gemm = 4 * 2 * 512**3 / _cpu(s["gemm"])
+    curves = {}
+    for (kind, i), (flops, size) in work.items():
+        curves.setdefault(kind, []).append([size, flops / _cpu(s[(kind, i)]) / gemm])
+    out = {"gemm": gemm, "copy_bw": 2 * big.nbytes / _cpu(s["copy"]),
+           "transpose_bw": 2 * t3.nbytes / _cpu(s["transpose"]), "update_bw": 3 * big.nbytes / _cpu(s["update"]),
+           "decode_attention_bw": kv_bytes / _cpu(s["paged"]), "curves": curves}
     out["simple_op"], out["eager_view"] = _eager_op_cost(reps)
     out["eager_op"] = _eager_program_op_cost(reps, out["eager_view"])
     out["graph_call"], out["graph_kernel"] = (None, None) if quick else _graph_costs(reps)
@@ -179,17 +231,32 @@ def compute_part(quick: bool = False) -> dict:
 
 
 # ----------------------------------------------------------------------------- two gloo ranks
-def comm_rank(group, sizes_a2a, sizes_ring, reps, overlap_bytes):
-    """Rank function: gloo all_to_all_single and ring-exchange times per size, and the overlapped ring."""
-    res = {"a2a": [], "ring": []}
+def _host_work(n: int):
+    """About ``n`` x 18 us of eager host work (small matmuls and adds), as eager code runs between collectives."""
+    x, w = torch.randn(8, 64), torch.randn(64, 64)
+
+    def fn():
+        for _ in range(n):
+            torch.mm(x, w).add_(1.0)
+
+    return fn
+
+
+def comm_rank(group, sizes_a2a, sizes_ring, reps, overlap_bytes, quick=False):
+    """Rank function: gloo all_to_all_single and ring-exchange times per size (wall and CPU), the
+    overlapped ring, collectives reached from host work, and three kernels on every rank vs one."""
+    res = {"a2a": [], "ring": [], "a2a_cpu": [], "ring_cpu": []}
     for nbytes in sizes_a2a:
         x = torch.zeros(max(2, nbytes // 4 // 2 * 2))
         s = measure({"x": lambda: group.all_to_all(x)}, reps, group=group, inner=10, warmup=2)["x"]
-        res["a2a"].append((x.nbytes * (group.size - 1) / group.size, s.median))
+        m = x.nbytes * (group.size - 1) / group.size
+        res["a2a"].append((m, s.median))
+        res["a2a_cpu"].append((m, _cpu(s)))
     for nbytes in sizes_ring:
         x = torch.zeros(nbytes // 4)
         s = measure({"x": lambda: group.ring_exchange(x, x.shape).wait()}, reps, group=group, inner=3, warmup=1)["x"]
         res["ring"].append((x.nbytes, s.median))
+        res["ring_cpu"].append((x.nbytes, _cpu(s)))
     a = torch.randn(384, 384)
     x = torch.zeros(overlap_bytes // 4)
 
@@ -205,32 +272,52 @@ def comm_rank(group, sizes_a2a, sizes_ring, reps, overlap_bytes):
     s = measure({"compute": compute, "ring": lambda: group.ring_exchange(x, x.shape).wait(), "both": both}, reps,
                 group=group, warmup=1)
     res["overlap"] = {k: v.median for k, v in s.items()}
-    # every rank busy at once vs rank 0 alone: shared memory bandwidth and shared cores
+    # a collective reached from ~0.45 ms of host work vs from another collective (8 of each per sample)
+    work, msg = _host_work(25), torch.zeros(2, 64)
+
+    def interleaved():
+        for _ in range(8):
+            work()
+            group.all_to_all(msg)
+
+    s = measure({"interleaved": interleaved, "work": lambda: [work() for _ in range(8)],
+                 "a2a": lambda: [group.all_to_all(msg) for _ in range(8)]}, reps, group=group, inner=2, warmup=1)
+    extra = [(i - w - c) / 8 for i, w, c in zip(s["interleaved"].wall, s["work"].wall, s["a2a"].wall)]
+    res["cold"] = {"extra": statistics.median(extra), "work": s["work"].median / 8}
+    # every rank busy at once vs rank 0 alone: shared cores, caches and memory bus
+    hm_attn, _, _ = attention_case("attention_causal_hm", 1024 if quick else 2048, 2, seed=group.rank)
+    paged, _ = _paged_case(2048 if quick else 16384, seed=1 + group.rank)
     big = torch.randn(8 << 20)
     noop = lambda: None  # noqa: E731
-    runs = {"copy_alone": (lambda: big.clone()) if group.rank == 0 else noop, "copy_all": lambda: big.clone(),
-            "mm_alone": compute if group.rank == 0 else noop, "mm_all": compute}
+    kernels = {"attention": hm_attn, "decode": paged, "copy": lambda: big.clone()}
+    runs = {}
+    for name, fn in kernels.items():
+        runs[name + "_alone"] = fn if group.rank == 0 else noop
+        runs[name + "_all"] = fn
     s = measure(runs, reps, group=group, warmup=1)
-    res["concurrent"] = {"bandwidth": s["copy_alone"].median / s["copy_all"].median,
-                         "compute": s["mm_alone"].median / s["mm_all"].median}
+    res["concurrent"] = {f"{name}{'_cpu' if clock == 'cpu' else ''}":
+                         ratio(s[name + "_alone"], s[name + "_all"], clock).median
+                         for name in kernels for clock in ("wall", "cpu")}
     return res
 
 
 def comm_part(quick: bool = False, timeout_s: float = 300.0) -> dict:
-    """Fit alpha / beta of gloo's all-to-all and ring exchange, and the overlap fraction, on 2 ranks."""
+    """Fit alpha / beta of gloo's all-to-all and ring exchange (wall and CPU time), the overlap fraction,
+    the cold-collective extra and the concurrent shares, on 2 ranks."""
     from cpattn.comm.launch import spawn
 
     reps = 3 if quick else 9
     sizes_a2a = [256, 16384, 1 << 20] if quick else [256, 4096, 32768, 262144, 1 << 20, 4 << 20]
     sizes_ring = [1 << 16, 4 << 20] if quick else [1 << 16, 1 << 20, 8 << 20, 32 << 20]
-    res = spawn(2, comm_rank, sizes_a2a, sizes_ring, reps, (2 if quick else 8) << 20, threads=1,
+    res = spawn(2, comm_rank, sizes_a2a, sizes_ring, reps, (2 if quick else 8) << 20, quick, threads=1,
                 timeout_s=timeout_s)[0]
-    a2a = fit_alpha_beta(res["a2a"])
-    ring = fit_alpha_beta(res["ring"])
     o = res["overlap"]
     hidden = (o["compute"] + o["ring"] - o["both"]) / max(min(o["compute"], o["ring"]), 1e-12)
-    return {"a2a": a2a, "ring": ring, "overlap": min(1.0, max(0.0, hidden)), "concurrent": res["concurrent"],
-            "raw": res}
+    cold = res["cold"]
+    return {"a2a": fit_alpha_beta(res["a2a"]), "ring": fit_alpha_beta(res["ring"]),
+            "a2a_cpu": fit_alpha_beta(res["a2a_cpu"]), "ring_cpu": fit_alpha_beta(res["ring_cpu"]),
+            "overlap": min(1.0, max(0.0, hidden)), "concurrent": res["concurrent"],
+            "cold": max(0.0, cold["extra"]), "cold_gap": cold["work"], "raw": res}
 
 
 def calibrate(quick: bool = False, timeout_s: float = 300.0) -> Profile:
@@ -244,45 +331,82 @@ def calibrate(quick: bool = False, timeout_s: float = 300.0) -> Profile:
         torch.set_num_threads(threads)
     m = comm_part(quick, timeout_s)
     gemm = c["gemm"]
-    eff = {"gemm": 1.0, "attention_causal": c["attention_causal"] / gemm,
-           "attention_causal_hm": c["attention_causal_hm"] / gemm, "attention": c["attention"] / gemm,
-           "attention_gqa": c["attention_gqa"] / gemm, "decode_attention": c["decode_attention_bw"] / c["copy_bw"],
-           "transpose": c["transpose_bw"] / c["copy_bw"], "elementwise": 1.0,
-           "concurrent_bandwidth": min(1.0, m["concurrent"]["bandwidth"]),
-           "concurrent_compute": min(1.0, m["concurrent"]["compute"])}
-    a2a, ring = m["a2a"], m["ring"]
-    launch = {"eager": c["eager_op"], "view": c["eager_view"],
+    curves = c["curves"]
+    conc = m["concurrent"]
+    eff = {"gemm": 1.0, **{k: pts[-1][1] for k, pts in curves.items()},
+           "decode_attention": c["decode_attention_bw"] / c["copy_bw"],
+           "transpose": c["transpose_bw"] / c["copy_bw"], "update": c["update_bw"] / c["copy_bw"], "elementwise": 1.0,
+           "concurrent_compute": min(1.0, conc["attention"]), "concurrent_compute_cpu": min(1.0, conc["attention_cpu"]),
+           "concurrent_decode": min(1.0, conc["decode"]), "concurrent_decode_cpu": min(1.0, conc["decode_cpu"]),
+           "concurrent_bandwidth": min(1.0, conc["copy"]), "concurrent_bandwidth_cpu": min(1.0, conc["copy_cpu"])}
+    a2a, ring, a2a_cpu, ring_cpu = m["a2a"], m["ring"], m["a2a_cpu"], m["ring_cpu"]
+    a2a_link = Link(a2a[0], a2a[1], cpu_alpha=a2a_cpu[0], cpu_beta=a2a_cpu[1], cold=m["cold"], cold_gap=m["cold_gap"])
+    launch = {"eager": c["eager_op"], "view": c["eager_view"], "simple_op": c["simple_op"],
               "graph": c["graph_kernel"] if c["graph_kernel"] is not None else CPU_DEFAULT.launch["graph"],
               "graph_call": c["graph_call"] if c["graph_call"] is not None else CPU_DEFAULT.launch["graph_call"]}
     when = time.strftime("%Y-%m-%d %H:%M")
+    sizes = ATTN_SIZES["quick" if quick else "full"]
     return Profile(
         name="cpu", device=f"this machine's CPU (calibrated {when}), one thread per rank, gloo over loopback",
         flops={"fp32": gemm, "bf16": gemm, "fp16": gemm}, mem_bw=c["copy_bw"], mem_bytes=CPU_DEFAULT.mem_bytes,
         devices_per_node=2,
-        links={"intra": Link(a2a[0], a2a[1]), "a2a": Link(a2a[0], a2a[1]),
-               "ring": Link(ring[0], ring[1], overlap=m["overlap"]), "native": Link(ring[0], ring[1])},
-        efficiency=eff, launch=launch,
+        links={"intra": a2a_link, "a2a": a2a_link,
+               "ring": Link(ring[0], ring[1], overlap=m["overlap"], cpu_alpha=ring_cpu[0], cpu_beta=ring_cpu[1]),
+               "native": Link(ring[0], ring[1])},
+        efficiency=eff, launch=launch, curves=curves,
         sources={"all": f"cpattn plan calibrate{' --quick' if quick else ''} on {when}, {time.time() - t0:.0f} s; "
-                        f"medians of interleaved rounds; collectives fitted over "
-                        f"{len(m['raw']['a2a'])} + {len(m['raw']['ring'])} sizes",
-                 "raw": str({k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items()})},
+                        f"process CPU-time medians of interleaved rounds (one process), wall and CPU medians (two "
+                        f"gloo ranks); collectives fitted over {len(m['raw']['a2a'])} + {len(m['raw']['ring'])} sizes; "
+                        f"attention at {sizes[0][0]} x {sizes[0][1]} heads and {sizes[1][0]} x {sizes[1][1]} heads "
+                        f"(tokens x heads), per pair the kernel computes",
+                 "raw": str({k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items() if k != "curves"})},
     )
 
 
 def summary(p: Profile) -> str:
-    """A few lines describing a calibrated profile."""
-    e, ln = p.efficiency, p.links
-    return "\n".join([
-        f"CPU profile: {p.device}",
-        f"  gemm {p.flops['fp32'] / 1e9:.1f} GFLOP/s; copy {p.mem_bw / 1e9:.2f} GB/s; attention causal "
-        f"{e['attention_causal']:.2f}, unmasked {e['attention']:.2f}, GQA-folded {e.get('attention_gqa', 0):.2f} "
-        f"of gemm; bf16 paged decode {e['decode_attention']:.2f} of copy bandwidth",
-        f"  gloo all-to-all: alpha {ln['a2a'].alpha * 1e6:.0f} us, beta {ln['a2a'].beta / 1e9:.2f} GB/s; ring "
-        f"exchange: alpha {ln['ring'].alpha * 1e6:.0f} us, beta {ln['ring'].beta / 1e9:.2f} GB/s, "
-        f"{ln['ring'].overlap:.0%} hidden behind compute",
-        f"  with every rank busy each keeps {e.get('concurrent_bandwidth', 1):.0%} of the memory bandwidth and "
-        f"{e.get('concurrent_compute', 1):.0%} of the compute rate",
-        f"  eager op {p.launch['eager'] * 1e6:.1f} us, view {p.launch.get('view', 0) * 1e6:.1f} us; compiled program "
-        f"{p.launch.get('graph_call', 0) * 1e6:.0f} us per call + {p.launch['graph'] * 1e6:.1f} us per kernel",
-    ])
+    """The calibrated numbers of a CPU profile, a few lines (older profiles print what they have).
 
+    >>> from cpattn.plan.profiles import CPU_DEFAULT
+    >>> print(summary(CPU_DEFAULT).splitlines()[1])  # doctest: +ELLIPSIS
+      gemm 40.0 GFLOP/s; copy 6.00 GB/s; ...
+    """
+    e, ln, la = p.efficiency, p.links, p.launch
+
+    def curve(kind):
+        pts = sorted(p.curves.get(kind) or [])
+        if not pts:
+            return f"{e.get(kind, 0):.2f}"
+        return " -> ".join(f"{eff:.2f} @{size:.0f}" for size, eff in pts)
+
+    def pct(key):
+        return f"{e[key]:.0%}" if key in e else "n/a"
+
+    a2a, ring = ln["a2a"], ln["ring"]
+    lines = [
+        f"CPU profile: {p.device}",
+        f"  gemm {p.flops['fp32'] / 1e9:.1f} GFLOP/s; copy {p.mem_bw / 1e9:.2f} GB/s; transposing copy "
+        f"{e.get('transpose', 0):.2f} of copy; in-place update {e.get('update', 0):.2f} of copy; bf16 paged decode "
+        f"{e['decode_attention']:.2f} of copy bandwidth",
+        f"  attention, fraction of gemm per computed pair{' (by size sqrt(lq*lk))' if p.curves else ''}: causal "
+        f"token-major {curve('attention_causal')}; causal head-major {curve('attention_causal_hm')}; unmasked "
+        f"{curve('attention')}; GQA-folded {curve('attention_gqa')}",
+        f"  gloo all-to-all: alpha {a2a.alpha * 1e6:.0f} us, beta {a2a.beta / 1e9:.2f} GB/s; ring exchange: alpha "
+        f"{ring.alpha * 1e6:.0f} us, beta {ring.beta / 1e9:.2f} GB/s, {ring.overlap:.0%} hidden behind compute",
+    ]
+    if a2a.cpu_alpha or a2a.cpu_beta or ring.cpu_beta:
+        lines.append(
+            f"  process CPU time of a transfer: all-to-all {a2a.cpu_alpha * 1e6:.0f} us + bytes / "
+            f"{a2a.cpu_beta / 1e9:.2f} GB/s; ring exchange {ring.cpu_alpha * 1e6:.0f} us + bytes / "
+            f"{ring.cpu_beta / 1e9:.2f} GB/s")
+    if a2a.cold_gap:
+        lines.append(f"  a collective reached from {a2a.cold_gap * 1e6:.0f} us of host work costs "
+                     f"{a2a.cold * 1e6:.0f} us more than one right after another")
+    lines.append(
+        f"  with both ranks busy each keeps (wall / CPU time): attention {pct('concurrent_compute')} / "
+        f"{pct('concurrent_compute_cpu')}, bf16 paged decode {pct('concurrent_decode')} / "
+        f"{pct('concurrent_decode_cpu')}, copy {pct('concurrent_bandwidth')} / {pct('concurrent_bandwidth_cpu')}")
+    lines.append(
+        f"  eager op {la['eager'] * 1e6:.1f} us (demo program), small aten op "
+        f"{la.get('simple_op', 0) * 1e6:.1f} us, view {la.get('view', 0) * 1e6:.1f} us; compiled program "
+        f"{la.get('graph_call', 0) * 1e6:.0f} us per call + {la['graph'] * 1e6:.1f} us per kernel")
+    return "\n".join(lines)

@@ -154,8 +154,8 @@ def _validate(argv) -> int:
     ap.add_argument("--pcp-heads", default="32,8", help="without --pcp-json: query,kv heads")
     ap.add_argument("--dcp-context", type=cli.positive_int, default=65536, help="context of the dcp ratio")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="wall: wall-clock ratios (slowest rank); cpu: process CPU-time ratios, predicted as on "
-                         "dedicated cores (bench graph has wall ratios only)")
+                    help="wall: wall-clock ratios (slowest rank); cpu: process CPU-time ratios (slowest rank), "
+                         "predicted with the CPU-time shares and transfer costs (bench graph has wall ratios only)")
     cli.add_json(ap)
     a = ap.parse_args(argv)
     try:
@@ -169,8 +169,7 @@ def _validate(argv) -> int:
         seq, heads, kvh, d, p = sum(s["seq_lens"]), s["heads"], s["kv_heads"], s["head_dim"], pcp["world_size"]
     else:
         seq, (heads, kvh), d, p = a.pcp_seq, (int(x) for x in a.pcp_heads.split(",")), 128, 2
-    ded = a.clock == "cpu"
-    pr = v.predict_pcp(prof, seq=seq, heads=heads, kv_heads=kvh, head_dim=d, pcp=p, dedicated=ded)
+    pr = v.predict_pcp(prof, seq=seq, heads=heads, kv_heads=kvh, head_dim=d, pcp=p, clock=a.clock)
     detail["pcp"] = pr
     pairs.append((f"bench pcp: ring / one rank ({seq} tokens, {heads}/{kvh} heads, P={p}), {a.clock}", pr["ratio"],
                   None if pcp is None else v.measured_pcp(pcp, a.clock)))
@@ -180,10 +179,10 @@ def _validate(argv) -> int:
         c = dcp["config"]
         ctx = ctx if ctx in c["contexts"] else c["contexts"][-1]
         dr = v.predict_dcp(prof, context=ctx, batch=c["batch"], heads=c["hq"], kv_heads=c["hkv"], head_dim=c["d"],
-                           dcp=dcp["dcp"], kv_bytes=2 if c["dtype"] in ("bfloat16", "float16") else 4, dedicated=ded)
+                           dcp=dcp["dcp"], kv_bytes=2 if c["dtype"] in ("bfloat16", "float16") else 4, clock=a.clock)
         meas = v.measured_dcp(dcp, ctx, a.clock)
     else:
-        dr, meas = v.predict_dcp(prof, context=ctx, dedicated=ded), {}
+        dr, meas = v.predict_dcp(prof, context=ctx, clock=a.clock), {}
     detail["dcp"] = dr
     for k, val in dr["ratio"].items():
         pairs.append((f"bench dcp: whole step {k} / one rank ({ctx} context), {a.clock}", val, meas.get(k)))
@@ -208,11 +207,22 @@ def _validate(argv) -> int:
         worst = max((r["error"] for r in rows if r["error"] is not None), default=math.nan)
         print(f"\nlargest error {worst:.1%} (target: within 15%)" if not math.isnan(worst) else
               "\n(no measured values given: pass the benchmarks' --json outputs)")
-        ranks = detail["pcp"]["ranks"]
-        print("\nwhere a PCP rank's time goes (predicted, seconds): " +
-              "; ".join(f"rank {r}: " + ", ".join(f"{k} {x:.3g}" for k, x in parts.items())
-                        for r, parts in enumerate(ranks)))
-    write_json(a.json, {"profile": prof.name, "rows": rows, "detail": detail})
+        one = detail["pcp"]["one_rank_s"]
+        print(f"\nwhere a PCP rank's time goes (predicted, of one rank's {one:.3g} s; before the share of the "
+              f"shared cores, {detail['pcp']['share']:.0%}): " +
+              "; ".join(f"rank {r}: " + ", ".join(f"{k} {x / one:.3g}" for k, x in parts.items())
+                        for r, parts in enumerate(detail["pcp"]["ranks"])))
+        print(f"DCP: a rank keeps {detail['dcp']['share']:.0%} of its decode bandwidth while both decode; "
+              "graph (eager / graph ms, of which collectives, eager's cold extra): " +
+              "; ".join(f"batch {b}: {g['eager_s'] * 1e3:.1f} / {g['graph_s'] * 1e3:.1f}, {g['comm_s'] * 1e3:.1f}, "
+                        f"{g['cold_s'] * 1e3:.1f}" for b, g in detail["graph"].items()))
+        gaps = v.profile_gaps(prof)
+        if gaps:
+            print("\nthis profile predates some calibrated numbers; standing in:")
+            for line in gaps:
+                print(f"  - {line}")
+    write_json(a.json, {"profile": prof.name, "clock": a.clock, "rows": rows, "detail": detail,
+                        "profile_gaps": v.profile_gaps(prof)})
     return 0
 
 

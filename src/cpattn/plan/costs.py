@@ -43,6 +43,37 @@ def causal_pairs(lq: int, lk: int, causal: bool = True) -> int:
     return lq * (lk - lq) + lq * (lq + 1) // 2
 
 
+def flash_tile_pairs(lq: int, lk: int, causal: bool = True, kv_split: int = 512) -> int:
+    """Query-key pairs aten's CPU flash kernel computes for one ``attention_with_lse`` block, masked ones included.
+
+    ``attention_with_lse`` runs a causal block as a square ``lq x lq`` causal diagonal (aten's
+    ``_scaled_dot_product_flash_attention_for_cpu``) plus an unmasked ``lq x (lk - lq)`` prefix. The
+    CPU kernel tiles queries in ``q_split`` rows (256 from 768 queries on, 64 from 192, else 32) and
+    keys in ``kv_split`` (512); for a causal tile of queries ``m .. m + q_split - 1`` it visits keys
+    ``0 .. m + q_split - 1`` in whole key tiles, so the last tile of every row block is computed in
+    full and masked. The waste shrinks with length: 1.50x the exact pairs at 1024 tokens, 1.25x at
+    2048, 1.125x at 4096, 1.06x at 8192. Unmasked blocks compute exactly ``lq * lk``.
+
+    >>> flash_tile_pairs(2048, 2048) / causal_pairs(2048, 2048)  # doctest: +ELLIPSIS
+    1.249...
+    >>> flash_tile_pairs(8, 8), causal_pairs(8, 8), flash_tile_pairs(4, 6, causal=False)
+    (64, 36, 24)
+    """
+    if not causal:
+        return lq * lk
+    if lq > lk:  # rows that precede every key are skipped; the visible ones form an lk x lk diagonal
+        lq = lk
+    n = lq  # the diagonal block is n x n
+    q_split = 256 if n >= 768 else 64 if n >= 192 else 32
+    q_split, ks = min(q_split, n), min(kv_split, n)
+    diag = 0
+    for m in range(0, n, q_split):
+        rows = min(q_split, n - m)
+        keys = min(m + rows, n)
+        diag += rows * min(n, -(-keys // ks) * ks)
+    return diag + lq * (lk - lq)
+
+
 def attention_flops(pairs: int, heads: int, dqk: int, dv: int) -> float:
     """FLOPs of ``pairs`` query-key pairs per head: scores ``2 Dqk`` plus weighted values ``2 Dv``."""
     return 2.0 * pairs * heads * (dqk + dv)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -42,15 +43,41 @@ OP_CLASSES = ("gemm", "attention", "attention_causal", "decode_attention", "elem
 @dataclass(frozen=True)
 class Link:
     """One fabric: ``alpha`` seconds per message step, ``beta`` bytes/s per device and direction,
-    ``overlap`` the fraction of a transfer hidden behind concurrent compute."""
+    ``overlap`` the fraction of a transfer hidden behind concurrent compute.
+
+    Calibrated CPU links (gloo over loopback) also carry what a transfer costs the *process*
+    in CPU time (``cpu_alpha`` seconds per step plus bytes / ``cpu_beta``; 0 where not measured),
+    and ``cold``: the extra seconds a collective costs when the rank arrives at it from
+    ``cold_gap`` seconds (or more) of host work instead of from another collective.
+
+    >>> Link(1e-4, 1e9, cpu_alpha=5e-5, cpu_beta=2e9).cpu_time(1e6), Link(1e-4, 1e9).cpu_time(1e6)
+    (0.00055, 0.0)
+    >>> Link(1e-4, 1e9, cold=3e-4, cold_gap=5e-4).cold_cost(2.5e-4)  # half the calibrated gap
+    0.00015
+    """
 
     alpha: float
     beta: float
     overlap: float = 1.0
+    cpu_alpha: float = 0.0
+    cpu_beta: float = 0.0
+    cold: float = 0.0
+    cold_gap: float = 0.0
 
     def time(self, nbytes: float, steps: int = 1) -> float:
         """``steps * alpha + nbytes / beta`` (seconds)."""
         return steps * self.alpha + nbytes / self.beta
+
+    def cpu_time(self, nbytes: float, steps: int = 1) -> float:
+        """Process CPU seconds of ``steps`` message steps moving ``nbytes`` (0 when not calibrated)."""
+        return steps * self.cpu_alpha + (nbytes / self.cpu_beta if self.cpu_beta > 0 else 0.0)
+
+    def cold_cost(self, gap: float) -> float:
+        """Extra seconds of one collective reached after ``gap`` seconds of host work: ``cold`` at the
+        calibrated gap or longer, in proportion below it (a collective right after another costs alpha)."""
+        if self.cold <= 0 or self.cold_gap <= 0:
+            return 0.0
+        return self.cold * min(1.0, max(gap, 0.0) / self.cold_gap)
 
 
 @dataclass(frozen=True)
@@ -72,10 +99,35 @@ class Profile:
     launch: dict[str, float] = field(default_factory=dict)
     mem_util: float = 0.9
     sources: dict[str, str] = field(default_factory=dict)
+    curves: dict[str, list[list[float]]] = field(default_factory=dict)
 
-    def op_time(self, kind: str, *, flops: float, bytes_: float, dtype: str = "bf16") -> float:
-        """Roofline time of one op: ``max(flops / (peak * eff), bytes / (mem_bw * eff))``."""
-        eff = self.efficiency.get(kind, 1.0)
+    def efficiency_at(self, kind: str, size: float | None = None) -> float:
+        """Achieved fraction of ``kind`` at problem ``size``: from ``curves[kind]`` (``[[size, eff], ...]``
+        measured at a few sizes, interpolated in log(size), held at the end values outside) when the
+        profile has one, else the single ``efficiency[kind]`` (1.0 when absent).
+
+        >>> p = dataclasses.replace(CPU_DEFAULT, curves={"attention": [[1024, 0.6], [4096, 0.8]]})
+        >>> p.efficiency_at("attention", 2048), p.efficiency_at("attention", 100), p.efficiency_at("gemm")
+        (0.7, 0.6, 1.0)
+        """
+        pts = sorted(self.curves.get(kind) or [])
+        if not pts:
+            return self.efficiency.get(kind, 1.0)
+        if size is None:
+            return self.efficiency.get(kind, pts[0][1])
+        if size <= pts[0][0]:
+            return pts[0][1]
+        for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+            if size <= s1:
+                w = math.log(size / s0) / math.log(s1 / s0)
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+    def op_time(self, kind: str, *, flops: float, bytes_: float, dtype: str = "bf16",
+                size: float | None = None) -> float:
+        """Roofline time of one op: ``max(flops / (peak * eff), bytes / (mem_bw * eff))``; ``eff`` is
+        :meth:`efficiency_at` ``size`` when given."""
+        eff = self.efficiency_at(kind, size) if size is not None else self.efficiency.get(kind, 1.0)
         peak = self.flops.get(dtype) or self.flops["bf16"]
         return max(flops / (peak * eff), bytes_ / (self.mem_bw * eff))
 
