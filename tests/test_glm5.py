@@ -370,11 +370,12 @@ def test_decode_step_is_capturable_on_one_rank(name):
 
 
 def test_decode_steps_captured_on_gloo_ranks():
-    """2 gloo ranks, DCP 2: GLM-5 and Qwen3-MoE decode steps compiled (aot_eager, fullgraph) per capture size
-    (2, 4) over gloo collectives; 1..4 requests (1 and 3 padded) replay a graph and equal the eager step."""
+    """2 gloo ranks, DCP 2: GLM-5's decode step compiled (aot_eager, fullgraph) per capture size (2, 4) over gloo
+    collectives; 1..4 requests (1 and 3 padded) replay a graph and equal the eager step. (Qwen3-MoE's step:
+    captured on one rank in test_moe.py; any program over gloo collectives: test_graphs.py.)"""
     from glm5_gloo_cases import capture_many
 
-    for name, per_rank in zip(("glm_moe_dsa", "qwen3_moe"), zip(*spawn(2, capture_many, ["glm_moe_dsa", "qwen3_moe"]))):
+    for name, per_rank in zip(("glm_moe_dsa",), zip(*spawn(2, capture_many, ["glm_moe_dsa"]))):
         for res in per_rank:
             assert [path for _, _, path, _, _, _ in res] == ["graph:2", "graph:2", "graph:4", "graph:4"], name
             for g_logits, e_logits, _, g_arg, e_arg, _ in res:
