@@ -155,6 +155,17 @@ def target_sizes(cfg: Any) -> dict:
             "rms_norm_eps": cfg.rms_norm_eps}
 
 
+def check_features(cfg: DSparkConfig, n: int) -> None:
+    """Raise unless ``n`` features per position are what this head's fc reads (:attr:`DSparkConfig.feature_size`).
+
+    >>> check_features(DSparkConfig(16, 32, 1, 2, 1, 8, 32, (0, 2), 2, 31, 4), 32)
+    """
+    if n != cfg.feature_size:
+        raise ValueError(f"the target's rows of layers {cfg.target_layer_ids} have {n} features per position; this "
+                         f"head's fc reads {cfg.feature_size} (target_hidden_size={cfg.target_hidden_size} per "
+                         f"layer): it was made for another target (DSparkConfig.for_target)")
+
+
 def context(params: dict, cfg: DSparkConfig, rows: dict | torch.Tensor) -> torch.Tensor:
     """``hidden_norm(fc([h_l1 ; h_l2 ; ..]))``: target rows ``{layer: [..., target_hidden_size]}`` (or their
     concatenation [..., feature_size]) -> [..., H].
@@ -165,10 +176,7 @@ def context(params: dict, cfg: DSparkConfig, rows: dict | torch.Tensor) -> torch
     [1.0, 1.0]
     """
     h = rows if isinstance(rows, torch.Tensor) else torch.cat([rows[i] for i in cfg.target_layer_ids], -1)
-    if h.shape[-1] != cfg.feature_size:
-        raise ValueError(f"target rows have {h.shape[-1]} features per position; this head's fc reads "
-                         f"{len(cfg.target_layer_ids)} layers x target_hidden_size={cfg.target_hidden_size} = "
-                         f"{cfg.feature_size}: it was made for another target (DSparkConfig.for_target)")
+    check_features(cfg, h.shape[-1])
     return rms_norm(F.linear(h.to(params["fc.weight"].dtype), params["fc.weight"]), params["hidden_norm.weight"],
                     cfg.rms_norm_eps)
 
@@ -349,13 +357,9 @@ class DSparkState:
                              f"most block_size drafts (or train a head with a larger block)")
         if hidden is None:
             raise ValueError("DSpark reads the target's hidden states: propose(..., hidden=TargetHidden)")
-        a, q = hidden.rows[self.cfg.target_layer_ids[0]].shape[:2]
-        feats = torch.cat([hidden.rows[i].reshape(a, q, -1) for i in self.cfg.target_layer_ids], -1)  # [A, Q, F]
-        if feats.shape[-1] != self.cfg.feature_size:
-            raise ValueError(f"the target's rows of layers {self.cfg.target_layer_ids} have {feats.shape[-1]} "
-                             f"features per position; this head reads {self.cfg.feature_size} "
-                             f"(target_hidden_size={self.cfg.target_hidden_size} per layer): it was made for "
-                             f"another target (DSparkConfig.for_target)")
+        feats = torch.cat([hidden.rows[i] for i in self.cfg.target_layer_ids], -1)  # [A, Q, F]
+        check_features(self.cfg, feats.shape[-1])
+        a, q = feats.shape[:2]
         req, pos = [], []
         for i, (r, h) in enumerate(zip(requests, histories)):
             start, valid = hidden.start[i], hidden.valid[i]

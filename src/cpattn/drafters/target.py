@@ -271,14 +271,13 @@ def save(path: str | os.PathLike, model: str, cfg: Any, params: dict, corpus: Co
 def load(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[str, Any, dict]:
     """(family name, family config, params) of a checkpoint directory (see :func:`save`).
 
-    The embedding comes first in ``params``: the engine takes its KV cache's dtype from the first tensor, and a
-    DeepSeek-V3 checkpoint's router weights stay float32 whatever ``dtype`` is.
+    A DeepSeek-V3 checkpoint's router weights stay float32 whatever ``dtype`` is; the engine keeps its caches
+    in the dtype most weights have (:func:`~cpattn.engine.family.param_dtype`).
     """
     from cpattn.models import load_checkpoint
 
     config, params = load_checkpoint(path, dtype=dtype)
     fam = get_family(config)
-    params = dict(sorted(params.items(), key=lambda item: item[0] != "model.embed_tokens.weight"))
     return fam.name, fam.config_class.from_hf(config), params
 
 

@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from cpattn.engine.dense_cache import DenseKVCache
-from cpattn.engine.family import ModelFamily, get_family
+from cpattn.engine.family import ModelFamily, get_family, param_dtype
 
 
 @dataclass(frozen=True)
@@ -257,9 +257,8 @@ class ModelDraftState:
     def __init__(self, drafter: ModelDrafter, num_requests: int, max_len: int):
         self.family = get_family(drafter.model)
         self.params, self.cfg = drafter.params, drafter.cfg
-        dtype = next(iter(self.params.values())).dtype
         self.cache = DenseKVCache.empty(self.family.kv_layouts(self.cfg), batch=num_requests, max_len=max_len,
-                                        dtype=dtype)
+                                        dtype=param_dtype(self.params))
         self.held: list[list[int]] = [[] for _ in range(num_requests)]
 
     def propose(self, histories: list[list[int]], k: int, requests: list[int],

@@ -51,11 +51,13 @@ import time
 import torch
 
 from cpattn.bench.common import measure, ratio
-from cpattn.plan.profiles import CPU_DEFAULT, Link, Profile
+import dataclasses
+
+from cpattn.plan.costs import causal_pairs, flash_tile_pairs
+from cpattn.plan.profiles import CPU_DEFAULT, LEGACY_ATTN_TOKENS, Link, Profile
 
 # (tokens, heads) of the two attention sizes: the long one with fewer heads keeps the rounds short
 ATTN_SIZES = {"full": ((1024, 8), (4096, 2)), "quick": ((512, 8), (1024, 4))}
-LEGACY_ATTN_TOKENS = 2048  # the one size profiles calibrated before curves measured (causal 2048^2, unmasked 1024 x 2048)
 
 
 def _cpu(s) -> float:
@@ -219,7 +221,7 @@ def compute_part(quick: bool = False) -> dict:
     work = {}
     for i, (t, h) in enumerate(ATTN_SIZES["quick" if quick else "full"]):
         for kind in ATTN_KINDS:
-            if kind == "attention_gqa" and i:  # GQA at one size (not on the validated paths)
+            if kind == "attention_gqa" and i:  # GQA at one size (the validated PCP case is MHA)
                 continue
             fns[(kind, i)], flops, size = attention_case(kind, t, h)
             work[(kind, i)] = (flops, size)
@@ -329,6 +331,21 @@ def comm_part(quick: bool = False, timeout_s: float = 300.0) -> dict:
             "cold": max(0.0, cold["extra"]), "cold_gap": cold["work"], "raw": res}
 
 
+def exact_pair_rate(kind: str, curve: list[list[float]]) -> float:
+    """``efficiency[kind]`` from a measured curve (rate per *computed* pair by size): the rate per *exact*
+    pair at :data:`~cpattn.plan.profiles.LEGACY_ATTN_TOKENS`, what that key has always meant (the model's
+    attention costs and profiles without curves read it so).
+
+    >>> round(exact_pair_rate("attention_causal", [[1024, 0.8], [4096, 0.8]]), 3)  # 2048^2 causal: 1.25x computed
+    0.64
+    >>> exact_pair_rate("attention", [[1024, 0.8], [4096, 0.8]])
+    0.8
+    """
+    n = LEGACY_ATTN_TOKENS
+    e = dataclasses.replace(CPU_DEFAULT, curves={kind: curve}).efficiency_at(kind, n)
+    return e * causal_pairs(n, n) / flash_tile_pairs(n, n) if "causal" in kind else e
+
+
 def calibrate(quick: bool = False, timeout_s: float = 300.0) -> Profile:
     """Measure this machine and return its CPU :class:`Profile` (see module doc)."""
     t0 = time.time()
@@ -342,7 +359,7 @@ def calibrate(quick: bool = False, timeout_s: float = 300.0) -> Profile:
     gemm = c["gemm"]
     curves = c["curves"]
     conc = m["concurrent"]
-    eff = {"gemm": 1.0, **{k: pts[-1][1] for k, pts in curves.items()},
+    eff = {"gemm": 1.0, **{k: exact_pair_rate(k, pts) for k, pts in curves.items()},
            "decode_attention": c["decode_attention_bw"] / c["copy_bw"],
            "transpose": c["transpose_bw"] / c["copy_bw"], "update": c["update_bw"] / c["copy_bw"], "elementwise": 1.0,
            "concurrent_compute": min(1.0, conc["attention"]), "concurrent_compute_cpu": min(1.0, conc["attention_cpu"]),

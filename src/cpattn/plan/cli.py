@@ -198,7 +198,7 @@ def _validate(argv) -> int:
     detail["graph"] = gr
     for b, val in gr.items():
         pairs.append((f"bench graph: eager / graph, batch {b}, wall", val["speedup"], meas_g.get(b)))
-    rows = v.table(pairs)
+    rows, gaps = v.table(pairs), v.profile_gaps(prof)
     with cli.report_to(a.json):
         print(f"profile: {prof.device}")
         shown = [{**r, "error": "-" if r["error"] is None else f"{r['error']:.1%}",
@@ -216,13 +216,12 @@ def _validate(argv) -> int:
               "graph (eager / graph ms, of which collectives, eager's cold extra): " +
               "; ".join(f"batch {b}: {g['eager_s'] * 1e3:.1f} / {g['graph_s'] * 1e3:.1f}, {g['comm_s'] * 1e3:.1f}, "
                         f"{g['cold_s'] * 1e3:.1f}" for b, g in detail["graph"].items()))
-        gaps = v.profile_gaps(prof)
         if gaps:
             print("\nthis profile predates some calibrated numbers; standing in:")
             for line in gaps:
                 print(f"  - {line}")
     write_json(a.json, {"profile": prof.name, "clock": a.clock, "rows": rows, "detail": detail,
-                        "profile_gaps": v.profile_gaps(prof)})
+                        "profile_gaps": gaps})
     return 0
 
 

@@ -37,6 +37,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
+# ``efficiency[kind]`` of an attention kind is the rate per exact query-key pair at this many tokens (the one
+# size profiles were calibrated at before ``curves``; calibrated profiles keep writing it that way)
+LEGACY_ATTN_TOKENS = 2048
 OP_CLASSES = ("gemm", "attention", "attention_causal", "decode_attention", "elementwise")
 
 

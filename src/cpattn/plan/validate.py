@@ -46,10 +46,9 @@ import torch
 
 from cpattn.comm.group import Group, Pending
 from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, flash_tile_pairs
-from cpattn.plan.profiles import Link, Profile
+from cpattn.plan.profiles import LEGACY_ATTN_TOKENS, Link, Profile
 
 CLOCKS = ("wall", "cpu")
-LEGACY_ATTN_TOKENS = 2048  # profiles without curves measured attention at this one size (causal 2048 x 2048)
 
 
 def _check_clock(clock: str) -> None:
@@ -114,10 +113,9 @@ def _attn(prof: Profile, lq: int, lk: int, causal: bool, heads: int, kv_heads: i
         ("attention_gqa" if heads != kv_heads else "attention")
     flops = attention_flops(flash_tile_pairs(lq, lk, causal), heads, d, d)
     if kind in prof.curves:
-        eff = prof.efficiency_at(kind, (lq * lk) ** 0.5)
-    else:
-        n = LEGACY_ATTN_TOKENS
-        eff = prof.efficiency.get(kind, 1.0) * (flash_tile_pairs(n, n) / causal_pairs(n, n) if causal else 1.0)
+        return prof.op_time(kind, flops=flops, bytes_=0.0, dtype="fp32", size=(lq * lk) ** 0.5)
+    n = LEGACY_ATTN_TOKENS
+    eff = prof.efficiency.get(kind, 1.0) * (flash_tile_pairs(n, n) / causal_pairs(n, n) if causal else 1.0)
     return flops / (prof.flops["fp32"] * eff)
 
 
