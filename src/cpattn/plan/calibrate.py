@@ -162,24 +162,15 @@ def _eager_op_cost(reps: int) -> tuple[float, float]:
 
 
 # the demo program's widths in `cpattn bench graph` (its defaults), 2 layers, one request
-EAGER_PROGRAM = dict(num_layers=2, hidden=256, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
-
-
 def _eager_program_op_cost(reps: int, view_cost: float, context: int = 128) -> float:
-    """Seconds per aten op of cpattn's eager code: one eager decode step of the demo program
-    (:data:`EAGER_PROGRAM`, batch 1, ``context`` cached tokens) on one rank (a group of one: no
-    collectives), less its views, over the number of ops it dispatches (traced)."""
+    """Seconds per aten op of cpattn's eager code: one eager decode step of the demo program at
+    ``cpattn bench graph``'s widths (2 layers, batch 1, ``context`` cached tokens) on one rank (a group of
+    one: no collectives), less its views, over the number of ops it dispatches (traced)."""
     from cpattn.comm.sim import SimMesh
-    from cpattn.graphs import demo_program as dp
-    from cpattn.plan.validate import count_ops
+    from cpattn.plan.validate import count_ops, demo_step
 
-    mb = -(-(context + 1) // EAGER_PROGRAM["block_size"]) + 1
-    cfg = dp.ProgramConfig(**EAGER_PROGRAM, max_blocks=mb, num_blocks=mb)
-    state = dp.init_state(cfg, dp.init_params(cfg), poison=0.0)
-    step = dp.make_step(cfg, SimMesh(1).groups()[0])
-    batch = {"x": torch.randn(1, cfg.hidden), "seq_lens": torch.full((1,), context + 1),
-             "block_table": torch.arange(mb).view(1, mb), "cu_seqlens_q": torch.arange(2, dtype=torch.int32)}
-    step(state, batch)
+    step, state, batch = demo_step(layers=2, hidden=256, heads=8, kv_heads=2, head_dim=32, context=context, batch=1,
+                                   dcp=1, group=SimMesh(1).groups()[0])
     ops = count_ops(lambda: step(state, batch))
     sec = _cpu(measure({"f": lambda: step(state, batch)}, reps, inner=5, warmup=1)["f"])
     return max(sec - ops["views"] * view_cost, 0.0) / ops["ops"]

@@ -298,6 +298,32 @@ def count_ops(fn) -> dict:
     return {"ops": sum(k != "view" for k in seq), "views": seq.count("view"), "kernels": kernels}
 
 
+def demo_step(*, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, context: int, batch: int,
+              dcp: int, merge: str = "ag_rs", group: Group | None = None):
+    """(step, state, inputs) of one eager decode step of the demo program (``cpattn bench graph``'s) on rank 0
+    of ``dcp``: ``batch`` requests at ``context + 1`` tokens, 16-token blocks; ``group``: an
+    :class:`EchoGroup` of ``dcp`` ranks unless given. The step has run once (warm).
+
+    >>> step, state, x = demo_step(layers=1, hidden=32, heads=4, kv_heads=1, head_dim=8, context=16, batch=2, dcp=2)
+    >>> step(state, x).shape
+    torch.Size([2, 32])
+    """
+    from cpattn.graphs import demo_program as dp
+
+    local = -(-(context + 1) // dcp)
+    mb = -(-local // 16) + 1
+    cfg = dp.ProgramConfig(num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                           head_dim=head_dim, block_size=16, interleave_size=1, max_blocks=mb, num_blocks=batch * mb,
+                           merge=merge)
+    state = dp.init_state(cfg, dp.init_params(cfg), 0, dcp, poison=0.0)
+    step = dp.make_step(cfg, group if group is not None else EchoGroup(dcp))
+    inputs = {"x": torch.randn(batch, hidden), "seq_lens": torch.full((batch,), context + 1),
+              "block_table": torch.arange(batch * mb).view(batch, mb),
+              "cu_seqlens_q": torch.arange(batch + 1, dtype=torch.int32)}
+    step(state, inputs)
+    return step, state, inputs
+
+
 def graph_program_ops(layers: int = 4, hidden: int = 256, heads: int = 8, kv_heads: int = 2, head_dim: int = 32,
                       context: int = 256, batch: int = 8, dcp: int = 2, merge: str = "ag_rs") -> dict:
     """Ops of rank 0's eager decode step of the demo program (``cpattn bench graph``'s), traced with its
@@ -308,21 +334,9 @@ def graph_program_ops(layers: int = 4, hidden: int = 256, heads: int = 8, kv_hea
     >>> ops["ops"] > ops["kernels"] > 0 and ops["views"] > 0
     True
     """
-    from cpattn.graphs import demo_program as dp
-
-    local = -(-(context + 1) // dcp)
-    mb = -(-local // 16) + 1
-    cfg = dp.ProgramConfig(num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
-                           head_dim=head_dim, block_size=16, interleave_size=1, max_blocks=mb, num_blocks=batch * mb,
-                           merge=merge)
-    g = EchoGroup(dcp)
-    state = dp.init_state(cfg, dp.init_params(cfg), 0, dcp, poison=0.0)
-    step = dp.make_step(cfg, g)
-    batch_in = {"x": torch.randn(batch, hidden), "seq_lens": torch.full((batch,), context + 1),
-                "block_table": torch.arange(batch * mb).view(batch, mb),
-                "cu_seqlens_q": torch.arange(batch + 1, dtype=torch.int32)}
-    step(state, batch_in)
-    return count_ops(lambda: step(state, batch_in))
+    step, state, inputs = demo_step(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    context=context, batch=batch, dcp=dcp, merge=merge)
+    return count_ops(lambda: step(state, inputs))
 
 
 GRAPH_COLLECTIVES = {  # per layer of the demo program, (collective, bytes as a function of b, heads, hl, d, hidden)
