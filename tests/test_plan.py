@@ -210,6 +210,32 @@ def test_pcp_splits_prefill_and_the_merge_variants_order():
     assert costs["local_a2a"] < costs["a2a"] < costs["ag_rs"]
 
 
+def test_data_parallel_replicas_share_the_experts():
+    """dp=2: one prompt's attention runs on one TP replica (as with dp=1) while the routed experts of both
+    replicas serve its tokens; each replica holds its own requests' KV."""
+    spec, prof = get_model("deepseek-r1", weights="w8a8"), ASCEND_910C
+    one, two = (predict(spec, prof, Layout(8, dp=dp), context=32768, batch=1) for dp in (1, 2))
+    assert two.layout.devices == 16 and str(two.layout) == "tp=8 pcp=1 dcp=1 dp=2"
+    assert math.isclose(two.parts["prefill"]["attention"], one.parts["prefill"]["attention"])
+    assert two.parts["prefill"]["gemm"] < one.parts["prefill"]["gemm"]
+    assert two.weights_bytes < one.weights_bytes and two.max_requests >= 2 * one.max_requests
+    # two prompts on two replicas: the same attention time as one prompt on one
+    pair = predict(spec, prof, Layout(8, dp=2), context=32768, batch=2)
+    assert math.isclose(pair.parts["prefill"]["attention"], one.parts["prefill"]["attention"])
+
+
+def test_pcp_anchor_uses_the_published_configurations():
+    from cpattn.plan.anchors import PCP_PUBLISHED, pcp_anchor
+
+    want = {(get_model(m).name, c): 1 - p / b for m, (_, cells) in PCP_PUBLISHED.items() for c, b, p in cells}
+    rows = pcp_anchor()
+    assert [(r["model"], r["context"]) for r in rows] == list(want)
+    for r in rows:
+        assert math.isclose(r["published_reduction"], want[r["model"], r["context"]])
+        assert 0 < r["fitted_reduction"] < r["ttft_reduction"] < 0.5  # fitting weighs the per-token work up
+        assert r["scales"][0] > 1 and r["scales"][1] > 0
+
+
 def test_nothing_fits_is_said():
     spec, prof = get_model("kimi-k2"), get_profile("h200")
     preds = [predict(spec, prof, lay, context=131072, batch=64) for lay in layouts(spec, 8)]

@@ -9,9 +9,10 @@ Prefill (TTFT of ``batch`` prompts of ``context`` tokens): per layer, each
 PCP rank runs the projections and MLP on its ``1/pcp`` of the tokens
 (``1/tp`` of the weights), its balanced share of the causal attention pairs,
 a TP all-reduce after attention and after a dense MLP, the expert-parallel
-dispatch and combine of MoE layers (routed experts spread over the engine's
-``tp * pcp`` devices, the token rows split over TP; bytes that leave the
-node go over the slower fabric), and the PCP KV exchange: ``ring`` (P-1 steps of one
+dispatch and combine of MoE layers (routed experts spread over all the
+engine's devices, whose routed FLOPs every prompt's tokens share, the token
+rows split over TP; bytes that leave the node go over the slower fabric),
+and the PCP KV exchange: ``ring`` (P-1 steps of one
 rank's KV, each step hidden behind that step's attention) or ``allgather``
 (one gather, not hidden, as vLLM-Ascend does).
 
@@ -25,10 +26,14 @@ all-to-all; "fold" local heads, LSE all-gather, merge folded into the TP
 all-reduce), plus a launch cost per kernel (graph mode).
 
 Memory: weights per device (attention and dense weights over TP, routed
-experts over the whole engine, ``tp * pcp`` devices); the rest of
+experts over the whole engine, ``tp * pcp * dp`` devices); the rest of
 ``mem_util`` of the device, less a 5% reserve, holds KV. KV per token and
 device: one layer's bytes (:meth:`ModelSpec.kv_bytes_per_token_layer`, KV
 heads over TP, replicated past ``num_kv_heads``) divided by ``dcp * pcp``.
+
+Data parallelism (``dp`` > 1): the batch is dealt over the replicas; one
+replica's attention, projections and dense work run on ``ceil(batch / dp)``
+prompts, and the routed experts of every device serve all of them.
 
 Example
 -------
@@ -58,18 +63,21 @@ KERNELS_PER_LAYER = {"prefill": 24, "decode": 30}  # launches per layer (norms, 
 @dataclass(frozen=True)
 class Layout:
     """tp: tensor-parallel ranks; pcp: prefill context-parallel ranks (added); dcp: decode context-parallel
-    ranks (a share of the TP ranks). Devices: ``tp * pcp``."""
+    ranks (a share of the TP ranks); dp: attention data-parallel replicas of ``tp * pcp`` devices each that
+    share one expert-parallel group (vLLM's ``--data-parallel-size`` with ``--enable-expert-parallel``).
+    Devices: ``tp * pcp * dp``, all of them in the expert-parallel group."""
 
     tp: int
     pcp: int = 1
     dcp: int = 1
+    dp: int = 1
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pcp
+        return self.tp * self.pcp * self.dp
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pcp={self.pcp} dcp={self.dcp}"
+        return f"tp={self.tp} pcp={self.pcp} dcp={self.dcp}" + (f" dp={self.dp}" if self.dp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ class Prediction:
 # ----------------------------------------------------------------------------- memory
 def weights_per_device(spec: ModelSpec, lay: Layout) -> float:
     """Weight bytes on one device: attention, dense MLP, shared experts, embedding and lm_head over TP;
-    routed experts over the engine's ``tp * pcp`` devices."""
+    routed experts over all the engine's devices (``tp * pcp * dp``)."""
     wb = spec.weight_bytes()
     routed = sum(spec.mlp_params(i)[1] for i in range(spec.layers))
     rest = spec.total_params() - routed
@@ -163,18 +171,19 @@ def prefill_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batc
     dt = opts.compute_dtype
     cached = int(context * opts.prefix_hit)
     new = context - cached
-    tokens = batch * new / lay.pcp  # per PCP rank
+    mine = math.ceil(batch / lay.dp)  # prompts one DP replica prefills
+    tokens = mine * new / lay.pcp  # per PCP rank
     dpn = prof.devices_per_node
-    tp_link, pcp_link = prof.link(lay.tp > dpn), prof.link(lay.devices > dpn)
+    tp_link, pcp_link = prof.link(lay.tp > dpn), prof.link(lay.tp * lay.pcp > dpn)
     wb = spec.weight_bytes()
     gemm = attn = comm_tp = comm_pcp = comm_ep = other = 0.0
     for i in range(spec.layers):
         shared, routed = spec.mlp_params(i)
-        active = spec.attn_params() + shared + (spec.experts_per_token * routed // spec.experts if routed else 0)
-        w_bytes = wb * ((spec.attn_params() + shared) / lay.tp + routed / lay.devices)
-        gemm += prof.op_time("gemm", flops=2.0 * tokens * active / lay.tp, bytes_=w_bytes, dtype=dt)
-        a_flops = batch * _prefill_attention_flops(spec, new, cached) / lay.pcp / lay.tp
-        kv_bytes = _kv_exchange_bytes(spec, int(batch * (new + cached) / lay.pcp), lay.tp)
+        dense, one = spec.attn_params() + shared, (routed // spec.experts if routed else 0)
+        flops = 2.0 * tokens * dense / lay.tp + 2.0 * batch * new * spec.experts_per_token * one / lay.devices
+        gemm += prof.op_time("gemm", flops=flops, bytes_=wb * (dense / lay.tp + routed / lay.devices), dtype=dt)
+        a_flops = mine * _prefill_attention_flops(spec, new, cached) / lay.pcp / lay.tp
+        kv_bytes = _kv_exchange_bytes(spec, int(mine * (new + cached) / lay.pcp), lay.tp)
         a_time = prof.op_time("attention_causal", flops=a_flops, bytes_=kv_bytes, dtype=dt)
         attn += a_time
         if lay.tp > 1:  # after attention, and after a dense MLP (routed experts reduce in the combine)
@@ -190,7 +199,7 @@ def prefill_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batc
                 comm_pcp += collective_time("all_gather", kv_bytes, lay.pcp, pcp_link)
         other += prof.op_time("elementwise", flops=0.0, bytes_=12 * tokens * spec.hidden * ACT / lay.tp, dtype=dt)
         other += KERNELS_PER_LAYER["prefill"] * prof.launch.get("eager", 0.0)
-    head = prof.op_time("gemm", flops=2.0 * batch * spec.vocab * spec.hidden / lay.tp,
+    head = prof.op_time("gemm", flops=2.0 * mine * spec.vocab * spec.hidden / lay.tp,
                         bytes_=wb * spec.vocab * spec.hidden / lay.tp, dtype=dt)
     parts = {"gemm": gemm, "attention": attn, "tp_comm": comm_tp, "ep_comm": comm_ep, "pcp_comm": comm_pcp,
              "other": other + head}
@@ -229,18 +238,19 @@ def decode_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch
     """
     dt = opts.compute_dtype
     tp, dcp, pcp = lay.tp, lay.dcp, lay.pcp
+    everyone, batch = batch, math.ceil(batch / lay.dp)  # all requests; those of one DP replica
     wb = spec.weight_bytes()
     kvb = WEIGHT_BYTES[spec.kv_dtype]
     dpn = prof.devices_per_node
-    link, pcp_link = prof.link(tp > dpn), prof.link(lay.devices > dpn)
+    link, pcp_link = prof.link(tp > dpn), prof.link(tp * pcp > dpn)
     gemm = attn = comm_tp = comm_cp = comm_ep = other = 0.0
     for i in range(spec.layers):
         shared, routed = spec.mlp_params(i)
-        one = routed // spec.experts if routed else 0
-        touched = expected_experts(spec.experts, batch * spec.experts_per_token) if routed else 0.0
-        w_bytes = wb * ((spec.attn_params() + shared) / tp + touched * one / lay.devices)
-        active = spec.attn_params() + shared + spec.experts_per_token * one
-        gemm += prof.op_time("gemm", flops=2.0 * batch * active / tp, bytes_=w_bytes, dtype=dt)
+        dense, one = spec.attn_params() + shared, (routed // spec.experts if routed else 0)
+        touched = expected_experts(spec.experts, everyone * spec.experts_per_token) if routed else 0.0
+        w_bytes = wb * (dense / tp + touched * one / lay.devices)
+        flops = 2.0 * batch * dense / tp + 2.0 * everyone * spec.experts_per_token * one / lay.devices
+        gemm += prof.op_time("gemm", flops=flops, bytes_=w_bytes, dtype=dt)
         shards = dcp * pcp
         local = context / shards  # tokens each device attends
         h_dev = spec.heads / tp
@@ -281,13 +291,14 @@ def predict(spec: ModelSpec, prof: Profile, lay: Layout, *, context: int, batch:
     per_tok = kv_bytes_per_token(spec, lay)
     capacity = prof.mem_bytes * (prof.mem_util - opts.reserve) - w
     per_req = per_tok * (context + opts.output)
-    max_req = max(0, int(capacity // per_req)) if per_req > 0 else 0
+    max_req = lay.dp * max(0, int(capacity // per_req)) if per_req > 0 else 0  # each replica holds its own
     max_req = min(max_req, opts.max_requests)
     pre = prefill_time(spec, prof, lay, context, batch, opts)
     dec = decode_time(spec, prof, lay, context, batch, opts)
     at_max = decode_time(spec, prof, lay, context, max_req, opts)["total"] if max_req else math.inf
     tput = max_req / at_max / lay.devices if max_req else 0.0
-    return Prediction(lay, pre["total"], dec["total"], w, per_tok, per_tok * batch * (context + opts.output),
+    kv = per_tok * math.ceil(batch / lay.dp) * (context + opts.output)
+    return Prediction(lay, pre["total"], dec["total"], w, per_tok, kv,
                       max_req, max_req >= batch, tput, {"prefill": pre, "decode": dec})
 
 
