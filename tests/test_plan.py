@@ -158,6 +158,17 @@ def test_echo_group_counts_one_ranks_ops_only():
     two = graph_program_ops(layers=1, hidden=32, heads=4, kv_heads=1, head_dim=8, context=32, batch=2, dcp=2)
     one = graph_program_ops(layers=1, hidden=32, heads=4, kv_heads=1, head_dim=8, context=32, batch=2, dcp=1)
     assert two["ops"] > one["ops"]  # the merge of the partials
+    assert one["collectives"] == []
+    # the traced collectives per layer: kinds, and bytes from the shapes (b=2 requests, h=4 heads, d=8, hidden 32)
+    b, h, d, x = 2, 4, 8, 32
+    want = {"ag_rs": [("all_gather", b * h // 2 * d * 4), ("all_gather", b * h * 4), ("reduce_scatter", b * h * d * 4),
+                      ("all_reduce", b * x * 4)],
+            "a2a": [("all_gather", b * h // 2 * d * 4), ("all_to_all", b * h * (d + 1) * 4), ("all_reduce", b * x * 4)],
+            "local_a2a": [("all_to_all", b * h * (d + 1) * 4), ("all_reduce", b * x * 4)],
+            "fold": [("all_gather", b * h * 4), ("all_reduce", b * x * 4)]}
+    for merge, per_layer in want.items():
+        got = graph_program_ops(layers=2, hidden=x, heads=h, kv_heads=1, head_dim=d, context=32, batch=b, merge=merge)
+        assert got["collectives"] == per_layer * 2, merge
     link = Link(1e-4, 1e9, cold=2e-4, cold_gap=1e-4)
     prof = dataclasses.replace(CPU_DEFAULT, links={**CPU_DEFAULT.links, "a2a": link})
     g = predict_graph(prof, layers=1, batches=(2,), hidden=32, heads=4, kv_heads=1, head_dim=8, context=32)[2]

@@ -241,6 +241,7 @@ class EchoGroup(Group):
     def __init__(self, size: int):
         super().__init__()
         self.rank, self.size = 0, size
+        self.trace: list[tuple[str, int]] = []  # (collective, this rank's input bytes), in call order
 
     @staticmethod
     def _quiet(fn):
@@ -250,18 +251,23 @@ class EchoGroup(Group):
             return fn()
 
     def _all_gather(self, x):
+        self.trace.append(("all_gather", x.nbytes))
         return self._quiet(lambda: torch.cat([x] * self.size))
 
     def _reduce_scatter(self, x):
+        self.trace.append(("reduce_scatter", x.nbytes))
         return self._quiet(lambda: x.view(self.size, -1, *x.shape[1:]).sum(0))
 
     def _all_to_all(self, x):
+        self.trace.append(("all_to_all", x.nbytes))
         return self._quiet(lambda: x.clone())
 
     def _all_reduce(self, x):
+        self.trace.append(("all_reduce", x.nbytes))
         return self._quiet(lambda: x * self.size)
 
     def _ring_start(self, x, recv, shift):
+        self.trace.append(("ring", x.nbytes))
         return Pending(lambda: self._quiet(lambda: recv.zero_()))
 
 
@@ -328,26 +334,20 @@ def graph_program_ops(layers: int = 4, hidden: int = 256, heads: int = 8, kv_hea
                       context: int = 256, batch: int = 8, dcp: int = 2, merge: str = "ag_rs") -> dict:
     """Ops of rank 0's eager decode step of the demo program (``cpattn bench graph``'s), traced with its
     collectives answered by an :class:`EchoGroup` of ``dcp`` ranks (they are priced apart), each request
-    at ``context + 1`` tokens.
+    at ``context + 1`` tokens: :func:`count_ops`'s counts plus "collectives", the step's
+    ``(collective, input bytes)`` in call order.
 
     >>> ops = graph_program_ops(layers=1, hidden=32, heads=4, kv_heads=1, head_dim=8, context=16, batch=2)
     >>> ops["ops"] > ops["kernels"] > 0 and ops["views"] > 0
     True
+    >>> [kind for kind, _ in ops["collectives"]]  # ag_rs: query heads, LSE, merge, then the TP reduction
+    ['all_gather', 'all_gather', 'reduce_scatter', 'all_reduce']
     """
+    group = EchoGroup(dcp)
     step, state, inputs = demo_step(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                    context=context, batch=batch, dcp=dcp, merge=merge)
-    return count_ops(lambda: step(state, inputs))
-
-
-GRAPH_COLLECTIVES = {  # per layer of the demo program, (collective, bytes as a function of b, heads, hl, d, hidden)
-    "ag_rs": [("all_gather", lambda b, h, hl, d, x: b * hl * d * 4), ("all_gather", lambda b, h, hl, d, x: b * h * 4),
-              ("reduce_scatter", lambda b, h, hl, d, x: b * h * d * 4), ("all_reduce", lambda b, h, hl, d, x: b * x * 4)],
-    "a2a": [("all_gather", lambda b, h, hl, d, x: b * hl * d * 4),
-            ("all_to_all", lambda b, h, hl, d, x: b * h * (d + 1) * 4), ("all_reduce", lambda b, h, hl, d, x: b * x * 4)],
-    "local_a2a": [("all_to_all", lambda b, h, hl, d, x: b * h * (d + 1) * 4),
-                  ("all_reduce", lambda b, h, hl, d, x: b * x * 4)],
-    "fold": [("all_gather", lambda b, h, hl, d, x: b * h * 4), ("all_reduce", lambda b, h, hl, d, x: b * x * 4)],
-}
+                                    context=context, batch=batch, dcp=dcp, merge=merge, group=group)
+    group.trace.clear()  # the warm-up step's
+    return {**count_ops(lambda: step(state, inputs)), "collectives": list(group.trace)}
 
 
 def predict_graph(prof: Profile, *, layers: int = 4, batches=(1, 8, 32), dcp: int = 2, merge: str = "ag_rs",
@@ -356,15 +356,13 @@ def predict_graph(prof: Profile, *, layers: int = 4, batches=(1, 8, 32), dcp: in
     wall clock); see module doc. Per batch: eager_s, graph_s, comm_s, cold_s (the eager collectives'
     extra), ops (:func:`graph_program_ops`) and speedup."""
     link = prof.links.get("a2a", prof.links["intra"])
-    hidden, heads, d = program.get("hidden", 256), program.get("heads", 8), program.get("head_dim", 32)
     share = concurrent_share(prof, "compute", "wall")
     la = prof.launch
     out = {}
     for b in batches:
         ops = graph_program_ops(layers=layers, batch=b, dcp=dcp, merge=merge, **program)
-        per_layer = [(k, f(b, heads, heads // dcp, d, hidden)) for k, f in GRAPH_COLLECTIVES[merge]]
-        n_coll = layers * len(per_layer) if dcp > 1 else 0
-        comm = layers * sum(collective_time(k, n, dcp, link, "a2a") for k, n in per_layer)
+        n_coll = len(ops["collectives"])
+        comm = sum(collective_time(k, n, dcp, link, "a2a") for k, n in ops["collectives"])
         host = (ops["ops"] * la["eager"] + ops["views"] * la.get("view", 0.0)) / share
         cold = n_coll * link.cold_cost(host / max(n_coll, 1))
         eager = host + comm + cold
