@@ -233,6 +233,19 @@ def test_data_parallel_replicas_share_the_experts():
     # two prompts on two replicas: the same attention time as one prompt on one
     pair = predict(spec, prof, Layout(8, dp=2), context=32768, batch=2)
     assert math.isclose(pair.parts["prefill"]["attention"], one.parts["prefill"]["attention"])
+    assert math.isclose(pair.parts["decode"]["attention"], one.parts["decode"]["attention"])
+
+
+def test_decode_flops_per_device_count_pcp_copies_and_dp_shares():
+    """Compute-bound decode (bandwidth made free): every PCP rank decodes the same tokens, so the per-device
+    GEMM work of pcp=2 equals pcp=1's; two DP replicas with twice the batch equal one replica with one."""
+    spec = get_model("qwen3-235b-a22b")
+    prof = dataclasses.replace(H200, mem_bw=1e30)
+    gemm = {lay: predict(spec, prof, lay, context=4096, batch=b).parts["decode"]["gemm"]
+            for lay, b in ((Layout(8), 64), (Layout(8, 2), 64), (Layout(8, dp=2), 128))}
+    assert math.isclose(gemm[Layout(8, 2)], gemm[Layout(8)]) and math.isclose(gemm[Layout(8, dp=2)], gemm[Layout(8)])
+    dense_only = 2.0 * 64 * spec.layers * spec.attn_params() / 8 / (prof.flops["bf16"] * prof.efficiency["gemm"])
+    assert gemm[Layout(8)] > 1.5 * dense_only  # the routed experts' FLOPs are counted, not only the dense part
 
 
 def test_pcp_anchor_uses_the_published_configurations():

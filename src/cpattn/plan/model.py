@@ -249,7 +249,8 @@ def decode_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch
         dense, one = spec.attn_params() + shared, (routed // spec.experts if routed else 0)
         touched = expected_experts(spec.experts, everyone * spec.experts_per_token) if routed else 0.0
         w_bytes = wb * (dense / tp + touched * one / lay.devices)
-        flops = 2.0 * batch * dense / tp + 2.0 * everyone * spec.experts_per_token * one / lay.devices
+        # every PCP rank decodes the same tokens: the expert group of tp * pcp * dp devices serves pcp copies
+        flops = 2.0 * batch * dense / tp + 2.0 * everyone * spec.experts_per_token * one / (tp * lay.dp)
         gemm += prof.op_time("gemm", flops=flops, bytes_=w_bytes, dtype=dt)
         shards = dcp * pcp
         local = context / shards  # tokens each device attends
