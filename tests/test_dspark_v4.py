@@ -27,30 +27,19 @@ from cpattn.models import deepseek_v4 as v4
 from cpattn.models.generate import (
     disagg_generate, generate, pcp_dcp_config, pcp_dcp_generate_on_rank, speculative_generate,
 )
-from spec_methods_cases import (
-    DATA, V4_CFG, Recorder, check_lossless, same_on_every_rank, v4_prompts, v4_target, v4_trained,
-)
+from spec_methods_cases import DATA, Recorder, check_lossless, same_on_every_rank
+from spec_methods_cases import V4_CFG as CFG
+from spec_methods_cases import v4_prompts as prompts
+from spec_methods_cases import v4_target as target
+from spec_methods_cases import v4_trained as trained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CFG = V4_CFG
 NEW = 14
 
 
-def target() -> dict:
-    return v4_target()
-
-
-def trained():
-    return v4_trained()
-
-
 def head() -> DSparkDrafter:
-    return v4_trained()[0]
-
-
-def prompts() -> list[list[int]]:
-    return v4_prompts()
+    return trained()[0]
 
 
 @functools.cache

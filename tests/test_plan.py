@@ -121,7 +121,6 @@ def test_old_profile_json_loads_and_names_its_gaps(tmp_path):
     for link in old["links"].values():
         for key in ("cpu_alpha", "cpu_beta", "cold", "cold_gap"):
             link.pop(key)
-    old["efficiency"] = {k: v for k, v in old["efficiency"].items() if k != "concurrent_decode"}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
     prof = load_profile(str(path))

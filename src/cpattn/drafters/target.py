@@ -347,7 +347,7 @@ def engine_greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor
     if length > p:
         x = torch.cat([prompts, generate(model, params, cfg, prompts.tolist(), length - p).tokens], 1)  # [N, length]
     out = prefill_fn(SimMesh(1).groups()[0], get_family(model), params, cfg,
-                     Prompts.of(x.tolist(), vocab_size=cfg.vocab_size), Algorithms(), True, None,
-                     tuple(hidden_layers))
+                     Prompts.of(x.tolist(), vocab_size=cfg.vocab_size), Algorithms(), prompt_logits=True,
+                     hidden_layers=tuple(hidden_layers))
     hidden = {name: h.reshape(n, x.shape[1], -1) for name, h in out.hidden.items()}
     return GreedyData(x, hidden, out.prompt_logits.view(n, x.shape[1], -1).argmax(-1), p)

@@ -51,10 +51,8 @@ import time
 import torch
 
 from cpattn.bench.common import measure, ratio
-import dataclasses
-
-from cpattn.plan.costs import causal_pairs, flash_tile_pairs
-from cpattn.plan.profiles import CPU_DEFAULT, LEGACY_ATTN_TOKENS, Link, Profile
+from cpattn.plan.costs import flash_tile_pairs, legacy_pair_factor
+from cpattn.plan.profiles import CPU_DEFAULT, LEGACY_ATTN_TOKENS, Link, Profile, interpolate
 
 # (tokens, heads) of the two attention sizes: the long one with fewer heads keeps the rounds short
 ATTN_SIZES = {"full": ((1024, 8), (4096, 2)), "quick": ((512, 8), (1024, 4))}
@@ -106,7 +104,7 @@ def attention_case(kind: str, t: int, heads: int, seed: int = 0):
     (torch.Size([32, 2, 128]), 2097152.0, 45.254833995939045)
     """
     from cpattn.ops import attention_with_lse
-    from cpattn.plan.costs import attention_flops, flash_tile_pairs
+    from cpattn.plan.costs import attention_flops
 
     g = torch.Generator().manual_seed(seed)
     causal = kind.startswith("attention_causal")
@@ -332,9 +330,7 @@ def exact_pair_rate(kind: str, curve: list[list[float]]) -> float:
     >>> exact_pair_rate("attention", [[1024, 0.8], [4096, 0.8]])
     0.8
     """
-    n = LEGACY_ATTN_TOKENS
-    e = dataclasses.replace(CPU_DEFAULT, curves={kind: curve}).efficiency_at(kind, n)
-    return e * causal_pairs(n, n) / flash_tile_pairs(n, n) if "causal" in kind else e
+    return interpolate(curve, LEGACY_ATTN_TOKENS) / legacy_pair_factor(kind)
 
 
 def calibrate(quick: bool = False, timeout_s: float = 300.0) -> Profile:

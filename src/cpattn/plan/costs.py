@@ -21,14 +21,14 @@ Example
 -------
 >>> causal_pairs(4, 4), causal_pairs(2, 4), causal_pairs(4, 4, causal=False)
 (10, 7, 16)
->>> from cpattn.plan.profiles import Link
+>>> from cpattn.plan.profiles import LEGACY_ATTN_TOKENS, Link
 >>> round(collective_time("all_gather", 1e6, 4, Link(1e-5, 1e9), "ring") * 1e3, 3)  # 3 steps + 3 MB
 3.03
 """
 
 from __future__ import annotations
 
-from cpattn.plan.profiles import Link
+from cpattn.plan.profiles import LEGACY_ATTN_TOKENS, Link
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "ring")
 
@@ -74,6 +74,18 @@ def flash_tile_pairs(lq: int, lk: int, causal: bool = True, kv_split: int = 512)
     return diag + lq * (lk - lq)
 
 
+def legacy_pair_factor(kind: str) -> float:
+    """Computed pairs per exact pair of attention ``kind`` at :data:`~cpattn.plan.profiles.LEGACY_ATTN_TOKENS`
+    (causal kinds: the flash kernel's masked tiles; others: 1): what converts ``efficiency[kind]``, a rate per
+    exact pair there, to and from a rate per computed pair.
+
+    >>> legacy_pair_factor("attention_causal"), legacy_pair_factor("attention")  # doctest: +ELLIPSIS
+    (1.249..., 1.0)
+    """
+    n = LEGACY_ATTN_TOKENS
+    return flash_tile_pairs(n, n) / causal_pairs(n, n) if "causal" in kind else 1.0
+
+
 def attention_flops(pairs: int, heads: int, dqk: int, dv: int) -> float:
     """FLOPs of ``pairs`` query-key pairs per head: scores ``2 Dqk`` plus weighted values ``2 Dv``."""
     return 2.0 * pairs * heads * (dqk + dv)
@@ -116,7 +128,7 @@ def ep_all_to_all_time(nbytes: float, ep: int, devices_per_node: int, intra: Lin
     Destinations are uniform: ``(min(ep, node) - 1) / ep`` of the bytes stay inside the node, ``(ep - node) / ep``
     cross nodes; both fabrics run at once, the slower one sets the time.
 
-    >>> from cpattn.plan.profiles import Link
+    >>> from cpattn.plan.profiles import LEGACY_ATTN_TOKENS, Link
     >>> round(ep_all_to_all_time(1e9, 16, 8, Link(0, 1e11), Link(0, 1e10)) * 1e3, 1)  # half the bytes leave the node
     50.0
     """

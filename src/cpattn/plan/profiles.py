@@ -43,6 +43,23 @@ LEGACY_ATTN_TOKENS = 2048
 OP_CLASSES = ("gemm", "attention", "attention_causal", "decode_attention", "elementwise")
 
 
+def interpolate(points: list[list[float]], size: float) -> float:
+    """A curve ``[[size, value], ...]`` at ``size``: linear in log(size) between points, held at the end
+    values outside.
+
+    >>> interpolate([[1024, 0.6], [4096, 0.8]], 2048), interpolate([[1024, 0.6], [4096, 0.8]], 100)
+    (0.7, 0.6)
+    """
+    pts = sorted(points)
+    if size <= pts[0][0]:
+        return pts[0][1]
+    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+        if size <= s1:
+            w = math.log(size / s0) / math.log(s1 / s0)
+            return e0 + w * (e1 - e0)
+    return pts[-1][1]
+
+
 @dataclass(frozen=True)
 class Link:
     """One fabric: ``alpha`` seconds per message step, ``beta`` bytes/s per device and direction,
@@ -113,24 +130,15 @@ class Profile:
         >>> p.efficiency_at("attention", 2048), p.efficiency_at("attention", 100), p.efficiency_at("gemm")
         (0.7, 0.6, 1.0)
         """
-        pts = sorted(self.curves.get(kind) or [])
-        if not pts:
+        if size is None or not self.curves.get(kind):
             return self.efficiency.get(kind, 1.0)
-        if size is None:
-            return self.efficiency.get(kind, pts[0][1])
-        if size <= pts[0][0]:
-            return pts[0][1]
-        for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
-            if size <= s1:
-                w = math.log(size / s0) / math.log(s1 / s0)
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
+        return interpolate(self.curves[kind], size)
 
     def op_time(self, kind: str, *, flops: float, bytes_: float, dtype: str = "bf16",
                 size: float | None = None) -> float:
         """Roofline time of one op: ``max(flops / (peak * eff), bytes / (mem_bw * eff))``; ``eff`` is
         :meth:`efficiency_at` ``size`` when given."""
-        eff = self.efficiency_at(kind, size) if size is not None else self.efficiency.get(kind, 1.0)
+        eff = self.efficiency_at(kind, size)
         peak = self.flops.get(dtype) or self.flops["bf16"]
         return max(flops / (peak * eff), bytes_ / (self.mem_bw * eff))
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from cpattn.comm.group import Group, Pending
-from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, flash_tile_pairs
+from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, flash_tile_pairs, legacy_pair_factor
 from cpattn.plan.profiles import LEGACY_ATTN_TOKENS, Link, Profile
 
 CLOCKS = ("wall", "cpu")
@@ -114,9 +114,7 @@ def _attn(prof: Profile, lq: int, lk: int, causal: bool, heads: int, kv_heads: i
     flops = attention_flops(flash_tile_pairs(lq, lk, causal), heads, d, d)
     if kind in prof.curves:
         return prof.op_time(kind, flops=flops, bytes_=0.0, dtype="fp32", size=(lq * lk) ** 0.5)
-    n = LEGACY_ATTN_TOKENS
-    eff = prof.efficiency.get(kind, 1.0) * (flash_tile_pairs(n, n) / causal_pairs(n, n) if causal else 1.0)
-    return flops / (prof.flops["fp32"] * eff)
+    return prof.op_time(kind, flops=flops / legacy_pair_factor(kind), bytes_=0.0, dtype="fp32")
 
 
 def _copy(prof: Profile, nbytes: float, kind: str = "elementwise") -> float:
@@ -274,7 +272,6 @@ class EchoGroup(Group):
 def count_ops(fn) -> dict:
     """Aten ops one call of ``fn`` dispatches: {"ops", "views", "kernels"} (kernels: what a fusing
     compiler would launch: each op that is not pointwise, plus one per run of pointwise ops)."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seq: list[str] = []
