@@ -146,6 +146,12 @@ def test_cpu_clock_prices_the_share_and_the_transfer():
     dcp = predict_dcp(dataclasses.replace(base, efficiency={**base.efficiency, "concurrent_decode_cpu": 0.8}),
                       context=8192, clock="cpu")
     assert dcp["ratio"]["local_a2a"] == pytest.approx(0.5 / 0.8) and dcp["share"] == 0.8
+    # a calibrated CPU cost of the all-to-all: local_a2a's merge sends 33,024 bytes per rank (what `bench dcp`
+    # counts: batch 4 x 32 heads x (128 + 1) x 4 B, half of it to the peer), one message step
+    a2a = dataclasses.replace(CPU_DEFAULT.links["a2a"], cpu_alpha=1e-4, cpu_beta=1e9)
+    costed = predict_dcp(dataclasses.replace(base, links={**base.links, "a2a": a2a}), context=8192, clock="cpu")
+    assert costed["comm_s"]["local_a2a"] == pytest.approx(1e-4 + 33024 / 1e9)
+    assert costed["share"] == 1.0 and costed["ratio"]["local_a2a"] > 0.5  # half the KV, plus the merge's cost
     with pytest.raises(ValueError, match="clock"):
         predict_dcp(base, context=8192, clock="gpu")
 
