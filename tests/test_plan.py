@@ -127,6 +127,7 @@ def test_old_profile_json_loads_and_names_its_gaps(tmp_path):
     assert prof.curves == {} and prof.links["ring"].cpu_beta == 0
     gaps = profile_gaps(prof)
     assert any("ring exchange CPU time" in g for g in gaps) and any("concurrent_decode:" in g for g in gaps)
+    assert any(g.startswith("update (the in-place LSE merge)") for g in gaps)
     assert concurrent_share(prof, "decode", "cpu") == prof.efficiency["concurrent_bandwidth"]
     cpu = predict_pcp(prof, seq=4096, heads=8, kv_heads=8, head_dim=128, clock="cpu")
     assert cpu["ranks"][0]["transfer"] > 0  # stands in with the transfer's wall time

@@ -94,6 +94,8 @@ def profile_gaps(prof: Profile) -> list[str]:
             out.append(f"concurrent_{what}_cpu: not measured; using {concurrent_share(prof, what, 'cpu'):.2f}")
     if "concurrent_decode" not in e:
         out.append(f"concurrent_decode: not measured; using the copy's {concurrent_share(prof, 'decode'):.2f}")
+    if "update" not in e:
+        out.append("update (the in-place LSE merge): not measured; priced at the copy bandwidth")
     ring, a2a = prof.links.get("ring", prof.links["intra"]), prof.links.get("a2a", prof.links["intra"])
     if ring.cpu_beta <= 0:
         out.append("ring exchange CPU time: not measured; using its wall time")
