@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -264,6 +265,46 @@ def test_pcp_anchor_uses_the_published_configurations():
         assert math.isclose(r["published_reduction"], want[r["model"], r["context"]])
         assert 0 < r["fitted_reduction"] < r["ttft_reduction"] < 0.5  # fitting weighs the per-token work up
         assert r["scales"][0] > 1 and r["scales"][1] > 0
+
+
+def test_pcp_terms_solve_each_column_exactly():
+    from cpattn.plan.anchors import pcp_anchor, pcp_terms, ttft_terms
+
+    # R1's published columns solved by hand (elimination on c = 1, 2, 4 x 32K)
+    assert np.allclose(ttft_terms([32768, 65536, 131072], [9.3, 22.8, 73.2]), [3.6, 1.8, 3.9])
+    assert np.allclose(ttft_terms([32768, 65536, 131072], [7.9, 15.9, 46.0]), [4.6, 0.95, 2.35])
+    with pytest.raises(ValueError, match="three distinct"):
+        ttft_terms([32768, 32768, 65536], [1.0, 1.0, 2.0])
+    rows = pcp_anchor()
+    terms = pcp_terms(rows)
+    assert [(t["model"], t["source"]) for t in terms] == [(m, s) for m in dict.fromkeys(r["model"] for r in rows)
+                                                         for s in ("published", "predicted")]
+    rng = np.random.default_rng(0)
+    for t in terms:
+        mine = [r for r in rows if r["model"] == t["model"]]
+        base, pcp = (("published_base_s", "published_pcp_s") if t["source"] == "published"
+                     else ("ttft_base_s", "ttft_pcp2_s"))
+        x = np.array([r["context"] for r in mine]) / 32768
+        # the baseline's terms give back its cells; the ratios give back the PCP column's terms
+        rebuilt = t["constant_32k_s"] + t["per_token_32k_s"] * x + t["attention_32k_s"] * x * x
+        assert np.allclose(rebuilt, [r[base] for r in mine])
+        pcp_terms_ = ttft_terms(x * 32768, [r[pcp] for r in mine])
+        assert np.allclose(pcp_terms_, [t["pcp_constant_s"], t["per_token_ratio"] * t["per_token_32k_s"],
+                                        t["attention_ratio"] * t["attention_32k_s"]])
+        for key, (lo, hi) in t["range"].items():
+            assert lo <= t[key] <= hi and (t["source"] == "published" or lo == hi)
+        if t["source"] == "predicted":
+            assert abs(t["attention_ratio"] - 0.5) < 1e-3  # load-balanced causal attention halves under PCP = 2
+            continue
+        for _ in range(20):  # any rounding of the published cells (one decimal) stays inside the printed ranges
+            d = rng.uniform(-0.05, 0.05, (2, 3))
+            f, u, a = ttft_terms(x * 32768, [r[base] for r in mine] + d[0])
+            fp, up, ap = ttft_terms(x * 32768, [r[pcp] for r in mine] + d[1])
+            for key, v in (("constant_32k_s", f), ("pcp_constant_s", fp), ("per_token_ratio", up / u),
+                           ("attention_ratio", ap / a)):
+                assert t["range"][key][0] - 1e-12 <= v <= t["range"][key][1] + 1e-12
+    qwen = {t["source"]: t for t in terms if t["model"] == "Qwen3-235B-A22B"}
+    assert qwen["published"]["range"]["pcp_constant_s"][1] < 0  # no non-negative cost structure fits it
 
 
 def test_nothing_fits_is_said():

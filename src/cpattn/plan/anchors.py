@@ -22,7 +22,9 @@
    per-token work, one for attention) fitted to the published *baseline*
    column, the PCP column then predicted (the PCP KV exchange, absent from
    the baseline, unscaled); each cell's error against its own published
-   reduction is reported beside the range check.
+   reduction is reported beside the range check. :func:`pcp_terms` then
+   solves each column -- published and predicted -- exactly as a constant,
+   a per-token and an attention term, to show which term PCP changed.
 2. **DCP on Kimi-K2 via KV capacity** (vLLM blog, "Efficient Decode Context
    Parallelism with vLLM for Long Context Workloads", 2026-08-07): Kimi K2.6
    NVFP4 on one 8 x B200 node, an agentic trace (median input ~67K, output
@@ -46,6 +48,9 @@ True
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 
 from cpattn.plan.model import Layout, Options, decode_time, kv_bytes_per_token, predict, prefill_time, weights_per_device
@@ -54,6 +59,7 @@ from cpattn.plan.specs import get_model
 
 PCP_RANGE = (0.15, 0.41)  # TTFT reduction with PCP = 2, the published table's extremes
 DCP_RANGE = (2.5, 3.5)  # tokens/s per GPU, DCP8 over TP8 ("about 3x"; 3.27x measured)
+PUBLISHED_HALF_UNIT = 0.05  # s: the PCP table prints TTFTs to one decimal
 # model -> (dcp of the PCP instance, [(context, baseline TTFT s, PCP TTFT s)]); module doc for the source
 PCP_PUBLISHED = {
     "deepseek-r1": (8, [(32768, 9.3, 7.9), (65536, 22.8, 15.9), (131072, 73.2, 46.0)]),
@@ -100,12 +106,75 @@ def pcp_anchor(models=tuple(PCP_PUBLISHED)) -> list[dict]:
             pub, red, fit = 1 - pub_pcp / pub_base, 1 - pp.ttft_s / pb.ttft_s, 1 - fp / fb
             rows.append({"model": spec.name, "context": ctx, "published_reduction": pub,
                          "ttft_base_s": pb.ttft_s, "ttft_pcp2_s": pp.ttft_s, "ttft_reduction": red, "error": red - pub,
-                         "fitted_base_s": fb, "published_base_s": pub_base, "fitted_reduction": fit,
-                         "fitted_error": fit - pub, "scales": [a, b],
+                         "fitted_base_s": fb, "published_base_s": pub_base, "published_pcp_s": pub_pcp,
+                         "fitted_reduction": fit, "fitted_error": fit - pub, "scales": [a, b],
                          "in_range": PCP_RANGE[0] <= red <= PCP_RANGE[1],
                          "fitted_in_range": PCP_RANGE[0] <= fit <= PCP_RANGE[1],
                          "pcp_comm_share": pp.parts["prefill"]["pcp_comm"] / pp.ttft_s})
     return rows
+
+
+def ttft_terms(contexts, seconds, unit: int = 32768) -> tuple[float, float, float]:
+    """The terms ``(f, u, a)`` of ``f + u * x + a * x**2`` through three measured points, ``x = context / unit``.
+
+    ``f`` is what does not grow with the prompt, ``u`` the per-token work and ``a`` the attention (both in
+    seconds at ``unit`` tokens). Three points and three terms: solved exactly, no fit, so whatever the points
+    hold -- noise included -- lands in the terms.
+
+    contexts, seconds: [3] tokens and seconds.
+
+    >>> [round(v, 9) for v in ttft_terms([32768, 65536, 131072], [6.0, 17.0, 57.0])]
+    [1.0, 2.0, 3.0]
+    """
+    x = np.asarray(contexts, dtype=np.float64) / unit
+    if x.shape != (3,) or len(set(x.tolist())) != 3:
+        raise ValueError(f"ttft_terms needs three distinct contexts, got {list(contexts)}")
+    f, u, a = np.linalg.solve(np.stack([np.ones(3), x, x * x], 1), np.asarray(seconds, dtype=np.float64))
+    return float(f), float(u), float(a)
+
+
+def _ratio(new: float, old: float) -> float:
+    return new / old if old > 0 else float("nan")
+
+
+def _column_terms(ctx, base, pcp) -> dict:
+    (fb, ub, ab), (fp, up, ap) = ttft_terms(ctx, base), ttft_terms(ctx, pcp)
+    return {"constant_32k_s": fb, "pcp_constant_s": fp, "per_token_32k_s": ub, "attention_32k_s": ab,
+            "per_token_ratio": _ratio(up, ub), "attention_ratio": _ratio(ap, ab)}
+
+
+def pcp_terms(rows: list[dict] | None = None, half_unit: float = PUBLISHED_HALF_UNIT) -> list[dict]:
+    """Each model's baseline and PCP TTFT columns split by :func:`ttft_terms`, published and predicted (the
+    stated-profile prediction of :func:`pcp_anchor`, whose ``rows`` may be passed in).
+
+    Per row: the baseline's terms at 32K tokens (``constant_32k_s``, ``per_token_32k_s``,
+    ``attention_32k_s``), the PCP column's constant (``pcp_constant_s``) and what PCP did to the other two
+    (``per_token_ratio``, ``attention_ratio``: PCP over baseline). ``range`` holds each value's [low, high]
+    over every rounding of the published cells (each +- ``half_unit`` seconds: the table prints one
+    decimal); terms are linear and ratios linear-fractional in the cells, so the corners give the exact
+    range (NaN where a denominator reaches 0). Predicted rows are exact: their ranges are points.
+
+    >>> r = {t["source"]: t for t in pcp_terms() if t["model"] == "Qwen3-235B-A22B"}
+    >>> round(r["predicted"]["attention_ratio"], 2), round(r["published"]["attention_ratio"], 2)
+    (0.5, 0.51)
+    >>> r["published"]["range"]["pcp_constant_s"][1] < 0  # below zero however the cells were rounded
+    True
+    """
+    rows = pcp_anchor() if rows is None else rows
+    out = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        ctx = [r["context"] for r in mine]
+        for source, keys, half in (("published", ("published_base_s", "published_pcp_s"), half_unit),
+                                   ("predicted", ("ttft_base_s", "ttft_pcp2_s"), 0.0)):
+            cells = np.array([[r[k] for r in mine] for k in keys])  # [2 (base, pcp), 3 contexts]
+            mid = _column_terms(ctx, *cells)
+            corners = [_column_terms(ctx, *(cells + np.reshape(d, (2, 3))))
+                       for d in itertools.product((-half, half), repeat=6)]
+            span = {k: [min(c[k] for c in corners), max(c[k] for c in corners)] for k in mid}
+            span = {k: v if all(map(math.isfinite, v)) else [math.nan, math.nan] for k, v in span.items()}
+            out.append({"model": name, "source": source, **mid, "range": span})
+    return out
 
 
 def dcp_anchor(input_len: int = 67_000, output_len: int = 400, prefix_hit: float = 0.9, cap: int = 512) -> dict:

@@ -226,6 +226,13 @@ def _validate(argv) -> int:
 
 
 # ----------------------------------------------------------------------------- anchors
+def _with_range(row: dict, key: str, fmt: str) -> str:
+    """``row[key]`` formatted, with its ``[low, high]`` from ``row["range"]`` where that is not one point."""
+    lo, hi = row["range"][key]
+    text = fmt.format(row[key])
+    return text if lo == hi else f"{text} [{fmt.format(lo).lstrip('x')}, {fmt.format(hi).lstrip('x')}]"
+
+
 def _anchors(argv) -> int:
     from cpattn.plan import anchors
 
@@ -233,6 +240,7 @@ def _anchors(argv) -> int:
     cli.add_json(ap)
     a = ap.parse_args(argv)
     pcp = anchors.pcp_anchor()
+    terms = anchors.pcp_terms(pcp)
     dcp = anchors.dcp_anchor()
     with cli.report_to(a.json):
         lo, hi = anchors.PCP_RANGE
@@ -244,6 +252,13 @@ def _anchors(argv) -> int:
                      for r in pcp],
                     ["model", "context", "published_base_s", "published_reduction", "ttft_reduction", "error",
                      "in_range", "fitted_base_s", "fitted_reduction", "fitted_error", "fitted_in_range"]))
+        print("\nEach column solved exactly through its three cells as constant + per-token * x + attention * x^2 "
+              "(x = context / 32K; s at 32K), and what PCP did to each term; [low, high]: over every rounding of "
+              f"the published cells (+-{anchors.PUBLISHED_HALF_UNIT} s):")
+        cols = {"constant_32k_s": "{:.2f}", "pcp_constant_s": "{:.2f}", "per_token_32k_s": "{:.2f}",
+                "per_token_ratio": "x{:.2f}", "attention_32k_s": "{:.2f}", "attention_ratio": "x{:.2f}"}
+        print(table([{**t, **{k: _with_range(t, k, f) for k, f in cols.items()}} for t in terms],
+                    ["model", "source", *cols]))
         lo, hi = anchors.DCP_RANGE
         print(f"\nDCP8 over TP8, Kimi-K2 on 8 x B200, tokens/s per GPU (published {dcp['published']['ratio']:.2f}x, "
               f"range {lo}-{hi}x): predicted {dcp['ratio']:.2f}x (concurrency {dcp['tp8']['concurrency']} -> "
@@ -252,5 +267,5 @@ def _anchors(argv) -> int:
         print("\nassumptions:")
         for line in anchors.ASSUMPTIONS:
             print(f"  - {line}")
-    write_json(a.json, {"pcp": pcp, "dcp": dcp, "assumptions": anchors.ASSUMPTIONS})
+    write_json(a.json, {"pcp": pcp, "pcp_terms": terms, "dcp": dcp, "assumptions": anchors.ASSUMPTIONS})
     return 0
