@@ -305,6 +305,10 @@ def test_pcp_terms_solve_each_column_exactly():
                 assert t["range"][key][0] - 1e-12 <= v <= t["range"][key][1] + 1e-12
     qwen = {t["source"]: t for t in terms if t["model"] == "Qwen3-235B-A22B"}
     assert qwen["published"]["range"]["pcp_constant_s"][1] < 0  # no non-negative cost structure fits it
+    # a baseline without attention (1, 2, 4 s: purely per-token): the attention ratio has no range, said as NaN
+    linear = [{**r, "published_base_s": r["context"] / 32768} for r in rows if r["model"] == "DeepSeek-R1"]
+    flat = pcp_terms(linear)[0]
+    assert all(map(math.isnan, flat["range"]["attention_ratio"]))  # its rounding corners reach 0 and below
 
 
 def test_nothing_fits_is_said():

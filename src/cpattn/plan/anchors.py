@@ -171,8 +171,9 @@ def pcp_terms(rows: list[dict] | None = None, half_unit: float = PUBLISHED_HALF_
             mid = _column_terms(ctx, *cells)
             corners = [_column_terms(ctx, *(cells + np.reshape(d, (2, 3))))
                        for d in itertools.product((-half, half), repeat=6)]
-            span = {k: [min(c[k] for c in corners), max(c[k] for c in corners)] for k in mid}
-            span = {k: v if all(map(math.isfinite, v)) else [math.nan, math.nan] for k, v in span.items()}
+            vals = {k: [c[k] for c in corners] for k in mid}
+            span = {k: [min(v), max(v)] if all(map(math.isfinite, v)) else [math.nan, math.nan]
+                    for k, v in vals.items()}
             out.append({"model": name, "source": source, **mid, "range": span})
     return out
 
