@@ -53,6 +53,7 @@ import math
 
 import numpy as np
 
+from cpattn.bench.common import safe_div
 from cpattn.plan.model import Layout, Options, decode_time, kv_bytes_per_token, predict, prefill_time, weights_per_device
 from cpattn.plan.profiles import ASCEND_910C, B200
 from cpattn.plan.specs import get_model
@@ -133,14 +134,10 @@ def ttft_terms(contexts, seconds, unit: int = 32768) -> tuple[float, float, floa
     return float(f), float(u), float(a)
 
 
-def _ratio(new: float, old: float) -> float:
-    return new / old if old > 0 else float("nan")
-
-
 def _column_terms(ctx, base, pcp) -> dict:
     (fb, ub, ab), (fp, up, ap) = ttft_terms(ctx, base), ttft_terms(ctx, pcp)
     return {"constant_32k_s": fb, "pcp_constant_s": fp, "per_token_32k_s": ub, "attention_32k_s": ab,
-            "per_token_ratio": _ratio(up, ub), "attention_ratio": _ratio(ap, ab)}
+            "per_token_ratio": safe_div(up, ub), "attention_ratio": safe_div(ap, ab)}
 
 
 def pcp_terms(rows: list[dict] | None = None, half_unit: float = PUBLISHED_HALF_UNIT) -> list[dict]:

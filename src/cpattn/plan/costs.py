@@ -21,7 +21,7 @@ Example
 -------
 >>> causal_pairs(4, 4), causal_pairs(2, 4), causal_pairs(4, 4, causal=False)
 (10, 7, 16)
->>> from cpattn.plan.profiles import LEGACY_ATTN_TOKENS, Link
+>>> from cpattn.plan.profiles import Link
 >>> round(collective_time("all_gather", 1e6, 4, Link(1e-5, 1e9), "ring") * 1e3, 3)  # 3 steps + 3 MB
 3.03
 """
@@ -128,7 +128,7 @@ def ep_all_to_all_time(nbytes: float, ep: int, devices_per_node: int, intra: Lin
     Destinations are uniform: ``(min(ep, node) - 1) / ep`` of the bytes stay inside the node, ``(ep - node) / ep``
     cross nodes; both fabrics run at once, the slower one sets the time.
 
-    >>> from cpattn.plan.profiles import LEGACY_ATTN_TOKENS, Link
+    >>> from cpattn.plan.profiles import Link
     >>> round(ep_all_to_all_time(1e9, 16, 8, Link(0, 1e11), Link(0, 1e10)) * 1e3, 1)  # half the bytes leave the node
     50.0
     """
