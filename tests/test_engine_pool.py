@@ -69,7 +69,7 @@ def test_a_damaged_entry_is_recomputed(tmp_path):
     spec = PoolSpec(f"lmdb:{tmp_path}", model="qwen3-seed0")
     prompts = [SHARED + [7]]
     run(fam, cfg, params, prompts, 1, 1, spec)
-    pool = spec.open(torch.float64, BLOCK, sum(lay.row_width for lay in fam.kv_layouts(cfg)))
+    pool = spec.open_for(fam, cfg, params, BLOCK)
     third = pool.keys(prompts[0])[2].encode()
     release(pool)
     store = LMDBStore(tmp_path)
@@ -88,3 +88,44 @@ def test_pool_needs_whole_blocks_per_rank(tmp_path):
     with pytest.raises(RuntimeError, match="stores and loads whole blocks"):  # raised on every rank, before any work
         cpattn.simulate(2, driver.generate_on_rank, fam, params, cfg, [SHARED], 2, prefill=pre, decode=dec,
                         pool=PoolSpec(f"lmdb:{tmp_path}", model="m"))
+
+
+def save_tiny_qwen3(directory, seed):
+    """A tiny float64 Qwen3 checkpoint (config.json + model.safetensors) in ``directory``."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    fam, cfg, _ = tiny("qwen3")
+    params = fam.init_params(cfg, seed=seed, std=0.3, dtype=torch.float64)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "model_type": "qwen3"}))
+    save_file({k: v.contiguous() for k, v in params.items()}, str(directory / "model.safetensors"))
+
+
+def load_tiny_qwen3(directory):
+    from cpattn.models import load_checkpoint
+
+    config, params = load_checkpoint(directory)
+    return qwen3.FAMILY, qwen3.Qwen3Config.from_hf(config), params
+
+
+def test_the_pool_names_a_model_by_its_weights_not_its_name(tmp_path, monkeypatch):
+    """Two checkpoints in directories both called ``model`` (opened as "model" from each parent), then new
+    weights saved over the first: each run through one pool under the same label gives its own no-pool tokens
+    (a cold pool for new weights), and the same weights again find their blocks."""
+    pool = PoolSpec(f"lmdb:{tmp_path / 'pool'}", model="model")
+    prompts = [SHARED + [40, 41]]
+    runs = []
+    for parent, seed in (("a", 0), ("b", 1), ("a", 2)):  # the last one saves new weights over a/model
+        save_tiny_qwen3(tmp_path / parent / "model", seed)
+        monkeypatch.chdir(tmp_path / parent)
+        fam, cfg, params = load_tiny_qwen3("model")
+        got = run(fam, cfg, params, prompts, 1, 1, pool)[0]
+        want = reference_generate(fam, params, cfg, prompts, NEW).tokens
+        assert torch.equal(got.tokens, want), f"{parent}/model seed {seed}: the pool served another model's KV"
+        runs.append(got.facts.pool.hit_blocks)
+    assert runs == [(0,), (0,), (0,)]
+    again = run(fam, cfg, params, prompts, 1, 1, pool)[0]  # the same weights again: warm
+    assert again.facts.pool.hit_blocks == (4,)

@@ -58,7 +58,7 @@ from cpattn.engine.kv_rows import row_width
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill
-from cpattn.engine.pooling import PoolFacts, PoolSpec, load_prefix, release, store_blocks
+from cpattn.engine.pooling import PoolFacts, load_prefix, open_for_run, release, store_blocks
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.result import Generation, RunFacts
 
@@ -203,10 +203,7 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
 
 def _open_pool(pool, family, cfg, params, decode_cfg: EngineConfig):
     """(open pool or None, whether this call opened it)."""
-    if pool is None or not isinstance(pool, PoolSpec):
-        return pool, False
-    dtype = param_dtype(params)
-    return pool.open(dtype, decode_cfg.cache.block_size, row_width(family.kv_layouts(cfg))), True
+    return open_for_run(pool, family, cfg, params, decode_cfg.cache.block_size)  # keyed by the weights' digest
 
 
 def prefill_fn(pg: Group, family, params, cfg, p: Prompts, algorithms: Algorithms, prompt_logits: bool,

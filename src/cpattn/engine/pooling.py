@@ -6,6 +6,12 @@ engine's payload for a block is its rows ``[1, block_size, F]``
 (:mod:`cpattn.engine.kv_rows`: every layer's columns side by side, so
 layers may differ in width; the pool sees one "layer" of F columns).
 
+- **identity** (:func:`pool_identity`): the engine names the model by its
+  content -- a digest of the config and every weight
+  (:func:`cpattn.pool.fingerprint.model_digest`), the KV layout, the cache
+  dtype and the block size -- never by a name or path a caller passes, so
+  new weights (saved over the same path, or another checkpoint of the same
+  name) find a cold pool, never another model's KV;
 - **load** (:func:`load_prefix`): the whole blocks of each prompt found in
   the pool -- the same count on every rank (the minimum over the world, one
   small all-reduce), and always at least one prompt token left to compute --
@@ -56,24 +62,62 @@ class PoolFacts:
     store_s: float = 0.0
 
 
+def pool_identity(family, cfg, params: dict, block_size: int, *, label: str = ""):
+    """The :class:`~cpattn.pool.PoolIdentity` of a model's blocks: its weights and config digest, KV layout,
+    cache dtype (the params' :func:`~cpattn.engine.family.param_dtype`) and ``block_size``; ``label`` is an
+    extra namespace (a changed label is a cold pool too, a shared one shares nothing across weights).
+
+    >>> import torch
+    >>> from cpattn.models import qwen3
+    >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> a = pool_identity(qwen3.FAMILY, cfg, qwen3.init_params(cfg, seed=0), 4)
+    >>> a.block_shape, a == pool_identity(qwen3.FAMILY, cfg, qwen3.init_params(cfg, seed=0), 4)
+    ((1, 4, 16), True)
+    >>> a == pool_identity(qwen3.FAMILY, cfg, qwen3.init_params(cfg, seed=1), 4)   # other weights
+    False
+    """
+    from cpattn.engine.family import param_dtype
+    from cpattn.engine.kv_rows import row_width
+    from cpattn.pool import PoolIdentity
+    from cpattn.pool.fingerprint import model_digest
+
+    layouts = tuple(family.kv_layouts(cfg))
+    layout = f"{getattr(family, 'name', type(family).__name__)}:{layouts!r}"
+    return PoolIdentity(label, param_dtype(params), num_layers=1, block_size=block_size,
+                        row_width=row_width(layouts), weights=model_digest(params, cfg), layout=layout)
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     """A pool to open on every rank (picklable, unlike an open pool): ``spec`` as :func:`cpattn.pool.open_pool`
-    takes it ("lmdb:DIR", "mooncake:HOST:PORT"); ``model`` names the weights (it enters every key).
+    takes it ("lmdb:DIR", "mooncake:HOST:PORT"); ``model``: an optional label, a namespace of its own.
 
+    The weights are named by the engine itself (:func:`pool_identity`: a
+    digest of the config and weights), not by ``model``: two checkpoints of
+    one name, or new weights saved over one path, never share blocks.
     Ranks that are threads of one process (the simulated mesh) share one open
     pool: LMDB allows one environment per directory and process.
     """
 
     spec: str
-    model: str
+    model: str = ""
+
+    def open_for(self, family, cfg, params: dict, block_size: int):
+        """The open :class:`~cpattn.pool.KVPool` of this model's blocks (:func:`pool_identity`, ``model`` as
+        the label); :func:`release` it when done."""
+        return self._open(pool_identity(family, cfg, params, block_size, label=self.model))
 
     def open(self, dtype: torch.dtype, block_size: int, row_width: int):
-        """The open :class:`~cpattn.pool.KVPool` for blocks of ``[1, block_size, row_width]`` in ``dtype``;
-        :func:`release` it when done."""
-        from cpattn.pool import PoolIdentity, open_pool
+        """The open pool for blocks of ``[1, block_size, row_width]`` in ``dtype`` keyed by the ``model`` label
+        alone (no weights digest: the label must change with the weights). The engine uses :meth:`open_for`."""
+        from cpattn.pool import PoolIdentity
 
-        ident = PoolIdentity(self.model, dtype, num_layers=1, block_size=block_size, row_width=row_width)
+        return self._open(PoolIdentity(self.model, dtype, num_layers=1, block_size=block_size, row_width=row_width))
+
+    def _open(self, ident):
+        from cpattn.pool import open_pool
+
         with _LOCK:
             pool, users = _OPEN.get((self.spec, ident), (None, 0))
             if pool is None:
@@ -84,6 +128,19 @@ class PoolSpec:
 
 _LOCK = threading.Lock()
 _OPEN: dict = {}  # (spec, identity) -> (open pool, users in this process)
+
+
+def open_for_run(pool, family, cfg, params: dict, block_size: int):
+    """(the pool a run uses, whether this call opened it) for ``pool`` as :func:`~cpattn.engine.driver.
+    generate_on_rank` takes it: None; a :class:`PoolSpec` (opened here, :func:`release` it); or an open
+    :class:`~cpattn.pool.KVPool`, whose store is used under this model's identity (:func:`pool_identity`,
+    its own ``model`` kept as the label) -- whatever identity the caller built, the keys name these weights."""
+    if pool is None:
+        return None, False
+    if isinstance(pool, PoolSpec):
+        return pool.open_for(family, cfg, params, block_size), True
+    ident = pool_identity(family, cfg, params, block_size, label=pool.identity.model)
+    return (pool if pool.identity == ident else pool.with_identity(ident)), False
 
 
 def release(pool) -> None:

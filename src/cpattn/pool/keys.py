@@ -1,8 +1,10 @@
 """Pool keys: a chained hash over whole blocks of token ids.
 
 ``key_j = H(key_{j-1} | tokens of block j | identity)`` where ``identity``
-folds in everything that decides the bytes of a block: the model, the
-cache dtype and the per-block shape ``[L, block_size, F]``. A key therefore
+folds in everything that decides the bytes of a block: the model's weights
+and config (``weights``, a :func:`cpattn.pool.fingerprint.model_digest`),
+the KV layout, the cache dtype and the per-block shape ``[L, block_size, F]``,
+plus an optional ``model`` label. A key therefore
 names a block *and its whole prefix*: the same tokens after a different
 prefix, or under another model or dtype, get another key. Nothing about the
 parallel layout enters the key, so a block written under one layout (one
@@ -35,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 DIGEST_BYTES = 16
-_VERSION = b"cpattn-kv-pool/1"
+_VERSION = b"cpattn-kv-pool/2"  # /2: weights digest and KV layout enter the identity
 
 
 @dataclass(frozen=True)
@@ -45,14 +47,23 @@ class PoolIdentity:
     Attributes
     ----------
     model: str
-        A name that changes whenever the weights do (e.g. checkpoint path and
-        revision, or ``"random-seed0"``); two models sharing it would share blocks.
+        A label (a namespace of its own: pools under two labels never share
+        blocks). It does *not* name the weights: ``weights`` does. An identity
+        without ``weights`` trusts the label to change whenever the weights do;
+        the engine always fills ``weights`` itself
+        (:func:`cpattn.engine.pooling.pool_identity`).
     dtype: torch.dtype
         The cache dtype of a payload.
     num_layers, block_size, row_width: int
         One payload is a tensor ``[num_layers, block_size, row_width]``:
         ``row_width`` is F, the columns the engine packs per token and layer
         (K, V and indexer-key rows side by side).
+    weights: str
+        :func:`cpattn.pool.fingerprint.model_digest` of the config and weights
+        ("" when unknown): a changed weight is another identity, a cold pool.
+    layout: str
+        How a row's columns are laid out (the engine writes its per-layer KV
+        layouts here): two layouts of one width never share blocks.
     """
 
     model: str
@@ -60,6 +71,8 @@ class PoolIdentity:
     num_layers: int
     block_size: int
     row_width: int
+    weights: str = ""
+    layout: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, torch.dtype):
@@ -68,6 +81,9 @@ class PoolIdentity:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int; got {v!r}")
+        for name in ("model", "weights", "layout"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str; got {getattr(self, name)!r}")
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -79,7 +95,7 @@ class PoolIdentity:
         return replace(self, model=model)
 
     def digest(self) -> bytes:
-        """16 bytes naming this identity (model, dtype, block shape, key format version).
+        """16 bytes naming this identity (model label, weights, layout, dtype, block shape, key format version).
 
         >>> import torch
         >>> a = PoolIdentity("m", torch.float32, 2, 4, 8)
@@ -87,9 +103,12 @@ class PoolIdentity:
         True
         >>> a.digest() == PoolIdentity("m", torch.float16, 2, 4, 8).digest()
         False
+        >>> a.digest() == PoolIdentity("m", torch.float32, 2, 4, 8, weights="ab" * 16).digest()  # other weights
+        False
         """
         h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"cpattn-ident")
-        for part in (_VERSION, self.model.encode(), str(self.dtype).encode()):
+        for part in (_VERSION, self.model.encode(), self.weights.encode(), self.layout.encode(),
+                     str(self.dtype).encode()):
             h.update(struct.pack("<I", len(part)))
             h.update(part)
         h.update(struct.pack("<3Q", *self.block_shape))

@@ -142,6 +142,21 @@ class KVPool:
         self.stats.rejected += len(todo) - n
         return n
 
+    def with_identity(self, identity: PoolIdentity) -> KVPool:
+        """A pool on the same store (and the same ``stats``) for blocks of another identity; closing either
+        closes the store.
+
+        >>> import torch
+        >>> from cpattn.pool import DictStore, PoolIdentity
+        >>> a = KVPool(DictStore(), PoolIdentity("m", torch.float32, 1, 2, 4))
+        >>> b = a.with_identity(PoolIdentity("m", torch.float32, 1, 2, 4, weights="00" * 16))
+        >>> b.backend is a.backend, b.stats is a.stats, a.keys([1, 2]) == b.keys([1, 2])
+        (True, True, False)
+        """
+        view = KVPool(self.backend, identity)
+        view.stats, view._down = self.stats, self._down
+        return view
+
     # -- state ---------------------------------------------------------------------------------
     @property
     def available(self) -> bool:
