@@ -21,6 +21,12 @@ a rank that cannot finish:
   raised is reported with its traceback, a rank killed by a signal with the
   signal's name.
 
+Nothing listens beyond loopback: the ranks meet through a ``FileStore`` in
+the run's private temporary directory (mode 0700, removed afterwards), not a
+TCPStore (which listens on every interface), and gloo's pairs use the
+loopback interface unless ``GLOO_SOCKET_IFNAME`` names another. torchrun
+runs keep torchrun's own rendezvous (:func:`cpattn.comm.dist.init_from_env`).
+
 Worker processes write their stdout to stderr, so the parent's stdout
 carries only what the parent prints (``--json -`` stays pure JSON).
 """
@@ -30,7 +36,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -74,12 +79,6 @@ class RankFailure:
     at: float = 0.0  # time.monotonic() when it failed (or was found failed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """Linux: have the kernel kill this process when the parent dies (no orphans after a SIGKILL)."""
     if not sys.platform.startswith("linux"):
@@ -98,7 +97,13 @@ def _heartbeat(beats, rank: int) -> None:
         time.sleep(BEAT_S)
 
 
-def _worker(rank, world_size, port, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs):
+def _local_network_env() -> None:
+    """Gloo pairs of a local spawn on loopback (unless the environment names an interface)."""
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _worker(rank, world_size, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs):
     os.setpgrp()  # own process group: the parent ends this rank and everything it started at once
     _die_with_parent()
     threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True, name="cpattn-heartbeat").start()
@@ -111,9 +116,12 @@ def _worker(rank, world_size, port, backend, threads, timeout_s, out_dir, beats,
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         torch.set_num_threads(threads)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        _local_network_env()
+        # the rendezvous is a file in the run's private directory (mode 0700, removed afterwards): no TCPStore,
+        # so nothing listens on any interface for it
+        store = dist.FileStore(os.path.join(out_dir, "rendezvous"), world_size)
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
         try:
             result = fn(DistGroup(), *args, **kwargs)
@@ -311,11 +319,10 @@ def spawn(
     ctx = mp.get_context("spawn")
     beats = ctx.Array("d", world_size, lock=False)  # monotonic time of each rank's last heartbeat; 0: none yet
     with tempfile.TemporaryDirectory(prefix="cpattn-spawn-") as out_dir:
-        port = _free_port()
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, backend, threads, collective_timeout_s, out_dir, beats, fn, args, kwargs),
+                args=(r, world_size, backend, threads, collective_timeout_s, out_dir, beats, fn, args, kwargs),
                 daemon=True,
             )
             for r in range(world_size)
