@@ -19,7 +19,8 @@ from cpattn.dsa import (
 )
 from cpattn.layout.dcp import dcp_local_lens, dcp_owner, dcp_slot_mapping, reshard_kv_blocks
 from cpattn.layout.pcp import pcp_plan, pcp_shard, pcp_unshard
-from cpattn.ops.dsa import causal_key_ranges
+from cpattn.ops.dsa import causal_key_ranges, selection_mismatch
+from cpattn.ops.merge import merge_into
 from cpattn.pcp import Context, pcp_prefill
 
 T = torch.tensor
@@ -55,6 +56,39 @@ def indexer(start=(0, 0), vis=(1, 2), max_keys=None):
 def sparse(idx):
     q, cache = torch.randn(2, 4, 24), torch.randn(10, 24)
     return lambda: ops.sparse_mla_attention_with_lse(q, cache, idx, softmax_scale=0.1, v_head_dim=16)
+
+
+META = torch.device("meta")  # "another device" that every machine has
+
+
+def mlapo(slots, **move):
+    """mla_preprocess of 3 tokens (T=3, H=16, Hq=2, nope=8, rope=4, r=12, Rq=10); ``move`` puts arguments on meta."""
+    g = torch.Generator().manual_seed(0)
+    w = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    args = dict(hidden=w(3, 16), kv_cache=torch.zeros(2, 4, 1, 16), slot_mapping=slots,
+                cos=torch.ones(3, 2), sin=torch.zeros(3, 2), input_norm_weight=torch.ones(16), q_a_weight=w(10, 16),
+                q_a_norm_weight=torch.ones(10), q_b_weight=w(24, 10), kv_a_weight=w(16, 16),
+                kv_a_norm_weight=torch.ones(12), w_uk=w(2, 8, 12))
+    args.update((k, args[k].to(META)) for k in move)
+    return lambda: ops.mla_preprocess(**args, eps=1e-6, rope_interleave=True)
+
+
+def window(**move):
+    """window_attention_with_lse of 2 rows over one ring of 8 slots; ``move`` puts arguments on meta."""
+    ring, pos = torch.randn(2, 4, 1, 8), T([9, 10])
+    args = dict(q=torch.randn(2, 2, 8), k_cache=ring, v_cache=ring, block_table=T([[1, 0]]), req_indices=T([0, 0]),
+                kv_starts=pos - 3, kv_ends=pos + 1, sinks=torch.zeros(2))
+    args.update((k, args[k].to(META)) for k in move)
+    return lambda: ops.window_attention_with_lse(**args)
+
+
+def paged_on(**move):
+    """The valid paged call of :func:`paged`, with the arguments ``move`` names on meta."""
+    kc = torch.randn(3, 4, 2, 8)
+    args = dict(q=torch.randn(2, 4, 8), k_cache=kc, v_cache=kc, block_table=T([[0, 1]]), req_indices=T([0, 0]),
+                kv_lens=T([3, 6]))
+    args.update((k, args[k].to(META)) for k in move)
+    return lambda: ops.paged_attention_with_lse(**args)
 
 
 def prefill(context=None, plan=None):
@@ -113,6 +147,22 @@ ROWS = [
     ("write_kv_mla slot past cache",
      lambda: ops.write_kv_mla(torch.zeros(2, 4, 1, 24), torch.ones(1, 16), torch.ones(1, 8), T([8])),
      "slot_mapping[0] = 8; expected -1 (skip the token) or a slot in 0..7 (kv_cache has 2 blocks x 4)"),
+    # two tokens to one slot: one token's KV would be lost (-1 may repeat: see the valid calls below)
+    ("write_kv repeated slot", wkv(T([3, -1, 7, -1, 3])),
+     "slot_mapping[4] = 3 repeats slot_mapping[0]; expected distinct slots, one per written token (-1 may repeat): "
+     "two tokens in one slot lose one token's KV. Give each token its own slot, or -1 to skip it"),
+    ("write_kv_mla repeated slot",
+     lambda: ops.write_kv_mla(torch.zeros(2, 4, 1, 24), torch.ones(3, 16), torch.ones(3, 8), T([6, 2, 6])),
+     "slot_mapping[2] = 6 repeats slot_mapping[0]; expected distinct slots"),
+    ("write_rows repeated slot", lambda: ops.write_rows(torch.zeros(2, 2, 3), torch.ones(3, 3), T([1, -1, 1])),
+     "slots[2] = 1 repeats slots[0]; expected distinct slots, one per written token (-1 may repeat): two tokens in "
+     "one slot lose one token's row"),
+    ("write_rows slot past cache", lambda: ops.write_rows(torch.zeros(2, 2, 3), torch.ones(1, 3), T([4])),
+     "slots[0] = 4; expected -1 (skip the token) or a slot in 0..3 (cache has 2 blocks x 2)"),
+    ("mla_preprocess repeated slot", mlapo(T([5, -1, 5])), "slot_mapping[2] = 5 repeats slot_mapping[0]"),
+    ("mla_preprocess slot past cache", mlapo(T([5, 8, -1])),
+     "slot_mapping[1] = 8; expected -1 (skip the token) or a slot in 0..7 (kv_cache has 2 blocks x 4)"),
+    ("mla_preprocess slot -2", mlapo(T([-2, 0, 1])), "slot_mapping[0] = -2"),
     # indexer_scores / topk_indices / sparse MLA / causal_key_ranges
     ("indexer range past k", indexer(start=(0, 4), vis=(1, 2)),
      "query 1: key_start[1] = 4, visible[1] = 2; expected 0 <= key_start"),
@@ -127,9 +177,54 @@ ROWS = [
      "indices[0, 1] = 10; expected -1 (no key) or a row of latent_cache in 0..9 (10 rows)"),
     ("sparse index -2", sparse(T([[0, 1], [-2, -1]])), "indices[1, 0] = -2"),
     ("sparse float indices", sparse(T([[0.0], [1.0]])), "indices must be an integer tensor [T=2, K]"),
+    ("sparse repeated index", sparse(T([[0, 5, -1, -1], [3, 9, -1, 3]])),
+     "indices[1, 3] = 3 repeats indices[1, 0]; expected distinct cache rows in each query's row (-1 may repeat): "
+     "a repeated row counts its key twice. Pad a short selection with -1"),
     ("key ranges float", lambda: causal_key_ranges([0, 2.5], [0, 3]),
      "cu_seqlens_q must hold integers (token counts); got 2.5 (float) at index 1"),
     ("key ranges decreasing", lambda: causal_key_ranges([0, 3], [0, 3, 1]), "cu_seqlens_k must be non-decreasing"),
+    # tensors on different devices (meta stands for any other device: no accelerator needed)
+    ("attn q on meta", lambda: ops.attention_with_lse(torch.randn(4, 2, 8, device=META), torch.randn(4, 2, 8),
+                                                      torch.randn(4, 2, 8), T([0, 4]), T([0, 4])),
+     "k is on cpu but q is on meta; pass every tensor argument on one device (k.to(q.device))"),
+    ("attn cu_seqlens on meta", lambda: ops.attention_with_lse(torch.randn(4, 2, 8), torch.randn(4, 2, 8),
+                                                               torch.randn(4, 2, 8), T([0, 4]), T([0, 4]).to(META)),
+     "cu_seqlens_k is on meta but q is on cpu"),
+    ("paged q on meta", paged_on(q=1), "k_cache is on cpu but q is on meta"),
+    ("paged table on meta", paged_on(block_table=1), "block_table is on meta but q is on cpu"),
+    ("paged kv_lens on meta", paged_on(kv_lens=1), "kv_lens is on meta but q is on cpu"),
+    ("write_kv k on meta", lambda: ops.write_kv(torch.zeros(3, 4, 1, 8), torch.zeros(3, 4, 1, 8),
+                                                torch.ones(2, 1, 8, device=META), torch.ones(2, 1, 8), T([0, 1])),
+     "k is on meta but k_cache is on cpu"),
+    ("write_kv_mla slots on meta", lambda: ops.write_kv_mla(torch.zeros(2, 4, 1, 24), torch.ones(1, 16),
+                                                            torch.ones(1, 8), T([0]).to(META)),
+     "slot_mapping is on meta but kv_cache is on cpu"),
+    ("write_rows rows on meta", lambda: ops.write_rows(torch.zeros(2, 2, 3), torch.ones(1, 3, device=META), T([0])),
+     "rows is on meta but cache is on cpu"),
+    ("indexer k on meta", lambda: ops.indexer_scores(torch.randn(2, 3, 8), torch.rand(2, 3),
+                                                     torch.randn(5, 8, device=META), T([0, 0]), T([1, 2]), 2),
+     "k is on meta but q is on cpu"),
+    ("sparse q on meta", lambda: ops.sparse_mla_attention_with_lse(torch.randn(2, 4, 24, device=META),
+                                                                   torch.randn(10, 24), T([[0, 1], [2, -1]]),
+                                                                   softmax_scale=0.1, v_head_dim=16),
+     "latent_cache is on cpu but q is on meta"),
+    ("merge list on two devices",
+     lambda: ops.merge_attn_states([torch.zeros(2, 1, 4), torch.zeros(2, 1, 4, device=META)], [torch.zeros(2, 1)] * 2),
+     "outs[1] is on meta but outs[0] is on cpu"),
+    ("merge lses on meta", lambda: ops.merge_attn_states(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, device=META)),
+     "lses is on meta but outs is on cpu"),
+    ("merge_into partial on meta", lambda: merge_into(torch.zeros(2, 1, 4), torch.zeros(2, 1),
+                                                      torch.zeros(2, 1, 4, device=META), torch.zeros(2, 1)),
+     "out is on meta but out_acc is on cpu"),
+    ("window q on meta", window(q=1), "k_cache is on cpu but q is on meta"),
+    ("window sinks on meta", window(sinks=1), "sinks is on meta but q is on cpu"),
+    ("mla_preprocess weight on meta", mlapo(T([5, -1, 0]), w_uk=1), "w_uk is on meta but hidden is on cpu"),
+    ("mla_preprocess cache on meta", mlapo(T([5, -1, 0]), kv_cache=1), "kv_cache is on meta but hidden is on cpu"),
+    ("gated_pool rows on meta", lambda: ops.gated_pool(torch.zeros(8, 2), torch.zeros(8, 2), torch.zeros(4, 2),
+                                                       T([[0, 1, 2, 3]]).to(META)),
+     "rows is on meta but kv is on cpu"),
+    ("selection_mismatch on two devices", lambda: selection_mismatch(T([[0, 1]]), T([[0, 1]]).to(META)),
+     "b is on meta but a is on cpu"),
     # PCP layout and pcp_prefill
     ("pcp_plan float lengths", lambda: pcp_plan([0, 2.5, 5], 2),
      "cu_seqlens must hold integers (token counts); got 2.5 (float) at index 1"),
@@ -231,9 +326,57 @@ def test_the_same_inputs_done_right_run():
     paged(table=((0, 1, 99),))()  # an unread table entry may hold any id
     paged(table=((0, -1),), lens=(3, 4))()  # a -1 past the visible keys is fine
     wkv(T([3, -1]))()
+    wkv(T([-1, 5, -1, -1, 4]))()  # -1 (a token another DCP rank owns, a padding row) may repeat
+    mlapo(T([-1, 5, -1]))()
+    ops.write_rows(torch.zeros(2, 2, 3), torch.ones(3, 3), T([-1, 3, -1]))
+    sparse(T([[0, -1, -1, -1], [9, 3, -1, -1]]))()  # -1 padding may repeat; the rows of one query are distinct
+    sparse(T([[4, 5, 6, 7], [4, 5, 6, 7]]))()  # two queries may select the same rows
+    window()()
     indexer()()
     sparse(T([[0, 9], [1, -1]]))()
     dsa_one()()
     topk_args()()
     dcp_ctx(ctx_lens=(4,))()
     assert pcp_shard(torch.arange(8), pcp_plan(T([0, 8], dtype=torch.int32), 2), 1).tolist() == [2, 3, 4, 5]
+
+
+def test_a_repeated_slot_is_refused_before_anything_is_written():
+    """The check runs before the write: a refused call leaves the cache as it was."""
+    kc, vc = torch.zeros(3, 4, 1, 8), torch.zeros(3, 4, 1, 8)
+    with pytest.raises(ValueError, match=re.escape("slot_mapping[1] = 2 repeats slot_mapping[0]")):
+        ops.write_kv(kc, vc, torch.ones(2, 1, 8), torch.full((2, 1, 8), 2.0), T([2, 2]))
+    assert not kc.any() and not vc.any()
+
+
+def test_meta_tensors_on_one_device_only_propagate_shapes():
+    """All arguments on meta is one device: value checks are skipped (no values) and the fake kernels answer."""
+    kc = torch.zeros(3, 4, 2, 8, device=META)
+    out, lse = ops.paged_attention_with_lse(torch.randn(2, 4, 8, device=META), kc, kc, T([[0, 1]]).to(META),
+                                            T([0, 0]).to(META), T([3, 6]).to(META))
+    assert (out.device, out.shape, lse.shape) == (META, (2, 4, 8), (2, 4))
+    ops.write_kv(kc, kc.clone(), torch.ones(2, 2, 8, device=META), torch.ones(2, 2, 8, device=META),
+                 T([1, 1]).to(META))
+    q, cache = torch.randn(2, 4, 24, device=META), torch.randn(10, 24, device=META)
+    out, _ = ops.sparse_mla_attention_with_lse(q, cache, T([[0, 0], [1, 2]]).to(META), softmax_scale=0.1,
+                                               v_head_dim=16)
+    assert out.shape == (2, 4, 16) and out.device == META
+
+
+def test_checks_are_skipped_inside_torch_compile():
+    """A compiled program calling write_kv traces whole (fullgraph: no graph break from a check's host read),
+    matches eager on valid slots, and does not check values at run time (that is the plan step's job)."""
+    def step(kc, vc, k, v, slots):
+        ops.write_kv(kc, vc, k, v, slots)
+        return kc.sum(dim=(1, 2, 3)) + vc.sum(dim=(1, 2, 3))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    k, v = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    want = [torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)]
+    got = [torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)]
+    expect = step(*want, k, v, T([5, -1, 0]))
+    torch.testing.assert_close(compiled(*got, k, v, T([5, -1, 0])), expect, rtol=0, atol=0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="repeats"):  # eager refuses it ...
+        step(*got, k, v, T([5, -1, 5]))
+    compiled(*got, k, v, T([5, -1, 5]))  # ... the captured program never reads the slots on the host

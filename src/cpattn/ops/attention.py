@@ -228,7 +228,8 @@ def attention_with_lse(
     Raises
     ------
     ValueError naming the argument: cu_seqlens not integer, not ``[B+1]``,
-    negative, decreasing, or ending past q's / k's tokens; mismatched shapes.
+    negative, decreasing, or ending past q's / k's tokens; mismatched shapes;
+    a tensor on another device than q.
 
     Example
     -------
@@ -241,6 +242,7 @@ def attention_with_lse(
     (torch.Size([5, 4, 16]), torch.Size([5, 4]))
     """
     check_qkv(q, k, v)
+    checks.same_device("q", q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     # the values (monotone, within q / k) are checked by the kernel driver, which reads them anyway
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)

@@ -4,11 +4,12 @@ Each check raises :class:`ValueError` naming the argument, what was seen
 (the first offending position and value, never a dump of the tensor), the
 rule, and how to fix it (DESIGN.md §3).
 
-Checks of shapes and dtypes always run. Checks that read tensor *values*
-sync with the host, so they are skipped where a sync is not allowed: while
-torch.compile traces and while a CUDA stream is captured
-(:func:`values_checkable`); there the plan step that built the tensors is
-the place that validates them. Value checks are vectorized: a few tensor ops
+Checks of shapes, dtypes and devices (:func:`same_device`) always run:
+they read metadata only. Checks that read tensor *values* (ranges,
+:func:`distinct` ids) sync with the host, so they are skipped where a sync
+is not allowed: while torch.compile traces and while a CUDA stream is
+captured, and on meta tensors, which hold none (:func:`values_checkable`);
+there the plan step that built the tensors is the place that validates them. Value checks are vectorized: a few tensor ops
 and one host read per argument, whatever the batch size.
 
 Example
@@ -29,17 +30,39 @@ import torch
 _CUDA = torch.cuda.is_available()
 
 
-def values_checkable() -> bool:
-    """False while torch.compile traces or a CUDA stream captures: no host reads of tensor values then.
+def values_checkable(*xs: torch.Tensor) -> bool:
+    """False while torch.compile traces or a CUDA stream captures, or when one of ``xs`` is a meta tensor
+    (it has no values): no host reads of tensor values then.
 
     Example
     -------
-    >>> values_checkable()
-    True
+    >>> values_checkable(), values_checkable(torch.empty(2, device="meta"))
+    (True, False)
     """
     if torch.compiler.is_compiling():
         return False
+    if any(isinstance(x, torch.Tensor) and x.is_meta for x in xs):
+        return False
     return not (_CUDA and torch.cuda.is_current_stream_capturing())
+
+
+def same_device(anchor_name: str, anchor: torch.Tensor, /, **tensors: torch.Tensor | None) -> None:
+    """Every tensor in ``tensors`` (None skipped) on ``anchor``'s device; metadata only, so it runs traced too.
+
+    Example
+    -------
+    >>> same_device("q", torch.zeros(1, device="meta"), k=torch.zeros(1), v=None)
+    Traceback (most recent call last):
+    ...
+    ValueError: k is on cpu but q is on meta; pass every tensor argument on one device (k.to(q.device))
+    """
+    dev = anchor.device
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.device != dev:
+            raise ValueError(
+                f"{name} is on {x.device} but {anchor_name} is on {dev}; pass every tensor argument on one device "
+                f"({name}.to({anchor_name}.device))"
+            )
 
 
 def all_finite(*xs: torch.Tensor) -> bool:
@@ -205,7 +228,7 @@ def cu_seqlens(name: str, cu: torch.Tensor, *, total: int | None = None, of: str
         raise ValueError(f"{name} must be 1-D [B+1]; got shape {got}")
     if cu.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be int32 or int64; got {cu.dtype}")
-    if check_values and values_checkable():
+    if check_values and values_checkable(cu):
         cumulative(name, cu.tolist(), total=total, of=of, exact=exact, start_zero=start_zero)
 
 
@@ -240,7 +263,7 @@ def within(name: str, x: torch.Tensor, low: int, high: int | None, *, expected: 
     ...
     ValueError: indices[0, 1] = 7; expected -1 or a row in 0..4
     """
-    if x.numel() == 0 or not values_checkable():
+    if x.numel() == 0 or not values_checkable(x, where):
         return
     lo, hi = _extremes(x if where is None else torch.where(where, x, low))
     if lo >= low and (high is None or hi < high):
@@ -250,6 +273,80 @@ def within(name: str, x: torch.Tensor, low: int, high: int | None, *, expected: 
         bad &= where
     idx = _where(bad)
     raise ValueError(f"{_at(name, idx)} = {int(x[idx])}; expected {expected}" + (f". {fix}" if fix else ""))
+
+
+def distinct(name: str, x: torch.Tensor, *, expected: str, fix: str = "", low: int | None = None,
+             high: int | None = None, range_expected: str = "", range_fix: str = "") -> None:
+    """No entry ``>= 0`` repeats within a row of ``x`` ([T], or [T, K] row by row); negatives (padding) may.
+
+    With ``low`` / ``high`` every entry must also lie in ``low .. high-1``
+    (the error of :func:`within`, with ``range_expected`` / ``range_fix``).
+    Vectorized: one sort along the last dim (it gives the extremes too), an
+    adjacent compare and one host read, whatever T and K are. The error
+    names the first repeat (in reading order) and the entry it repeats.
+    Skipped while tracing / capturing.
+
+    Example
+    -------
+    >>> distinct("slot_mapping", torch.tensor([4, -1, 7, -1, 4]), expected="distinct slots")
+    Traceback (most recent call last):
+    ...
+    ValueError: slot_mapping[4] = 4 repeats slot_mapping[0]; expected distinct slots
+    """
+    if x.dim() == 0 or x.numel() == 0 or not values_checkable(x):
+        return
+    rows = x.reshape(-1, x.shape[-1])  # [R, n]
+    s, order = torch.sort(rows, dim=-1, stable=True)  # equal values end up adjacent, in their original order
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)  # [R, n-1]
+    facts = torch.stack([s[:, 0].min().long(), s[:, -1].max().long(), dup.any().long()])
+    lo, hi, repeats = facts.tolist()  # the one host read of valid input
+    if (low is not None and lo < low) or (high is not None and hi >= high):
+        within(name, x, -(2**63) if low is None else low, high, expected=range_expected, fix=range_fix)
+    if not repeats:
+        return
+    r = _where(dup.any(dim=1))[0]  # the first row holding a repeat
+    n = rows.shape[1]
+    later = torch.where(dup[r], order[r, 1:], n)  # original position of each repeat
+    k = int(later.argmin())
+    i, j = int(later[k]), int(order[r, k])  # the repeat and the entry just before it in sorted order
+    at = (lambda c: f"{name}[{c}]") if x.dim() == 1 else (lambda c: _at(name, (*_unravel(r, x.shape[:-1]), c)))
+    raise ValueError(f"{at(i)} = {int(rows[r, i])} repeats {at(j)}; expected {expected}" + (f". {fix}" if fix else ""))
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    idx = []
+    for size in reversed(shape):
+        idx.append(flat % size)
+        flat //= size
+    return tuple(reversed(idx))
+
+
+def slots(name: str, slot_mapping: torch.Tensor, t: int, cache_name: str, cache: torch.Tensor, *,
+          row: str = "KV") -> None:
+    """A cache write's ``slot_mapping``: int32/int64 [T]; each entry -1 (skip) or a slot of ``cache``, valid
+    slots distinct (two tokens in one slot would lose one token's ``row``). Skipped while tracing / capturing.
+
+    Example
+    -------
+    >>> cache = torch.zeros(2, 4, 1, 8)
+    >>> slots("slot_mapping", torch.tensor([5, -1, -1, 5]), 4, "kv_cache", cache)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: slot_mapping[3] = 5 repeats slot_mapping[0]; expected distinct slots, one per written token ...
+    """
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.shape != (t,) or slot_mapping.dtype not in (
+        torch.int32, torch.int64
+    ):
+        got = (f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}" if isinstance(slot_mapping, torch.Tensor)
+               else type(slot_mapping).__name__)
+        raise ValueError(f"{name} must be int32/int64 [T={t}]; got {got}")
+    nb, bs = cache.shape[:2]
+    distinct(name, slot_mapping, low=-1, high=nb * bs,
+             range_expected=f"-1 (skip the token) or a slot in 0..{nb * bs - 1} ({cache_name} has {nb} blocks x {bs})",
+             range_fix="A slot is block_id * block_size + offset, with block ids of this cache",
+             expected=f"distinct slots, one per written token (-1 may repeat): two tokens in one slot lose one "
+                      f"token's {row}",
+             fix="Give each token its own slot, or -1 to skip it")
 
 
 def paged_rows(block_table: torch.Tensor, req_indices: torch.Tensor, kv_lens: torch.Tensor, *,
@@ -263,7 +360,7 @@ def paged_rows(block_table: torch.Tensor, req_indices: torch.Tensor, kv_lens: to
     anything). Valid input costs two host reads of a few min/max values.
     """
     t = req_indices.shape[0]
-    if t == 0 or not values_checkable():
+    if t == 0 or not values_checkable(block_table, req_indices, kv_lens):
         return
     b, w = block_table.shape
     reach = w * block_size
@@ -328,7 +425,7 @@ def key_ranges(key_start: torch.Tensor, visible: torch.Tensor, *, num_keys: int,
 
     One host read; the error names the first query breaking a rule.
     """
-    if key_start.numel() == 0 or not values_checkable():
+    if key_start.numel() == 0 or not values_checkable(key_start, visible):
         return
     end = key_start.long() + visible.long()
     bad = (key_start < 0) | (visible < 0) | (visible > max_keys) | (end > num_keys)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from cpattn.ops import registry
+from cpattn.ops import checks, registry
 from cpattn.ops.ref import acc_dtype
 
 
@@ -126,6 +126,7 @@ def gated_pool(
     for name, x in (("kv", kv), ("gate", gate)):
         if x.dim() != 2 or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating [S, C] tensor; got {x.dtype} {tuple(x.shape)}")
+    checks.same_device("kv", kv, gate=gate, position_bias=position_bias, rows=rows, prev_rows=prev_rows)
     if gate.shape != kv.shape:
         raise ValueError(f"gate {tuple(gate.shape)} must match kv {tuple(kv.shape)}")
     if rows.dim() != 2 or rows.is_floating_point():

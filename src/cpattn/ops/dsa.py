@@ -170,10 +170,10 @@ def sparse_mla_attention_with_lse(
         -- one latent KV head; row s is ``[latent 512 | rope key 64]`` and its
         value is ``row[:v_head_dim]``. A paged cache is indexed by slot
         (``block_id * block_size + offset``).
-    indices: [T, K] int -- cache rows each query attends; ``-1`` is ignored.
-        Rows of one query must be distinct; any other value outside the
-        cache is a ValueError naming the first one (not checked while tracing
-        or capturing).
+    indices: [T, K] int -- cache rows each query attends; ``-1`` is ignored
+        (and may repeat). Rows of one query must be distinct; a repeated row,
+        or any other value outside the cache, is a ValueError naming the first
+        one (not checked while tracing or capturing).
     softmax_scale: the model's scale (``qk_head_dim**-0.5 * mscale**2``, see
         :func:`mla_softmax_scale`), never ``Dqk**-0.5``. Required.
     v_head_dim: value width (512 for DeepSeek).
@@ -197,6 +197,7 @@ def sparse_mla_attention_with_lse(
     """
     if q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a floating [T, H, Dqk] tensor; got {q.dtype} {tuple(q.shape)}")
+    checks.same_device("q", q, latent_cache=latent_cache, indices=indices)
     d = q.shape[-1]
     if latent_cache.shape[-1] != d:
         raise ValueError(
@@ -218,9 +219,11 @@ def sparse_mla_attention_with_lse(
     if softmax_scale is None or not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be the model's positive scale; got {softmax_scale}")
     rows = cache.shape[0]
-    checks.within("indices", indices, -1, rows,
-                  expected=f"-1 (no key) or a row of latent_cache in 0..{rows - 1} ({rows} rows)",
-                  fix="For a paged cache a row is block_id * block_size + offset")
+    checks.distinct("indices", indices, low=-1, high=rows,
+                    range_expected=f"-1 (no key) or a row of latent_cache in 0..{rows - 1} ({rows} rows)",
+                    range_fix="For a paged cache a row is block_id * block_size + offset",
+                    expected="distinct cache rows in each query's row (-1 may repeat): a repeated row counts its key "
+                             "twice", fix="Pad a short selection with -1")
     return torch.ops.cpattn.sparse_mla_attention_with_lse(q, cache, indices, float(softmax_scale), int(v_head_dim))
 
 
@@ -253,6 +256,7 @@ def selection_mismatch(a: torch.Tensor, b: torch.Tensor) -> dict:
     """
     if a.shape != b.shape:
         raise ValueError(f"selections differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+    checks.same_device("a", a, b=b)
     sa, sb = a.long().sort(-1).values, b.long().sort(-1).values
     differ = (sa != sb).any(-1)
     hits = ((a.long()[:, :, None] == b.long()[:, None, :]) & (b.long()[:, None, :] >= 0)).any(-1).sum(-1)

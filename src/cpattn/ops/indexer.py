@@ -207,6 +207,7 @@ def indexer_scores(
     torch.Size([5, 3])
     """
     _check_indexer(q, w, k, key_start, visible)
+    checks.same_device("q", q, k_scale=k_scale)
     if max_keys is None:
         max_keys = int(visible.max()) if visible.numel() else 0
     max_keys = checks.integer("max_keys", max_keys, at_least=0)
@@ -305,3 +306,4 @@ def _check_indexer(q, w, k, key_start, visible) -> None:
         raise ValueError(f"k must be [S, D_I={q.shape[-1]}] (one indexer key per token); got {tuple(k.shape)}")
     for name, x in (("key_start", key_start), ("visible", visible)):
         checks.int_tensor(name, x, (q.shape[0],), desc=f"[T={q.shape[0]}]")
+    checks.same_device("q", q, w=w, k=k, key_start=key_start, visible=visible)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cpattn.ops import ref, registry
+from cpattn.ops import checks, ref, registry
 
 
 @registry.define("merge_attn_states")
@@ -65,10 +65,16 @@ def merge_attn_states(
     >>> torch.allclose(lse, torch.logsumexp(l, 0))
     True
     """
+    outs = outs if isinstance(outs, torch.Tensor) else list(outs)
+    lses = lses if isinstance(lses, torch.Tensor) else list(lses)
+    named = {**_named("outs", outs), **_named("lses", lses)}  # torch.stack would not name a stray device
+    if named:
+        first = next(iter(named))
+        checks.same_device(first, named[first], **named)
     if not isinstance(outs, torch.Tensor):
-        outs = torch.stack(list(outs))
+        outs = torch.stack(outs)
     if not isinstance(lses, torch.Tensor):
-        lses = torch.stack(list(lses))
+        lses = torch.stack(lses)
     if outs.dim() != 4 or lses.dim() != 3 or outs.shape[:3] != lses.shape:
         raise ValueError(
             f"merge_attn_states wants outs [N, T, H, D] and lses [N, T, H]; got "
@@ -77,6 +83,13 @@ def merge_attn_states(
     if outs.shape[0] == 0:
         raise ValueError("merge_attn_states needs at least one partial (N >= 1); got N = 0")
     return registry.call("merge_attn_states", outs, lses)
+
+
+def _named(name: str, xs: torch.Tensor | list) -> dict[str, torch.Tensor]:
+    """``{name: xs}`` for a tensor, ``{"name[i]": xs[i]}`` for a list (its tensors only)."""
+    if isinstance(xs, torch.Tensor):
+        return {name: xs}
+    return {f"{name}[{i}]": x for i, x in enumerate(xs) if isinstance(x, torch.Tensor)}
 
 
 def _merge_into_body(out_acc, lse_acc, out, lse, maybe_empty: bool) -> None:
@@ -144,6 +157,7 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, 
             f"merge_into wants out_acc/out [T, H, D] and lse_acc/lse [T, H] of equal shapes; got "
             f"{tuple(out_acc.shape)}, {tuple(lse_acc.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}"
         )
+    checks.same_device("out_acc", out_acc, lse_acc=lse_acc, out=out, lse=lse)
     if out_acc.dtype not in (torch.float32, torch.float64) or lse_acc.dtype != out_acc.dtype:
         raise ValueError(
             f"merge_into accumulates in float32 or float64 (out_acc and lse_acc alike); got "

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from cpattn.ops import registry
+from cpattn.ops import checks, registry
 from cpattn.ops.norm_rope import rms_norm, rope_half, rope_interleaved
 from cpattn.ops.rows import scatter_rows
 
@@ -167,7 +167,9 @@ def mla_preprocess(
     kv_cache: [num_blocks, block_size, 1, r + rope] latent cache, contiguous,
         written in place (cast to its dtype).
     slot_mapping: [T] int32/int64, ``block * block_size + offset`` or -1 (not
-        written: a token another DCP rank owns, a padding row). Valid slots distinct.
+        written: a token another DCP rank owns, a padding row). Valid slots
+        distinct and inside the cache (a ValueError names the first that is
+        not; not checked while tracing or capturing).
     cos, sin: [T, rope/2] RoPE tables at the tokens' positions, in the hidden
         dtype or wider (the rope dims rotate in the tables' dtype, then cast back).
     input_norm_weight: [H] (``input_layernorm.weight``), or None when ``hidden``
@@ -185,7 +187,7 @@ def mla_preprocess(
         ``rms_norm_eps`` says); rope_interleave: pairs (2i, 2i+1) (True, DeepSeek)
         or (i, i + rope/2).
 
-    Every weight must have the hidden dtype.
+    Every weight must have the hidden dtype; every tensor the hidden device.
 
     Returns
     -------
@@ -222,8 +224,6 @@ def mla_preprocess(
             f"kv_cache must be a contiguous [num_blocks, block_size, 1, r + rope = {r + rope}] latent cache; "
             f"got {tuple(kv_cache.shape)}{'' if kv_cache.is_contiguous() else ' (not contiguous)'}"
         )
-    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32/int64 [T={t}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if (q_a_weight is None) != (q_a_norm_weight is None):
         raise ValueError("q_a_weight and q_a_norm_weight go together: pass both (q LoRA) or neither (q_proj)")
     if input_norm_weight is not None:
@@ -244,6 +244,8 @@ def mla_preprocess(
     if cos.dtype != sin.dtype or torch.promote_types(cos.dtype, hidden.dtype) != cos.dtype:
         raise ValueError(f"cos / sin are {cos.dtype} / {sin.dtype}; they must share a dtype at least as wide as "
                          f"hidden's {hidden.dtype}")
+    checks.same_device("hidden", hidden, kv_cache=kv_cache, slot_mapping=slot_mapping, cos=cos, sin=sin, **named)
+    checks.slots("slot_mapping", slot_mapping, t, "kv_cache", kv_cache)
     out = registry.call("mla_preprocess", hidden, input_norm_weight, q_a_weight, q_a_norm_weight, q_b_weight,
                         kv_a_weight, kv_a_norm_weight, w_uk, cos, sin, kv_cache, slot_mapping, float(eps),
                         bool(rope_interleave), float(eps if latent_eps is None else latent_eps))

@@ -333,7 +333,8 @@ def paged_attention_with_lse(
     ------
     ValueError naming the first bad row: a request past the block table, a
     negative kv_len or one beyond the table, a read block outside the cache
-    (value checks are skipped while tracing or capturing).
+    (value checks are skipped while tracing or capturing); a tensor on
+    another device than q.
 
     Example
     -------
@@ -347,6 +348,8 @@ def paged_attention_with_lse(
     """
     if q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a floating [T, Hq, Dk] tensor; got {q.dtype} {tuple(q.shape)}")
+    checks.same_device("q", q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, req_indices=req_indices,
+                       kv_lens=kv_lens)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4:
             raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D]; got shape {tuple(c.shape)}")

@@ -94,19 +94,6 @@ def _check_cache(name: str, cache: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (it is written through a flat view); call .contiguous() once")
 
 
-def _check_slots(slot_mapping: torch.Tensor, t: int, cache_name: str, cache: torch.Tensor) -> None:
-    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"slot_mapping must be int32/int64 [T={t}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
-    nb, bs = cache.shape[:2]
-    checks.within(
-        "slot_mapping", slot_mapping, -1, nb * bs,
-        expected=f"-1 (skip the token) or a slot in 0..{nb * bs - 1} ({cache_name} has {nb} blocks x {bs})",
-        fix="A slot is block_id * block_size + offset, with block ids of this cache",
-    )
-
-
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -119,8 +106,9 @@ def write_kv(
     k: [T, Hkv, Dk]; v: [T, Hkv, Dv] -- cast to the cache dtype.
     slot_mapping: [T] int -- ``block * block_size + offset``, or -1 to skip the
         token (owned by another DCP rank, or a padding row). Valid slots must
-        be distinct. Any other value (below -1, or past the cache) is a
-        ValueError naming the first one (not checked while tracing or capturing).
+        be distinct (-1 may repeat). A repeated slot, or any other value (below
+        -1, or past the cache), is a ValueError naming the first one (not
+        checked while tracing or capturing). Every tensor on one device.
 
     Example
     -------
@@ -132,12 +120,13 @@ def write_kv(
     """
     _check_cache("k_cache", k_cache)
     _check_cache("v_cache", v_cache)
+    checks.same_device("k_cache", k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
     if k.dim() != 3 or k.shape[1:] != k_cache.shape[2:] or v.shape != (k.shape[0], *v_cache.shape[2:]):
         raise ValueError(
             f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [T, Hkv, D] matching the caches' "
             f"[.., {', '.join(map(str, k_cache.shape[2:]))}] / [.., {', '.join(map(str, v_cache.shape[2:]))}]"
         )
-    _check_slots(slot_mapping, k.shape[0], "k_cache", k_cache)
+    checks.slots("slot_mapping", slot_mapping, k.shape[0], "k_cache", k_cache)
     registry.call("write_kv", k_cache, v_cache, k, v, slot_mapping)
 
 
@@ -148,7 +137,9 @@ def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     ---------
     kv_cache: [num_blocks, block_size, 1, Dc + Dr] (DeepSeek: 576 = 512 + 64), contiguous.
     kv_c: [T, Dc] compressed latent (the values); k_pe: [T, Dr] rope key part.
-    slot_mapping: [T] int, -1 skips a token; other slots must lie in the cache.
+    slot_mapping: [T] int, -1 skips a token; other slots must lie in the cache
+        and be distinct (a ValueError names the first one; not checked while
+        tracing or capturing).
 
     Example
     -------
@@ -159,6 +150,7 @@ def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     (1.0, 2.0)
     """
     _check_cache("kv_cache", kv_cache)
+    checks.same_device("kv_cache", kv_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
     if kv_cache.shape[2] != 1:
         raise ValueError(f"kv_cache must hold one latent head [.., .., 1, D]; got shape {tuple(kv_cache.shape)}")
     if kv_c.dim() != 2 or k_pe.dim() != 2 or kv_c.shape[0] != k_pe.shape[0] or (
@@ -168,7 +160,7 @@ def write_kv_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             f"kv_c {tuple(kv_c.shape)} and k_pe {tuple(k_pe.shape)} must be [T, Dc] and [T, Dr] with "
             f"Dc + Dr = {kv_cache.shape[3]} (the cache's last dim)"
         )
-    _check_slots(slot_mapping, kv_c.shape[0], "kv_cache", kv_cache)
+    checks.slots("slot_mapping", slot_mapping, kv_c.shape[0], "kv_cache", kv_cache)
     registry.call("write_kv_mla", kv_cache, kv_c, k_pe, slot_mapping)
 
 
@@ -197,7 +189,9 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
     Arguments
     ---------
     cache: [num_blocks, block_size, *row] contiguous; rows: [T, *row] (cast to
-    the cache's dtype); slots: [T] int, distinct where >= 0, -1 skips a row.
+    the cache's dtype); slots: [T] int, distinct where >= 0, -1 skips a row
+    (a repeat or a slot past the cache is a ValueError; not checked while
+    tracing or capturing).
 
     Example
     -------
@@ -213,6 +207,6 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
     if rows.shape[1:] != cache.shape[2:]:
         row = ", ".join(map(str, cache.shape[2:]))
         raise ValueError(f"rows {tuple(rows.shape)} must be [T, {row}] like the cache rows")
-    if slots.shape != (rows.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slots must be int32/int64 [T={rows.shape[0]}]; got {slots.dtype} {tuple(slots.shape)}")
+    checks.same_device("cache", cache, rows=rows, slots=slots)
+    checks.slots("slots", slots, rows.shape[0], "cache", cache, row="row")
     registry.call("write_rows", cache, rows, slots)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from cpattn.ops import registry
+from cpattn.ops import checks, registry
 from cpattn.ops.ref import acc_dtype
 
 # elements gathered per chunk of rows by the CPU kernel (rows x keys x kv heads x head dim)
@@ -233,6 +233,8 @@ def window_attention_with_lse(
     """
     if q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a floating [T, Hq, Dk] tensor; got {q.dtype} {tuple(q.shape)}")
+    checks.same_device("q", q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, req_indices=req_indices,
+                       kv_starts=kv_starts, kv_ends=kv_ends, sinks=sinks)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or c.dtype != q.dtype:
             raise ValueError(f"{name} must be [NB, BS, Hkv, D] in q's dtype {q.dtype}; got {c.dtype} {tuple(c.shape)}")
