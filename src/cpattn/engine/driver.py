@@ -182,8 +182,7 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, prefix, hidden_layers(drafter))
     prefill_s, sent1 = time.perf_counter() - t0, world.stats.total_sent()
     shard = new_shard(family, cfg, params, p, steps, decode, drafter, dg)
-    facts = handoff(world, pg, dg, shard, out, algorithms, prefix) if family.stages is None else \
-        family.stages.handoff(pg, shard, out)
+    facts = handoff_stage(world, family, pg, dg, shard, out, algorithms, prefix)
     ttft = time.perf_counter() - t0
     if pool is not None and (nsize > 1 or world.rank == 0):  # a replicated decode cache is stored once
         stored = store_blocks(shard, p, pool, rank=dg.rank, dcp_size=nsize, skip=pfacts.hit_blocks)
@@ -215,6 +214,15 @@ def prefill_fn(pg: Group, family, params, cfg, p: Prompts, algorithms: Algorithm
                                      prefix=prefix, hidden_layers=hidden_layers)
     return prefill(pg, family, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits, prefix=prefix,
                    hidden_layers=hidden_layers)
+
+
+def handoff_stage(world: Group, family: ModelFamily, pg: Group, dg: Group, shard, out,
+                  algorithms: Algorithms = Algorithms(), prefix: Prefix | None = None) -> HandoffFacts:
+    """The hand-off as :func:`generate_on_rank` runs it (engines on the same ranks): the family's own stage
+    when it declares ``stages`` (its own cache, no cached prefix), else :func:`handoff`."""
+    if family.stages is not None:
+        return family.stages.handoff(pg, shard, out)
+    return handoff(world, pg, dg, shard, out, algorithms, prefix)
 
 
 def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillOut,
