@@ -52,8 +52,10 @@ def test_prefill_from_a_cached_prefix(name, pcp, dcp):
     pre, dec = driver.engine_configs(family, cfg, pcp_size=pcp, dcp_size=dcp, interleave_size=2)
     gens = cpattn.simulate(max(pcp, dcp), driver.generate_on_rank, family, params, cfg, PROMPTS, 8, prefill=pre,
                            decode=dec, prefix=prefix)
+    assert ref.logits.dtype == ref.prompt_logits.dtype == torch.float64  # a float64 run's logits stay float64
     for g in gens:
         assert torch.equal(g.tokens, ref.tokens)
+        assert g.logits.dtype == g.prompt_logits.dtype == torch.float64  # float32 would round 1 ulp apart
         assert torch.allclose(g.logits, ref.logits, rtol=1e-9, atol=1e-9)
         # prompt logits cover only the computed tokens
         computed = torch.cat([ref.prompt_logits[a + c : b] for a, b, c in zip(cu, cu[1:], CONTEXT)])

@@ -311,6 +311,7 @@ def test_prefill_from_a_cached_prefix(pcp, dcp):
     for gen in cpattn.simulate(max(pcp, dcp), driver.generate_on_rank, glm.FAMILY, params, cfg, prompts, 8,
                                prefill=pre, decode=dec, prefix=prefix):
         assert torch.equal(gen.tokens, ref.tokens)
+        assert gen.logits.dtype == ref.logits.dtype == torch.float64  # float32 would round 1 ulp apart
         assert torch.allclose(gen.logits, ref.logits, rtol=1e-9, atol=1e-9)
 
 

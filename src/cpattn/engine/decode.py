@@ -57,6 +57,7 @@ from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, plan_tensors
 from cpattn.engine.drafters import TargetHidden
 from cpattn.engine.family import ModelFamily
+from cpattn.engine.logits import as_logits
 from cpattn.engine.paged_cache import DCPStep, PagedShard
 from cpattn.graphs.runner import DecodeRunner, Field
 
@@ -115,8 +116,8 @@ class SpecStats:
 
 @dataclass(frozen=True)
 class DecodeOut:
-    """tokens [B, steps] int64; logits [B, steps, V] float32 (the row each token was chosen from);
-    stats; step_s: wall seconds of each step on this rank; runner: the runner's stats (graph mode) or None."""
+    """tokens [B, steps] int64; logits [B, steps, V] float32, float64 in a float64 run (the row each token
+    was chosen from); stats; step_s: wall seconds of each step on this rank; runner: the runner's stats (graph mode) or None."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -160,7 +161,7 @@ def decode_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFam
     state: ``{"params": ..., "shard": PagedShard}`` (the shard is written in
     place); batch: see :func:`step_fields` plus ``cu_seqlens_q`` [B+1].
     Padding rows (no request) write no KV (slot -1) and see no key.
-    Returns (logits [T, V] float32, argmax [T] int64), plus the requested
+    Returns (logits [T, V] float32 (float64 in a float64 run), argmax [T] int64), plus the requested
     hidden states ``{name: [T, H]}`` as a third output with ``hidden_layers``.
     """
     shard: PagedShard = state["shard"]
@@ -173,10 +174,10 @@ def decode_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFam
                    block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
     step = DCPStep(group, shard, meta, merge)
     if hidden_layers is None:
-        logits = family.forward(state["params"], cfg, batch["tokens"], step).float()
+        logits = as_logits(family.forward(state["params"], cfg, batch["tokens"], step))
         return logits, logits.argmax(-1)
     logits, hidden = family.forward(state["params"], cfg, batch["tokens"], step, hidden_layers=hidden_layers)
-    logits = logits.float()
+    logits = as_logits(logits)
     return logits, logits.argmax(-1), hidden
 
 

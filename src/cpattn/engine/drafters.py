@@ -60,6 +60,7 @@ import torch
 
 from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.family import ModelFamily, get_family, param_dtype
+from cpattn.engine.logits import as_logits
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ class ModelDraftState:
 
     def _step(self, tokens: torch.Tensor, new_lens: list[int], last: torch.Tensor) -> torch.Tensor:
         step = self.cache.step(new_lens)
-        logits = self.family.forward(self.params, self.cfg, tokens, step, logits_index=last).float()  # [A, V]
+        logits = as_logits(self.family.forward(self.params, self.cfg, tokens, step, logits_index=last))  # [A, V]
         self.cache = step.finish()
         return logits.argmax(-1)
 

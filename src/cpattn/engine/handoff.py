@@ -35,6 +35,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.engine.paged_cache import PagedShard
+from cpattn.engine.logits import acc_dtype
 from cpattn.layout.dcp import dcp_owner
 from cpattn.layout.rows import request_of
 
@@ -173,11 +174,11 @@ def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, p
     """Receive this decode rank's blocks (and the first-token logits from prefill rank 0).
 
     Returns (received ``[(request, local block, payload [block_size, F])]``,
-    first_logits [B, V] float32, :class:`HandoffFacts`).
+    first_logits [B, V] float32 (float64 in a float64 run), :class:`HandoffFacts`).
     """
     import torch.distributed as dist
 
-    first_logits = torch.empty(len(prompt_lens), vocab_size, dtype=torch.float32)
+    first_logits = torch.empty(len(prompt_lens), vocab_size, dtype=acc_dtype(dtype))  # as the prefill's logits
     works = [dist.irecv(first_logits, prefill_ranks[0], tag=_HEADER_TAG)]
     received = []
     p = len(prefill_ranks)

@@ -39,6 +39,7 @@ from cpattn.dsa import DSACPPlan, dsa_cp_plan
 from cpattn.engine.batch import Prompts
 from cpattn.engine.family import ModelFamily
 from cpattn.engine.kv_rows import pack_rows
+from cpattn.engine.logits import as_logits
 from cpattn.engine.options import Algorithms
 from cpattn.engine.prefill_steps import DSACPStep, PCPStep, Prefix
 from cpattn.layout.pcp import PCPPlan, pcp_plan, pcp_shard
@@ -50,8 +51,8 @@ class PrefillOut:
 
     plan: the token split (``token_index``, ``positions``, ``num_tokens``, ...);
     rows: [T_r, F] this rank's KV rows in plan order (:mod:`cpattn.engine.kv_rows`);
-    first_logits: [B, V] float32, each request's last prompt token (every rank);
-    prompt_logits: [T, V] float32 in request order, or None;
+    first_logits: [B, V] float32 (float64 in a float64 run), each request's last prompt token (every rank);
+    prompt_logits: [T, V] float32 (float64 in a float64 run) in request order, or None;
     hidden: ``{name: [T, H]}`` in request order (see the family's forward), or None;
     bytes_sent: what this rank sent during the stage.
     """
@@ -120,13 +121,13 @@ def prefill(group: Group, family: ModelFamily, params: dict, cfg: Any, prompts: 
     extra = {} if hidden_layers is None else {"hidden_layers": tuple(hidden_layers)}
     out = family.forward(params, cfg, mine, step, logits_index=logits_index, **extra)
     logits, hidden = out if hidden_layers is not None else (out, None)
-    logits = logits.float()
+    logits = as_logits(logits)
     full = None
     if prompt_logits:
         full = gather_unshard(group, logits, plan)  # [T, V]
         first = full[last]
     else:
-        first = torch.zeros(new.num_requests, logits.shape[-1], dtype=torch.float32, device=logits.device)
+        first = torch.zeros(new.num_requests, logits.shape[-1], dtype=logits.dtype, device=logits.device)
         first = group.all_reduce(first.index_copy(0, reqs, logits))  # each request's row comes from one rank
     if hidden is not None:
         hidden = {name: gather_unshard(group, h, plan) for name, h in hidden.items()}

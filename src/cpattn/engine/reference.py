@@ -27,11 +27,13 @@ import torch
 from cpattn.engine.batch import Prompts
 from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.family import ModelFamily, get_family, param_dtype
+from cpattn.engine.logits import as_logits
 
 
 @dataclass(frozen=True)
 class Reference:
-    """tokens [B, N] int64; logits [B, N, V] float32 (what each token was chosen from); prompt_logits [T, V];
+    """tokens [B, N] int64; logits [B, N, V] (what each token was chosen from) and prompt_logits [T, V]
+    in float32, float64 in a float64 run;
     prefill_s: the prefill's wall seconds; step_s: each decode step's; kv_bytes: the dense cache's storage."""
 
     tokens: torch.Tensor
@@ -52,7 +54,7 @@ def reference_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts
                                dtype=dtype, device=p.tokens.device)
     t0 = time.perf_counter()
     step = cache.step(list(p.query_lens))
-    prompt_logits = family.forward(params, cfg, p.tokens, step).float()  # [T, V]
+    prompt_logits = as_logits(family.forward(params, cfg, p.tokens, step))  # [T, V]
     cache = step.finish()
     first_logits = prompt_logits[torch.tensor(p.cu_seqlens[1:]) - 1]  # [B, V]
     tok = first_logits.argmax(-1)
@@ -61,7 +63,7 @@ def reference_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts
     for _ in range(steps):
         t0 = time.perf_counter()
         step = cache.step([1] * p.num_requests)
-        out = family.forward(params, cfg, tok, step).float()  # [B, V]
+        out = as_logits(family.forward(params, cfg, tok, step))  # [B, V]
         cache = step.finish()
         tok = out.argmax(-1)
         times.append(time.perf_counter() - t0)

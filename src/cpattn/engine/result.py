@@ -40,8 +40,8 @@ class RunFacts:
 
 @dataclass(frozen=True)
 class Generation:
-    """tokens [B, N] int64 (greedy; the first from the prefill); logits [B, N, V] float32 (the row each
-    token was chosen from); prompt_logits [T, V] float32 or None; stats (:class:`~cpattn.engine.decode.SpecStats`);
+    """tokens [B, N] int64 (greedy; the first from the prefill); logits [B, N, V] float32, float64 in a float64 run (the row each
+    token was chosen from); prompt_logits [T, V] (same dtype) or None; stats (:class:`~cpattn.engine.decode.SpecStats`);
     facts (:class:`RunFacts`, this rank's). Every rank returns the same tokens and logits."""
 
     tokens: torch.Tensor

@@ -45,6 +45,7 @@ from cpattn.config import EngineConfig
 from cpattn.engine.batch import Prompts
 from cpattn.engine.handoff import HandoffFacts
 from cpattn.engine.family import param_dtype
+from cpattn.engine.logits import as_logits
 from cpattn.engine.options import Algorithms
 from cpattn.graphs.runner import Field
 from cpattn.v4.cache import V4Cache, V4Layout
@@ -70,15 +71,15 @@ def v4_decode_step(state: dict, batch: dict[str, torch.Tensor], *, forward: Call
 
     state: ``{"params", "cache": cache_state(...)}``; batch: ``tokens`` [T] and
     the plan tensors of :func:`~cpattn.v4.decode.plan_fields` (plus the
-    runner's ``cu_seqlens_q``, unused). Returns (logits [T, V] float32,
+    runner's ``cu_seqlens_q``, unused). Returns (logits [T, V] float32 (float64 in a float64 run),
     argmax [T]) and, with ``hidden_layers``, the hidden states.
     """
     step = V4DecodeStep(layout, state["cache"], batch, group, interleave_size=interleave_size)
     if hidden_layers is None:
-        logits = forward(state["params"], cfg, batch["tokens"], step).float()
+        logits = as_logits(forward(state["params"], cfg, batch["tokens"], step))
         return logits, logits.argmax(-1)
     logits, hidden = forward(state["params"], cfg, batch["tokens"], step, hidden_layers=hidden_layers)
-    logits = logits.float()
+    logits = as_logits(logits)
     return logits, logits.argmax(-1), hidden
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cpattn.comm.group import Group
+from cpattn.engine.logits import acc_dtype, as_logits
 from cpattn.layout.dcp import dcp_slot_mapping
 from cpattn.ops.rows import write_rows
 from cpattn.v4.cache import V4Cache, V4Layout
@@ -139,7 +140,7 @@ MAX_DIMS = 4  # a header carries ndim and up to this many sizes
 def _tensors(h: V4Handoff, first_logits: torch.Tensor) -> list[torch.Tensor]:
     """The payload in a fixed order that :func:`recv_handoff` rebuilds from the layout alone."""
     t, e = h.tail, h.entries
-    ts = [first_logits.float(), t.requests.long(), t.positions.long()]
+    ts = [as_logits(first_logits), t.requests.long(), t.positions.long()]
     ts += [x for x in (*t.window, *t.raw, *t.index_raw, *e.entries, *e.index_keys) if x is not None]
     return ts + [e.offsets[k].long() for k in sorted(e.offsets)]
 
@@ -164,8 +165,8 @@ def send_handoff(h: V4Handoff, first_logits: torch.Tensor, decode_ranks: list[in
 
 def recv_handoff(layout: V4Layout, lens: tuple[int, ...], dtype: torch.dtype, src: int):
     """P/D: receive what :func:`send_handoff` sent from world rank ``src``: (:class:`V4Handoff`, first-token
-    logits [B, V] float32, bytes received). ``layout`` says which layers carry which tensors; rows arrive
-    in ``dtype`` (the model's)."""
+    logits [B, V] float32 (float64 in a float64 run), bytes received). ``layout`` says which layers carry
+    which tensors; rows arrive in ``dtype`` (the model's)."""
     import torch.distributed as dist
 
     got = 0
@@ -181,7 +182,7 @@ def recv_handoff(layout: V4Layout, lens: tuple[int, ...], dtype: torch.dtype, sr
         return x
 
     kinds = layout.kinds
-    first = take(torch.float32)
+    first = take(acc_dtype(dtype))  # as the prefill's logits
     req, pos = take(torch.int64), take(torch.int64)
     window = tuple(take(dtype) for _ in kinds)
     raw = tuple(take(dtype) if k != "sliding" else None for k in kinds)

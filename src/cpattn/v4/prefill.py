@@ -40,6 +40,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.engine.batch import Prompts
+from cpattn.engine.logits import as_logits
 from cpattn.engine.prefill import gather_unshard
 from cpattn.layout.pcp import PCPPlan, pcp_shard
 from cpattn.v4.attention import LayerInput
@@ -87,8 +88,8 @@ class V4PrefillOut:
     """One rank's result of :func:`v4_prefill`.
 
     plan: the head-tail split (``pcp``, a :class:`~cpattn.layout.pcp.PCPPlan`);
-    first_logits: [B, V] float32, each request's last prompt token (every rank);
-    prompt_logits: [T, V] float32 in request order, or None; hidden: ``{name: [T, ...]}``
+    first_logits: [B, V] float32 (float64 in a float64 run), each request's last prompt token (every rank);
+    prompt_logits: [T, V] float32 (float64 in a float64 run) in request order, or None; hidden: ``{name: [T, ...]}``
     in request order, or None; tail / entries: what seeds a decode cache;
     lens: the prompt lengths; bytes_sent: what this rank sent during the stage.
     """
@@ -180,13 +181,13 @@ def v4_prefill(group: Group, forward: Callable[..., Any], params: dict, cfg: Any
     extra = {} if hidden_layers is None else {"hidden_layers": tuple(hidden_layers)}
     out = forward(params, cfg, mine, step, logits_index=None if prompt_logits else rows_end, **extra)
     logits, hidden = out if hidden_layers is not None else (out, None)
-    logits = logits.float()
+    logits = as_logits(logits)
     full = None
     if prompt_logits:
         full = gather_unshard(group, logits, plan.pcp)  # [T, V]
         first = full[last]
     else:
-        first = torch.zeros(prompts.num_requests, logits.shape[-1], dtype=torch.float32, device=logits.device)
+        first = torch.zeros(prompts.num_requests, logits.shape[-1], dtype=logits.dtype, device=logits.device)
         first = group.all_reduce(first.index_copy(0, reqs, logits))  # each request's row comes from one rank
     if hidden is not None:
         hidden = {name: gather_unshard(group, h, plan.pcp) for name, h in hidden.items()}
