@@ -96,3 +96,24 @@ def test_rank_killed_by_a_signal_is_named_with_the_signal(tmp_path):
     msg = str(info.value)
     assert info.value.failures[0].rank == 1 and "rank 1 was killed by SIGKILL" in msg, msg
     assert all(_gone(pid) for pid in _pids(tmp_path))
+
+
+def rank1_stuck_outside_collectives(group, pid_dir):
+    """Rank 1 stays alive (its heartbeat runs) but never reaches the collective rank 0 waits in."""
+    with open(os.path.join(pid_dir, f"{group.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    if group.rank == 1:
+        time.sleep(120)  # stuck in its own work, outside any collective
+    return group.all_reduce(torch.ones(1))
+
+
+def test_rank_alive_but_stuck_outside_a_collective_is_named_not_the_rank_waiting_for_it(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(SpawnError) as info:
+        spawn(2, rank1_stuck_outside_collectives, str(tmp_path), timeout_s=60, collective_timeout_s=3)
+    err = info.value
+    assert err.failures[0].rank == 1 and err.failures[0].kind == "stuck", str(err)
+    assert str(err).splitlines()[0].startswith("spawn(2, rank1_stuck_outside_collectives): rank 1 "), str(err)
+    assert "rank 0" in str(err)  # the waiting rank's timeout is still reported, after the cause
+    assert time.monotonic() - started < 60  # named by the collective bound, not the 60 s stall bound
+    assert all(_gone(pid) for pid in _pids(tmp_path))

@@ -19,7 +19,14 @@ a rank that cannot finish:
   seconds to finish on their own, then every rank still running is killed
   with its whole process group (compile workers included). A rank that
   raised is reported with its traceback, a rank killed by a signal with the
-  signal's name.
+  signal's name;
+- a rank alive and beating that never joins the collective another rank
+  waits in is named as the cause ("stuck"), not the rank whose collective
+  timed out waiting for it;
+- stopping the launcher stops its ranks: SIGINT (KeyboardInterrupt),
+  SIGTERM and SIGHUP end every rank's process group before the signal takes
+  its usual effect, and a rank whose launcher died before the kernel's
+  death signal was armed exits on its own at start.
 
 Nothing listens beyond loopback: the ranks meet through a ``FileStore`` in
 the run's private temporary directory (mode 0700, removed afterwards), not a
@@ -33,8 +40,10 @@ carries only what the parent prints (``--json -`` stays pure JSON).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -70,13 +79,18 @@ class SpawnError(RuntimeError):
 
 @dataclass(frozen=True)
 class RankFailure:
-    """Why one rank did not finish: ``kind`` is "stalled", "raised", "died", "not started" or "ended"."""
+    """Why one rank did not finish: ``kind`` is "stalled", "stuck", "raised", "died", "not started" or "ended".
+
+    "stuck": alive and beating, but it never joined the collective another
+    rank waited in until that collective's bound ran out (``waited``).
+    """
 
     rank: int
     kind: str
     detail: str  # one line
     traceback: str = ""
     at: float = 0.0  # time.monotonic() when it failed (or was found failed)
+    waited: bool = False  # it raised because a collective waited out its bound
 
 
 def _die_with_parent() -> None:
@@ -103,9 +117,17 @@ def _local_network_env() -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def _worker(rank, world_size, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs):
+def _collective_timeout(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that waited out its bound (gloo, NCCL and HCCL word it differently)."""
+    backend_error = getattr(torch.distributed, "DistBackendError", ())
+    return isinstance(e, backend_error) or (isinstance(e, RuntimeError) and re.search(r"timed? ?out", str(e), re.I))
+
+
+def _worker(rank, world_size, parent, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs):
     os.setpgrp()  # own process group: the parent ends this rank and everything it started at once
     _die_with_parent()
+    if os.getppid() != parent:  # the parent died while this rank started (before the death signal was armed)
+        os._exit(1)
     threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True, name="cpattn-heartbeat").start()
     os.dup2(2, 1)  # stdout belongs to the parent
     sys.stdout = sys.stderr
@@ -131,7 +153,7 @@ def _worker(rank, world_size, backend, threads, timeout_s, out_dir, beats, fn, a
         record = {"ok": True, "result": result}
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         record = {"ok": False, "error": (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300],
-                  "traceback": traceback.format_exc(), "at": time.monotonic()}
+                  "traceback": traceback.format_exc(), "at": time.monotonic(), "waited": bool(_collective_timeout(e))}
     torch.save(record, path + ".tmp")
     os.replace(path + ".tmp", path)  # the parent never reads half a file
 
@@ -207,7 +229,8 @@ class _Watch:
         if rec is not None:
             if rec["ok"]:
                 return None
-            return RankFailure(r, "raised", f"rank {r} raised {rec['error']}", rec["traceback"], rec["at"])
+            return RankFailure(r, "raised", f"rank {r} raised {rec['error']}", rec["traceback"], rec["at"],
+                               rec.get("waited", False))
         code = p.exitcode
         died = self.beats[r] if self.beats[r] > 0 else time.monotonic()  # it died within BEAT_S of its last beat
         if code is not None and code < 0:
@@ -216,17 +239,67 @@ class _Watch:
 
 
 def _kill(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # started ones
     for p in procs:
-        if p.is_alive():
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+        try:  # the rank's whole group, also after the rank itself ended (its compile workers)
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            if p.is_alive():  # it had not made its own group yet
                 p.kill()
     for p in procs:
         p.join(10.0)
         if p.is_alive():  # pragma: no cover - the kernel did not reap it in time
             p.kill()
             p.join()
+
+
+class _Stopped(BaseException):
+    """The launcher got SIGTERM or SIGHUP while its ranks ran (raised in the main thread by the handler)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """While the ranks run, SIGTERM / SIGHUP end them first: the signal raises :class:`_Stopped` in the
+    main thread (so ``finally`` kills every rank), then the previous handler is restored. SIGINT already
+    raises KeyboardInterrupt. Only the main thread can take signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def on_signal(signum, frame):
+        if not got:  # once: a second signal must not interrupt the clean-up
+            got.append(signum)
+            raise _Stopped(signum)
+
+    previous = {}
+    for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if s is not None and signal.getsignal(s) is not signal.SIG_IGN:
+            previous[s] = signal.signal(s, on_signal)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _still_running(w: _Watch, r: int, waiter: RankFailure | None, now: float) -> RankFailure:
+    """A rank still alive, beating, ``GRACE_S`` after the first failure.
+
+    If another rank's collective waited out its bound (``waiter``), every
+    rank waiting in that collective has raised by now too (they share the
+    bound), so one still running never joined it: it is the stuck one.
+    """
+    if waiter is None:
+        return RankFailure(r, "ended", f"rank {r} was still running and was ended", at=now)
+    return RankFailure(
+        r, "stuck", f"rank {r} is alive (heartbeat {w.silent_for(r, now):.1f} s ago, process state: "
+        f"{process_state(w.procs[r].pid)}) but never joined the collective rank {waiter.rank} waited in "
+        f"until its bound ran out; it was ended", at=waiter.at - 1e-3)
 
 
 def _watch(w: _Watch) -> list[RankFailure]:
@@ -252,11 +325,12 @@ def _watch(w: _Watch) -> list[RankFailure]:
                 if w.beats[r] > 0 and w.silent_for(r, now) > max(10 * BEAT_S, w.timeout_s / 2):
                     failures[r] = w.stalled(r, now, 0.0)
             if now - first_failure_at > GRACE_S or all(r in failures for r in running):
+                waiter = next((f for f in failures.values() if f.waited), None)
                 for r in running:
-                    failures.setdefault(r, RankFailure(r, "ended", f"rank {r} was still running and was ended", at=now))
+                    failures.setdefault(r, _still_running(w, r, waiter, now))
                 break
         time.sleep(POLL_S)
-    order = {"stalled": 0, "not started": 0, "raised": 1, "died": 1, "ended": 2}
+    order = {"stalled": 0, "not started": 0, "stuck": 0, "raised": 1, "died": 1, "ended": 2}
     return sorted(failures.values(), key=lambda f: (order[f.kind], f.at, f.rank))
 
 
@@ -316,24 +390,35 @@ def spawn(
     for name, value in (("timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s)):
         if not value > 0:
             raise ValueError(f"spawn: {name} must be > 0 seconds; got {value!r}")
+    try:
+        return _run(world_size, fn, args, kwargs, backend, threads, timeout_s, collective_timeout_s)
+    except _Stopped as stop:  # every rank is ended and the temporary directory removed
+        name = signal.Signals(stop.signum).name
+        signal.raise_signal(stop.signum)  # now the signal does what it did before (by default: end this process)
+        raise SpawnError(f"spawn({world_size}, {getattr(fn, '__name__', fn)!s}): stopped by {name}; "
+                         "every rank was ended") from None
+
+
+def _run(world_size, fn, args, kwargs, backend, threads, timeout_s, collective_timeout_s) -> list:
     ctx = mp.get_context("spawn")
     beats = ctx.Array("d", world_size, lock=False)  # monotonic time of each rank's last heartbeat; 0: none yet
     with tempfile.TemporaryDirectory(prefix="cpattn-spawn-") as out_dir:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, backend, threads, collective_timeout_s, out_dir, beats, fn, args, kwargs),
+                args=(r, world_size, os.getpid(), backend, threads, collective_timeout_s, out_dir, beats, fn, args, kwargs),
                 daemon=True,
             )
             for r in range(world_size)
         ]
         watch = _Watch(procs, beats, out_dir, timeout_s, time.monotonic())
-        try:
-            for p in procs:
-                p.start()
-            failures = _watch(watch)
-        finally:
-            _kill(procs)
+        with _stop_on_signals():
+            try:
+                for p in procs:
+                    p.start()
+                failures = _watch(watch)
+            finally:
+                _kill(procs)
         if failures:
             raise SpawnError(_message(world_size, fn, failures), failures)
         return [watch.record(r)["result"] for r in range(world_size)]
