@@ -406,7 +406,8 @@ def _run(world_size, fn, args, kwargs, backend, threads, timeout_s, collective_t
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, os.getpid(), backend, threads, collective_timeout_s, out_dir, beats, fn, args, kwargs),
+                args=(r, world_size, os.getpid(), backend, threads, collective_timeout_s, out_dir, beats, fn, args,
+                      kwargs),
                 daemon=True,
             )
             for r in range(world_size)
