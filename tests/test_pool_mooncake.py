@@ -234,8 +234,26 @@ def test_no_master_is_one_warning_and_a_cold_pool():
     assert time.monotonic() - t0 < 10
 
 
+def test_second_server_on_a_port_in_use_fails_at_once_naming_the_port(served):
+    t0 = time.monotonic()
+    second = subprocess.run(
+        [sys.executable, "-m", "cpattn.pool.server", "--port", str(served.port), "--memory", "16MiB"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )
+    assert second.returncode == 1, (second.returncode, second.stdout, second.stderr)
+    assert "serving" not in second.stdout, second.stdout
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"port {served.port} on 127.0.0.1 is in use" in lines[0], second.stderr
+    assert time.monotonic() - t0 < 30  # at once (interpreter start-up only), not after attaching to the first
+    assert served.proc.poll() is None  # the first server is untouched and still serves
+    with open_pool(served.spec, IDENT) as pool:
+        keys = pool.keys(list(range(16)))
+        assert pool.store(keys, blocks(1, seed=5)) in (0, 1) and same(pool.load(keys), blocks(1, seed=5))
+
+
 def test_serve_stops_cleanly_on_sigterm(served):
     assert served.line.startswith(f"cpattn pool serving: mooncake:127.0.0.1:{served.port} (32 MiB")
     assert served.stop(signal.SIGTERM) == 0
     with pytest.raises(ProcessLookupError):
         os.kill(served.master_pid, 0)  # the master is gone too
+

@@ -169,12 +169,22 @@ def start_master(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"mooncake_master exited with {proc.returncode} at start ({' '.join(args)})")
-        if port_open(host, port, 0.2):
+        if port_open(host, port, 0.2) and _holds_port(proc.pid, port):
             return proc
         time.sleep(0.05)
     proc.kill()
     proc.wait()
     raise RuntimeError(f"mooncake_master did not listen on {host}:{port} within {timeout_s} s")
+
+
+def _holds_port(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself listens on ``port`` (not another program that answers there); True where
+    ``/proc`` cannot tell."""
+    if not os.path.isdir(f"/proc/{pid}/fd"):
+        return True
+    from cpattn.comm.listeners import listening  # noqa: PLC0415 - Linux only
+
+    return any(x.port == port for x in listening([pid]))
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> int:

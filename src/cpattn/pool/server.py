@@ -4,8 +4,11 @@ A Mooncake client's objects live in the memory segment that client mounts
 and vanish when it exits, so a pool that outlives one run needs a process
 that only contributes memory. This command is that process:
 
-1. starts ``mooncake_master`` on ``--host:--port`` (127.0.0.1:50051 by
-   default; its admin server on a free port of the same host);
+1. checks that ``--host:--port`` is free -- a port in use (another pool
+   server, or any program) ends it at once with one line naming the port
+   and exit status 1 (an environment error; 2 stays for usage errors) --
+   then starts ``mooncake_master`` there (127.0.0.1:50051 by default; its
+   admin server on a free port of the same host);
 2. mounts ``--memory`` bytes (default 1 GiB) into the pool as a Mooncake
    client of that master;
 3. prints one line saying how to connect -- ``cpattn pool serving:
@@ -27,8 +30,10 @@ cpattn pool serving: mooncake:127.0.0.1:50051 (2048 MiB, master pid 1234, lease 
 from __future__ import annotations
 
 import argparse
+import errno
 import re
 import signal
+import socket
 import sys
 import threading
 
@@ -65,6 +70,27 @@ def port(text: str) -> int:
     return value
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a socket already listens on ``host:port`` (a test bind, as a server would do it).
+
+    >>> import socket
+    >>> s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+    >>> port_in_use("127.0.0.1", s.getsockname()[1])
+    True
+    >>> s.close()
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: a TIME_WAIT socket is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
 def parser() -> argparse.ArgumentParser:
     p = cli.parser("cpattn pool serve", __doc__)
     p.add_argument("--host", default="127.0.0.1", help="address the master and the memory holder use")
@@ -85,6 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"cpattn pool serve: {reason}", file=sys.stderr)
         return 2
+    try:
+        in_use = port_in_use(args.host, args.port)
+    except OSError as err:
+        print(f"cpattn pool serve: --host {args.host!r} cannot be bound here ({err}); give an address of this "
+              "machine, e.g. 127.0.0.1", file=sys.stderr)
+        return 2
+    if in_use:
+        print(f"cpattn pool serve: port {args.port} on {args.host} is in use (another pool server or program "
+              f"listens there); stop it or choose another --port", file=sys.stderr)
+        return 1
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     master = None
