@@ -77,12 +77,14 @@ def test_lru_eviction_under_capacity(tmp_path):
     pool = KVPool(store, IDENT)
     keys = [pool.keys([i] * 4)[0] for i in range(6)]  # six unrelated one-block requests
     data = blocks(6)
-    pool.store(keys[:3], data[:3])
+    for k, d in zip(keys[:3], data[:3]):  # one request each (the keys of one call are one chain)
+        pool.store([k], [d])
     assert store.used_bytes() == 3 * BLOB
     assert same(pool.load(keys[:1]), data[:1])  # renews block 0: block 1 is now the oldest
     pool.store(keys[3:4], data[3:4])
     assert store.exists(keys[:4]) == [True, False, True, True]
-    pool.store(keys[4:6], data[4:6])
+    pool.store(keys[4:5], data[4:5])
+    pool.store(keys[5:6], data[5:6])
     assert store.exists(keys) == [False, False, False, True, True, True]
     assert store.used_bytes() == 3 * BLOB
     assert all(same(pool.load([k]), [d]) for k, d in zip(keys[3:], data[3:]))
@@ -98,7 +100,8 @@ def test_eviction_accounting_is_shared_by_handles(tmp_path):
     assert a.env is b.env  # one environment per file per process
     pa, pb = KVPool(a, IDENT), KVPool(b, IDENT)
     keys = [pa.keys([i] * 4)[0] for i in range(3)]
-    pa.store(keys[:2], blocks(2))
+    pa.store(keys[:1], blocks(1))
+    pa.store(keys[1:2], blocks(2)[1:])
     pb.store(keys[2:], blocks(3)[2:])
     assert a.exists(keys) == [False, True, True] and b.used_bytes() == 2 * BLOB
     a.close()

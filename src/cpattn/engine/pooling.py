@@ -20,7 +20,10 @@ layers may differ in width; the pool sees one "layer" of F columns).
 - **store** (:func:`store_blocks`): after the hand-off, each decode rank
   stores the whole prompt blocks it owns, read from its own cache: with
   interleave = block size, global block j lives on DCP rank j % N, so the
-  ranks store disjoint blocks with no collective.
+  ranks store disjoint blocks with no collective; each store renews the
+  prompt's whole chain for eviction, root last (``KVPool.store(...,
+  chain=)``), so a pool under pressure drops the tails of chains first and
+  keeps the longest prefixes it can hold.
 
 Example
 -------
@@ -191,13 +194,16 @@ def store_blocks(shard: PagedShard, prompts: Prompts, pool, *, rank: int, dcp_si
         raise ValueError(f"a DCP rank stores whole blocks only with cp_kv_cache_interleave_size == block_size; got "
                          f"{shard.interleave_size} and {shard.block_size}")
     t0 = time.perf_counter()
-    keys, payloads = [], []
+    stored, per_block = 0, 0
     for b, p in enumerate(prompts.lists()):
-        for j, key in enumerate(pool.keys(p)):
+        chain = pool.keys(p)
+        keys, payloads = [], []
+        for j, key in enumerate(chain):
             if j < (skip[b] if skip else 0) or j % dcp_size != rank:
                 continue
             keys.append(key)
             payloads.append(shard.read_block(int(shard.block_table[b, j // dcp_size]))[None])  # [1, B, F]
-    stored = pool.store(keys, payloads) if keys else 0
-    per_block = payloads[0].numel() * payloads[0].element_size() if payloads else 0
+        if chain:  # the whole chain is renewed with the new blocks, root last, whatever rank stored which
+            stored += pool.store(keys, payloads, chain=chain)
+        per_block = payloads[0].numel() * payloads[0].element_size() if payloads else per_block
     return PoolFacts(blocks_stored=stored, bytes_stored=stored * per_block, store_s=time.perf_counter() - t0)

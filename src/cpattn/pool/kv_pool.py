@@ -55,6 +55,10 @@ class KVPool:
         ... prefill tokens from len(blocks) * block_size on ...
         pool.store(keys[len(blocks):], new_blocks)
 
+    Eviction keeps chains usable: the keys of one call are one request's
+    chain in prefix order, and the store is asked to renew them deepest first
+    (the root last), so under pressure a chain loses its tail, never its root.
+
     Example
     -------
     >>> import torch
@@ -95,7 +99,7 @@ class KVPool:
         corruption are races the caller must allow). Returns new CPU tensors
         ``[L, block_size, F]`` in ``identity.dtype``.
         """
-        blobs = self._call("get", list(keys), default=[])
+        blobs = self._call("get", list(keys)[::-1], default=[])[::-1]  # deepest first: the root is renewed last
         out: list[torch.Tensor] = []
         for key, blob in zip(keys, blobs):
             if blob is None:
@@ -111,7 +115,8 @@ class KVPool:
         self.stats.loaded += len(out)
         return out
 
-    def store(self, keys: Sequence[str], payloads: Sequence[torch.Tensor]) -> int:
+    def store(self, keys: Sequence[str], payloads: Sequence[torch.Tensor], *,
+              chain: Sequence[str] | None = None) -> int:
         """Store whole blocks put-if-absent; returns how many this call wrote.
 
         ``payloads[i]`` is the block named ``keys[i]``: a tensor of
@@ -119,6 +124,13 @@ class KVPool:
         Keys already present are skipped without encoding their payload; a
         block the store does not keep (full, too large) is counted in
         ``stats.rejected``, never an error.
+
+        ``chain``: the request's whole chain of keys in prefix order, when
+        ``keys`` are only part of it (the blocks after a cached prefix, or one
+        DCP rank's blocks); default: ``keys`` themselves are the chain. Every
+        key of the chain present in the store is renewed for eviction with
+        the new ones, deepest first, so the root goes last and a pool under
+        pressure keeps the longest prefix it can hold (leaves before roots).
         """
         if len(keys) != len(payloads):
             raise ValueError(f"store() got {len(keys)} keys but {len(payloads)} payloads; pass one payload per key")
@@ -128,15 +140,30 @@ class KVPool:
                     f"payload {i} is {p.dtype} {tuple(p.shape)}; this pool holds {self.identity.dtype} "
                     f"{self.identity.block_shape} blocks ([num_layers, block_size, row_width])"
                 )
-        present = self._call("exists", list(keys), default=None)
+        if chain is None:
+            chain = list(keys)
+        else:
+            chain = list(chain)
+            missing = set(keys) - set(chain)
+            if missing:
+                raise ValueError(f"store() key {sorted(missing)[0]} is not in chain; pass the request's whole key "
+                                 "chain (pool.keys(tokens)) as chain=")
+        present = self._call("exists", list(keys), default=None) if keys else []
         if present is None:
             return 0
         todo = [i for i, p in enumerate(present) if not p]
         self.stats.already += len(keys) - len(todo)
-        if not todo:
-            return 0
-        blobs = [codec.encode(keys[i], payloads[i]) for i in todo]
-        kept = self._call("put", [keys[i] for i in todo], blobs, default=[False] * len(todo))
+        blobs = {keys[i]: codec.encode(keys[i], payloads[i]) for i in todo}
+        order = chain[::-1]  # deepest first: the root is renewed last
+        if hasattr(self.backend, "put_chain"):
+            kept_all = self._call("put_chain", order, [blobs.get(k) for k in order], default=[False] * len(order))
+            kept_of = dict(zip(order, kept_all))
+            kept = [kept_of.get(keys[i], False) for i in todo]
+        elif todo:
+            new = [k for k in order if k in blobs]
+            kept = self._call("put", new, [blobs[k] for k in new], default=[False] * len(new))
+        else:
+            kept = []
         n = sum(bool(k) for k in kept)
         self.stats.stored += n
         self.stats.rejected += len(todo) - n

@@ -6,10 +6,13 @@ opens the same directory shares one pool, and the pool outlives the run.
 
 Eviction: least recently used, by an access stamp. Every entry carries a
 stamp from a counter stored in the database (so it orders accesses across
-processes); ``put`` and ``get`` hits renew it (``exists`` does not). When
-the entries' bytes exceed ``capacity_bytes``, entries are dropped from the
-oldest stamp up until they fit, in the same transaction as the write that
-overflowed. The LMDB map (the file's maximum size) is ``2 * capacity +
+processes); ``put`` / ``put_chain``, ``get`` hits and ``touch`` renew it
+in the order the keys are given, the last most recent (``exists`` does not).
+:class:`~cpattn.pool.kv_pool.KVPool` gives a chain deepest first, so a
+chain's tail is older than its root and goes first (leaves before roots).
+When the entries' bytes exceed ``capacity_bytes``, entries are dropped from
+the oldest stamp up until they fit, as each entry is written (a batch
+larger than the capacity keeps its last entries), in the same transaction. The LMDB map (the file's maximum size) is ``2 * capacity +
 64 MiB`` to leave room for LMDB's copy-on-write pages.
 
 Layout (named sub-databases): ``blocks`` key -> entry; ``stamps`` key ->
@@ -104,21 +107,40 @@ class LMDBStore:
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         with self._txn(write=False) as txn:
             out = [txn.get(k.encode(), db=self.blocks_db) for k in keys]  # bytes copies
-        hits = [k for k, v in zip(keys, out) if v is not None]
-        if hits:
-            with self._txn(write=True) as txn:
-                clock = self._clock(txn)
-                for k in hits:
-                    if txn.get(k.encode(), db=self._stamps) is not None:  # not evicted meanwhile
-                        clock += 1
-                        self._touch(txn, k.encode(), clock)
-                txn.put(b"clock", _U64.pack(clock), db=self._meta)
+        self.touch([k for k, v in zip(keys, out) if v is not None])
         return out
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Renew the present keys' stamps in this order (the last most recent); no data moves."""
+        if not keys:
+            return
+        with self._txn(write=True) as txn:
+            clock = self._clock(txn)
+            for k in keys:
+                if txn.get(k.encode(), db=self._stamps) is not None:  # not evicted meanwhile
+                    clock += 1
+                    self._touch(txn, k.encode(), clock)
+            txn.put(b"clock", _U64.pack(clock), db=self._meta)
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], blobs: Sequence) -> list[bool]:
         if len(keys) != len(blobs):
             raise ValueError(f"put() got {len(keys)} keys but {len(blobs)} blobs")
+        if any(b is None for b in blobs):
+            raise ValueError("put() got a None blob; use put_chain() to renew keys without writing them")
+        return self.put_chain(keys, blobs)
+
+    def put_chain(self, keys: Sequence[str], blobs: Sequence) -> list[bool]:
+        """Put-if-absent where a blob is given; renew every present key (a ``None`` blob: renew only).
+
+        Stamps follow the order of ``keys`` (the last most recent). The
+        present keys are renewed first, then the new entries are written,
+        the oldest entries evicted as each one lands -- so renewing a chain
+        and adding to it in one call never evicts its renewed prefix for its
+        new tail. Returns, per key, whether it has an entry afterwards.
+        """
+        if len(keys) != len(blobs):
+            raise ValueError(f"put_chain() got {len(keys)} keys but {len(blobs)} blobs")
         try:
             return self._put(keys, blobs)
         except self._lmdb.MapFullError:  # copy-on-write pages ran out: make room, try once more
@@ -131,19 +153,22 @@ class LMDBStore:
     def _put(self, keys, blobs) -> list[bool]:
         with self._txn(write=True) as txn:
             clock, used = self._clock(txn), self._used(txn)
-            for k, blob in zip(keys, blobs):
+            stamps = {k: clock + 1 + i for i, k in enumerate(keys)}
+            clock += len(keys)
+            had = set()
+            for k in keys:  # renew what is there first (first writer wins) ...
                 kb = k.encode()
-                clock += 1
-                if txn.get(kb, db=self._stamps) is not None:  # first writer wins; renew it
-                    self._touch(txn, kb, clock)
+                if txn.get(kb, db=self._stamps) is not None:
+                    self._touch(txn, kb, stamps[k])
+                    had.add(k)
+            for k, blob in zip(keys, blobs):  # ... then write the rest, evicting the oldest as each lands
+                if k in had or blob is None or len(blob) > self.capacity_bytes:  # too large: could never fit
                     continue
-                if len(blob) > self.capacity_bytes:
-                    continue  # could never fit
+                kb = k.encode()
                 txn.put(kb, blob, db=self.blocks_db)
-                txn.put(kb, _U64.pack(clock), db=self._stamps)
-                txn.put(_U64.pack(clock) + kb, b"", db=self._lru)
-                used += len(blob)
-            used = self._evict(txn, used, self.capacity_bytes)
+                txn.put(kb, _U64.pack(stamps[k]), db=self._stamps)
+                txn.put(_U64.pack(stamps[k]) + kb, b"", db=self._lru)
+                used = self._evict(txn, used + len(blob), self.capacity_bytes)
             txn.put(b"clock", _U64.pack(clock), db=self._meta)
             txn.put(b"used", _U64.pack(used), db=self._meta)
             return [txn.get(k.encode(), db=self._stamps) is not None for k in keys]
