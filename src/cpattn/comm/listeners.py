@@ -79,7 +79,7 @@ def socket_inodes(pid: int) -> set[int]:
     return out
 
 
-def _table(pid: int) -> dict[int, tuple[str, int]]:
+def listen_table(pid: int) -> dict[int, tuple[str, int]]:
     """inode -> (address, port) of the LISTEN sockets in ``pid``'s network namespace."""
     table = {}
     for name in ("tcp", "tcp6"):
@@ -128,7 +128,7 @@ def listening(pids: Iterable[int]) -> list[Listener]:
     for pid in pids:
         inodes = socket_inodes(pid)
         if inodes:
-            out += [Listener(pid, a, p) for ino, (a, p) in _table(pid).items() if ino in inodes]
+            out += [Listener(pid, a, p) for ino, (a, p) in listen_table(pid).items() if ino in inodes]
     return sorted(set(out), key=lambda x: (x.pid, x.port, x.address))
 
 

@@ -38,9 +38,19 @@ Facts this module rests on (from the package itself, version 0.3.13):
   retries ``MC_STORE_CLIENT_SETUP_RETRIES`` times (default 20, ~90 s), which
   is set to 1 here unless the environment says otherwise, after a 2 s TCP
   probe of the master's port.
-- The client's transfer-engine sockets (handshake and TCP transport) bind
-  all interfaces whatever ``local_hostname`` says; ``MC_TCP_BIND_ADDRESS``
-  is set to 127.0.0.1 (unless set) but this release does not narrow them.
+- Every client's transfer engine (the memory holder's of ``cpattn pool
+  serve`` and every engine's) opens two listeners on all interfaces,
+  whatever ``local_hostname`` says: the handshake listener
+  (``findAvailableTcpPort`` and the socket handshake plugin bind
+  ``INADDR_ANY`` / ``in6addr_any``) and the TCP transport's acceptor (asio,
+  ``[::]`` dual-stack, else ``0.0.0.0``). They serve registered memory
+  without authentication. No setting narrows them: ``MC_TCP_BIND_ADDRESS``
+  only names the address *advertised* in the metadata-server mode,
+  ``MC_LEGACY_RPC_PORT_BINDING`` only the advertised port; true of 0.3.13.post1
+  (newest on the registry, both the ``-non-cuda`` and the CUDA wheel) and of the
+  project's source as of 2026-08. Mitigation: a loopback-only network
+  namespace (docs/kv_pool.md, "Security"). The master itself binds
+  ``-rpc_address`` and ``-metrics_host`` as asked.
 - The Python module links ``libibverbs.so.1`` (Debian package
   ``libibverbs1``) even for TCP; without it the import fails.
 
@@ -97,7 +107,6 @@ def mooncake_unavailable_reason() -> str | None:
 
 def store_class():
     """``mooncake.store.MooncakeDistributedStore``, or ImportError with the reason and the fix."""
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO lines would fill reports; failures reach us as
     # return codes (set MC_LOG_LEVEL=INFO to see its whole log)
@@ -115,6 +124,22 @@ def master_binary(check: bool = True) -> str:
     if check and not os.path.exists(path):
         raise FileNotFoundError(f"mooncake_master not found (mooncake package at {d!r}); {INSTALL_HINT}")
     return path
+
+
+def mooncake_version() -> str:
+    """The installed Mooncake distribution's version ("unknown" when none is installed).
+
+    >>> isinstance(mooncake_version(), str)
+    True
+    """
+    from importlib import metadata  # noqa: PLC0415
+
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -12,7 +12,12 @@ that only contributes memory. This command is that process:
 2. mounts ``--memory`` bytes (default 1 GiB) into the pool as a Mooncake
    client of that master;
 3. prints one line saying how to connect -- ``cpattn pool serving:
-   mooncake:127.0.0.1:50051 ...`` -- and waits;
+   mooncake:127.0.0.1:50051 ...`` -- and waits. Mooncake's transfer engine
+   listens on every interface whatever ``--host`` says (no setting of
+   this release binds it): a second line on stderr names those sockets,
+   unless the server runs in a network namespace with only loopback
+   (then the first line says how engines join it; docs/kv_pool.md,
+   "Security");
 4. on SIGINT or SIGTERM unmounts the memory, stops the master and exits 0;
    if the master dies it exits 1.
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import re
 import signal
 import socket
@@ -38,9 +44,10 @@ import sys
 import threading
 
 from cpattn.bench import args as cli
+from cpattn.comm.listeners import loopback_only_namespace, process_tree, reachable_beyond_loopback
 from cpattn.pool.base import StoreUnavailable
 from cpattn.pool.mooncake_store import (
-    MooncakeStore, mooncake_unavailable_reason, start_master, stop_process,
+    MooncakeStore, mooncake_unavailable_reason, mooncake_version, start_master, stop_process,
 )
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -91,6 +98,27 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def exposure_warning(pid: int | None = None) -> str | None:
+    """What of ``pid``'s process tree (default: this one) listens beyond loopback, as one warning; None if nothing.
+
+    Mooncake's transfer engine (every client's, the memory holder's too) listens on every interface
+    whatever ``local_hostname`` says, and serves the registered memory without authentication
+    (docs/kv_pool.md, "Security"). Inside a network namespace with only ``lo`` nothing is reachable
+    from beyond loopback, and this returns None.
+
+    >>> exposure_warning() is None or exposure_warning().startswith("warning: ")
+    True
+    """
+    exposed = reachable_beyond_loopback(process_tree(pid or os.getpid()))
+    if not exposed:
+        return None
+    names = ", ".join(str(x) for x in exposed)
+    return (f"warning: Mooncake {mooncake_version()}'s transfer engine also listens on every interface ({names}) "
+            f"and serves the pool's memory there without authentication; no setting of this release binds it to "
+            f"--host. Run the server and its engines in one loopback-only network namespace (docs/kv_pool.md, "
+            "'Security')")
+
+
 def parser() -> argparse.ArgumentParser:
     p = cli.parser("cpattn pool serve", __doc__)
     p.add_argument("--host", default="127.0.0.1", help="address the master and the memory holder use")
@@ -128,11 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         master = start_master(args.port, host=args.host, lease_ttl_ms=args.lease_ttl_ms, log_path=args.master_log)
         holder = MooncakeStore(f"{args.host}:{args.port}", segment_bytes=args.memory, host=args.host)
+        where = ""
+        if loopback_only_namespace():
+            where = f"; loopback-only network namespace, engines join it with: nsenter --net=/proc/{os.getpid()}/ns/net"
         print(
             f"cpattn pool serving: mooncake:{args.host}:{args.port} ({args.memory >> 20} MiB, "
-            f"master pid {master.pid}, lease {args.lease_ttl_ms} ms); Ctrl-C stops it",
+            f"master pid {master.pid}, lease {args.lease_ttl_ms} ms){where}; Ctrl-C stops it",
             flush=True,
         )
+        exposed = exposure_warning()
+        if exposed:
+            print(f"cpattn pool serve: {exposed}", file=sys.stderr, flush=True)
         while not stop.wait(0.2):
             if master.poll() is not None:
                 print(f"cpattn pool serve: mooncake_master exited with {master.returncode}", file=sys.stderr,
