@@ -96,6 +96,9 @@ def model_config(spec: Spec) -> tuple[ModelFamily, Any]:
     import json
     import os
 
+    from cpattn.models import check_checkpoint
+
+    check_checkpoint(spec.model_dir)  # config.json + safetensors headers against the family: no weights read
     path = os.path.join(spec.model_dir, "config.json")
     if not os.path.isdir(spec.model_dir):
         raise ValueError(f"{spec.model_dir!r} is not a directory; pass a Hugging Face checkpoint directory")

@@ -21,6 +21,16 @@ this declaration: it never sniffs module names or config attributes.
   DSA prefill runs as DSA-CP over a token split, the others as PCP).
 - ``capturable``: the decode step has no data-dependent shapes or host
   syncs, so graph backends other than "eager" can capture it.
+- ``rename`` (optional): how the family's checkpoints name tensors, one
+  checkpoint name -> its params name, or None for a tensor the model does
+  not read (DeepSeek-V4's original names and MTP layers:
+  :func:`cpattn.v4.checkpoint.param_name`); None: checkpoint names are params
+  names. :func:`cpattn.models.load_checkpoint` applies it before checking
+  names and shapes against ``init_params``, so the CLI and the API load alike.
+- ``load_dtype`` (optional): ``load_dtype(params name, dtype)`` -> the dtype
+  that tensor takes when a checkpoint is loaded in ``dtype`` (None: as
+  stored); None: the default rule of :func:`cpattn.models.normalize_params`
+  (routers, correction biases and DSA ``weights_proj`` as stored).
 - ``stages`` (optional): the family's own cache and stages, for state that
   per-token ``KVLayout`` rows cannot describe (DeepSeek-V4's rings and
   compressed entries: :class:`cpattn.v4.engine.V4Stages`); None: the paged
@@ -141,6 +151,18 @@ class ModelFamily:
     kv_layouts: Callable[[Any], tuple[KVLayout, ...]]
     capturable: bool = False
     stages: Any = None
+    rename: Callable[[str], str | None] | None = None
+    load_dtype: Callable[[str, torch.dtype], torch.dtype | None] | None = None
+
+    def param_name(self, name: str) -> str | None:
+        """The params name of checkpoint tensor ``name`` (None: not loaded), by the family's ``rename``.
+
+        >>> get_family("qwen3").param_name("model.norm.weight")
+        'model.norm.weight'
+        >>> get_family("deepseek_v4").param_name("layers.0.hc_attn_fn")
+        'model.layers.0.attn_hc.fn'
+        """
+        return name if self.rename is None else self.rename(name)
 
     def model_config(self, cfg: Any) -> ModelConfig:
         """The :class:`~cpattn.config.ModelConfig` of a family config, as the engine lays it out.

@@ -18,7 +18,11 @@ Families: :mod:`cpattn.models.qwen3` (GQA with q/k RMSNorm),
 Supported everywhere: RoPE ``default`` and ``yarn``; tied embeddings;
 float32 / float64 / bfloat16 parameters; weights from a Hugging Face state
 dict or a local checkpoint directory (``config.json`` + ``*.safetensors``).
-Not supported: quantized (FP8) checkpoints, sampling other than greedy.
+Not supported: quantized (FP8, compressed-tensors) checkpoints, sampling other than greedy.
+:func:`load_checkpoint` checks config.json and the safetensors headers
+against the family before reading any weight (:func:`check_checkpoint`
+alone does only that): a malformed or mismatched checkpoint is one
+ValueError line naming the file and the field or tensor.
 
 Example
 -------
@@ -27,6 +31,7 @@ Example
 >>> cfg = qwen3.Qwen3Config.from_hf(config)  # doctest: +SKIP
 """
 
+from cpattn.models.checkpoint import check_checkpoint
 from cpattn.models.common import load_checkpoint, normalize_params
 
-__all__ = ["load_checkpoint", "normalize_params"]
+__all__ = ["check_checkpoint", "load_checkpoint", "normalize_params"]

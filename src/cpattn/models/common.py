@@ -16,7 +16,7 @@ two stacked tensors per layer, ``mlp.experts.gate_up_proj`` [E, 2I, H] and
 ``mlp.experts.down_proj`` [E, H, I]; per-expert checkpoint keys
 (``mlp.experts.{e}.gate_proj.weight`` ...) are stacked on load.
 
-Not supported: quantized checkpoints (FP8 ``weight_scale_inv``), RoPE types
+Not supported: quantized checkpoints (FP8 ``weight_scale_inv``, compressed-tensors ``weight_scale``), RoPE types
 other than ``default`` and ``yarn``, multi-token-prediction layers (skipped).
 """
 
@@ -258,16 +258,40 @@ def pre_norm_decoder(
 # -- weights ----------------------------------------------------------------------
 
 _EXPERT_KEY = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# last name parts of quantized checkpoints' extra tensors (FP8 block scales, compressed-tensors, GPTQ / AWQ)
+QUANT_PARTS = ("weight_scale_inv", "weight_scale", "input_scale", "weight_zero_point", "weight_packed",
+               "weight_global_scale", "input_global_scale", "weight_shape", "qweight", "qzeros", "scales", "g_idx")
 
 
-def normalize_params(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def quantized_part(name: str) -> bool:
+    """Whether a checkpoint tensor name belongs to a quantized format (a scale, zero point, packed weight).
+
+    >>> quantized_part("model.layers.0.mlp.down_proj.weight_scale"), quantized_part("model.hc_head.hc_scale")
+    (True, False)
+    """
+    return name.rsplit(".", 1)[-1] in QUANT_PARTS
+
+
+def default_load_dtype(name: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The default rule of :func:`normalize_params`: router weights, ``e_score_correction_bias`` and the DSA
+    indexer's ``weights_proj`` as stored (None), everything else ``dtype``."""
+    keep = name.endswith(("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight"))
+    return None if keep else dtype
+
+
+def normalize_params(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None,
+                     load_dtype: Callable[[str, torch.dtype], torch.dtype | None] | None = None
+                     ) -> dict[str, torch.Tensor]:
     """A plain ``{name: tensor}`` dict from a Hugging Face state dict.
 
     Per-expert MoE weights are stacked into ``<prefix>.experts.gate_up_proj``
-    [E, 2I, H] and ``<prefix>.experts.down_proj`` [E, H, I]; router weights,
+    [E, 2I, H] and ``<prefix>.experts.down_proj`` [E, H, I]; floating tensors
+    take ``load_dtype(name, dtype)`` when ``dtype`` is given (None: as stored;
+    default :func:`default_load_dtype`: router weights,
     ``e_score_correction_bias`` and the DSA indexer's ``weights_proj`` stay
-    float32 (as the reference keeps them);
-    everything else is cast to ``dtype`` when given. Tensors are detached.
+    as stored, float32 as the reference keeps them; a family declares its own
+    rule as ``ModelFamily.load_dtype``). Tensors are detached. A quantized
+    checkpoint's tensors (:func:`quantized_part`) are refused.
 
     >>> normalize_params({"a.weight": torch.ones(2)})["a.weight"].tolist()
     [1.0, 1.0]
@@ -275,10 +299,10 @@ def normalize_params(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | 
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, t in state.items():
-        if name.endswith("weight_scale_inv"):
+        if quantized_part(name):
             raise ValueError(
-                f"checkpoint tensor {name!r} is an FP8 block scale; quantized checkpoints are not supported. "
-                "Dequantize to bf16/fp32 first."
+                f"checkpoint tensor {name!r} is part of a quantized format (FP8 / compressed-tensors scales); "
+                "quantized checkpoints are not supported. Dequantize to bf16/fp32 first."
             )
         m = _EXPERT_KEY.match(name)
         if m:
@@ -292,10 +316,11 @@ def normalize_params(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | 
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in ids])
         out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in ids])
     if dtype is not None:
+        rule = load_dtype or default_load_dtype
         for name, t in out.items():
-            keep32 = name.endswith(("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight"))
-            if t.is_floating_point() and not keep32:
-                out[name] = t.to(dtype)
+            target = rule(name, dtype) if t.is_floating_point() else None
+            if target is not None:
+                out[name] = t.to(target)
     return out
 
 
@@ -304,26 +329,19 @@ def load_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read a local Hugging Face checkpoint directory: ``config.json`` + ``*.safetensors``.
 
-    Returns (config dict, params dict as :func:`normalize_params` makes it).
-    Nothing is downloaded.
+    Returns (config dict, params dict as :func:`normalize_params` makes it,
+    with the family's names and dtype rule: ``ModelFamily.rename`` /
+    ``load_dtype``). Before any weight is read, config.json's fields and the
+    safetensors headers are checked against what the family expects
+    (:func:`cpattn.models.checkpoint.check_checkpoint`): a malformed or
+    unsupported checkpoint raises a one-line ValueError naming the file and
+    the field or tensor. Nothing is downloaded.
 
     >>> cfg, params = load_checkpoint("path/to/Qwen3-0.6B")  # doctest: +SKIP
     """
-    from safetensors.torch import load_file
+    from cpattn.models.checkpoint import load_checked
 
-    path = os.fspath(path)
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise FileNotFoundError(f"{path!r} has no config.json; pass a Hugging Face checkpoint directory")
-    with open(cfg_file) as f:
-        config = json.load(f)
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path!r} has no *.safetensors files; only safetensors checkpoints are supported")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(os.path.join(path, f)))
-    return config, normalize_params(state, dtype=dtype)
+    return load_checked(path, dtype=dtype)
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -331,9 +349,10 @@ def config_dict(config: Any) -> dict[str, Any]:
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
+        from cpattn.models.checkpoint import read_config
+
         p = os.fspath(config)
-        with open(os.path.join(p, "config.json") if os.path.isdir(p) else p) as f:
-            return json.load(f)
+        return read_config(os.path.join(p, "config.json") if os.path.isdir(p) else p)
     if hasattr(config, "to_dict"):
         return config.to_dict()
     raise TypeError(f"config must be a dict, a config.json path or a transformers config; got {type(config).__name__}")

@@ -42,6 +42,7 @@ import torch
 
 from cpattn.engine.family import ModelFamily
 from cpattn.models import deepseek_v3 as v3
+from cpattn.models.checks import bad, check_fields
 from cpattn.models.common import Attention, config_dict, mlp_dense
 from cpattn.models.moe import softmax_route
 
@@ -81,13 +82,18 @@ class DeepseekV2Config(v3.DeepseekV3Config):
         d = config_dict(config)
         if d.get("model_type", "deepseek_v2") != "deepseek_v2":
             raise ValueError(f"model_type is {d.get('model_type')!r}; cpattn.models.deepseek_v2 expects 'deepseek_v2'")
+        check_fields(d, {"topk_method": "str?", "moe_layer_freq": "int>0?", "mlp_bias": "bool?"})
         if (d.get("moe_layer_freq") or 1) != 1:
             raise ValueError(f"moe_layer_freq={d['moe_layer_freq']} is not supported (transformers' DeepSeek-V2 "
                              "ignores it: every layer from first_k_dense_replace on is MoE); use 1")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported by cpattn.models.deepseek_v2")
         method = d.get("topk_method") or "greedy"
-        base = dataclasses.asdict(v3.DeepseekV3Config.from_hf(d))
+        if method not in TOPK_METHODS:
+            raise bad("topk_method", method, f"one of {TOPK_METHODS}")
+        # greedy routing has no groups: the group fields are not read (and need not divide the experts)
+        plain = {**d, "n_group": None, "topk_group": None} if method == "greedy" else d
+        base = dataclasses.asdict(v3.DeepseekV3Config.from_hf(plain))
         base.update(rope_interleave=True, norm_topk_prob=False, topk_method=method)
         if method == "greedy":
             base.update(n_group=1, topk_group=1)

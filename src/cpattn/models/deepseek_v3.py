@@ -52,11 +52,49 @@ from cpattn.models.common import (
     rope_parameters,
     yarn_mscale,
 )
+from cpattn.models.checks import bad, check_at_most, check_choices, check_divides, check_fields, check_rope
 from cpattn.models.moe import MOE_IMPLS, moe_experts, sigmoid_route
 from cpattn.ops.mla_preprocess import mla_chain, mla_preprocess, mla_weights
 
 # the query- and kv-latent RMSNorms use this eps whatever rms_norm_eps says (as the reference builds them)
 LATENT_NORM_EPS = 1e-6
+
+# config.json fields as they must be (cpattn.models.checks.check_fields); "?": may be absent or null
+CONFIG_RULES = {
+    "vocab_size": "int>0", "hidden_size": "int>0", "intermediate_size": "int>0", "num_hidden_layers": "int>0",
+    "num_attention_heads": "int>0", "moe_intermediate_size": "int>0?", "kv_lora_rank": "int>0",
+    "q_lora_rank": "int>0?", "qk_nope_head_dim": "int>0", "qk_rope_head_dim": "int>0", "v_head_dim": "int>0",
+    "n_routed_experts": "int>=0?", "n_shared_experts": "int>=0?", "num_experts_per_tok": "int>=0?",
+    "n_group": "int>0?", "topk_group": "int>0?", "routed_scaling_factor": "num>0?",
+    "first_k_dense_replace": "int>=0?", "norm_topk_prob": "bool?", "rms_norm_eps": "num>0?",
+    "rope_interleave": "bool?", "max_position_embeddings": "int>0?", "tie_word_embeddings": "bool?",
+    "attention_bias": "bool?", "mlp_layer_types": "strs?",
+}
+
+
+def check_config(d: dict) -> None:
+    """The DeepSeek-V3 trunk's config.json fields (V2, V3.2 and GLM-5 too): types, then the relations
+    between them (experts per token, groups dividing the experts, an even RoPE width, one MLP type per layer).
+
+    >>> check_config({"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+    ...               "num_attention_heads": 2, "kv_lora_rank": 4, "qk_nope_head_dim": 4, "qk_rope_head_dim": 3,
+    ...               "v_head_dim": 4})
+    Traceback (most recent call last):
+    ...
+    cpattn.models.checks.ConfigFieldError: config field 'qk_rope_head_dim' is 3; expected an even number (RoPE rotates pairs)
+    """
+    check_fields(d, CONFIG_RULES)
+    if d["qk_rope_head_dim"] % 2:
+        raise bad("qk_rope_head_dim", d["qk_rope_head_dim"], "an even number (RoPE rotates pairs)")
+    if d.get("n_routed_experts"):
+        check_at_most(d, "num_experts_per_tok", "n_routed_experts")
+        if not d.get("num_experts_per_tok"):
+            raise bad("num_experts_per_tok", d.get("num_experts_per_tok"),
+                      f"1..{d['n_routed_experts']} (experts per token)")
+        check_divides(d, "n_group", "n_routed_experts")
+        check_at_most(d, "topk_group", "n_group")
+    check_choices(d, "mlp_layer_types", ("dense", "sparse"), length=d["num_hidden_layers"])
+    check_rope(rope_parameters(d))
 
 
 @dataclass(frozen=True)
@@ -102,6 +140,7 @@ class DeepseekV3Config:
     def from_hf(cls, config: Any) -> DeepseekV3Config:
         """From a transformers config (DeepSeek-V3 or -V3.2), a config.json dict, or a checkpoint path."""
         d = config_dict(config)
+        check_config(d)
         if d.get("attention_bias"):
             raise ValueError("attention_bias=True is not supported by cpattn.models.deepseek_v3")
         n = d["num_hidden_layers"]

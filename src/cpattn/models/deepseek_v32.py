@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from cpattn.models import deepseek_v3 as v3
 from cpattn.engine.family import KVLayout, ModelFamily
+from cpattn.models.checks import check_fields
 from cpattn.models.common import config_dict, rope_half
 
 
@@ -58,6 +59,7 @@ class DeepseekV32Config(v3.DeepseekV3Config):
         """From a transformers ``DeepseekV32Config``, a config.json dict, or a checkpoint path."""
         d = config_dict(config)
         base = v3.DeepseekV3Config.from_hf(d)
+        check_fields(d, {"index_topk": "int>0", "index_n_heads": "int>0", "index_head_dim": "int>0"})
         if base.q_lora_rank is None:
             raise ValueError("DeepSeek-V3.2 needs q_lora_rank (the indexer reads the query latent); got None")
         return cls(**{**dataclasses.asdict(base), "rope_interleave": True},

@@ -49,11 +49,12 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.engine.family import KVLayout, ModelFamily
+from cpattn.models.checks import bad, check_at_most, check_choices, check_divides, check_fields, check_rope
 from cpattn.models.common import config_dict, load_checkpoint, normalize_params, rope_cos_sin, rope_inv_freq
 from cpattn.v4 import blocks
 from cpattn.v4.attention import Compression, LayerInput
 from cpattn.v4.cache import V4Cache, V4Layout
-from cpattn.v4.checkpoint import hf_name
+from cpattn.v4.checkpoint import param_name
 from cpattn.v4.engine import V4Stages
 
 HF_KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
@@ -63,6 +64,39 @@ _RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "h
 # hyper-connections, sinks, position biases, the router's correction bias, every RMSNorm)
 FP32_PARAMS = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.weight",
                "layernorm.weight")
+# config.json fields as they must be (cpattn.models.checks.check_fields); "?": may be absent or null
+CONFIG_RULES = {
+    "vocab_size": "int>0", "hidden_size": "int>0", "moe_intermediate_size": "int>0", "num_hidden_layers": "int>0",
+    "num_attention_heads": "int>0", "head_dim": "int>0?", "q_lora_rank": "int>0", "qk_rope_head_dim": "int>0?",
+    "partial_rotary_factor": "num>0?", "n_routed_experts": "int>0", "num_experts_per_tok": "int>0",
+    "routed_scaling_factor": "num>0?", "scoring_func": "str?", "compress_rate_csa": "int>0?",
+    "compress_rate_hca": "int>0?", "sliding_window": "int>0?", "o_groups": "int>0?", "o_lora_rank": "int>0?",
+    "index_n_heads": "int>0?", "index_head_dim": "int>0?", "index_topk": "int>0?", "hc_mult": "int>0?",
+    "hc_sinkhorn_iters": "int>0?", "hc_eps": "num>0?", "swiglu_limit": "num>0?", "rms_norm_eps": "num>0?",
+    "max_position_embeddings": "int>0?", "tie_word_embeddings": "bool?", "num_hash_layers": "int>=0?",
+    "compress_ratios": "ints?",
+}
+
+
+def check_config(d: dict) -> None:
+    """DeepSeek-V4's config.json fields: types, then the relations between them.
+
+    >>> check_config({"vocab_size": 8, "hidden_size": 8, "moe_intermediate_size": 8, "num_hidden_layers": 1,
+    ...               "num_attention_heads": 4, "q_lora_rank": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    ...               "o_groups": 3})
+    Traceback (most recent call last):
+    ...
+    cpattn.models.checks.ConfigFieldError: config field 'o_groups' is 3; expected a divisor of num_attention_heads = 4 (1, 2, 4)
+    """
+    check_fields(d, CONFIG_RULES)
+    check_at_most(d, "num_experts_per_tok", "n_routed_experts")
+    check_divides(d, "o_groups", "num_attention_heads", default_small=8)
+    n = d["num_hidden_layers"]
+    check_choices(d, "layer_types", tuple(HF_KINDS), length=n)
+    check_choices(d, "mlp_layer_types", ("hash_moe", "moe"), length=n)
+    check_choices(d, "compress_ratios", tuple(_RATIO_KIND), length=n)
+    if d.get("scoring_func", "sqrtsoftplus") not in ("sqrtsoftplus", "sigmoid"):
+        raise bad("scoring_func", d["scoring_func"], "'sqrtsoftplus' or 'sigmoid'")
 
 
 @dataclass(frozen=True)
@@ -112,10 +146,14 @@ class DeepseekV4Config:
         d = config_dict(config)
         if d.get("model_type", "deepseek_v4") != "deepseek_v4":
             raise ValueError(f"model_type is {d.get('model_type')!r}; cpattn.models.deepseek_v4 expects 'deepseek_v4'")
+        check_config(d)
         n = d["num_hidden_layers"]
         rates = dict(d.get("compress_rates") or {})
         csa = rates.get("compressed_sparse_attention", d.get("compress_rate_csa", 4))
         hca = rates.get("heavily_compressed_attention", d.get("compress_rate_hca", 128))
+        check_fields({"compress_rates": [csa, hca]}, {"compress_rates": "ints"})
+        if min(csa, hca) <= 0:
+            raise bad("compress_rates", d.get("compress_rates"), "positive compression ratios")
         types = d.get("layer_types")
         if types is None and d.get("compress_ratios") is not None:
             types = [_RATIO_KIND[r] for r in d["compress_ratios"]]
@@ -127,10 +165,15 @@ class DeepseekV4Config:
         if mlp_types is None:
             n_hash = d.get("num_hash_layers", 3)
             mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-        head_dim = d.get("head_dim", 512)
+        head_dim = d.get("head_dim") or 512
         prf = d.get("partial_rotary_factor")
         rope_dim = int(head_dim * prf) if prf else int(d.get("qk_rope_head_dim", 64))
         main, comp = _rope_tables(d)
+        for r in (main, comp):
+            check_rope(r)
+        if rope_dim % 2 or rope_dim > head_dim:
+            raise bad("qk_rope_head_dim" if not prf else "partial_rotary_factor", prf or rope_dim,
+                      f"a RoPE width that is even and at most head_dim = {head_dim} (got {rope_dim})")
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], moe_intermediate_size=d["moe_intermediate_size"],
             num_hidden_layers=n, num_attention_heads=d["num_attention_heads"], head_dim=head_dim,
@@ -287,22 +330,24 @@ def forward(params: dict[str, torch.Tensor], cfg: DeepseekV4Config, tokens: torc
     return logits, hidden
 
 
+def load_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype params tensor ``name`` takes in a load in ``dtype``: float32 for the reference's float32
+    tensors (:data:`FP32_PARAMS`), else ``dtype`` (the family's ``load_dtype``)."""
+    return torch.float32 if any(s in name for s in FP32_PARAMS) else dtype
+
+
 def params_from_state(state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Params from a state dict in Hugging Face or DeepSeek naming (:mod:`cpattn.v4.checkpoint`):
     MTP weights dropped, per-expert weights stacked, the reference's float32 tensors kept float32."""
-    named = {hf_name(k): v for k, v in state.items() if not (k.startswith("mtp.") or ".mtp." in k)}
-    out = normalize_params(named)
-    if dtype is not None:
-        for k, v in out.items():
-            if v.is_floating_point():
-                out[k] = v.to(torch.float32 if any(s in k for s in FP32_PARAMS) else dtype)
-    return out
+    named = {param_name(k): v for k, v in state.items() if param_name(k) is not None}
+    return normalize_params(named, dtype=dtype, load_dtype=load_dtype)
 
 
 def load(path: str, *, dtype: torch.dtype | None = None) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
-    """(config, params) from a local checkpoint directory (``config.json`` + ``*.safetensors``)."""
-    config, params = load_checkpoint(path)
-    return DeepseekV4Config.from_hf(config), params_from_state(params, dtype=dtype)
+    """(config, params) from a local checkpoint directory (``config.json`` + ``*.safetensors``), as
+    :func:`cpattn.models.load_checkpoint` reads it (names of either spelling, checked before loading)."""
+    config, params = load_checkpoint(path, dtype=dtype)
+    return DeepseekV4Config.from_hf(config), params
 
 
 def init_params(
@@ -361,4 +406,5 @@ def kv_layouts(cfg: DeepseekV4Config) -> tuple[KVLayout, ...]:
 
 
 FAMILY = ModelFamily(name="deepseek_v4", config_class=DeepseekV4Config, attention="v4", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=True, stages=V4Stages(forward))
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True, stages=V4Stages(forward),
+                     rename=param_name, load_dtype=load_dtype)

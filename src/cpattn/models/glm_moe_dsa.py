@@ -54,6 +54,7 @@ import torch
 from cpattn.engine.family import KVLayout, ModelFamily
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models import deepseek_v32 as v32
+from cpattn.models.checks import check_choices, check_fields
 from cpattn.models.common import config_dict, rope_interleaved
 
 INDEXER_TYPES = ("full", "shared")
@@ -121,6 +122,8 @@ class GlmMoeDsaConfig(v32.DeepseekV32Config):
         d = {**HF_DEFAULTS, **{k: v for k, v in config_dict(config).items() if v is not None}}
         if d.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
             raise ValueError(f"model_type is {d.get('model_type')!r}; cpattn.models.glm_moe_dsa expects 'glm_moe_dsa'")
+        check_fields(d, {"index_topk_freq": "int>0?", "index_skip_topk_offset": "int>=0?", "mlp_bias": "bool?"})
+        check_choices(d, "indexer_types", INDEXER_TYPES, length=d.get("num_hidden_layers"))
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported by cpattn.models.glm_moe_dsa")
         base = dataclasses.asdict(v32.DeepseekV32Config.from_hf(d))

@@ -43,6 +43,13 @@ from cpattn.models.common import (
     rope_inv_freq,
     rope_parameters,
 )
+from cpattn.models.checks import check_divides, check_fields, check_rope
+
+# config.json fields as they must be (cpattn.models.checks.check_fields); "?": may be absent or null
+CONFIG_RULES = {"vocab_size": "int>0", "hidden_size": "int>0", "intermediate_size": "int>0",
+                "num_hidden_layers": "int>0", "num_attention_heads": "int>0", "num_key_value_heads": "int>0?",
+                "head_dim": "int>0?", "rms_norm_eps": "num>0?", "max_position_embeddings": "int>0?",
+                "tie_word_embeddings": "bool?", "attention_bias": "bool?", "use_sliding_window": "bool?"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,9 @@ def qwen3_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     """
     if d.get("model_type", model_type) != model_type:
         raise ValueError(f"model_type is {d.get('model_type')!r}; this family expects {model_type!r}")
+    check_fields(d, CONFIG_RULES)
+    check_divides(d, "num_key_value_heads", "num_attention_heads")
+    check_rope(rope_parameters(d))
     if d.get("use_sliding_window"):
         raise ValueError(f"use_sliding_window=True is not supported for {model_type!r}; set it to False")
     return dict(
@@ -215,6 +225,11 @@ def init_layers(cfg: Qwen3Config, rnd, dtype: torch.dtype, mlp) -> dict[str, tor
             pre + "self_attn.q_norm.weight": torch.ones(hd, dtype=dtype),
             pre + "self_attn.k_norm.weight": torch.ones(hd, dtype=dtype),
         })
+        if cfg.attention_bias:  # zero biases (no draw: the random weights stay those of the bias-free model)
+            a = pre + "self_attn."
+            p.update({a + "q_proj.bias": torch.zeros(hq * hd, dtype=dtype), a + "k_proj.bias": torch.zeros(hkv * hd,
+                      dtype=dtype), a + "v_proj.bias": torch.zeros(hkv * hd, dtype=dtype),
+                      a + "o_proj.bias": torch.zeros(hs, dtype=dtype)})
         p.update(mlp(i))
     return p
 

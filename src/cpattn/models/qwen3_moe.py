@@ -39,8 +39,15 @@ import torch
 
 from cpattn.engine.family import ModelFamily
 from cpattn.models import qwen3
+from cpattn.models.checks import bad, check_at_most, check_fields
 from cpattn.models.common import Attention, config_dict, mlp_dense, pre_norm_decoder
 from cpattn.models.moe import MOE_IMPLS, moe_experts, softmax_route
+
+
+# config.json fields as they must be, beyond Qwen3's (cpattn.models.checks.check_fields)
+MOE_RULES = {"moe_intermediate_size": "int>0?", "num_experts": "int>=0?", "num_local_experts": "int>=0?",
+             "num_experts_per_tok": "int>=0?", "decoder_sparse_step": "int>0?", "norm_topk_prob": "bool?",
+             "mlp_only_layers": "ints?"}
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,13 @@ class Qwen3MoeConfig(qwen3.Qwen3Config):
         """
         d = config_dict(config)
         base = qwen3.qwen3_fields(d, "qwen3_moe")
+        check_fields(d, MOE_RULES)
         n, experts = d["num_hidden_layers"], d.get("num_experts") or d.get("num_local_experts") or 0
         step, only = d.get("decoder_sparse_step") or 1, set(d.get("mlp_only_layers") or ())
+        if experts:
+            check_at_most(d, "num_experts_per_tok", "num_experts" if d.get("num_experts") else "num_local_experts")
+            if not d.get("num_experts_per_tok"):
+                raise bad("num_experts_per_tok", d.get("num_experts_per_tok"), f"1..{experts} (experts per token)")
         types = tuple("sparse" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense"
                       for i in range(n))
         return cls(**base, moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],

@@ -6,7 +6,8 @@ after the reference code: ``layers.3.attn.wq_a.weight``, ``attn.indexer.
 compressor.wkv``, ``ffn.experts.7.w1.weight``, ``hc_attn_fn`` ... The
 transformers port renames them on load; these are the same renames (facts
 about the format, listed in the order they apply), so
-:func:`cpattn.models.deepseek_v4.load` reads either spelling.
+:func:`cpattn.models.load_checkpoint` reads either spelling (the family
+declares :func:`param_name` as its ``rename``).
 
 Example
 -------
@@ -14,6 +15,8 @@ Example
 'model.layers.1.self_attn.compressor.indexer.kv_proj.weight'
 >>> hf_name("model.layers.0.ffn.experts.3.w1.weight"), hf_name("head.weight")
 ('model.layers.0.mlp.experts.3.gate_proj.weight', 'lm_head.weight')
+>>> param_name("mtp.0.attn.wq_a.weight") is None
+True
 """
 
 from __future__ import annotations
@@ -48,3 +51,10 @@ def hf_name(name: str) -> str:
     for pattern, repl in RENAMES:
         bare = re.sub(pattern, repl, bare)
     return bare if bare.startswith("lm_head.") else "model." + bare
+
+
+def param_name(name: str) -> str | None:
+    """The params name of a V4 checkpoint tensor, or None for the multi-token-prediction layers (not used)."""
+    if name.startswith("mtp.") or ".mtp." in name:
+        return None
+    return hf_name(name)
