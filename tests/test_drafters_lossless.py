@@ -82,6 +82,25 @@ def test_drafts_equal_a_no_cache_recomputation(method):
         assert reference_drafts(rec.drafter, model, params, cfg, list(h), 3) == list(got), f"history {h}"
 
 
+def test_no_cache_reference_attends_in_float64():
+    """The no-cache references' attention (sequence.masked_attention) keeps a float64 run in float64: its
+    drafts are compared token for token with the cached drafter's, so a float32 softmax there would make that
+    comparison a greedy choice after a cast (weights 1 float32 ulp apart; a near tie flips a draft)."""
+    from cpattn.drafters.sequence import masked_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, n, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    mask = torch.rand(5, 7, generator=g)[:, :5] < 0.7
+    mask[:, 0] = True
+    got = masked_attention(q, k[:5], v[:5], mask, 0.3)
+    kk, vv = k[:5].repeat_interleave(2, dim=1), v[:5].repeat_interleave(2, dim=1)  # [M, Hq, D]
+    s = torch.einsum("nhd,mhd->hnm", q, kk) * 0.3
+    w = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)  # [Hq, N, M], float64 throughout
+    want = torch.einsum("hnm,mhd->nhd", w, vv)
+    assert got.dtype == torch.float64
+    assert (got - want).abs().max() <= 1e-13
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_pd_simulated(method):
     model, params, cfg, ps, ref = reference(method)

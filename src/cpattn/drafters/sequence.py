@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.drafters import dspark as ds
+from cpattn.ops.ref import acc_dtype
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -51,7 +52,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     k, v = k.repeat_interleave(g, dim=-2), v.repeat_interleave(g, dim=-2)
     s = torch.einsum("...nhd,...mhd->...hnm", q, k) * scale  # [..., Hq, N, M]
     s = s.masked_fill(~mask.unsqueeze(-3), float("-inf"))
-    w = torch.softmax(s.float(), -1).nan_to_num(0.0).to(v.dtype)  # rows without keys: 0
+    # float32 softmax (float64 in a float64 run: a float32 one would round the reference drafts' weights)
+    w = torch.softmax(s.to(acc_dtype(s)), -1).nan_to_num(0.0).to(v.dtype)  # rows without keys: 0
     return torch.einsum("...hnm,...mhd->...nhd", w, v)
 
 

@@ -1,6 +1,10 @@
 """Mixture-of-experts blocks: routers and the exact routed-expert sum.
 
-Routers (all in float32, as the reference implementations):
+Routers (in float32, as the reference implementations; in float64 for float64
+activations, so a float64 run stays an exact oracle: a float32 router there
+would round two float64 paths that differ in their last bits -- or one
+float32 GEMM whose blocking follows the row count -- to router weights one
+float32 ulp apart, and move the logits by ~1e-7):
 
 - :func:`softmax_route`: softmax over the experts, top-k, optionally
   group-limited (DeepSeek-V2's ``group_limited_greedy``: keep the
@@ -40,6 +44,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpattn.ops.ref import acc_dtype
+
 MOE_IMPLS = ("auto", "sparse", "dense")
 
 
@@ -66,11 +72,12 @@ def softmax_route(
         groups of ``E / n_group`` consecutive experts whose best probability
         is highest are eligible (unchosen experts score 0).
     logits_dtype: dtype of the router matmul (Qwen3-MoE: the activations'
-        dtype; DeepSeek-V2: float32). The softmax is always float32.
+        dtype; DeepSeek-V2: float32). The softmax is float32. For float64
+        ``x`` both are float64 (a float64 run routes in float64).
 
     Returns
     -------
-    (weights [T, k] float32, experts [T, k] int64).
+    (weights [T, k] float32 (float64 for float64 x), experts [T, k] int64).
 
     Example
     -------
@@ -80,8 +87,11 @@ def softmax_route(
     [0, 1, 2, 3]
     """
     t, e = x.shape[0], router.shape[0]
+    acc = acc_dtype(x)  # float32, or float64 for a float64 run
+    if acc == torch.float64:
+        logits_dtype = acc
     logits = F.linear(x.to(logits_dtype), router.to(logits_dtype))  # [T, E]
-    probs = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    probs = logits.softmax(dim=-1, dtype=acc)  # [T, E]
     if topk_group < n_group:
         best = probs.view(t, n_group, e // n_group).max(dim=-1).values  # [T, G]
         keep = torch.zeros_like(best).scatter(1, best.topk(topk_group, dim=-1).indices, 1.0)  # [T, G]
@@ -104,14 +114,14 @@ def sigmoid_route(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 sigmoid router with group-limited top-k, in float32.
+    """DeepSeek-V3 sigmoid router with group-limited top-k, in float32 (float64 for float64 x).
 
     x: [T, H]; router: [E, H]; bias: [E] (``e_score_correction_bias``, used
     only for choosing). Groups of ``E / n_group`` experts are ranked by the sum
     of their two best biased scores, the best ``topk_group`` groups are kept,
     and the ``top_k`` best experts inside them are chosen. Weights are the
     unbiased sigmoid scores, optionally normalized, times the scaling factor.
-    Returns (weights [T, top_k] float32, experts [T, top_k] int64).
+    Returns (weights [T, top_k] float32 (float64 for float64 x), experts [T, top_k] int64).
 
     >>> w, e = sigmoid_route(torch.eye(4), torch.eye(4), torch.zeros(4), top_k=1, n_group=1, topk_group=1,
     ...                      norm_topk_prob=True, routed_scaling_factor=2.0)
@@ -119,8 +129,9 @@ def sigmoid_route(
     ([0, 1, 2, 3], [2.0, 2.0, 2.0, 2.0])
     """
     t, e = x.shape[0], router.shape[0]
-    scores = F.linear(x.to(torch.float32), router.to(torch.float32)).sigmoid()  # [T, E]
-    choice = scores + bias.to(torch.float32)
+    acc = acc_dtype(x)  # float32, or float64 for a float64 run
+    scores = F.linear(x.to(acc), router.to(acc)).sigmoid()  # [T, E]
+    choice = scores + bias.to(acc)
     per_group = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
     group_score = per_group.topk(min(2, e // n_group), dim=-1).values.sum(-1)  # [T, G]
     keep = torch.zeros_like(group_score, dtype=torch.bool)
