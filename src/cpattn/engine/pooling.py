@@ -106,6 +106,11 @@ class PoolSpec:
     spec: str
     model: str = ""
 
+    def __post_init__(self) -> None:
+        from cpattn.pool.spec import check_pool_spec
+
+        check_pool_spec(self.spec)  # one-line ValueError where the pool is named, before any rank opens it
+
     def open_for(self, family, cfg, params: dict, block_size: int):
         """The open :class:`~cpattn.pool.KVPool` of this model's blocks (:func:`pool_identity`, ``model`` as
         the label); :func:`release` it when done."""

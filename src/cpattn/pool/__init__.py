@@ -37,7 +37,10 @@ Backends (:class:`BlockStore`): :class:`~cpattn.pool.lmdb_store.LMDBStore`
 (embedded, a local directory, LRU eviction) and
 :class:`~cpattn.pool.mooncake_store.MooncakeStore` (Mooncake Store over TCP;
 memory from ``cpattn pool serve``, :mod:`cpattn.pool.server`).
-:func:`open_pool` takes a spec: ``lmdb:DIR`` or ``mooncake:HOST:PORT``.
+:func:`open_pool` takes a spec: ``lmdb:DIR`` or ``mooncake:HOST:PORT``;
+:func:`check_pool_spec` refuses (ValueError, one line) one that can never be
+opened, before any rank starts and without importing torch. A damaged LMDB
+pool is a cold pool with one :class:`PoolDamagedWarning`, never a crash.
 Under DCP (interleave = block size) each rank stores and loads only its own
 blocks: :func:`rank_blocks`.
 
@@ -61,13 +64,31 @@ Example
 (2, True)
 """
 
-from cpattn.pool.base import BlockStore, DictStore, StoreUnavailable
-from cpattn.pool.dcp import RankBlocks, rank_blocks
-from cpattn.pool.keys import PoolIdentity, block_keys
-from cpattn.pool.kv_pool import KVPool, PoolStats, PoolUnavailableWarning
-from cpattn.pool.stores import open_pool, open_store
+# public names -> their module, imported on first use (PEP 562): ``cpattn.pool.spec`` (what a command line
+# checks before any rank starts) costs no import of torch
+_EXPORTS = {
+    **dict.fromkeys(("BlockStore", "DictStore", "StoreUnavailable", "PoolDamagedWarning"), "cpattn.pool.base"),
+    **dict.fromkeys(("RankBlocks", "rank_blocks"), "cpattn.pool.dcp"),
+    **dict.fromkeys(("PoolIdentity", "block_keys"), "cpattn.pool.keys"),
+    **dict.fromkeys(("KVPool", "PoolStats", "PoolUnavailableWarning"), "cpattn.pool.kv_pool"),
+    **dict.fromkeys(("open_pool", "open_store"), "cpattn.pool.stores"),
+    **dict.fromkeys(("check_pool_spec", "pool_spec_problem"), "cpattn.pool.spec"),
+    "model_digest": "cpattn.pool.fingerprint",
+}
 
-__all__ = [
-    "BlockStore", "DictStore", "StoreUnavailable", "RankBlocks", "rank_blocks", "PoolIdentity", "block_keys",
-    "KVPool", "PoolStats", "PoolUnavailableWarning", "open_pool", "open_store",
-]
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cpattn.pool' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -42,6 +42,10 @@ class StoreUnavailable(RuntimeError):
     """The backend cannot serve requests (server gone, database unusable)."""
 
 
+class PoolDamagedWarning(RuntimeWarning):
+    """A pool's files were damaged and were replaced or rebuilt: this run starts (partly) cold, never wrong."""
+
+
 @runtime_checkable
 class BlockStore(Protocol):
     """What :class:`~cpattn.pool.kv_pool.KVPool` needs from a backend (see the module docstring)."""

@@ -37,12 +37,15 @@ Example
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import threading
+import warnings
 from collections.abc import Sequence
 
-from cpattn.pool.base import StoreUnavailable
+from cpattn.pool.base import PoolDamagedWarning, StoreUnavailable
+from cpattn.pool.spec import lmdb_file_damage, lmdb_path_problem
 
 _U64 = struct.Struct(">Q")
 _MAP_SLACK = 64 << 20
@@ -81,23 +84,93 @@ class LMDBStore:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be positive; got {capacity_bytes}")
         self.capacity_bytes = int(capacity_bytes)
+        why = lmdb_path_problem(os.fspath(path))
+        if why is not None:
+            raise ValueError(f"KV pool 'lmdb:{os.fspath(path)}': {why}")
         os.makedirs(path, exist_ok=True)
         self.path = os.path.realpath(path)
+        self._closed = True  # until opened
         with _ENVS_LOCK:
-            if self.path in _ENVS:
+            fresh = self.path not in _ENVS
+            if fresh:
+                self.env = self._open_env()
+                _ENVS[self.path] = [self.env, 1]
+            else:
                 _ENVS[self.path][1] += 1
                 self.env = _ENVS[self.path][0]
-            else:
-                self.env = lmdb.open(
+        self._closed = False
+        try:
+            self.blocks_db = self.env.open_db(b"blocks")
+            self._stamps = self.env.open_db(b"stamps")
+            self._lru = self.env.open_db(b"lru")
+            self._meta = self.env.open_db(b"meta")
+            if fresh:  # once per process; a record damaged later is caught where it is read
+                self._check_bookkeeping()
+        except (lmdb.Error, _Damaged, struct.error) as err:
+            if isinstance(err, lmdb.MapFullError):
+                raise
+            self.close()
+            raise StoreUnavailable(f"LMDB pool {self.path} is damaged ({err}); delete the directory to start a "
+                                   "new pool") from err
+
+    def _open_env(self):
+        """The environment, after checking the file against its own header (under a lock shared by every
+        process of the machine): a damaged ``data.mdb`` is moved aside and an empty pool started, one warning."""
+        lmdb = self._lmdb
+        with open(os.path.join(self.path, ".cpattn-open.lock"), "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process at a time checks and, if need be, replaces the file
+            why = lmdb_file_damage(self.path)
+            if why is not None:
+                data = os.path.join(self.path, "data.mdb")
+                os.replace(data, data + ".damaged")
+                warnings.warn(f"cpattn KV pool: {data} is damaged ({why}); moved it to data.mdb.damaged and "
+                              "started an empty pool (this run is cold; nothing wrong is served)",
+                              PoolDamagedWarning, stacklevel=4)
+            try:
+                return lmdb.open(
                     self.path, map_size=2 * self.capacity_bytes + _MAP_SLACK, max_dbs=4, subdir=True,
                     sync=False, metasync=False, readahead=False, max_readers=256,
                 )
-                _ENVS[self.path] = [self.env, 1]
-        self.blocks_db = self.env.open_db(b"blocks")
-        self._stamps = self.env.open_db(b"stamps")
-        self._lru = self.env.open_db(b"lru")
-        self._meta = self.env.open_db(b"meta")
-        self._closed = False
+            except lmdb.Error as err:
+                raise StoreUnavailable(f"LMDB pool {self.path} cannot be opened ({err}); delete the directory to "
+                                       "start a new pool") from err
+
+    def _check_bookkeeping(self) -> None:
+        """Every stamp and meta record 8 bytes, every LRU key a stamp and a key; else rebuild them from the
+        stored entries (one warning). Reads keys and small values only."""
+        problem = None
+        with self.env.begin() as txn:
+            for name in (b"clock", b"used"):
+                v = txn.get(name, db=self._meta)
+                if v is not None and len(v) != 8:
+                    problem = f"meta record {name.decode()!r} is {len(v)} bytes, expected 8"
+            if problem is None:
+                with txn.cursor(db=self._stamps) as cur:
+                    bad = next((k for k, v in cur if len(v) != 8), None)
+                if bad is not None:
+                    problem = f"the stamp of {bad.decode(errors='replace')!r} is not 8 bytes"
+            if problem is None:
+                with txn.cursor(db=self._lru) as cur:
+                    bad = next((k for k, _ in cur if len(k) <= 8), None)
+                if bad is not None:
+                    problem = f"an LRU record of {len(bad)} bytes (expected a stamp and a key)"
+        if problem is None:
+            return
+        with self.env.begin(write=True) as txn:
+            txn.drop(self._stamps, delete=False)
+            txn.drop(self._lru, delete=False)
+            clock = used = 0
+            with txn.cursor(db=self.blocks_db) as cur:
+                entries = [(k, len(v)) for k, v in cur]
+            for kb, n in entries:
+                clock += 1
+                txn.put(kb, _U64.pack(clock), db=self._stamps)
+                txn.put(_U64.pack(clock) + kb, b"", db=self._lru)
+                used += n
+            txn.put(b"clock", _U64.pack(clock), db=self._meta)
+            txn.put(b"used", _U64.pack(used), db=self._meta)
+        warnings.warn(f"cpattn KV pool: {self.path}: {problem}; rebuilt the eviction records of its {len(entries)} "
+                      "entries (each entry is still checked when loaded)", PoolDamagedWarning, stacklevel=3)
 
     # -- reads -------------------------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -170,7 +243,7 @@ class LMDBStore:
                 txn.put(_U64.pack(stamps[k]) + kb, b"", db=self._lru)
                 used = self._evict(txn, used + len(blob), self.capacity_bytes)
             txn.put(b"clock", _U64.pack(clock), db=self._meta)
-            txn.put(b"used", _U64.pack(used), db=self._meta)
+            txn.put(b"used", _U64.pack(max(used, 0)), db=self._meta)
             return [txn.get(k.encode(), db=self._stamps) is not None for k in keys]
 
     def discard(self, keys: Sequence[str]) -> None:
@@ -178,7 +251,7 @@ class LMDBStore:
             used = self._used(txn)
             for k in keys:
                 used -= self._drop(txn, k.encode())
-            txn.put(b"used", _U64.pack(used), db=self._meta)
+            txn.put(b"used", _U64.pack(max(used, 0)), db=self._meta)
 
     def used_bytes(self) -> int:
         """Bytes of the entries held now."""
@@ -207,16 +280,15 @@ class LMDBStore:
             raise StoreUnavailable(f"LMDB at {self.path}: {err}") from err
 
     def _clock(self, txn) -> int:
-        v = txn.get(b"clock", db=self._meta)
-        return _U64.unpack(v)[0] if v else 0
+        return _u64(txn.get(b"clock", db=self._meta), "meta record 'clock'")
 
     def _used(self, txn) -> int:
-        v = txn.get(b"used", db=self._meta)
-        return _U64.unpack(v)[0] if v else 0
+        return _u64(txn.get(b"used", db=self._meta), "meta record 'used'")
 
     def _touch(self, txn, kb: bytes, clock: int) -> None:
         old = txn.get(kb, db=self._stamps)
         if old is not None:
+            _u64(old, "a stamp")
             txn.delete(old + kb, db=self._lru)
         txn.put(kb, _U64.pack(clock), db=self._stamps)
         txn.put(_U64.pack(clock) + kb, b"", db=self._lru)
@@ -241,6 +313,8 @@ class LMDBStore:
             for lru_key, _ in cur:
                 if used <= limit:
                     break
+                if len(lru_key) <= 8:
+                    raise _Damaged(f"an LRU record of {len(lru_key)} bytes (expected a stamp and a key)")
                 kb = lru_key[8:]
                 blob = txn.get(kb, db=self.blocks_db)
                 used -= len(blob) if blob is not None else 0
@@ -253,11 +327,25 @@ class LMDBStore:
     def _evict_to(self, limit: int) -> None:
         with self._txn(write=True) as txn:
             used = self._evict(txn, self._used(txn), limit)
-            txn.put(b"used", _U64.pack(used), db=self._meta)
+            txn.put(b"used", _U64.pack(max(used, 0)), db=self._meta)
+
+
+class _Damaged(ValueError):
+    """A bookkeeping record of the wrong form (found while the store runs: the pool stops using it)."""
+
+
+def _u64(v: bytes | None, what: str) -> int:
+    """An 8-byte big-endian counter record (0 when absent); _Damaged for any other length."""
+    if v is None:
+        return 0
+    if len(v) != 8:
+        raise _Damaged(f"{what} is {len(v)} bytes, expected 8")
+    return _U64.unpack(v)[0]
 
 
 class _Txn:
-    """A transaction context that turns LMDB errors into StoreUnavailable (MapFullError passes through)."""
+    """A transaction context that turns LMDB errors and damaged records into StoreUnavailable (MapFullError
+    passes through)."""
 
     def __init__(self, txn, lmdb) -> None:
         self.txn, self.lmdb = txn, lmdb
@@ -277,4 +365,6 @@ class _Txn:
         self.txn.abort()
         if isinstance(exc, self.lmdb.Error) and not isinstance(exc, self.lmdb.MapFullError):
             raise StoreUnavailable(f"LMDB: {exc}") from exc
+        if isinstance(exc, (_Damaged, struct.error)):
+            raise StoreUnavailable(f"LMDB pool is damaged: {exc}; delete its directory to start a new pool") from exc
         return False

@@ -19,6 +19,7 @@ ValueError: unknown KV pool spec 'redis:x'; use lmdb:DIR or mooncake:HOST:PORT
 from __future__ import annotations
 
 from cpattn.pool.base import BlockStore
+from cpattn.pool.spec import check_pool_spec, split_spec
 
 
 def open_store(spec: str, **options) -> BlockStore:
@@ -28,19 +29,20 @@ def open_store(spec: str, **options) -> BlockStore:
     ``capacity_bytes``); ``mooncake:HOST:PORT`` ->
     :class:`~cpattn.pool.mooncake_store.MooncakeStore` (options:
     ``segment_bytes``, ``local_buffer_bytes``, ``prefix``, ...). Raises
-    :class:`~cpattn.pool.base.StoreUnavailable` when a Mooncake master does
-    not answer.
+    ValueError for a spec that can never be opened (:func:`~cpattn.pool.spec.check_pool_spec`) and
+    :class:`~cpattn.pool.base.StoreUnavailable` when a store cannot serve (a Mooncake master that does
+    not answer, an LMDB database that cannot be opened); a damaged LMDB file is replaced by an empty pool
+    with one :class:`~cpattn.pool.base.PoolDamagedWarning`.
     """
-    kind, _, rest = spec.partition(":")
-    if kind == "lmdb" and rest:
+    check_pool_spec(spec)  # ValueError, one line, for what can never be opened (a damaged pool is not that)
+    kind, rest = split_spec(spec)
+    if kind == "lmdb":
         from cpattn.pool.lmdb_store import LMDBStore
 
         return LMDBStore(rest, **options)
-    if kind == "mooncake" and rest:
-        from cpattn.pool.mooncake_store import MooncakeStore
+    from cpattn.pool.mooncake_store import MooncakeStore
 
-        return MooncakeStore(rest, **options)
-    raise ValueError(f"unknown KV pool spec {spec!r}; use lmdb:DIR or mooncake:HOST:PORT")
+    return MooncakeStore(rest, **options)
 
 
 class _Closed:
