@@ -1,19 +1,23 @@
 """EngineConfig and its parts: every attention rule of the CP guide, valid and invalid, table-driven.
 
 Each invalid row names the parameter the error must blame and a phrase of the
-rule; every error must also carry the values seen and a fix.
+rule; every error must also carry the values seen and a fix. A ``("note", ...)``
+row is a layout cpattn runs exactly but vLLM-Ascend's engine refuses: the
+config builds with a compatibility note (a GuideCompatWarning), and
+``strict_guide=True`` refuses it (docs/compat.md).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
 import pytest
 
 from cpattn.config import (
-    CacheConfig, CompilationConfig, ConfigError, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-    SpeculativeConfig,
+    CacheConfig, CompilationConfig, ConfigError, EngineConfig, GuideCompatWarning, KVTransferConfig, ModelConfig,
+    ParallelConfig, SpeculativeConfig,
 )
 
 PD = dict(kv_transfer="pd")
@@ -54,11 +58,11 @@ CASES = [
     ("gqa_no_dcp_no_heads", dict(tp_size=8), None),
     # PCP and DCP not both on, unless opted in
     ("pcp_and_dcp", dict(attention="mla", tp_size=2, pcp_size=2, dcp_size=2), ("pcp_size", "cannot both be enabled")),
-    ("pcp_and_dcp_opt_in", dict(attention="mla", tp_size=2, pcp_size=2, dcp_size=2, allow_pcp_with_dcp=True), None),
+    ("pcp_and_dcp_opt_in", dict(attention="mla", tp_size=2, pcp_size=2, dcp_size=2, allow_pcp_with_dcp=True), ("note", "allow_pcp_with_dcp", "cannot both be enabled")),
     ("pcp_alone", dict(tp_size=2, pcp_size=4), None),
     # DSA-CP
     ("dsa_cp", dict(attention="dsa", tp_size=8, enable_dsa_cp=True), None),
-    ("dsa_cp_with_pcp", dict(attention="dsa", tp_size=8, pcp_size=2, enable_dsa_cp=True), ("enable_dsa_cp", "PCP and DSA-CP")),
+    ("dsa_cp_with_pcp", dict(attention="dsa", tp_size=8, pcp_size=2, enable_dsa_cp=True), ("note", "enable_dsa_cp", "PCP and DSA-CP")),
     ("dsa_cp_on_gqa", dict(attention="gqa", enable_dsa_cp=True), ("enable_dsa_cp", "DSA (sparse) attention only")),
     ("dsa_pcp_without_dsa_cp", dict(attention="dsa", tp_size=1, pcp_size=8), None),
     # interleave size
@@ -80,14 +84,14 @@ CASES = [
     ("role_with_pool", dict(kv_role="kv_producer", kv_transfer="pool"), ("kv_role", 'kv_transfer="pd"')),
     # KV pooling with PCP: non-layerwise connector only
     ("pool_pcp", dict(pcp_size=2, kv_transfer="pool", cp_kv_cache_interleave_size=128), None),
-    ("pool_pcp_layerwise", dict(pcp_size=2, kv_transfer="pool", use_layerwise=True, cp_kv_cache_interleave_size=128), ("use_layerwise", "not layerwise")),
+    ("pool_pcp_layerwise", dict(pcp_size=2, kv_transfer="pool", use_layerwise=True, cp_kv_cache_interleave_size=128), ("note", "use_layerwise", "not layerwise")),
     ("pool_layerwise_no_pcp", dict(kv_transfer="pool", use_layerwise=True), None),
     # graph mode with PCP
     ("pcp_eager", dict(pcp_size=2, graph_mode="NONE"), None),
     ("pcp_full_decode_only", dict(pcp_size=2, graph_mode="FULL_DECODE_ONLY"), None),
-    ("pcp_piecewise", dict(pcp_size=2, graph_mode="PIECEWISE"), ("graph_mode", "FULL_DECODE_ONLY")),
-    ("pcp_full", dict(pcp_size=2, graph_mode="FULL"), ("graph_mode", "FULL_DECODE_ONLY")),
-    ("pcp_full_and_piecewise", dict(pcp_size=2, graph_mode="FULL_AND_PIECEWISE"), ("graph_mode", "FULL_DECODE_ONLY")),
+    ("pcp_piecewise", dict(pcp_size=2, graph_mode="PIECEWISE"), ("note", "graph_mode", "FULL_DECODE_ONLY")),
+    ("pcp_full", dict(pcp_size=2, graph_mode="FULL"), ("note", "graph_mode", "FULL_DECODE_ONLY")),
+    ("pcp_full_and_piecewise", dict(pcp_size=2, graph_mode="FULL_AND_PIECEWISE"), ("note", "graph_mode", "FULL_DECODE_ONLY")),
     ("no_pcp_piecewise", dict(graph_mode="PIECEWISE"), None),
     # speculative decoding with PCP
     ("spec_tokens_without_method", dict(num_speculative_tokens=3), ("num_speculative_tokens", "need a speculative method")),
@@ -96,14 +100,14 @@ CASES = [
     ("pcp_dsa_mtp", dict(attention="dsa", pcp_size=2, speculative_method="mtp", num_speculative_tokens=1), None),
     ("pcp_dsa_dspark", dict(attention="dsa", pcp_size=2, speculative_method="dspark", num_speculative_tokens=2), None),
     ("pcp_gqa_eagle3", dict(attention="gqa", pcp_size=2, speculative_method="eagle3", num_speculative_tokens=3), None),
-    ("pcp_gqa_mtp", dict(attention="gqa", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3), ("speculative_method", "Eagle3 for GQA")),
-    ("pcp_mla_eagle3", dict(attention="mla", pcp_size=2, speculative_method="eagle3", num_speculative_tokens=3), ("speculative_method", "MTP for MLA")),
-    ("pcp_mla_ngram", dict(attention="mla", pcp_size=2, speculative_method="ngram", num_speculative_tokens=3), ("speculative_method", "['mtp']")),
+    ("pcp_gqa_mtp", dict(attention="gqa", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3), ("note", "speculative_method", "Eagle3 for GQA")),
+    ("pcp_mla_eagle3", dict(attention="mla", pcp_size=2, speculative_method="eagle3", num_speculative_tokens=3), ("note", "speculative_method", "MTP for MLA")),
+    ("pcp_mla_ngram", dict(attention="mla", pcp_size=2, speculative_method="ngram", num_speculative_tokens=3), ("note", "speculative_method", "['mtp']")),
     ("no_pcp_any_method", dict(attention="mla", speculative_method="ngram", num_speculative_tokens=3, draft_sampling="random"), None),
-    ("pcp_draft_random", dict(attention="mla", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3, draft_sampling="random"), ("draft_sampling", "must be greedy")),
-    ("pcp_draft_sfa", dict(attention="dsa", pcp_size=2, speculative_method="mtp", num_speculative_tokens=1, draft_attention="sfa"), ("draft_attention", "SFA draft attention")),
+    ("pcp_draft_random", dict(attention="mla", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3, draft_sampling="random"), ("note", "draft_sampling", "must be greedy")),
+    ("pcp_draft_sfa", dict(attention="dsa", pcp_size=2, speculative_method="mtp", num_speculative_tokens=1, draft_attention="sfa"), ("note", "draft_attention", "SFA draft attention")),
     ("no_pcp_draft_sfa", dict(attention="dsa", speculative_method="mtp", num_speculative_tokens=1, draft_attention="sfa"), None),
-    ("pcp_adaptive", dict(attention="mla", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3, adaptive_verification=True), ("adaptive_verification", "adaptive verification")),
+    ("pcp_adaptive", dict(attention="mla", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3, adaptive_verification=True), ("note", "adaptive_verification", "adaptive verification")),
     ("no_pcp_adaptive", dict(attention="mla", speculative_method="mtp", num_speculative_tokens=3, adaptive_verification=True), None),
     # the guide's own example commands
     ("guide_mla_mtp", dict(attention="mla", tp_size=2, pcp_size=2, speculative_method="mtp", num_speculative_tokens=3, graph_mode="FULL_DECODE_ONLY"), None),
@@ -116,11 +120,20 @@ CASES = [
 def test_rules(kwargs, expected):
     if expected is None:
         cfg = EngineConfig.create(**kwargs)
-        assert cfg.problems() == []
+        assert cfg.problems() == [] and cfg.compat_notes() == []
         return
-    param, phrase = expected
+    strict = {}
+    if expected[0] == "note":  # runs, with the note; strict_guide=True refuses it
+        _, param, phrase = expected
+        with pytest.warns(GuideCompatWarning, match=param):
+            cfg = EngineConfig.create(**kwargs)
+        assert cfg.problems() == []
+        assert any(n.startswith(f"{param}: ") and phrase in n for n in cfg.compat_notes()), cfg.compat_notes()
+        strict = {"strict_guide": True}
+    else:
+        param, phrase = expected
     with pytest.raises(ConfigError) as info:
-        EngineConfig.create(**kwargs)
+        EngineConfig.create(**kwargs, **strict)
     msg = str(info.value)
     lines = [line for line in msg.splitlines() if line.startswith(f"  - {param}: ")]
     assert lines, f"no problem blames {param!r} in:\n{msg}"
@@ -130,23 +143,84 @@ def test_rules(kwargs, expected):
 
 
 def test_every_problem_reported_at_once():
+    bad = dict(attention="mla", tp_size=2, pcp_size=2, dcp_size=2, graph_mode="FULL", speculative_method="eagle3",
+               num_speculative_tokens=1, draft_sampling="random")
     with pytest.raises(ValueError) as info:
-        EngineConfig.create(attention="mla", tp_size=2, pcp_size=2, dcp_size=2, graph_mode="FULL",
-                       speculative_method="eagle3", num_speculative_tokens=1, draft_sampling="random")
+        EngineConfig.create(**bad, strict_guide=True)
     msg = str(info.value)
     assert msg.startswith("invalid EngineConfig (4 problems):")
     for param in ("pcp_size", "graph_mode", "speculative_method", "draft_sampling"):
         assert f"  - {param}: " in msg
+    with pytest.raises(ValueError) as info:  # without strict_guide only the refusal: PCP + DCP not opted in
+        EngineConfig.create(**bad)
+    assert str(info.value).startswith("invalid EngineConfig (1 problem):\n  - pcp_size: ")
 
 
 def test_fix_is_actionable():
-    # applying the suggested dcp sizes gives valid configs
-    with pytest.raises(ValueError, match=r"use dcp_size in \[1, 2\]"):
+    # the suggested values pass every rule (the next rule too)
+    with pytest.raises(ValueError, match=r"use dcp_size in \[2, 1\]"):
         EngineConfig.create(tp_size=8, dcp_size=4, num_kv_heads=4)
     for dcp in (1, 2):
         EngineConfig.create(tp_size=8, dcp_size=dcp, num_kv_heads=4)
-    with pytest.raises(ValueError, match=r"use dcp_size in \[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"use dcp_size in \[3, 2, 6\]"):
         EngineConfig.create(tp_size=6, dcp_size=4, attention="mla")
+    # an interleave that breaks two rules: the offer passes both (a divisor of the block was refused next)
+    with pytest.raises(ValueError) as info:
+        EngineConfig.create(tp_size=2, dcp_size=2, attention="mla", block_size=16, cp_kv_cache_interleave_size=3,
+                            kv_transfer="pool")
+    assert str(info.value).count("fix: set cp_kv_cache_interleave_size=16") == 2, str(info.value)
+
+
+def _offers(line: str) -> list[dict]:
+    """Every change a problem's fix offers, as {field: value, ...}: alternatives split on `` or ``; ``use f in
+    [a, b]`` offers each value, ``set f=a and g=b`` both changes at once."""
+    out = []
+    for alt in line.rpartition("; fix: ")[2].split(" or "):
+        out += [{f: int(v)} for f, vals in re.findall(r"(\w+) in \[([\d, ]+)\]", alt) for v in vals.split(", ")]
+        pairs = {f: int(v) for f, v in re.findall(r"(\w+)=(\d+)\b", alt)}
+        if pairs:
+            out.append(pairs)
+    return out
+
+
+# bad layouts: each row breaks one to three integer rules (heads vs TP, DCP vs TP / KV heads, interleave vs block,
+# interleave vs KV transfer); the grid is sampled (every 5th combination) to stay fast
+GRID = [dict(attention=a, tp_size=tp, dcp_size=dcp, pcp_size=pcp, num_kv_heads=kv, num_attention_heads=heads,
+             block_size=block, cp_kv_cache_interleave_size=inter, kv_transfer=kvt, allow_pcp_with_dcp=True)
+        for a in ("gqa", "mla") for tp in (1, 3, 4, 8) for dcp in (1, 2, 3, 8) for pcp in (1, 3)
+        for kv, heads in ((4, 8), (2, 6)) for block, inter in ((16, 16), (16, 3), (16, 32), (12, 8))
+        for kvt in (None, "pool")][::29]
+
+
+def _broken(layout: dict) -> collections.Counter:
+    try:
+        EngineConfig.create(**layout)
+        return collections.Counter()
+    except ConfigError as e:
+        return collections.Counter(p.split(":")[0] for p in e.problems)
+
+
+def test_every_offered_fix_passes_every_rule():
+    """Applying an offered fix never breaks a rule the layout kept: with one or two broken rules it leaves
+    none (the next rule is checked too); with more, fewer and no new one (each problem's fix does its part)."""
+    seen = 0
+    for layout in GRID:
+        before = _broken(layout)
+        if not before:
+            continue
+        with pytest.raises(ConfigError) as info:
+            EngineConfig.create(**layout)
+        for line in info.value.problems:
+            offers = _offers(line)
+            assert offers or "no value of" in line, line  # an integer fix, or says none passes alone
+            for change in offers:
+                seen += 1
+                after = _broken({**layout, **change})
+                if sum(before.values()) == 1:
+                    assert not after, (layout, line, change, after)
+                assert not after or (after <= before and sum(after.values()) < sum(before.values())), \
+                    (layout, line, change, after)
+    assert seen > 30  # the grid exercised many offers
 
 
 @pytest.mark.parametrize("tp, pcp, world, expected", [(1, 1, None, 1), (2, 2, None, 4), (4, 2, 8, 16), (8, 1, 16, 16)])
@@ -190,7 +264,7 @@ MORE = [
      ("capture_sizes", "multiples of 3")),
     ("capture_sizes_empty", dict(capture_sizes=[]), ("capture_sizes", "non-empty")),
     ("pcp_dynamic_draft", dict(attention="dsa", pcp_size=2, speculative_method="dspark", num_speculative_tokens=2,
-                               dynamic_draft_length=True), ("dynamic_draft_length", "not validated")),
+                               dynamic_draft_length=True), ("note", "dynamic_draft_length", "not validated")),
     ("dynamic_draft_no_pcp", dict(attention="dsa", speculative_method="dspark", num_speculative_tokens=2,
                                   dynamic_draft_length=True), None),
 ]

@@ -9,6 +9,11 @@
 - :class:`EngineConfig`: all of them, checked against every rule of the
   CP guide (DESIGN.md §8) that spans parts.
 
+A rule that protects correctness refuses; a rule of the guide that only
+says what vLLM-Ascend's engine supports is a compatibility note
+(:meth:`EngineConfig.compat_notes`, a :class:`GuideCompatWarning`), refused
+with ``strict_guide=True`` (docs/compat.md classifies every rule).
+
 Every config reports every broken rule at once, each as
 ``"param: saw ...; rule: ...; fix: ..."`` in one :class:`ConfigError`
 (a ``ValueError``).
@@ -23,7 +28,7 @@ Example
 
 from cpattn.config.cache import CacheConfig
 from cpattn.config.compilation import GRAPH_MODES, CompilationConfig
-from cpattn.config.engine import PCP_SPEC_METHODS, EngineConfig
+from cpattn.config.engine import PCP_SPEC_METHODS, EngineConfig, GuideCompatWarning
 from cpattn.config.kv_transfer import KV_ROLES, KV_TRANSFERS, KVTransferConfig
 from cpattn.config.model import ATTENTION_KINDS, ModelConfig
 from cpattn.config.parallel import ParallelConfig
@@ -33,5 +38,5 @@ from cpattn.config.speculative import SpeculativeConfig
 __all__ = [
     "EngineConfig", "ModelConfig", "ParallelConfig", "CacheConfig", "KVTransferConfig", "SpeculativeConfig",
     "CompilationConfig", "ConfigError", "ATTENTION_KINDS", "GRAPH_MODES", "KV_ROLES", "KV_TRANSFERS",
-    "PCP_SPEC_METHODS",
+    "PCP_SPEC_METHODS", "GuideCompatWarning",
 ]

@@ -2,7 +2,10 @@
 
 DCP reuses TP ranks (no extra ranks); PCP adds ranks:
 ``world_size_with_pcp = pcp_size * original_world_size``. The guide forbids
-PCP and DCP in one engine unless opted in, and PCP with DSA-CP.
+PCP and DCP in one engine unless opted in (``allow_pcp_with_dcp``; the
+opted-in engine still carries the guide's compatibility note, see
+:meth:`cpattn.config.EngineConfig.compat_notes`, which also notes PCP with
+DSA-CP: cpattn runs both exactly).
 
 Example
 -------
@@ -32,7 +35,7 @@ class ParallelConfig(Checked):
     tp_size: tensor-parallel size. pcp_size: prefill context-parallel size.
     dcp_size: decode context-parallel size (reuses TP ranks).
     world_size: the original world size without PCP (default ``tp_size``), a multiple of ``tp_size``.
-    enable_dsa_cp: the separate DSA-CP optimization (DSA models only; not with PCP).
+    enable_dsa_cp: the separate DSA-CP optimization (DSA models only; with PCP: a compatibility note).
     allow_pcp_with_dcp: opt in to PCP and DCP in one engine (the guide forbids it).
     """
 
@@ -67,11 +70,6 @@ class ParallelConfig(Checked):
             out.append(problem("pcp_size", f"pcp_size={pcp}, dcp_size={self.dcp_size}",
                                "PCP and DCP cannot both be enabled (the guide's constraint)",
                                "set dcp_size=1 or pcp_size=1, or pass allow_pcp_with_dcp=True to opt in"))
-        if pcp > 1 and self.enable_dsa_cp:
-            out.append(problem("enable_dsa_cp", f"True with pcp_size={pcp}",
-                               "in the DSA backend PCP and DSA-CP cannot both be enabled",
-                               "set enable_dsa_cp=False (PCP replaces DSA-CP: at the same world size, run "
-                               "tp_size=1, pcp_size=N instead of tp_size=N with DSA-CP)"))
         return out
 
     def replace(self, **changes) -> ParallelConfig:

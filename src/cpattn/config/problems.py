@@ -50,6 +50,71 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
 
 
+def searched_fix(line: str, flat: dict, fix_fields: dict, ok, *, shown: int = 3, also: tuple = (),
+                 progress=None) -> str:
+    """``line`` (a problem) with its ``fix:`` replaced by values that pass every rule.
+
+    ``fix_fields[param]`` names the integer fields that may change for a
+    problem of ``param``; each is searched nearest first (1 .. max(32, 2 x
+    the value seen)) with ``ok({field: value})`` (True: no problem left), and
+    the fix offers the first ``shown`` (``shown - 1`` for the alternatives).
+    When no single field passes (another rule is broken too), pairs of
+    this problem's first field and a field of ``also`` (the other problems'
+    fields) are searched, nearest first: ``set a=1 and b=2``; failing that,
+    single values for which ``progress({field: value})`` holds (this rule
+    fixed, nothing new broken: the other problems' own fixes do the rest).
+    No such value either: the fix says so (no unchecked number is offered).
+    A problem with nothing to search keeps its fix.
+
+    >>> line = problem("dcp_size", "3", "divides 4", "use dcp_size in [1, 2, 4]")
+    >>> searched_fix(line, {"dcp_size": 3}, {"dcp_size": ("dcp_size",)}, lambda c: 4 % c["dcp_size"] == 0)
+    'dcp_size: saw 3; rule: divides 4; fix: use dcp_size in [2, 4, 1]'
+    """
+    param = line.split(":", 1)[0]
+    head, sep, old = line.rpartition("; fix: ")
+    if not sep or param not in fix_fields:
+        return line
+    offers = []
+    for i, name in enumerate(fix_fields[param]):
+        cur = flat.get(name)
+        if not is_int(cur) or cur < 1:
+            continue
+        values = sorted(range(1, max(32, 2 * cur) + 1), key=lambda v: (abs(v - cur), v))
+        found = []
+        for v in values:
+            if v != cur and ok({name: v}):
+                found.append(v)
+                if len(found) == (shown if i == 0 else shown - 1):
+                    break
+        if found:
+            what = f"{name}={found[0]}" if len(found) == 1 else f"{name} in {found}"
+            offers.append(what if offers else ("set " if len(found) == 1 else "use ") + what)
+    if not offers and also:
+        first = next((n for n in fix_fields[param] if is_int(flat.get(n)) and flat[n] >= 1), None)
+        for other in (n for n in dict.fromkeys(also) if n != first and is_int(flat.get(n)) and flat[n] >= 1):
+            if first is None:
+                break
+            pairs = sorted(((a, b) for a in _near(flat[first]) for b in _near(flat[other])),
+                           key=lambda ab: (abs(ab[0] - flat[first]) + abs(ab[1] - flat[other]), ab))
+            hit = next(((a, b) for a, b in pairs if ok({first: a, other: b})), None)
+            if hit:
+                offers.append(("set " if not offers else "") + f"{first}={hit[0]} and {other}={hit[1]}")
+                if len(offers) == shown - 1:
+                    break
+    if not offers and progress is not None:
+        out = searched_fix(line, flat, fix_fields, progress, shown=shown)
+        if out != line:
+            return out
+        others = [n for n in dict.fromkeys(also) if n not in fix_fields[param]]
+        return (f"{head}; fix: no value of {param} alone passes every rule here"
+                + (f": change it together with {' and '.join(others)} (see the other problems)" if others else ""))
+    return f"{head}; fix: {' or '.join(offers)}" if offers else line
+
+
+def _near(value: int, span: int = 6) -> list[int]:
+    return sorted(set(range(1, max(span, value + span // 2) + 1)) | {2 * value})
+
+
 def positive_ints(obj: object, names: tuple[str, ...]) -> list[str]:
     """A problem for each field of ``obj`` in ``names`` that is not a positive int (None skipped)."""
     out = []
