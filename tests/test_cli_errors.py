@@ -7,12 +7,17 @@ milliseconds instead of an ``import torch``); two cases also run as
 progress output in a log (stderr not a terminal) has no ``\\r`` updates.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+CUDA = torch.cuda.is_available()  # --backend cuda is refused only where there is no GPU
+NPU = importlib.util.find_spec("torch_npu") is not None
 
 CASES = [  # argv, what the one line must name
     (["prefill", "--heads", "6", "--kv-heads", "4"], "--kv-heads"),
@@ -67,6 +72,26 @@ CASES = [  # argv, what the one line must name
     (["bench", "drafts", "--reps", "0"], "--reps"),
     (["bench", "drafts", "--backend", "nonsense"], "--backend"),
     (["bench", "drafts", "--data", "/nonexistent"], "--data"),
+    # every output path, input file and device is checked before any work (one line, exit 2)
+    (["demo", "--json", "{models}/no_such_dir/out.json"], "--json"),
+    (["demo", "--json", "{models}"], "--json"),
+    (["prefill", "--json", "{models}/no_such_dir/out.json"], "--json"),
+    (["bench", "pcp", "--json", "{models}/no_config/model.safetensors/out.json"], "--json"),
+    (["bench", "drafts", "--json", "{models}/no_such_dir/out.json"], "--json"),
+    (["plan", "--json", "{models}/no_such_dir/out.json"], "--json"),
+    (["plan", "calibrate", "--out", "{models}/no_config/model.safetensors/cpu.json"], "--out"),
+    (["plan", "calibrate", "--out", "{models}"], "--out"),
+    (["plan", "validate", "--pcp-json", "{models}/missing.json"], "--pcp-json"),
+    (["plan", "validate", "--graph-json", "{models}"], "--graph-json"),
+    (["plan", "validate", "--dcp-json", "{models}/bad_json/config.json"], "--dcp-json"),
+    (["plan", "validate", "--dcp-json", "{models}/no_weights/config.json"], "--dcp-json"),
+    (["plan", "--model", "{models}/missing/config.json"], "--model"),
+    (["demo", "--backend", "gpu"], "--backend"),
+    *([] if NPU else [(["demo", "--backend", "npu"], "torch_npu"), (["bench", "graph", "--backend", "torchair"],
+                                                                     "torch_npu")]),
+    *([] if CUDA else [(["demo", "--backend", "cuda"], "CUDA"), (["bench", "graph", "--backend", "cuda"], "CUDA"),
+                       (["bench", "mlapo", "--graph-backend", "cuda"], "CUDA"),
+                       (["bench", "drafts", "--backend", "cuda"], "CUDA")]),
     (["nonsense"], "'nonsense'"),
     (["bench", "nonsense"], "'nonsense'"),
     (["bench"], "benchmark"),

@@ -6,23 +6,30 @@ come out. See README.md and DESIGN.md.
 >>> from cpattn import pcp_prefill, pcp_plan, simulate
 """
 
-from cpattn.comm import Group, simulate
-from cpattn.config import EngineConfig, ParallelConfig
-from cpattn.dsa import (
-    DSACache, DSACPPlan, ShardedKeys, dcp_shard_keys, dsa_attention, dsa_cp_attention, dsa_cp_plan,
-    dsa_cp_sparse_attention, dsa_cp_work, dsa_dcp_attention, dsa_dcp_topk, exchange_topk,
-)
-from cpattn.graphs import DecodeRunner, Field, capture_sizes, check_static
-from cpattn.dcp import DCPContext, DCPMeta, dcp_decode, dcp_plan
-from cpattn.layout.dcp import (
-    dcp_local_index, dcp_local_lens, dcp_owner, dcp_slot_mapping, reshard_kv_blocks, unshard_kv_blocks,
-)
-from cpattn.layout.pcp import PCPPlan, pcp_plan, pcp_shard, pcp_unshard
-from cpattn.ops import (
-    attention_with_lse, indexer_scores, merge_attn_states, paged_attention_with_lse, sparse_mla_attention_with_lse,
-    topk_indices, write_kv, write_kv_mla,
-)
-from cpattn.pcp import Context, pcp_prefill
+# public names -> the module that defines them, imported on first use (PEP 562), so that `import cpattn.X`
+# costs only X: the command line parses (and refuses a typo) before torch is imported
+_EXPORTS = {
+    **dict.fromkeys(("Group", "simulate"), "cpattn.comm"),
+    **dict.fromkeys(("EngineConfig", "ParallelConfig"), "cpattn.config"),
+    **dict.fromkeys((
+        "DSACache", "DSACPPlan", "ShardedKeys", "dcp_shard_keys", "dsa_attention", "dsa_cp_attention",
+        "dsa_cp_plan", "dsa_cp_sparse_attention", "dsa_cp_work", "dsa_dcp_attention", "dsa_dcp_topk",
+        "exchange_topk"
+    ), "cpattn.dsa"),
+    **dict.fromkeys(("DecodeRunner", "Field", "capture_sizes", "check_static"), "cpattn.graphs"),
+    **dict.fromkeys(("DCPContext", "DCPMeta", "dcp_decode", "dcp_plan"), "cpattn.dcp"),
+    **dict.fromkeys((
+        "dcp_local_index", "dcp_local_lens", "dcp_owner", "dcp_slot_mapping", "reshard_kv_blocks",
+        "unshard_kv_blocks"
+    ), "cpattn.layout.dcp"),
+    **dict.fromkeys(("PCPPlan", "pcp_plan", "pcp_shard", "pcp_unshard"), "cpattn.layout.pcp"),
+    **dict.fromkeys((
+        "attention_with_lse", "indexer_scores", "merge_attn_states", "paged_attention_with_lse",
+        "sparse_mla_attention_with_lse", "topk_indices", "write_kv", "write_kv_mla"
+    ), "cpattn.ops"),
+    **dict.fromkeys(("Context", "pcp_prefill"), "cpattn.pcp"),
+}
+
 
 __version__ = "0.1.0"
 
@@ -39,3 +46,18 @@ __all__ = [
     "indexer_scores", "topk_indices", "sparse_mla_attention_with_lse",
     "DecodeRunner", "Field", "capture_sizes", "check_static",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cpattn' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -65,6 +65,21 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _group_usage(group: str, table: dict, what: str) -> str:
+    """``cpattn GROUP --help``: the group's own commands (``cpattn GROUP NAME --help`` for a command's options).
+
+    >>> print(_group_usage("pool", {"serve": ("m:f", "a pool")}, "pool command"))
+    usage: cpattn pool NAME [options]   (cpattn pool NAME --help for options)
+    <BLANKLINE>
+    pool commands:
+      serve        a pool
+    """
+    lines = [f"usage: cpattn {group} NAME [options]   (cpattn {group} NAME --help for options)", "",
+             f"{what}s:" if what == "benchmark" else f"{group} commands:"]
+    lines += [f"  {name:<12} {doc}" for name, (_, doc) in table.items()]
+    return "\n".join(lines)
+
+
 def _unknown(prog: str, what: str, name: str, valid: list[str]) -> int:
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -86,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cpattn {cmd}: error: name a {what}: {', '.join(table)} (see cpattn --help)", file=sys.stderr)
             return 2
         if rest[0] in ("-h", "--help"):
-            print(_usage())
+            print(_group_usage(cmd, table, what))
             return 0
         if rest[0] not in table:
             return _unknown(f"cpattn {cmd}", what, rest[0], list(table))
@@ -99,16 +114,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(prog: str, target: str, argv: list[str]) -> int:
-    from cpattn.comm.launch import SpawnError
-
     try:
         return _exit_code(_load(target)(argv))
-    except SpawnError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _spawn_error(e):
+            raise
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+
+
+def _spawn_error(e: BaseException) -> bool:
+    """Whether ``e`` is a :class:`cpattn.comm.launch.SpawnError` (a failed rank), without importing the
+    launcher (and torch) for commands that never start ranks: a SpawnError implies its module is loaded."""
+    launch = sys.modules.get("cpattn.comm.launch")
+    return launch is not None and isinstance(e, launch.SpawnError)
 
 
 def _exit_code(result) -> int:

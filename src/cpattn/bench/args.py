@@ -22,7 +22,17 @@ flag                                       alias    meaning
 ``--quick``                                         small sizes, a fast run
 ``--timeout S``                                     stall bound of the ranks (default 120 s)
 ``--no-progress``                                   no progress output on stderr
+``--backend``                                       a graph backend (:func:`check_backend`)
 ========================================== ======== =======================================
+
+Paths and devices are checked before any work, at parse time where the flag
+is declared with :func:`output_file` / :func:`output_file_made` / :func:`output_dir` /
+:func:`input_file` / :func:`input_dir` (``--json PATH``: its directory must exist), and a graph
+backend by :func:`check_backend` (``cuda`` needs a CUDA GPU, ``npu`` / ``torchair``
+need torch_npu): one line, exit 2, before any rank starts.
+
+This module never imports torch (``cpattn.cli`` parses every command line,
+and refuses a typo, before ``import torch``); nor may a command's parser.
 
 The number of processes a command starts is always given by the parallel
 size those ranks realise (``--pcp`` for PCP prefill, ``--dcp`` for DCP
@@ -53,6 +63,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -79,6 +91,12 @@ PARALLEL = {
                    "tokens per DCP owner run: token t lives on DCP rank (t // size) %% dcp"),
     "block_size": (("--block-size",), "block_size", "tokens per KV-cache block"),
 }
+
+# graph backends a command line can name (cpattn.graphs.backends.backends(); a test keeps the two equal)
+GRAPH_BACKENDS = ("aot_eager", "auto", "cpu", "cuda", "eager", "inductor", "npu", "torchair")
+
+# model types of the embedded tiny models (cpattn.engine.family.FAMILY_MODULES; a test keeps the two equal)
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "qwen3", "qwen3_moe")
 
 # config field -> the flag a user types, for problems reported by cpattn.config
 FLAG_OF_FIELD = {
@@ -208,6 +226,157 @@ def dtype_name(text: str) -> str:
     return name
 
 
+def _shown(path: str) -> str:
+    return repr(os.path.normpath(path))
+
+
+def output_file(text: str) -> str:
+    """argparse type: a file to write: not a directory, in an existing directory this user may write to.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> output_file(d + "/out.json") == d + "/out.json"
+    True
+    >>> output_file(d + "/missing/out.json")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: saw '.../missing/out.json'; rule: its directory '.../missing' does not exist; fix: create it (mkdir -p) or write elsewhere
+    """
+    parent = os.path.dirname(text) or "."
+    if not text or text.endswith(os.sep) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a file path, not a directory; fix: name a file, "
+                                         f"e.g. {os.path.join(text or '.', 'out.json')!r}")
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: its directory {_shown(parent)} {what}; "
+                                         "fix: create it (mkdir -p) or write elsewhere")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a path this user may write; fix: write elsewhere")
+    return text
+
+
+def output_file_made(text: str) -> str:
+    """argparse type: a file to write whose missing directories the command makes: not a directory, and
+    :func:`output_dir` holds for its directory.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> output_file_made(d + "/new/cpu.json") == d + "/new/cpu.json"
+    True
+    """
+    if not text or text.endswith(os.sep) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a file path, not a directory; fix: name a file, "
+                                         f"e.g. {os.path.join(text or '.', 'out.json')!r}")
+    output_dir(os.path.dirname(text) or ".")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """argparse type: a directory to write into (made if missing): not a file, below a writable directory.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> output_dir(d + "/new/run") == d + "/new/run"
+    True
+    """
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a directory, and this is a file; fix: remove it or "
+                                         "pick another directory")
+    up = os.path.abspath(text)
+    while not os.path.exists(up):  # the nearest existing ancestor must be a writable directory
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: every parent is a directory, and {_shown(up)} is a "
+                                         "file; fix: pick another directory")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a directory this user may write ({_shown(up)} is "
+                                         "not writable); fix: write elsewhere")
+    return text
+
+
+def input_file(text: str) -> str:
+    """argparse type: an existing, readable regular file.
+
+    >>> input_file("/nonexistent/p.json")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: saw '/nonexistent/p.json'; rule: an existing file, and there is none; fix: check the path
+    """
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: an existing file, and there is none; fix: check the path")
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a file, and this is a directory or a device; "
+                                         "fix: name the file itself")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a file this user may read; fix: check its permissions")
+    return text
+
+
+def input_dir(text: str) -> str:
+    """argparse type: an existing directory.
+
+    >>> input_dir(".")
+    '.'
+    """
+    if not os.path.isdir(text):
+        what = "a file" if os.path.exists(text) else "missing"
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: an existing directory, and this is {what}; "
+                                         "fix: check the path")
+    return text
+
+
+def json_output(text: str) -> str:
+    """argparse type of ``--json``: ``-`` (stdout) or an :func:`output_file`.
+
+    >>> json_output("-")
+    '-'
+    """
+    return text if text == "-" else output_file(text)
+
+
+def backend_unavailable(name: str) -> str | None:
+    """Why graph backend ``name`` cannot run on this machine (None: it can, as far as can be seen without
+    running it). ``cuda`` imports torch to ask ``torch.cuda.is_available()``; the others stay torch-free.
+
+    >>> backend_unavailable("cpu") is None
+    True
+    """
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            build = "a CPU-only torch build" if torch.version.cuda is None else "no CUDA device visible"
+            return f"a CUDA GPU, and torch.cuda.is_available() is False here ({build})"
+    if name in ("npu", "torchair") and importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu (Ascend's PyTorch adapter), which is not installed here"
+    return None
+
+
+def check_backend(prog: str, flag: str, name: str) -> None:
+    """A usage error (one line, exit 2) unless ``name`` is a graph backend this machine can run.
+
+    >>> check_backend("cpattn x", "--backend", "eager")
+    >>> import contextlib, io
+    >>> err = io.StringIO()
+    >>> with contextlib.redirect_stderr(err):
+    ...     try:
+    ...         check_backend("cpattn x", "--backend", "gpu")
+    ...     except SystemExit as e:
+    ...         print(e.code)
+    2
+    >>> print(err.getvalue().strip())  # doctest: +NORMALIZE_WHITESPACE
+    cpattn x: error: argument --backend: saw 'gpu'; rule: one of aot_eager, auto, cpu, cuda, eager, inductor, npu,
+    torchair; fix: pick one of them (cpu = torch.compile inductor, eager = no compiler)
+    """
+    if name not in GRAPH_BACKENDS:
+        bad_value(prog, flag, repr(name), f"one of {', '.join(GRAPH_BACKENDS)}",
+                  "pick one of them (cpu = torch.compile inductor, eager = no compiler)")
+    why = backend_unavailable(name)
+    if why is not None:
+        bad_value(prog, flag, repr(name), f"backend {name!r} needs {why}",
+                  f"use {flag} cpu (torch.compile inductor) or {flag} eager on this machine")
+
+
 # ----------------------------------------------------------------------------- flags
 def add_parallel(p: argparse.ArgumentParser, helps: dict[str, str] | None = None, **defaults) -> None:
     """Add the parallel / cache size flags named by the keywords (``tp``, ``pcp``, ``dcp``,
@@ -237,9 +406,9 @@ def add_dtype(p: argparse.ArgumentParser, default: str = "float32", help: str = 
 
 def add_json(p: argparse.ArgumentParser) -> None:
     """Add ``--json PATH``; ``-`` puts only JSON on stdout (see :func:`report_stream`)."""
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the results as JSON to PATH; '-' writes only JSON to stdout and the "
-                        "text report to stderr (default: no JSON)")
+    p.add_argument("--json", metavar="PATH", default=None, type=json_output,
+                   help="also write the results as JSON to PATH (its directory must exist); '-' writes only JSON "
+                        "to stdout and the text report to stderr (default: no JSON)")
 
 
 def add_quick(p: argparse.ArgumentParser, help: str) -> None:

@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import time
 
-import torch
 
 from cpattn.bench import args as cli
 from cpattn.bench.common import measure, ratio, table, write_json
-from cpattn.comm.dist import DistGroup
-from cpattn.comm.launch import spawn
 
 SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 8 << 20)  # bytes per rank's input (float32)
 KINDS = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
@@ -40,6 +37,9 @@ KINDS = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 
 def bench_rank(group, sizes, reps, inner=5):
     """Rank function: time native vs a2a for every kind and size; returns rows (rank 0's are printed)."""
+    import torch
+    from cpattn.comm.dist import DistGroup
+
     groups = {"native": DistGroup(algorithm="native"), "a2a": DistGroup(algorithm="a2a", small_bytes=1 << 62)}
     gen = torch.Generator().manual_seed(group.rank)
     rows = []
@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.sizes = SIZES[:2]
     t0 = time.perf_counter()
+    from cpattn.comm.launch import spawn
+
     with cli.report_to(args.json):
         res = spawn(args.world_size, bench_rank, args.sizes, args.reps, args.inner, threads=1, timeout_s=args.timeout)
         print(f"gloo, {args.world_size} ranks x 1 thread; each cell the median of {args.reps} interleaved samples of "

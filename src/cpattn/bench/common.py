@@ -27,9 +27,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
+# torch is imported where a function needs it, so a command line parses (and refuses a typo) without it;
+# DTYPES (canonical dtype name -> torch dtype, the names of cpattn.bench.args.DTYPE_ALIASES) is made on first use
+_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+def __getattr__(name: str):
+    if name == "DTYPES":
+        import torch
+
+        return {n: getattr(torch, n) for n in _DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -156,11 +164,14 @@ def measure(
 
     Example
     -------
+    >>> import torch
     >>> from cpattn.comm.sim import SimMesh
     >>> s = measure({"x": lambda: torch.ones(8).sum()}, reps=3, group=SimMesh(1).groups()[0], inner=2)
     >>> len(s["x"].wall), s["x"].best > 0, float(s["x"].result)
     (3, True, 8.0)
     """
+    import torch
+
     if reps < 1 or inner < 1:
         raise ValueError(f"measure: reps and inner must be >= 1; got reps={reps}, inner={inner}")
     names = list(fns)
@@ -223,6 +234,8 @@ def back_to_back(group, device="cpu", inner: int = 5) -> Callable[[Callable[[], 
     >>> once(lambda: sum(range(1000))) > 0.0
     True
     """
+    import torch
+
     sync = (lambda: group.all_reduce(torch.zeros(1, device=device))) if group.size > 1 else (lambda: None)
     cuda = torch.device(device).type == "cuda"
 

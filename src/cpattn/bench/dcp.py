@@ -32,22 +32,20 @@ from __future__ import annotations
 
 import time
 
-import torch
 
 from cpattn.bench import args as cli
-from cpattn.bench.common import DTYPES, Samples, measure, ratio, write_json
-from cpattn.comm.launch import spawn
-from cpattn.comm.sim import SimMesh
-from cpattn.dcp import dcp_decode, dcp_plan
-from cpattn.layout.dcp import dcp_local_lens
-from cpattn.ops import attention_with_lse
-from cpattn.ops.paged import paged_attention_with_lse
+from cpattn.bench.common import Samples, measure, ratio, write_json
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def _build_shard(cfg, ctx, n, rank, gen):
     """Rank `rank` of `n`: paged cache for `batch` requests of `ctx` tokens (random data, shuffled blocks)."""
+    import torch
+    from cpattn.bench.common import DTYPES
+    from cpattn.dcp import dcp_plan
+    from cpattn.layout.dcp import dcp_local_lens
+
     b, hkv, d, bs, inter = cfg["batch"], cfg["hkv"], cfg["d"], cfg["block_size"], cfg["interleave"]
     dtype = DTYPES[cfg["dtype"]]
     local = dcp_local_lens(torch.full((b,), ctx), n, inter)  # [B, N]
@@ -64,6 +62,12 @@ def _build_shard(cfg, ctx, n, rank, gen):
 
 def rank_main(group, cfg):
     """A rank of the DCP group; rank 0 also plays the single rank (the others wait meanwhile)."""
+    import torch
+    from cpattn.bench.common import DTYPES
+    from cpattn.comm.sim import SimMesh
+    from cpattn.dcp import dcp_decode
+    from cpattn.ops.paged import paged_attention_with_lse
+
     n, r = group.size, group.rank
     solo = SimMesh(1).groups()[0]  # a group of one: the single-rank baseline
     gen = torch.Generator().manual_seed(1234 + r)
@@ -122,6 +126,7 @@ STEP_VARIANTS = ("ag_rs", "a2a", "local_a2a", "local_ag")  # DCPStep.merge; coll
 
 def _model_shard(fam, cfg, ctx, n, gen):
     """A paged shard for one request of ``ctx`` cached tokens, random data (as prefilled), interleave = block 16."""
+    import torch
     from cpattn.engine.paged_cache import PagedShard
 
     sh = PagedShard.empty(fam.kv_layouts(cfg), capacity=[ctx + 8], dcp_size=n, block_size=16, interleave_size=16)
@@ -134,6 +139,8 @@ def _model_shard(fam, cfg, ctx, n, gen):
 def model_step_rank(group, cfg):
     """The demo's embedded tiny Qwen3: one whole decode step (embedding, layers with DCP attention, lm_head),
     one rank vs DCP ranks, for every DCPStep variant (eager; graph-captured for "ag_rs" and "local_ag")."""
+    import torch
+    from cpattn.comm.sim import SimMesh
     from cpattn.bench.demo_run import EMBEDDED_STD
     from cpattn.engine.decode import decode_step, make_runner
     from cpattn.engine.family import get_family
@@ -205,6 +212,8 @@ def _model_report(cfg, res, n) -> list[dict]:
 
 def _folded_contiguous(q, k, v, scale):
     """The paged kernel's math on contiguous K/V: q [Hq, D], k/v [L, Hkv, D], GQA heads folded into rows."""
+    import torch
+
     hq, d = q.shape
     hkv = k.shape[1]
     qf = q.view(hkv, hq // hkv, d)[None]  # [1, Hkv, G, D]
@@ -214,6 +223,10 @@ def _folded_contiguous(q, k, v, scale):
 
 def _paged_vs_contiguous(sh, q_all, cfg):
     """One rank: the same attention on contiguous copies of the paged cache, interleaved (CPU time)."""
+    import torch
+    from cpattn.ops import attention_with_lse
+    from cpattn.ops.paged import paged_attention_with_lse
+
     k_cache, v_cache, table, meta = sh["k"], sh["v"], sh["table"], sh["meta"]
     b, kv_lens = table.shape[0], meta.kv_lens[0]
     ctx = int(kv_lens.max())
@@ -241,6 +254,8 @@ def _paged_vs_contiguous(sh, q_all, cfg):
 
 def _bytes(rec, merge, cfg, n):
     """(merge bytes, query-gather bytes) one rank sends per step, from group.stats ("local_*": no gather)."""
+    from cpattn.bench.common import DTYPES
+
     total = sum(rec[f"bytes_{merge}"]["bytes_sent"].values())
     q_gather = 0 if merge.startswith("local") else cfg["batch"] * cfg["hq"] // n * cfg["d"] * DTYPES[cfg["dtype"]].itemsize * (n - 1)
     return total - q_gather, q_gather
@@ -284,6 +299,8 @@ def main(argv=None):
                reps=args.reps, paged_vs_contiguous=True, model_context=args.model_context,
                model_graph=not args.no_model_graph)
     t0 = time.time()
+    from cpattn.comm.launch import spawn
+
     with cli.report_to(args.json):
         ranks = spawn(n, rank_main, cfg, threads=1, timeout_s=args.timeout)
         rows = _report(cfg, ranks, n)
@@ -296,6 +313,8 @@ def main(argv=None):
 
 
 def _report(cfg, ranks, n) -> list[dict]:
+    from cpattn.bench.common import DTYPES
+
     print(f"DCP decode step: batch {cfg['batch']}, GQA {cfg['hq']} q / {cfg['hkv']} kv heads x {cfg['d']}, "
           f"{cfg['dtype']}, block {cfg['block_size']}, interleave {cfg['interleave']}; gloo, {n} ranks x 1 thread. "
           f"Medians of {cfg['reps']} interleaved rounds (slowest rank); DCP/1 = median [low-high] of per-round "

@@ -34,32 +34,35 @@ from __future__ import annotations
 
 import statistics
 
-import torch
 
 from cpattn.bench import args as cli
-from cpattn.bench.common import DTYPES, Samples, measure, ratio, safe_div, write_json
-from cpattn.comm.launch import spawn
-from cpattn.comm.sim import SimMesh
-from cpattn.dsa import dsa_cp_attention, dsa_cp_plan, dsa_cp_work
-from cpattn.layout.pcp import pcp_shard
-from cpattn.ops import attention_with_lse
-from cpattn.ops.dsa import (
-    fp8_index_cache,
-    indexer_scores,
-    mla_softmax_scale,
-    selection_mismatch,
-    sparse_mla_attention_with_lse,
-    topk_indices,
-)
+from cpattn.bench.common import Samples, measure, ratio, safe_div, write_json
 
 D_QK, D_V, H_I, D_I = 576, 512, 64, 128
 TARGET_SPEEDUP, TARGET_OF_FLOP = 9.0, 0.8  # bf16 DSA vs dense at 64K / 128 heads
-SCALE = mla_softmax_scale(192, 40, 1.0)  # DeepSeek-V3.2: qk_head_dim 192, YaRN factor 40
+
+
+def softmax_scale() -> float:
+    """DeepSeek-V3.2's MLA softmax scale: qk_head_dim 192, YaRN factor 40."""
+    from cpattn.ops.dsa import mla_softmax_scale
+
+    return mla_softmax_scale(192, 40, 1.0)
+
 
 
 # ----------------------------------------------------------------------------- part 1: decode
-def decode_case(ctx: int, heads: int, topk: int, reps: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """One decode query at ``ctx`` keys: DSA (bf16 / fp32 indexer keys, and the FP8 key cache) vs dense MLA."""
+def decode_case(ctx: int, heads: int, topk: int, reps: int, dtype: torch.dtype | None = None) -> dict:
+    """One decode query at ``ctx`` keys: DSA (bf16 / fp32 indexer keys, and the FP8 key cache) vs dense MLA
+    (``dtype`` default: bfloat16)."""
+    import torch
+    from cpattn.ops import attention_with_lse
+    from cpattn.ops.dsa import (
+        fp8_index_cache, indexer_scores, selection_mismatch, sparse_mla_attention_with_lse, topk_indices,
+    )
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    scale = softmax_scale()
+
     g = torch.Generator().manual_seed(ctx + heads)
     s = ctx + 1  # keys including the new token
     q = torch.randn(1, heads, D_QK, generator=g).to(dtype)
@@ -84,21 +87,21 @@ def decode_case(ctx: int, heads: int, topk: int, reps: int, dtype: torch.dtype =
         return topk_indices(scores, topk)
 
     def sparse():
-        return sparse_mla_attention_with_lse(q, cache, top, softmax_scale=SCALE, v_head_dim=D_V)
+        return sparse_mla_attention_with_lse(q, cache, top, softmax_scale=scale, v_head_dim=D_V)
 
     def dsa():
-        return sparse_mla_attention_with_lse(q, cache, topk_indices(indexer(), topk), softmax_scale=SCALE,
+        return sparse_mla_attention_with_lse(q, cache, topk_indices(indexer(), topk), softmax_scale=scale,
                                              v_head_dim=D_V)
 
     def dsa_fp8():
-        return sparse_mla_attention_with_lse(q, cache, topk_indices(indexer_fp8(), topk), softmax_scale=SCALE,
+        return sparse_mla_attention_with_lse(q, cache, topk_indices(indexer_fp8(), topk), softmax_scale=scale,
                                              v_head_dim=D_V)
 
     def dense():
-        return attention_with_lse(q, kv, vv, cu_q, cu_k, causal=True, softmax_scale=SCALE)
+        return attention_with_lse(q, kv, vv, cu_q, cu_k, causal=True, softmax_scale=scale)
 
     def dense_mm():
-        p = torch.softmax((q[0].float() @ cache.float().T) * SCALE, dim=-1)  # [H, S]
+        p = torch.softmax((q[0].float() @ cache.float().T) * scale, dim=-1)  # [H, S]
         return p @ cache[:, :D_V].float()
 
     samples = measure({"indexer": indexer, "indexer_fp8": indexer_fp8, "topk": select, "sparse": sparse, "dsa": dsa,
@@ -127,6 +130,9 @@ def decode_case(ctx: int, heads: int, topk: int, reps: int, dtype: torch.dtype =
 def fp8_case(ctx: int, topk: int, queries: int) -> dict:
     """How often FP8 scoring changes the selected set vs fp32: the simulated FP8 indexer (q and k
     quantized) and the FP8 key cache (k only, DeepSeek-V3.2's cache layout), on random data."""
+    import torch
+    from cpattn.ops.dsa import fp8_index_cache, indexer_scores, selection_mismatch, topk_indices
+
     g = torch.Generator().manual_seed(7)
     q_i, w_i = torch.randn(queries, H_I, D_I, generator=g), torch.randn(queries, H_I, generator=g)
     k_i = torch.randn(ctx, D_I, generator=g)
@@ -143,6 +149,8 @@ def fp8_case(ctx: int, topk: int, queries: int) -> dict:
 
 # ----------------------------------------------------------------------------- part 2: DSA-CP prefill
 def cp_inputs(n_tok: int, heads: int, h_i: int, seed: int = 0) -> list[torch.Tensor]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(n_tok, heads, D_QK, generator=g), torch.randn(n_tok, D_QK, generator=g),
             torch.randn(n_tok, h_i, D_I, generator=g), torch.randn(n_tok, h_i, generator=g),
@@ -151,13 +159,17 @@ def cp_inputs(n_tok: int, heads: int, h_i: int, seed: int = 0) -> list[torch.Ten
 
 def cp_rank(group, n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> dict:
     """Rank function: the one-rank baseline (rank 0), contiguous and balanced DSA-CP, interleaved rounds."""
+    from cpattn.comm.sim import SimMesh
+    from cpattn.dsa import dsa_cp_attention, dsa_cp_plan
+    from cpattn.layout.pcp import pcp_shard
+
     inputs = cp_inputs(n_tok, heads, h_i)
-    solo = SimMesh(1).groups()[0]
+    solo, scale = SimMesh(1).groups()[0], softmax_scale()
 
     def runner(split, g, rank):
         plan = dsa_cp_plan([0, n_tok], g.size, split=split)
         mine = [pcp_shard(x, plan, rank) for x in inputs]
-        return lambda: dsa_cp_attention(*mine, plan, group=g, topk=topk, softmax_scale=SCALE, v_head_dim=D_V)
+        return lambda: dsa_cp_attention(*mine, plan, group=g, topk=topk, softmax_scale=scale, v_head_dim=D_V)
 
     runs = {"one": runner("contiguous", solo, 0) if group.rank == 0 else (lambda: None)}
     runs.update({split: runner(split, group, group.rank) for split in ("contiguous", "balanced")})
@@ -173,6 +185,9 @@ def cp_rank(group, n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> di
 def cp_prefill(n_tok: int, heads: int, h_i: int, topk: int, reps: int, tp: int = 2,
                timeout_s: float = cli.TIMEOUT_S) -> list[dict]:
     """DSA-CP prefill on ``tp`` gloo ranks vs one rank, both splits: one row per configuration."""
+    from cpattn.comm.launch import spawn
+    from cpattn.dsa import dsa_cp_plan, dsa_cp_work
+
     res = spawn(tp, cp_rank, n_tok, heads, h_i, topk, reps, threads=1, timeout_s=timeout_s)
     s = res[0]["samples"]  # the slowest rank's, sample by sample
     one = s["one"]
@@ -216,6 +231,8 @@ def main(argv=None) -> int:
         cli.bad_value(ap.prog, "--tensor-parallel-size/--tp", tp, "at least 2 (DSA-CP splits tokens over the TP "
                       "ranks and is compared against one rank)", "pass --tp 2 or more")
     cli.check_engine(ap.prog, tp_size=tp, attention="dsa", enable_dsa_cp=True)
+    import torch
+
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.quick:
@@ -234,6 +251,8 @@ def main(argv=None) -> int:
 
 
 def _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8) -> dict:
+    from cpattn.bench.common import DTYPES
+
     dtype = DTYPES[args.dtype]
     decode = [decode_case(c, h, topk, reps, dtype) for c in contexts for h in head_counts]
     print(f"\nDSA decode, 1 query, {args.dtype}, k={topk}, Dqk={D_QK}/Dv={D_V}, indexer {H_I}x{D_I}, "

@@ -36,17 +36,14 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
 
 from cpattn.bench import args as cli
 from cpattn.bench.common import measure, ratio, table, write_json
-from cpattn.comm.launch import spawn
-from cpattn.comm.sim import SimMesh
-from cpattn.graphs import DecodeRunner
-from cpattn.graphs import demo_program as dp
 
 
 def _config(args) -> dp.ProgramConfig:
+    from cpattn.graphs import demo_program as dp
+
     local = -(-(args.context + 1) // args.decode_context_parallel_size)  # tokens per rank per request
     max_blocks = -(-local // args.block_size) + 1
     return dp.ProgramConfig(
@@ -59,6 +56,9 @@ def _config(args) -> dp.ProgramConfig:
 
 def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"):
     """Rank function: capture, prefill `context` tokens per request, time eager vs graph per batch size."""
+    import torch
+    from cpattn.graphs import DecodeRunner, demo_program as dp
+
     gen = torch.Generator().manual_seed(0)
     state = dp.init_state(cfg, params, group.rank, group.size, poison=0.0, device=device)
     step = dp.make_step(cfg, group)
@@ -97,6 +97,8 @@ def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"
 
 def _collectives(group, cfg, b, device):
     """One layer's collectives of the demo program (its merge) on tensors of the step's shapes."""
+    import torch
+
     n = group.size
     hl, d = cfg.num_heads // n, cfg.head_dim
     q = torch.randn(b, hl, d, device=device)
@@ -147,11 +149,7 @@ def _parser():
 
 
 def _validate(p, args) -> None:
-    from cpattn.graphs.backends import backends
-
-    if args.backend not in backends():
-        cli.bad_value(p.prog, "--backend", repr(args.backend), f"one of {', '.join(backends())}",
-                      "pick a backend from that list (cpu = inductor)")
+    cli.check_backend(p.prog, "--backend", args.backend)
     if args.heads % args.kv_heads:
         cli.bad_value(p.prog, "--kv-heads", f"{args.kv_heads} with --heads {args.heads}",
                       "--heads is a multiple of --kv-heads", f"use --kv-heads in "
@@ -179,6 +177,11 @@ def main(argv=None) -> int:
         args.layers, args.batches, args.context, args.reps = 2, (8,), 64, 15
     _validate(p, args)
     cfg = _config(args)
+    import torch
+    from cpattn.comm.launch import spawn
+    from cpattn.comm.sim import SimMesh
+    from cpattn.graphs import demo_program as dp
+
     params = dp.init_params(cfg)
     out = {"config": {**vars(args), "program": cfg.__dict__}}
     n = args.decode_context_parallel_size

@@ -32,11 +32,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
 
 from cpattn.bench import args as cli
-from cpattn.bench.common import DTYPES, Samples, measure, ratio, write_json
-from cpattn.comm.launch import spawn
+from cpattn.bench.common import Samples, measure, ratio, write_json
 
 VARIANTS = ("eager_unfused", "eager_fused", "graph_unfused", "graph_fused")
 
@@ -54,6 +52,8 @@ def model_config(layers: int):
 
 def step_rank(group, cfg: dict) -> dict:
     """One DCP rank: the four step variants timed in interleaved rounds; the logits of each kept."""
+    import torch
+    from cpattn.bench.common import DTYPES
     from cpattn.engine.decode import decode_step, make_runner
     from cpattn.engine.paged_cache import PagedShard
     from cpattn.models import deepseek_v3
@@ -112,15 +112,11 @@ def _parser():
 
 def main(argv=None) -> int:
     """Run the MLAPO benchmark and print the fused / unfused step-time ratios."""
-    from cpattn.graphs.backends import backends
-
     p = _parser()
     args = p.parse_args(argv)
     if args.quick:
         args.context, args.batch, args.reps, args.graph_backend = 512, 2, min(args.reps, 3), "eager"
-    if args.graph_backend not in backends():
-        cli.bad_value(p.prog, "--graph-backend", args.graph_backend, f"one of {', '.join(backends())}",
-                      "pass --graph-backend cpu")
+    cli.check_backend(p.prog, "--graph-backend", args.graph_backend)
     for n in args.dcp_sizes:  # the model's 16 heads and one latent KV head: any DCP size dividing 16
         cli.check_engine(p.prog, {"dcp_size": "--dcp-sizes", "tp_size": "--dcp-sizes"}, tp_size=n, dcp_size=n,
                          attention="mla", num_attention_heads=16, num_kv_heads=1, tp_splits_kv_heads=False,
@@ -128,6 +124,8 @@ def main(argv=None) -> int:
     cfg = dict(context=args.context, batch=args.batch, layers=args.layers, dtype=args.dtype, reps=args.reps,
                inner=3, graph_backend=args.graph_backend)
     rows, t0 = [], time.time()
+    from cpattn.comm.launch import spawn
+
     with cli.report_to(args.json):
         print(f"MLAPO: DeepSeek-V3 attention at 16 heads (hidden 7168, q LoRA 1536, kv LoRA 512 + rope 64), "
               f"{args.layers} layers, batch {args.batch}, context {args.context}, {args.dtype}; graph backend "

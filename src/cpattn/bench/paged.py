@@ -27,11 +27,9 @@ from __future__ import annotations
 import itertools
 import time
 
-import torch
 
 from cpattn.bench import args as cli
 from cpattn.bench.common import measure, safe_div, table, write_json
-from cpattn.ops import paged
 
 # (kv heads, head dim, query heads per kv head, block size): GQA 8 x 128, small GQA, MQA, MLA latent
 HEADS = [(8, 128, 4, 128), (2, 32, 4, 16), (1, 32, 4, 16), (1, 576, 16, 64)]
@@ -41,6 +39,8 @@ MAX_ELEMS = 1 << 23  # skip shapes whose gathered keys exceed this (the small pa
 
 
 def _case(hkv, d, g, bs, t, keys, dtype):
+    import torch
+
     w = keys // bs
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(t * w, bs, hkv, d, generator=gen).to(dtype)
@@ -52,6 +52,9 @@ def _case(hkv, d, g, bs, t, keys, dtype):
 
 def run(dtypes, heads, rows, keys, reps):
     """Time every path on every shape of the grid; returns table rows."""
+    import torch
+    from cpattn.ops import paged
+
     out = []
     for dtype, (hkv, d, g, bs), t, n in itertools.product(dtypes, heads, rows, keys):
         if t * n * hkv * d > MAX_ELEMS:
@@ -97,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=cli.positive_int, default=5, help="interleaved rounds per shape (best is shown)")
     cli.add_json(ap)
     args = ap.parse_args(argv)
+    import torch
+    from cpattn.ops import paged
+
     torch.set_num_threads(1)
     dtypes, heads, rows = [torch.float32, torch.bfloat16], HEADS, ROWS
     if args.quick:

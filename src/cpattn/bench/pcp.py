@@ -27,14 +27,9 @@ import platform
 import statistics
 from dataclasses import asdict, dataclass
 
-import torch
 
 from cpattn.bench import args as cli
-from cpattn.bench.common import DTYPES, Progress, Samples, measure, ratio, table, write_json
-from cpattn.comm.launch import spawn
-from cpattn.layout.pcp import causal_pairs, contiguous_causal_pairs, pcp_plan, pcp_shard, pcp_unshard
-from cpattn.ops import attention_with_lse
-from cpattn.pcp import pcp_prefill
+from cpattn.bench.common import Progress, Samples, measure, ratio, table, write_json
 
 # the default run, and the run the ring targets are stated for (8K tokens, MHA 16 x 128, fp32, P = 2)
 FULL_SIZE = dict(pcp=2, seq_lens=(16384,), heads=32, kv_heads=8, head_dim=128)
@@ -55,6 +50,9 @@ class Spec:
     seed: int = 0
 
     def inputs(self):
+        import torch
+        from cpattn.bench.common import DTYPES
+
         g = torch.Generator().manual_seed(self.seed)
         t, dt = sum(self.seq_lens), DTYPES[self.dtype]
         q = torch.randn(t, self.heads, self.head_dim, generator=g).to(dt)
@@ -66,6 +64,11 @@ class Spec:
 
 def _warm_up(group) -> None:
     """Run every code path once on a tiny batch: kernels, allocator and gloo links are warm."""
+    import torch
+    from cpattn.layout.pcp import pcp_plan, pcp_shard
+    from cpattn.ops import attention_with_lse
+    from cpattn.pcp import pcp_prefill
+
     small = torch.randn(16 * max(group.size, 1), 2, 8)
     plan = pcp_plan([0, small.shape[0]], group.size)
     x = pcp_shard(small, plan, group.rank)
@@ -77,6 +80,7 @@ def _warm_up(group) -> None:
 
 def _torch_ring(group, q, k, v, rotate: str):
     """PyTorch's private ring attention (load-balanced, causal) on the CPU flash op; one request."""
+    import torch
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     cp.set_rotate_method(rotate)
@@ -89,6 +93,10 @@ def _torch_ring(group, q, k, v, rotate: str):
 
 def _ranks(group, spec: Spec, methods: tuple[str, ...], peer: bool):
     """Rank function: the one-rank baseline (rank 0) and every PCP method, timed in interleaved rounds."""
+    from cpattn.layout.pcp import pcp_plan, pcp_shard
+    from cpattn.ops import attention_with_lse
+    from cpattn.pcp import pcp_prefill
+
     _warm_up(group)
     q_all, k_all, v_all, cu = spec.inputs()
     plan = pcp_plan(cu, group.size)
@@ -117,6 +125,10 @@ def _ranks(group, spec: Spec, methods: tuple[str, ...], peer: bool):
 def run(world_size: int, spec: Spec, methods=("ring", "allgather"), peer=False, progress=True,
         timeout_s: float = cli.TIMEOUT_S) -> dict:
     """One rank vs ``world_size`` gloo ranks (one thread each), interleaved; collect every number."""
+    import torch
+    from cpattn.comm.launch import spawn
+    from cpattn.layout.pcp import causal_pairs, contiguous_causal_pairs, pcp_plan, pcp_unshard
+
     bar = Progress(1, enabled=progress)
     bar.note(f"running {world_size} gloo ranks: one-rank baseline and {', '.join(methods)}, {spec.reps} rounds")
     # while rank 0 alone runs the one-rank baseline the others wait in a barrier: give collectives room
@@ -166,6 +178,9 @@ def breakdown(spec: Spec, reps: int) -> list[dict]:
     """One process, one thread: every piece of a P = 2 ring rank's work timed alone, interleaved with the
     one-rank call (one request): the head-major copies, each step's kernel call, the merge. CPU ms and the
     share of the one-rank time; the transfer itself is what the ring measurement adds on top."""
+    import torch
+    from cpattn.layout.pcp import pcp_plan, pcp_shard
+    from cpattn.ops import attention_with_lse
     from cpattn.ops.merge import merge_into
     from cpattn.pcp import _pack, _unpack
 
@@ -209,6 +224,7 @@ def breakdown(spec: Spec, reps: int) -> list[dict]:
 def model_rank(group, prompt_len: int, reps: int, method: str):
     """The demo's embedded tiny Qwen3: one prompt's whole prefill (TTFT: every layer, the first token's logits)
     on one rank vs PCP over the group, interleaved; the non-attention work is split with the tokens."""
+    import torch
     from cpattn.bench.demo_run import EMBEDDED_STD
     from cpattn.comm.sim import SimMesh
     from cpattn.engine.batch import Prompts
@@ -345,6 +361,8 @@ def bench_main(argv=None) -> int:
         a.seq_lens = (4096,)
         a.model_prompt_len = min(a.model_prompt_len, 2048)
     _validate(prog, a)
+    from cpattn.comm.launch import spawn
+
     with cli.report_to(a.json):
         result = run(a.prefill_context_parallel_size, _spec(a), _methods(a), peer=True,
                      progress=not a.no_progress, timeout_s=a.timeout)

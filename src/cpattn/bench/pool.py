@@ -24,22 +24,17 @@ import os
 import statistics
 import tempfile
 
-import torch
 
 from cpattn.bench import args as cli
 from cpattn.bench.common import safe_div, table, write_json
-from cpattn.comm.launch import spawn
-from cpattn.engine import driver
-from cpattn.engine.pooling import PoolSpec
-from cpattn.models import qwen3
-from cpattn.pool.bench import bench_stores, run_bench
-from cpattn.pool.bench import table as block_table
 
 BLOCK = 16
 
 
 def ttft_model(hidden: int, layers: int):
     """A small random Qwen3 (8 query / 2 KV heads) in float32."""
+    from cpattn.models import qwen3
+
     cfg = qwen3.Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
                             num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
                             head_dim=hidden // 8)
@@ -48,6 +43,10 @@ def ttft_model(hidden: int, layers: int):
 
 def pool_rank(group, params, cfg, prompts: dict, spec: str, reps: int, pcp: int) -> list[dict]:
     """Per round: cold then warm TTFT on this rank (the slowest rank's is taken by the caller), pool facts."""
+    import torch
+    from cpattn.engine import driver
+    from cpattn.engine.pooling import PoolSpec
+
     pre, dec = driver.engine_configs("qwen3", cfg, pcp_size=pcp, dcp_size=1, block_size=BLOCK,
                                      interleave_size=BLOCK)
     out = []
@@ -68,6 +67,9 @@ def pool_rank(group, params, cfg, prompts: dict, spec: str, reps: int, pcp: int)
 
 def ttft_rows(specs: dict[str, str], prompt_len: int, hidden: int, layers: int, reps: int,
               timeout_s: float) -> list[dict]:
+    import torch
+    from cpattn.comm.launch import spawn
+
     cfg, params = ttft_model(hidden, layers)
     g = torch.Generator().manual_seed(1)
     cold = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
@@ -118,6 +120,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's client logs every connection at INFO level
     prompt_len = 1024 if a.quick else a.prompt_len
     reps = 2 if a.quick else a.reps
+    from cpattn.pool.bench import bench_stores, run_bench, table as block_table
+
     with tempfile.TemporaryDirectory() as tmp, bench_stores(names, tmp) as (pools, specs), cli.report_to(a.json):
         blocks = run_bench(pools, block_sizes=(16,) if a.quick else (16, 64, 128), num_layers=61, row_width=576,
                            blocks=2 if a.quick else 8, samples=2 if a.quick else 5)

@@ -27,16 +27,9 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
 
 from cpattn.bench import args as cli
 from cpattn.bench.common import safe_div, table, write_json
-from cpattn.comm.launch import spawn
-from cpattn.engine.drafters import ModelDrafter, NgramDrafter, truncated
-from cpattn.models import qwen3
-from cpattn.models.generate import (
-    generate, pcp_dcp_config, pcp_dcp_generate_on_rank, pd_generate_on_rank, speculative_generate,
-)
 
 
 def spec_model(layers: int = 4):
@@ -46,6 +39,9 @@ def spec_model(layers: int = 4):
     the repetition prompt lookup feeds on (a random model does not copy the
     prompt's pattern, a trained one would).
     """
+    import torch
+    from cpattn.models import qwen3
+
     cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                             num_attention_heads=8, num_key_value_heads=2, head_dim=16)
     return cfg, qwen3.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
@@ -53,6 +49,11 @@ def spec_model(layers: int = 4):
 
 def acceptance_rows(new_tokens: int, ks: list[int]) -> list[dict]:
     """Part 1: one row per (drafter, k)."""
+    import torch
+    from cpattn.engine.drafters import ModelDrafter, NgramDrafter, truncated
+    from cpattn.models import qwen3
+    from cpattn.models.generate import generate, speculative_generate
+
     torch.set_num_threads(1)
     cfg, params = spec_model()
     g = torch.Generator().manual_seed(0)
@@ -86,6 +87,8 @@ def acceptance_rows(new_tokens: int, ks: list[int]) -> list[dict]:
 
 
 def ttft_model(hidden: int, layers: int):
+    from cpattn.models import qwen3
+
     cfg = qwen3.Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
                             num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
                             head_dim=hidden // 8)
@@ -98,6 +101,9 @@ def _median_ready(times: list[float]) -> float:
 
 def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
     """Per exchange: median over reps of this rank's start -> ready time, and its exchange bytes."""
+    import torch
+    from cpattn.models.generate import pcp_dcp_config, pcp_dcp_generate_on_rank
+
     out = {}
     config = pcp_dcp_config("qwen3", cfg, group.size, block_size=block_size, interleave_size=block_size)
     for exchange in ("a2a", "allgather"):
@@ -115,6 +121,8 @@ def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
 
 def pd_rank(world, params, cfg, prompts, block_size, reps, prefill_size):
     """Median ready time of this rank over reps (decode ranks: KV placed; prefill ranks: prefill done)."""
+    from cpattn.models.generate import pd_generate_on_rank
+
     times, last = [], None
     for rep in range(reps + 1):
         last = pd_generate_on_rank(world, "qwen3", params, cfg, prompts, 1, prefill_size=prefill_size,
@@ -129,6 +137,9 @@ def pd_rank(world, params, cfg, prompts, block_size, reps, prefill_size):
 def ttft_rows(p: int, tokens: int, hidden: int, layers: int, block_size: int, reps: int,
               timeout_s: float = cli.TIMEOUT_S) -> list[dict]:
     """Part 2: TTFT rows (the slowest rank's median)."""
+    import torch
+    from cpattn.comm.launch import spawn
+
     cfg, params = ttft_model(hidden, layers)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (tokens,), generator=g).tolist()]

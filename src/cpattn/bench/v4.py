@@ -47,18 +47,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 
 from cpattn.bench import args as cli
-from cpattn.bench.common import DTYPES, Samples, Spread, measure, ratio, write_json
-from cpattn.comm.launch import spawn
-from cpattn.comm.sim import SimMesh
-from cpattn.layout.pcp import pcp_shard
-from cpattn.v4.attention import Compression, LayerInput
-from cpattn.v4.cache import V4Cache, V4Layout
-from cpattn.v4.decode import V4DecodeStep, cache_state, decode_plan
-from cpattn.v4.kv_bytes import V3, V4, V32, kv_bytes_table, v4_kv_elements
-from cpattn.v4.pcp import v4_pcp_attention, v4_pcp_plan
+from cpattn.bench.common import Samples, Spread, measure, ratio, write_json
 
 # per-layer sizes of DeepseekV4Config() (transformers 5.24 defaults)
 HEADS, D, WINDOW, CSA_M, HCA_M, TOPK, H_I, D_I = 64, 512, 128, 4, 128, 512, 64, 128
@@ -69,6 +60,8 @@ PREFILL_TOPK = 64  # the prefill part's CSA top-k: its CPU kernel gathers T x k 
 # ----------------------------------------------------------------------------- part 1: KV bytes
 def sources() -> dict[str, str]:
     """Where every size comes from (and whether the installed transformers agrees)."""
+    from cpattn.v4.kv_bytes import V3, V32, V4
+
     out = {
         "v4": f"DeepseekV4Config() defaults: {len(V4.layer_kinds)} layers ({V4.layer_kinds.count('csa')} CSA m="
               f"{V4.csa_ratio}, {V4.layer_kinds.count('hca')} HCA m={V4.hca_ratio}), head_dim {V4.head_dim}, "
@@ -99,6 +92,8 @@ def sources() -> dict[str, str]:
 
 def kv_rows(contexts, dcp: int = 2) -> list[dict]:
     """Exact bytes per request (bf16) and per token, plus per DCP rank at ``dcp`` ranks."""
+    from cpattn.v4.kv_bytes import kv_bytes_table, v4_kv_elements
+
     rows = []
     for row in kv_bytes_table(contexts):
         n = row["context"]
@@ -115,6 +110,9 @@ def kv_rows(contexts, dcp: int = 2) -> list[dict]:
 def layer_input(kind: str, t: int, heads: int, h_i: int, dtype: torch.dtype, gen: torch.Generator,
                 topk: int = TOPK) -> LayerInput:
     """Random inputs of one V4 attention layer for ``t`` tokens (the entries' "finish" is the identity)."""
+    import torch
+    from cpattn.v4.attention import Compression, LayerInput
+
     def r(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
 
@@ -133,6 +131,8 @@ def layer_input(kind: str, t: int, heads: int, h_i: int, dtype: torch.dtype, gen
 
 
 def _layout(kind: str) -> V4Layout:
+    from cpattn.v4.cache import V4Layout
+
     return V4Layout(kinds=(kind,), head_dim=D, window=WINDOW, csa_ratio=CSA_M, hca_ratio=HCA_M, index_head_dim=D_I,
                     block_size=BLOCK)
 
@@ -141,6 +141,9 @@ def filled_cache(kind: str, ctx: int, dtype: torch.dtype, rank: int, size: int, 
                  batch: int = 1) -> V4Cache:
     """This DCP rank's cache of ``batch`` requests after ``ctx`` tokens each, random rows everywhere (as if
     prefilled)."""
+    import torch
+    from cpattn.v4.cache import V4Cache
+
     cache = V4Cache.empty(_layout(kind), batch=batch, max_len=ctx + 8, dtype=dtype, dcp_rank=rank, dcp_size=size)
     for ts in (cache.window, cache.raw, cache.index_raw, cache.entries, cache.index_keys):
         for t in ts:
@@ -152,6 +155,11 @@ def filled_cache(kind: str, ctx: int, dtype: torch.dtype, rank: int, size: int, 
 # ----------------------------------------------------------------------------- part 2: decode, one rank vs DCP
 def decode_rank(group, cfg: dict) -> dict:
     """Rank function: one decode step of each (kind, dtype), one rank (rank 0) vs DCP over ``group``."""
+    import torch
+    from cpattn.bench.common import DTYPES
+    from cpattn.comm.sim import SimMesh
+    from cpattn.v4.decode import cache_state, decode_plan, V4DecodeStep
+
     solo, r = SimMesh(1).groups()[0], group.rank
     gen = torch.Generator().manual_seed(11 + r)
     runs, held = {}, {}
@@ -200,6 +208,11 @@ def decode_rows(res: list[dict], ctx: int, dcp: int, dtypes: list[str], batch: i
 # ----------------------------------------------------------------------------- part 3: prefill, one rank vs PCP
 def prefill_rank(group, cfg: dict) -> dict:
     """Rank function: one layer's prefill of each kind, one rank (rank 0) vs PCP over ``group``."""
+    import torch
+    from cpattn.bench.common import DTYPES
+    from cpattn.comm.sim import SimMesh
+    from cpattn.v4.pcp import v4_pcp_attention, v4_pcp_plan
+
     solo, r, n = SimMesh(1).groups()[0], group.rank, cfg["tokens"]
     dtype = DTYPES[cfg["dtype"]]
     runs, sent = {}, {}
@@ -224,6 +237,9 @@ def prefill_rank(group, cfg: dict) -> dict:
 
 
 def _shard(inp: LayerInput, idx: torch.Tensor, plan, rank: int) -> LayerInput:
+    from cpattn.layout.pcp import pcp_shard
+    from cpattn.v4.attention import Compression, LayerInput
+
     def pick(x):
         return None if x is None else pcp_shard(x, plan, rank)
 
@@ -286,6 +302,8 @@ def main(argv=None) -> int:
                       f"pass --pcp {dcp} --dcp {dcp}")
     cli.check_engine(ap.prog, tp_size=dcp, dcp_size=dcp, attention="v4", num_attention_heads=HEADS, num_kv_heads=1)
     cli.check_engine(ap.prog, pcp_size=pcp, attention="v4")
+    import torch
+
     torch.manual_seed(0)
     sizes = dict(decode_ctx=4096, batch=1, prefill=512, reps=2) if args.quick else \
         dict(decode_ctx=65536, batch=4, prefill=16384, reps=3)
@@ -302,6 +320,8 @@ def _mb(x: float) -> str:
 
 
 def _run(args, pcp: int, dcp: int, sizes: dict) -> dict:
+    from cpattn.comm.launch import spawn
+
     kv = kv_rows((65536, 1048576), dcp)
     src = sources()
     print("\nKV bytes per request, bf16 (exact counts; what one request keeps between decode steps)")

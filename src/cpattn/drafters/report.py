@@ -32,20 +32,24 @@ import pathlib
 import statistics
 import sys
 
-import torch
 
-from cpattn.bench.args import add_json, add_quick, bad_value, parser, positive_int, report_to
+from cpattn.bench.args import add_json, add_quick, bad_value, check_backend, parser, positive_int, report_to
 from cpattn.bench.common import Samples, ratio, table, write_json
-from cpattn.drafters import target as tg
-from cpattn.drafters.corpus import Corpus
-from cpattn.engine.drafters import DRAFTERS
 
 DEFAULT_DATA = pathlib.Path(__file__).resolve().parents[3] / "tests" / "data" / "speculative"
 PAIRS = {"deepseek_v3": ("mtp", "eagle3", "dspark"), "qwen3": ("eagle3", "dspark")}
 
 
-def load(data, target: str, dtype=torch.float32):
-    """(model, cfg, params, {method: drafter}) of a target and every head trained for it in ``data``."""
+def load(data, target: str, dtype=None):
+    """(model, cfg, params, {method: drafter}) of a target and every head trained for it in ``data``
+    (``dtype`` default: float32)."""
+    import torch
+
+    from cpattn.drafters import target as tg
+    from cpattn.engine.drafters import DRAFTERS
+
+    dtype = torch.float32 if dtype is None else dtype
+
     model, cfg, params = tg.load(os.path.join(data, target), dtype=dtype)
     heads = {m: DRAFTERS[m].from_checkpoint(os.path.join(data, f"{target}-{m}"), dtype=dtype)
              for m in PAIRS[target] if os.path.isdir(os.path.join(data, f"{target}-{m}"))}
@@ -54,11 +58,14 @@ def load(data, target: str, dtype=torch.float32):
 
 def bench_prompts(data, target: str, n: int, length: int = 16) -> list[list[int]]:
     """n corpus prompts (seeded apart from the training prompts)."""
+    from cpattn.drafters.corpus import Corpus
+
     return Corpus.load(os.path.join(data, target)).sample(n, length, seed=777).tolist()
 
 
 def acceptance_rows(data, new_tokens: int, n_prompts: int, ks: list[int]) -> list[dict]:
     """Part 1: one row per (target, method, k)."""
+    import torch
     from cpattn.models.generate import generate, speculative_generate
 
     torch.set_num_threads(1)  # tiny steps: more threads only add overhead
@@ -97,6 +104,7 @@ def speed_rank(group, data, target: str, methods: dict, prompts, new_tokens: int
     """On every rank: ``reps`` rounds of plain decode and each (method, k), interleaved (round i starts with
     run i); per run the slowest rank's steady-state seconds per token (see :func:`seconds_per_token`).
     Returns {name: [seconds per token]}."""
+    import torch
     from cpattn.models.generate import generate_on_rank, speculative_generate_on_rank
 
     model, cfg, params, heads = load(data, target)
@@ -152,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     add_quick(p, "fewer prompts, tokens and rounds")
     add_json(p)
     args = p.parse_args(argv)
-    from cpattn.graphs.backends import backends
-
-    if args.backend not in backends():
-        bad_value(p.prog, "--backend", args.backend, f"one of {', '.join(backends())}", "pass --backend inductor")
+    check_backend(p.prog, "--backend", args.backend)
     missing = [t for t in PAIRS if not os.path.isfile(os.path.join(args.data, t, "config.json"))]
     if missing:
         bad_value(p.prog, "--data", args.data, f"a directory holding the trained targets {', '.join(PAIRS)} "

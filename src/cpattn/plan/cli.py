@@ -55,7 +55,6 @@ def _plan_parser():
 
 def _plan(argv) -> int:
     from cpattn.plan.model import Options, layouts, predict, recommend
-    from cpattn.plan.profiles import get_profile
     from cpattn.plan.specs import WEIGHT_BYTES, get_model
 
     ap = _plan_parser()
@@ -65,9 +64,12 @@ def _plan(argv) -> int:
             cli.bad_value(ap.prog, flag, repr(v), f"one of {', '.join(WEIGHT_BYTES)}", "pick a listed dtype")
     try:
         spec = get_model(a.model, weights=a.weights, kv_dtype=a.kv_cache_dtype)
-        prof = get_profile(a.profile)
-    except ValueError as e:
-        cli.usage_error(ap.prog, str(e))
+    except (ValueError, OSError) as e:  # JSONDecodeError is a ValueError
+        cli.usage_error(ap.prog, f"argument --model: {e}")
+    except (KeyError, TypeError) as e:
+        cli.usage_error(ap.prog, f"argument --model: saw {a.model!r}; rule: a Hugging Face config.json with the "
+                                 f"model's shapes (it lacks or mistypes {e}); fix: pass the model's own config.json")
+    prof = _profile(ap.prog, a.profile)
     lays = layouts(spec, a.devices)
     if not lays:
         cli.bad_value(ap.prog, "--devices", a.devices, f"a device count some (tp, pcp, dcp) of {spec.name} accepts "
@@ -95,6 +97,19 @@ def _plan(argv) -> int:
     return 0
 
 
+def _profile(prog: str, name: str):
+    """:func:`cpattn.plan.profiles.get_profile`, or a usage error naming ``--profile`` (one line, exit 2)."""
+    from cpattn.plan.profiles import get_profile
+
+    try:
+        return get_profile(name)
+    except (ValueError, OSError) as e:  # JSONDecodeError is a ValueError
+        cli.usage_error(prog, f"argument --profile: saw {name!r}: {e}")
+    except (KeyError, TypeError) as e:
+        cli.usage_error(prog, f"argument --profile: saw {name!r}; rule: a profile JSON as cpattn plan calibrate "
+                              f"writes it (it lacks or mistypes {e}); fix: pass h200, b200, ascend-910c, cpu or such a file")
+
+
 def _assumptions(spec, prof) -> list[str]:
     from cpattn.plan.model import KERNELS_PER_LAYER
 
@@ -113,15 +128,16 @@ def _assumptions(spec, prof) -> list[str]:
 
 # ----------------------------------------------------------------------------- calibrate
 def _calibrate(argv) -> int:
-    from cpattn.plan.calibrate import calibrate, summary
     from cpattn.plan.profiles import CPU_PROFILE_PATH, save_profile
 
     ap = cli.parser("cpattn plan calibrate", "Fit the CPU profile from microbenchmarks on this machine.")
     cli.add_quick(ap, "smaller microbenchmarks, no inductor compile (~30 s)")
-    ap.add_argument("--out", default=CPU_PROFILE_PATH, help="where the profile JSON goes (the 'cpu' profile)")
+    ap.add_argument("--out", default=CPU_PROFILE_PATH, type=cli.output_file_made,
+                    help="where the profile JSON goes (the 'cpu' profile; missing directories are made)")
     cli.add_json(ap)
     cli.add_timeout(ap, default=300.0)
     a = ap.parse_args(argv)
+    from cpattn.plan.calibrate import calibrate, summary
     with cli.report_to(a.json):
         prof = calibrate(quick=a.quick, timeout_s=a.timeout)
         save_profile(prof, a.out)
@@ -132,24 +148,33 @@ def _calibrate(argv) -> int:
 
 
 # ----------------------------------------------------------------------------- validate
-def _load(path):
+def _load(prog: str, flag: str, path, keys: tuple[str, ...]):
+    """A benchmark's ``--json`` output, or None; a usage error (one line, exit 2) for a file that is not one."""
     import json
 
     if path is None:
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        cli.bad_value(prog, flag, repr(path), "a readable JSON file", f"check the file ({e})")
+    except json.JSONDecodeError as e:
+        cli.bad_value(prog, flag, repr(path), f"JSON ({e.msg} at line {e.lineno})",
+                      "pass what `cpattn bench ... --json PATH` wrote")
+    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+    if missing:
+        cli.bad_value(prog, flag, repr(path), f"the --json output of its benchmark (it lacks {missing[0]!r})",
+                      f"pass what `cpattn bench {flag[2:].split('-')[0]} --json PATH` wrote")
+    return data
 
 
 def _validate(argv) -> int:
-    from cpattn.plan import validate as v
-    from cpattn.plan.profiles import get_profile
-
     ap = cli.parser("cpattn plan validate", "Predicted vs measured ratios of cpattn bench pcp / dcp / graph.")
     ap.add_argument("--profile", default="cpu", help="the calibrated CPU profile (default) or a profile JSON")
-    ap.add_argument("--pcp-json", default=None, help="cpattn bench pcp --json output (its spec is predicted)")
-    ap.add_argument("--dcp-json", default=None, help="cpattn bench dcp --json output")
-    ap.add_argument("--graph-json", default=None, help="cpattn bench graph --json output")
+    ap.add_argument("--pcp-json", default=None, type=cli.input_file, help="cpattn bench pcp --json output (its spec is predicted)")
+    ap.add_argument("--dcp-json", default=None, type=cli.input_file, help="cpattn bench dcp --json output")
+    ap.add_argument("--graph-json", default=None, type=cli.input_file, help="cpattn bench graph --json output")
     ap.add_argument("--pcp-seq", type=cli.positive_int, default=16384, help="without --pcp-json: tokens")
     ap.add_argument("--pcp-heads", default="32,8", help="without --pcp-json: query,kv heads")
     ap.add_argument("--dcp-context", type=cli.positive_int, default=65536, help="context of the dcp ratio")
@@ -158,12 +183,11 @@ def _validate(argv) -> int:
                          "predicted with the CPU-time shares and transfer costs (bench graph has wall ratios only)")
     cli.add_json(ap)
     a = ap.parse_args(argv)
-    try:
-        prof = get_profile(a.profile)
-    except ValueError as e:
-        cli.usage_error(ap.prog, str(e))
+    from cpattn.plan import validate as v
+
+    prof = _profile(ap.prog, a.profile)
     pairs, detail = [], {}
-    pcp = _load(a.pcp_json)
+    pcp = _load(ap.prog, "--pcp-json", a.pcp_json, ("spec", "world_size"))
     if pcp is not None:
         s = pcp["spec"]
         seq, heads, kvh, d, p = sum(s["seq_lens"]), s["heads"], s["kv_heads"], s["head_dim"], pcp["world_size"]
@@ -173,7 +197,7 @@ def _validate(argv) -> int:
     detail["pcp"] = pr
     pairs.append((f"bench pcp: ring / one rank ({seq} tokens, {heads}/{kvh} heads, P={p}), {a.clock}", pr["ratio"],
                   None if pcp is None else v.measured_pcp(pcp, a.clock)))
-    dcp = _load(a.dcp_json)
+    dcp = _load(ap.prog, "--dcp-json", a.dcp_json, ("config", "dcp"))
     ctx = a.dcp_context
     if dcp is not None:
         c = dcp["config"]
@@ -186,7 +210,7 @@ def _validate(argv) -> int:
     detail["dcp"] = dr
     for k, val in dr["ratio"].items():
         pairs.append((f"bench dcp: whole step {k} / one rank ({ctx} context), {a.clock}", val, meas.get(k)))
-    graph = _load(a.graph_json)
+    graph = _load(ap.prog, "--graph-json", a.graph_json, ("config",))
     if graph is not None:
         c = graph["config"]
         gr = v.predict_graph(prof, layers=c["layers"], batches=tuple(c["batches"]), dcp=c["decode_context_parallel_size"],
