@@ -53,7 +53,7 @@ class KVPool:
         hit = pool.lookup(keys)             # leading keys present
         blocks = pool.load(keys[:hit])      # may be shorter than hit: use len(blocks)
         ... prefill tokens from len(blocks) * block_size on ...
-        pool.store(keys[len(blocks):], new_blocks)
+        pool.store(keys[len(blocks):], new_blocks, chain=keys)  # the whole chain renewed, root last
 
     Eviction keeps chains usable: the keys of one call are one request's
     chain in prefix order, and the store is asked to renew them deepest first
