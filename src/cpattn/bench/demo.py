@@ -57,19 +57,23 @@ import dataclasses
 import os
 import sys
 
-import torch
-
 from cpattn.bench import args as cli
-from cpattn.bench.common import write_json
-from cpattn.bench.demo_report import report, summarize
-from cpattn.bench.demo_run import GRAPH_MODES, Spec, demo_rank, engine_configs, load_model, model_config, prompts
-from cpattn.bench.demo_run import reference as reference_run
-from cpattn.comm.group import Group
-from cpattn.config import ConfigError
-from cpattn.engine.family import FAMILY_MODULES
+from cpattn.pool.spec import pool_spec_problem
 
+# torch and the engine are imported once the command line is known good (a typo costs no `import torch`);
+# the run's names (Spec, load_model, prompts) are this module's too, imported on first use
 __all__ = ["Spec", "load_model", "prompts", "main", "parser", "run_rank"]
 PROG = "cpattn demo"
+GRAPH_MODES = ("none", "full_decode_only")
+_FROM_RUN = ("Spec", "load_model", "prompts")
+
+
+def __getattr__(name: str):
+    if name in _FROM_RUN:
+        from cpattn.bench import demo_run
+
+        return getattr(demo_run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parser():
@@ -77,7 +81,7 @@ def parser():
     p = cli.parser(PROG, __doc__)
     p.add_argument("--model", metavar="DIR", default=None,
                    help="local Hugging Face checkpoint (config.json + *.safetensors) instead of an embedded model")
-    p.add_argument("--model-type", choices=sorted(FAMILY_MODULES), default="qwen3",
+    p.add_argument("--model-type", choices=cli.MODEL_TYPES, default="qwen3",
                    help="family of the embedded tiny random-init model (ignored with --model)")
     cli.add_parallel(p, tp=None, pcp=None, dcp=None, interleave=None, block_size=16, helps={
         "tp": "decode engine's tensor-parallel ranks; the engine runs TP as the DCP group's head split, so it "
@@ -91,7 +95,8 @@ def parser():
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=32, help="greedy tokens per request")
     p.add_argument("--graph-mode", choices=GRAPH_MODES, default="full_decode_only", help="decode in graph mode or not")
     p.add_argument("--backend", default="cpu",
-                   help="DecodeRunner backend: cpu (torch.compile inductor), aot_eager, eager, cuda, npu, torchair")
+                   help="DecodeRunner backend: cpu (torch.compile inductor), aot_eager, eager, cuda, npu, torchair "
+                        "(checked against this machine before anything runs)")
     p.add_argument("--capture-sizes", type=cli.int_list, default=None,
                    help="comma-separated capture sizes in query tokens (default: the one bucket that holds --batch)")
     p.add_argument("--merge", choices=["local_ag", "local_a2a", "a2a", "ag_rs"], default="local_ag",
@@ -104,8 +109,11 @@ def parser():
     p.add_argument("--reps", type=cli.positive_int, default=3, help="prefills timed per run (TTFT is the median)")
     p.add_argument("--threads", type=cli.positive_int, default=1, help="intra-op threads per rank")
     p.add_argument("--kv-pool", metavar="SPEC", default=None,
-                   help="also run a cold and a warm request through a KV pool: lmdb:DIR or mooncake:HOST:PORT "
-                        "(cpattn pool serve starts the latter; default: no pool)")
+                   help="also time requests through a KV pool, cold vs warm (a shared 7/8 prefix), after a warm-up: "
+                        "lmdb:DIR or mooncake:HOST:PORT (cpattn pool serve starts the latter; default: no pool); "
+                        "exit 1 if the pool serves no block")
+    p.add_argument("--pool-rounds", type=cli.positive_int, default=3,
+                   help="interleaved cold / warm rounds of the pool phase (each a fresh prompt)")
     p.add_argument("--torchrun", action="store_true", help="run as one rank under torchrun (also detected from RANK)")
     p.add_argument("--perturb-reference", action="store_true",
                    help="testing aid: change one reference token, so the check must fail (exit 1)")
@@ -115,8 +123,9 @@ def parser():
     return p
 
 
-def _spec(a, world: int | None) -> Spec:
-    """The run's :class:`Spec` from parsed flags; usage errors (exit 2) for sizes the demo cannot lay out."""
+def _check_args(a, world: int | None) -> tuple[int, int]:
+    """(pcp, dcp) from parsed flags; usage errors (exit 2) for what the demo cannot lay out or run here, before
+    torch is imported (but for ``--backend cuda``, which asks torch whether there is a GPU)."""
     default = world or 2
     pcp = a.prefill_context_parallel_size or default
     dcp = a.decode_context_parallel_size or default
@@ -131,23 +140,34 @@ def _spec(a, world: int | None) -> Spec:
     if tp != dcp:
         cli.bad_value(PROG, "--tensor-parallel-size/--tp", tp, "the engine runs TP as the DCP group's head split, "
                       "so --tp equals --dcp", f"drop --tp or use --tp {dcp}")
-    from cpattn.graphs.backends import backends
-
-    if a.backend not in backends():
-        cli.bad_value(PROG, "--backend", repr(a.backend), f"one of {', '.join(backends())}", "pick one of them")
     if a.kv_pool is not None and not (a.kv_pool.startswith("lmdb:") or a.kv_pool.startswith("mooncake:")) \
             or a.kv_pool in ("lmdb:", "mooncake:"):
         cli.bad_value(PROG, "--kv-pool", repr(a.kv_pool), "lmdb:DIR or mooncake:HOST:PORT",
                       "e.g. --kv-pool lmdb:/tmp/cpattn-pool")
+    if a.kv_pool is not None and (why := pool_spec_problem(a.kv_pool)) is not None:  # torch-free
+        cli.usage_error(PROG, f"argument --kv-pool: saw {a.kv_pool!r}: {why}")
+    cli.check_backend(PROG, "--backend", a.backend)
+    return pcp, dcp
+
+
+def _spec(a, world: int | None, pool_salt: int = 0):
+    """The run's :class:`~cpattn.bench.demo_run.Spec` from parsed flags (after :func:`_check_args`)."""
+    from cpattn.bench.demo_run import Spec
+
+    pcp, dcp = _check_args(a, world)
     return Spec(model_dir=a.model, model_type=a.model_type, pcp=pcp, dcp=dcp, prompt_len=a.prompt_len,
                 batch=a.batch, max_new_tokens=a.max_new_tokens, graph_mode=a.graph_mode, backend=a.backend,
                 block_size=a.block_size, interleave_size=a.cp_kv_cache_interleave_size, merge=a.merge,
                 dtype=a.dtype, seed=a.seed, capture_sizes=a.capture_sizes, eager_row=not a.no_eager_row,
-                progress=not a.no_progress, perturb_reference=a.perturb_reference, reps=a.reps, kv_pool=a.kv_pool)
+                progress=not a.no_progress, perturb_reference=a.perturb_reference, reps=a.reps, kv_pool=a.kv_pool,
+                pool_rounds=a.pool_rounds, pool_salt=pool_salt)
 
 
-def check(spec: Spec):
+def check(spec):
     """Validate the model and the layout before any rank starts (config only, no weights); usage errors exit 2."""
+    from cpattn.bench.demo_run import engine_configs, model_config
+    from cpattn.config import ConfigError
+
     try:
         family, cfg = model_config(spec)
     except ValueError as e:
@@ -161,8 +181,12 @@ def check(spec: Spec):
                                               "kv_pool": "--kv-pool"})
 
 
-def run_rank(group: Group, spec: Spec, threads: int = 1) -> dict:
+def run_rank(group, spec, threads: int = 1) -> dict:
     """:func:`cpattn.bench.demo_run.demo_rank` with this process's settings (threads, one inductor compile thread)."""
+    import torch
+
+    from cpattn.bench.demo_run import demo_rank
+
     torch.set_num_threads(threads)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
@@ -172,14 +196,21 @@ def run_rank(group: Group, spec: Spec, threads: int = 1) -> dict:
 
 
 def main(argv=None) -> int:
-    """``cpattn demo``: the main job. Exit 0 iff every parallel run gives the single-device tokens; 2 for
-    a usage error; 1 when the tokens differ or a rank failed."""
+    """``cpattn demo``: the main job. Exit 0 iff every parallel run gives the single-device tokens (and a
+    ``--kv-pool`` served blocks); 2 for a usage error; 1 when the tokens differ, the pool served nothing or a
+    rank failed."""
     a = parser().parse_args(argv)
     if a.torchrun or ("RANK" in os.environ and "LOCAL_RANK" in os.environ):
         return _torchrun(a)
+    _check_args(a, None)  # before torch: a wrong flag costs no import
+    import torch
+
+    from cpattn.bench.common import write_json
+    from cpattn.bench.demo_report import report, summarize
+    from cpattn.bench.demo_run import reference as reference_run
     from cpattn.comm.launch import spawn
 
-    spec = _spec(a, None)
+    spec = _spec(a, None, _salt())
     engines = check(spec)
     with cli.report_to(a.json):
         torch.set_num_threads(a.threads)  # the reference gets what one rank gets
@@ -188,18 +219,28 @@ def main(argv=None) -> int:
         s = summarize(res, ref, spec, engines)
         print(report(s))
     write_json(a.json, s)
-    return 0 if s["tokens_match"] else 1
+    return 0 if s["ok"] else 1
+
+
+def _salt() -> int:
+    """A fresh salt for the pool phase's prompts: its cold requests are new tokens on every run."""
+    return int.from_bytes(os.urandom(6), "little")
 
 
 def _torchrun(a) -> int:
     """One rank under torchrun: rank 0 runs the one-device reference while the others wait, then all run."""
+    import torch
     import torch.distributed as dist
 
+    from cpattn.bench.common import write_json
+    from cpattn.bench.demo_report import report, summarize
+    from cpattn.bench.demo_run import reference as reference_run
     from cpattn.comm import init_from_env
 
     group = init_from_env("gloo", timeout_s=max(a.timeout, 600.0))  # rank 0's reference run happens inside
     try:
-        spec = _spec(a, group.size)
+        salt = int(group.all_reduce(torch.tensor([_salt() if group.rank == 0 else 0], dtype=torch.int64)).item())
+        spec = _spec(a, group.size, salt)  # rank 0's salt on every rank
         if group.rank != 0:
             spec = dataclasses.replace(spec, progress=False)
         engines = check(spec)
@@ -213,7 +254,7 @@ def _torchrun(a) -> int:
             s = summarize(res, ref, spec, engines)
             print(report(s))
         write_json(a.json, s)
-        return 0 if s["tokens_match"] else 1
+        return 0 if s["ok"] else 1
     finally:
         dist.destroy_process_group()
 

@@ -15,8 +15,8 @@ import platform
 
 import torch
 
-from cpattn.bench.common import safe_div, table
-from cpattn.bench.demo_run import Spec, flat
+from cpattn.bench.common import Samples, ratio, safe_div, table
+from cpattn.bench.demo_run import Spec, flat, shareable_blocks
 
 COLUMNS = ["run", "ranks", "TTFT_ms", "TPOT_ms", "KV_bytes_per_rank", "prefill_sent", "handoff_sent",
            "decode_sent_per_step", "TTFT_x", "TPOT_x", "tokens"]
@@ -61,13 +61,69 @@ def summarize(res: dict, ref: dict, spec: Spec, engines) -> dict:
         out["graph"] = {"backend": graph["backend"], "capture_s": graph["capture_s"], "stats": st,
                         "decode_steps": steps, "all_steps_replayed": st["graph"] == steps and st["eager"] == 0}
     if "pool" in res:
-        pool = {k: {**v, "tokens": v["tokens"].tolist()} for k, v in res["pool"].items()}
-        same = res["pool"]["warm"]["tokens"] == ref["pool_tokens"]
-        checks["pool"] = {"match": bool(same.all()), "equal_tokens": int(same.sum()), "total_tokens": same.numel(),
-                          "first_mismatch": first_mismatch(same, {})}
-        out["pool"] = {**pool, "ttft_x": safe_div(pool["cold"]["ttft_s"], pool["warm"]["ttft_s"])}
+        out["pool"], checks["pool"] = pool_summary(res["pool"], ref["pool_tokens"], spec)
     out["tokens_match"] = all(c["match"] for c in checks.values())
+    out["ok"] = out["tokens_match"] and out.get("pool", {}).get("status") != "served nothing"
     return out
+
+
+def pool_summary(pool: dict, ref_tokens: dict, spec: Spec) -> tuple[dict, dict]:
+    """The pool phase (:func:`cpattn.bench.demo_run.pool_rank`) as (JSON-able summary, token check).
+
+    status: ``ok`` (the warm requests were served blocks), ``served nothing`` (they share whole blocks
+    with their cold requests, and the pool served none: a failed check), ``nothing to share`` (a prompt
+    too short to share a whole block). The speed-up cold / warm TTFT, per round, is reported only when
+    every warm request was served blocks and every cold one found none (else it measures no pool).
+    """
+    reqs = pool["requests"]
+    same = torch.cat([(r["tokens"] == ref).flatten() for name in ("cold", "warm")
+                      for r, ref in zip(reqs[name], ref_tokens[name])])
+    check = {"match": bool(same.all()), "equal_tokens": int(same.sum()), "total_tokens": same.numel(),
+             "first_mismatch": first_mismatch(same[None], {})}
+    shareable = shareable_blocks(spec)
+    served = [w["blocks_loaded"] for w in reqs["warm"]]
+    cold_found = [c["blocks_loaded"] for c in reqs["cold"]]
+    status = "nothing to share" if shareable == 0 else "served nothing" if not any(served) else "ok"
+    cold, warm = (Samples(tuple(r["ttft_s"] for r in reqs[name])) for name in ("cold", "warm"))
+    timed = status == "ok" and all(served) and not any(cold_found)
+    out = {"status": status, "rounds": len(served), "shareable_blocks": shareable, "served_blocks": served,
+           "cold_found_blocks": cold_found, "unavailable": pool["unavailable"],
+           "warm_up_found_blocks": reqs["warm-up"][0]["blocks_loaded"],
+           "ttft_ms": {"cold": cold.as_dict(), "warm": warm.as_dict()},
+           "speedup": ratio(cold, warm) if timed else None,
+           **{name: [{k: (v.tolist() if k == "tokens" else v) for k, v in r.items()} for r in rs]
+              for name, rs in reqs.items()}}
+    return out, check
+
+
+def pool_lines(p: dict, spec: dict) -> list[str]:
+    """The report's lines about the pool phase (see :func:`pool_summary`)."""
+    n, block, rounds = spec["prompt_len"], spec["block_size"], p["rounds"]
+    head = f"KV pool {spec['kv_pool']}:"
+    if p["status"] == "served nothing":
+        why = f"the store is unavailable ({p['unavailable']})" if p["unavailable"] else \
+            "every lookup missed (no reason given by the store)"
+        return [f"{head} the pool served nothing: 0 of {p['shareable_blocks']} shareable blocks in each of {rounds} "
+                f"warm requests; {why}; no speed-up to report"]
+    if p["status"] == "nothing to share":
+        return [f"{head} a {n}-token prompt shares no whole {block}-token block with the next one; nothing to time"]
+    cold, warm = p["cold"][0], p["warm"][0]
+    lines = [f"{head} after a warm-up pair ({p['warm_up_found_blocks']} of its blocks pooled by an earlier run), "
+             f"{rounds} interleaved rounds of a fresh {n}-token request (cold: {sum(p['cold_found_blocks'])} blocks "
+             f"found, {cold['blocks_stored']} stored) then one sharing its first {p['shareable_blocks'] * block} tokens "
+             f"(warm: {'/'.join(str(x) for x in p['served_blocks'])} of {p['shareable_blocks']} blocks served, "
+             f"{warm['bytes_loaded']:,} bytes loaded per rank)"]
+    t = p["ttft_ms"]
+    times = (f"TTFT cold {t['cold']['median']:.1f} ms [{t['cold']['best']:.1f}-{t['cold']['worst']:.1f}], warm "
+             f"{t['warm']['median']:.1f} ms [{t['warm']['best']:.1f}-{t['warm']['worst']:.1f}]")
+    sp = p["speedup"]
+    if sp is None:
+        lines.append(f"  {times}; no speed-up reported: a cold request found pooled blocks, or a warm one none")
+    else:
+        sp = sp if isinstance(sp, dict) else sp.as_dict()
+        lines.append(f"  {times}; cold / warm TTFT {sp['median']:.2f}x [{sp['low']:.2f}-{sp['high']:.2f}] (> 1: the "
+                     f"warm request is faster; median [low-high] of the per-round ratios, {rounds} rounds)")
+    return lines
 
 
 def first_mismatch(same: torch.Tensor, ref: dict) -> dict | None:
@@ -114,7 +170,7 @@ def report(s: dict) -> str:
                      f"padded rows {st['padded_tokens']}")
     else:
         lines.append("graph mode none: decode steps run eagerly")
-    lines.append(f"KV hand-off (rows to their DCP owners, one all-to-all): {s['handoff_ms']:.1f} ms")
+    lines.append(f"KV hand-off into the decode caches (whole blocks to their DCP owners): {s['handoff_ms']:.1f} ms")
     lines.append("")
     lines.append(table(s["rows"], COLUMNS))
     lines.append("(bytes sent per rank; _x = speedup vs the 1-device run, > 1 is faster)")
@@ -125,14 +181,12 @@ def report(s: dict) -> str:
                      f" KV per rank vs 1 device: "
                      f"{safe_div(graph_row['KV_bytes_per_rank'], s['rows'][0]['KV_bytes_per_rank']):.2f}x")
     if "pool" in s:
-        p = s["pool"]
-        lines.append(f"KV pool {spec['kv_pool']}: cold request ({p['cold']['prompt_len']} tokens) TTFT "
-                     f"{1e3 * p['cold']['ttft_s']:.1f} ms, {p['cold']['blocks_stored']} blocks stored; warm request "
-                     f"sharing {p['warm']['hit_blocks']} blocks TTFT {1e3 * p['warm']['ttft_s']:.1f} ms "
-                     f"({p['ttft_x']:.2f}x faster), {p['warm']['bytes_loaded']:,} bytes loaded per rank")
+        lines += pool_lines(s["pool"], spec)
     lines.append("")
     for name, chk in s["checks"].items():
         verdict = "identical" if chk["match"] else f"DIFFERENT, first at {chk['first_mismatch']}"
-        what = "warm pool request" if name == "pool" else f"{name} decode"
+        what = "pool requests, cold and warm" if name == "pool" else f"{name} decode"
         lines.append(f"tokens ({what}) vs single device: {chk['equal_tokens']}/{chk['total_tokens']} {verdict}")
+    if s.get("pool", {}).get("status") == "served nothing":
+        lines.append(f"KV pool check FAILED: --kv-pool {spec['kv_pool']} was asked for and served no block")
     return "\n".join(lines)

@@ -17,7 +17,8 @@ Example
 from __future__ import annotations
 
 import dataclasses
-import functools
+import hashlib
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,18 +31,17 @@ from cpattn.comm.group import Group
 from cpattn.config import EngineConfig
 from cpattn.engine import checks, decode_stage, driver
 from cpattn.engine.batch import Prompts
-from cpattn.engine.decode import decode_step, step_fields
 from cpattn.engine.family import ModelFamily, get_family
 from cpattn.engine.options import Algorithms
 from cpattn.engine.pooling import PoolSpec
-from cpattn.engine.reference import reference_generate
+from cpattn.engine.reference import Reference, reference_generate
 from cpattn.graphs import capture_sizes, pick_size
 from cpattn.models import load_checkpoint
 from cpattn.models.common import config_dict
 
 # the embedded default: a tiny Qwen3 (GQA 4:1 with q/k norm), random weights, nothing downloaded.
 EMBEDDED_STD = 0.2  # weights ~ N(0, 0.2): clear logit margins, so greedy tokens are not near-ties
-GRAPH_MODES = ("none", "full_decode_only")
+POOL_NEW_TOKENS = 4  # greedy tokens of each pool-phase request
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class Spec:
     perturb_reference: bool = False
     reps: int = 3
     kv_pool: str | None = None
+    pool_rounds: int = 3
+    pool_salt: int = 0
 
     @property
     def world_size(self) -> int:
@@ -180,20 +182,36 @@ def flat(config: EngineConfig) -> dict:
 # -- the one-device reference (parent process) ----------------------------------------------------
 
 
+def one_device(family: ModelFamily, params: dict, cfg: Any, ps, max_new_tokens: int) -> Reference:
+    """The one-device greedy run: the engine's dense-cache reference
+    (:func:`~cpattn.engine.reference.reference_generate`), or, for a family whose cache is not per-token rows
+    (its own ``stages``: DeepSeek-V4's rings and compressed entries), its own stages on one rank, eager
+    (:func:`cpattn.engine.driver.generate`, checked against Hugging Face in tests/test_v4_engine.py)."""
+    if family.stages is None:
+        return reference_generate(family, params, cfg, ps, max_new_tokens)
+    pre, dec = driver.engine_configs(family, cfg)
+    gen = driver.generate(family, params, cfg, [list(map(int, p)) for p in ps], max_new_tokens, prefill=pre,
+                          decode=dec, prompt_logits=False)
+    f = gen.facts
+    return Reference(gen.tokens, gen.logits, torch.zeros(0), f.prefill_s, list(f.step_s), f.kv_bytes)
+
+
 def reference(spec: Spec) -> dict:
     """The single-device greedy run every parallel run must reproduce: tokens [B, N], logits [B, N, V],
     TTFT (median of ``spec.reps`` prefills), TPOT (median step), KV bytes; and, with a KV pool, the
-    tokens of the pool phase's warm request."""
+    tokens of every pool-phase request (:func:`pool_requests`)."""
     family, cfg, params = load_model(spec)
     tokens, cu = prompts(spec, cfg.vocab_size)
     ps = [tokens[a:b] for a, b in zip(cu, cu[1:])]
-    reference_generate(family, params, cfg, [list(range(8))], 2)  # warm-up
-    ttft = statistics.median(reference_generate(family, params, cfg, ps, 1).prefill_s for _ in range(spec.reps))
-    ref = reference_generate(family, params, cfg, ps, spec.max_new_tokens)
+    one_device(family, params, cfg, [list(range(8))], 2)  # warm-up
+    ttft = statistics.median(one_device(family, params, cfg, ps, 1).prefill_s for _ in range(spec.reps))
+    ref = one_device(family, params, cfg, ps, spec.max_new_tokens)
     out = {"tokens": ref.tokens, "logits": ref.logits, "ttft_s": ttft,
            "tpot_s": statistics.median(ref.step_s) if ref.step_s else float("nan"), "kv_bytes": ref.kv_bytes}
     if spec.kv_pool is not None:
-        out["pool_tokens"] = reference_generate(family, params, cfg, pool_prompts(spec, tokens, cu), 4).tokens
+        reqs = pool_requests(spec, cfg.vocab_size)
+        out["pool_tokens"] = {name: [one_device(family, params, cfg, [p], POOL_NEW_TOKENS).tokens for p in r]
+                              for name, r in reqs.items() if name != "warm-up"}
     return out
 
 
@@ -220,13 +238,13 @@ def _tpot(group: Group, times) -> float:
     return max(group.all_gather(torch.tensor([mine], dtype=torch.float64)).tolist())
 
 
-def _step_bytes(step_fn, state, size: int, dgroup: Group) -> int:
-    """Bytes one decode step of ``size`` tokens sends per rank: an all-padding step (no KV write), counted eagerly."""
-    fields = step_fields(state["shard"].block_table.shape[1])
-    batch = {name: torch.full((size, *f.shape), f.pad, dtype=f.dtype) for name, f in fields.items()}
+def _step_bytes(runner, size: int, dgroup: Group) -> int:
+    """Bytes one decode step of ``size`` tokens sends per rank: the runner's step on an all-padding batch (its
+    fields' pads: no KV write, no key seen), counted eagerly (a replayed graph counts nothing)."""
+    batch = {name: torch.full((size, *f.shape), f.pad, dtype=f.dtype) for name, f in runner.fields.items()}
     batch["cu_seqlens_q"] = torch.zeros(size + 1, dtype=torch.int32)
     dgroup.stats.reset()
-    step_fn(state, batch)
+    runner.step(runner.state, batch)
     return dgroup.stats.total_sent()
 
 
@@ -258,16 +276,15 @@ def demo_rank(group: Group, spec: Spec) -> dict:
 
     # 2. KV hand-off into the decode engine's paged shards (each row to its DCP owner)
     def new_shard():
-        return decode_stage.new_shard(family, cfg, params, batch, steps, dec_cfg, None)
+        return decode_stage.new_shard(family, cfg, params, batch, steps, dec_cfg, None, dg)
 
     shard = new_shard()
     group.stats.reset()
-    handoff_s, _ = _timed(group, lambda: driver.handoff(group, pg, dg, shard, out, algorithms))
+    handoff_s, _ = _timed(group, lambda: driver.handoff_stage(group, family, pg, dg, shard, out, algorithms))
     handoff_bytes = group.stats.total_sent()
     bar.step("KV hand-off")
 
     # 3. decode engine: DCP, the whole model step captured (FULL_DECODE_ONLY) and eager, side by side
-    step_fn = functools.partial(decode_step, family=family, cfg=cfg, group=dg, merge=spec.merge)
     backend = graph_backend(spec, family)
     runs: dict[str, dict] = {}
 
@@ -286,10 +303,10 @@ def demo_rank(group: Group, spec: Spec) -> dict:
         capture_s = time.perf_counter() - t0
         _barrier(group)
         bar.step(f"captured sizes {list(sizes)} ({backend})")
-        step_bytes = _step_bytes(step_fn, runner.state, pick_size(runner.sizes, nreq) or nreq, dg)
+        step_bytes = _step_bytes(runner, pick_size(runner.sizes, nreq) or nreq, dg)
         _barrier(group)
         dec = decode_stage.run_decode(dg, family, params, cfg, shard, batch, first, steps, gcfg, algorithms, None,
-                                on_step("graph"), runner=runner)
+                                      on_step("graph"), runner=runner)
         runs["graph"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "capture_s": capture_s,
                          "stats": dec.runner, "backend": runner.backend.name, "bytes_per_step": step_bytes,
                          "kv_bytes": shard.kv_bytes()}
@@ -298,12 +315,13 @@ def demo_rank(group: Group, spec: Spec) -> dict:
     if spec.graph_mode == "none" or spec.eager_row:
         eshard = shard if spec.graph_mode == "none" else new_shard()
         if eshard is not shard:
-            driver.handoff(group, pg, dg, eshard, out, algorithms)
+            driver.handoff_stage(group, family, pg, dg, eshard, out, algorithms)
         ecfg = dec_cfg.replace(graph_mode="NONE")
-        step_bytes = _step_bytes(step_fn, {"params": params, "shard": eshard}, nreq, dg)
         _barrier(group)
+        dg.stats.reset()  # every step decodes every request: the bytes of one step are the run's / steps
         dec = decode_stage.run_decode(dg, family, params, cfg, eshard, batch, first, steps, ecfg, algorithms, None,
-                                on_step("eager"))
+                                      on_step("eager"))
+        step_bytes = dg.stats.total_sent() // max(steps, 1)
         runs["eager"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "bytes_per_step": step_bytes,
                          "kv_bytes": eshard.kv_bytes()}
 
@@ -315,7 +333,7 @@ def demo_rank(group: Group, spec: Spec) -> dict:
                kv_bytes_per_rank=per_rank(shard.kv_bytes()), decode_backend=backend,
                whole_step_captured=family.capturable, model=family.name, config=dataclasses.asdict(cfg))
     if spec.kv_pool is not None:
-        res["pool"] = pool_rank(group, spec, family, cfg, params, pre_cfg, dec_cfg, tokens)
+        res["pool"] = pool_rank(group, spec, family, cfg, params, pre_cfg, dec_cfg)
     bar.step("done")
     return res
 
@@ -323,27 +341,79 @@ def demo_rank(group: Group, spec: Spec) -> dict:
 # -- the KV pool phase ---------------------------------------------------------------------------------
 
 
-def pool_prompts(spec: Spec, tokens: torch.Tensor, cu: list[int]) -> list[list[int]]:
-    """The pool phase's warm request: request 0's first 7/8 (whole blocks) and a new tail of 1/8."""
-    first = tokens[cu[0] : cu[1]].tolist()
-    keep = (len(first) * 7 // 8) // spec.block_size * spec.block_size
-    g = torch.Generator().manual_seed(spec.seed + 2)
-    return [first[:keep] + torch.randint(0, int(tokens.max()) + 1, (len(first) - keep,), generator=g).tolist()]
+def pool_requests(spec: Spec, vocab: int) -> dict[str, list[list[int]]]:
+    """The pool phase's prompts, each ``prompt_len`` tokens: a ``warm-up`` pair (a prompt, then the same
+    prompt: the pool's store and load paths run once before anything is timed; the same on every demo run,
+    so a second run finds it), then per round a ``cold`` prompt of fresh tokens (``pool_salt`` makes them new
+    on every run: nothing of it can be pooled) and a ``warm`` one sharing its first 7/8 (whole blocks) with a
+    fresh tail. Returns ``{"warm-up": [2], "cold": [rounds], "warm": [rounds]}`` token lists.
+
+    >>> r = pool_requests(Spec(prompt_len=64, block_size=16), vocab=512)
+    >>> [len(r[k]) for k in ("warm-up", "cold", "warm")], r["warm"][0][:48] == r["cold"][0][:48]
+    ([2, 3, 3], True)
+    """
+    n = spec.prompt_len
+    keep = (n * 7 // 8) // spec.block_size * spec.block_size
+
+    def fresh(*key, length=n) -> list[int]:
+        seed = int.from_bytes(hashlib.sha256(repr((spec.seed, *key)).encode()).digest()[:7], "little")
+        g = torch.Generator().manual_seed(seed)  # the same in the parent and on every rank
+        return torch.randint(0, vocab, (length,), generator=g).tolist()
+
+    warmup = fresh("pool warm-up")
+    colds = [fresh("pool cold", spec.pool_salt, r) for r in range(spec.pool_rounds)]
+    warms = [c[:keep] + fresh("pool tail", spec.pool_salt, r, length=n - keep) for r, c in enumerate(colds)]
+    return {"warm-up": [warmup, warmup], "cold": colds, "warm": warms}
 
 
-def pool_rank(group: Group, spec: Spec, family, cfg, params, pre_cfg, dec_cfg, tokens) -> dict:
-    """Request 0 again, cold (its blocks go to the pool), then a warm request sharing 7/8 of it: TTFT of each,
-    blocks found / stored, and the warm request's tokens (checked against one device by the caller)."""
-    pool = PoolSpec(spec.kv_pool, model=spec.model_dir or f"{family.name}-tiny-seed{spec.seed}")
-    _, cu = prompts(spec, cfg.vocab_size)
-    cold_prompt = [tokens[cu[0] : cu[1]].tolist()]
-    out = {}
-    for name, ps in (("cold", cold_prompt), ("warm", pool_prompts(spec, tokens, cu))):
-        gen = driver.generate_on_rank(group, family, params, cfg, ps, 4, prefill=pre_cfg,
-                                      decode=dec_cfg.replace(graph_mode="NONE"), prompt_logits=False, pool=pool)
-        f = gen.facts.pool
-        out[name] = {"ttft_s": max(group.all_gather(torch.tensor([gen.facts.ttft_s], dtype=torch.float64)).tolist()),
-                     "hit_blocks": list(f.hit_blocks), "blocks_loaded": f.blocks_loaded,
-                     "blocks_stored": sum(int(x) for x in group.all_gather(torch.tensor([f.blocks_stored])).tolist()),
-                     "bytes_loaded": f.bytes_loaded, "prompt_len": len(ps[0]), "tokens": gen.tokens}
-    return out
+def shareable_blocks(spec: Spec) -> int:
+    """Whole blocks a warm request shares with its cold one (the pool should serve them all)."""
+    keep = (spec.prompt_len * 7 // 8) // spec.block_size * spec.block_size
+    return min(keep, spec.prompt_len - 1) // spec.block_size
+
+
+def pool_rank(group: Group, spec: Spec, family, cfg, params, pre_cfg, dec_cfg) -> dict:
+    """The pool phase on one rank: after the warm-up pair, ``spec.pool_rounds`` interleaved rounds of a cold
+    request (its blocks go to the pool) then a warm one sharing 7/8 of it (:func:`pool_requests`), each through
+    :func:`cpattn.engine.driver.generate_on_rank` with one pool opened for the phase. Per request: TTFT (the
+    slowest rank's), blocks found / loaded / stored, bytes loaded, tokens (checked against one device by the
+    caller); and why the store was unavailable, if it said so (a :class:`~cpattn.pool.PoolUnavailableWarning`)."""
+    import warnings
+
+    from cpattn.engine.pooling import open_for_run, release
+    from cpattn.pool import PoolUnavailableWarning
+
+    reqs = pool_requests(spec, cfg.vocab_size)
+    label = PoolSpec(spec.kv_pool, model=spec.model_dir or f"{family.name}-tiny-seed{spec.seed}")
+    decode = dec_cfg.replace(graph_mode="NONE")
+    out: dict[str, list[dict]] = {name: [] for name in reqs}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PoolUnavailableWarning)
+        pool, opened = open_for_run(label, family, cfg, params, dec_cfg.cache.block_size)
+        try:
+            order = [("warm-up", 0), ("warm-up", 1)] + [(name, r) for r in range(spec.pool_rounds)
+                                                         for name in ("cold", "warm")]
+            for name, r in order:
+                gen = driver.generate_on_rank(group, family, params, cfg, [reqs[name][r]], POOL_NEW_TOKENS,
+                                              prefill=pre_cfg, decode=decode, prompt_logits=False, pool=pool)
+                f = gen.facts.pool
+                out[name].append({
+                    "ttft_s": max(group.all_gather(torch.tensor([gen.facts.ttft_s], dtype=torch.float64)).tolist()),
+                    "hit_blocks": list(f.hit_blocks), "blocks_loaded": f.blocks_loaded,
+                    "blocks_stored": sum(int(x) for x in group.all_gather(torch.tensor([f.blocks_stored])).tolist()),
+                    "bytes_loaded": f.bytes_loaded, "prompt_len": len(reqs[name][r]), "tokens": gen.tokens})
+        finally:
+            if opened:
+                release(pool)
+    reasons = [_reason(str(w.message)) for w in caught if issubclass(w.category, PoolUnavailableWarning)]
+    return {"requests": out, "unavailable": reasons[0] if reasons else None}
+
+
+def _reason(message: str) -> str:
+    """The store's own reason inside a :class:`~cpattn.pool.PoolUnavailableWarning` message (else all of it).
+
+    >>> _reason("cpattn KV pool: the store is unavailable (no master at h:1 (start one)); continuing without ...")
+    'no master at h:1 (start one)'
+    """
+    m = re.match(r".*?the store is unavailable \((.*)\); continuing", message, re.S)
+    return m.group(1) if m else message
