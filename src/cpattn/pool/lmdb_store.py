@@ -123,6 +123,10 @@ class LMDBStore:
             if why is not None:
                 data = os.path.join(self.path, "data.mdb")
                 os.replace(data, data + ".damaged")
+                try:  # a process still holding the old file keeps its lock file; new ones get a new pair
+                    os.remove(os.path.join(self.path, "lock.mdb"))
+                except FileNotFoundError:
+                    pass
                 warnings.warn(f"cpattn KV pool: {data} is damaged ({why}); moved it to data.mdb.damaged and "
                               "started an empty pool (this run is cold; nothing wrong is served)",
                               PoolDamagedWarning, stacklevel=4)
