@@ -113,10 +113,10 @@ def check_checkpoint(path: str | os.PathLike) -> None:
     in the module doc; returns None when :func:`cpattn.models.load_checkpoint`
     will load it.
     """
-    inspect(path)
+    inspect_checkpoint(path)
 
 
-def inspect(path: str | os.PathLike) -> Checked:
+def inspect_checkpoint(path: str | os.PathLike) -> Checked:
     """:func:`check_checkpoint`, returning what it found (:class:`Checked`)."""
     from cpattn.engine.family import FAMILY_MODULES, get_family
 
@@ -144,7 +144,12 @@ def inspect(path: str | os.PathLike) -> Checked:
     renamed = {name: (h, family.param_name(name)) for name, h in headers.items()}
     renamed = {name: (h, p) for name, (h, p) in renamed.items() if p is not None}
     _check_layers(cfg_file, config, renamed)
-    by_param = {p: (name, h) for name, (h, p) in renamed.items()}
+    by_param: dict[str, tuple[str, TensorHeader]] = {}
+    for name, (h, p) in renamed.items():
+        if p in by_param:
+            raise ValueError(f"{h.file}: tensor {name!r} and {by_param[p][0]!r} both load as {p!r} (two spellings "
+                             "of one weight); expected one of them")
+        by_param[p] = (name, h)
     expected = _expected(family, cfg, by_param)
     _check_tensors(cfg_file, family, cfg, expected, by_param)
     return Checked(config, family, cfg, renamed)
@@ -156,7 +161,7 @@ def load_checked(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     tensors the family names are read (one file at a time, no whole-file copy)."""
     from safetensors import safe_open
 
-    checked = inspect(path)
+    checked = inspect_checkpoint(path)
     state: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[tuple[str, str]]] = {}
     for name, (h, param) in checked.tensors.items():
@@ -314,8 +319,8 @@ def _check_tensors(cfg_file: str, family, cfg, expected: dict, by_param: dict) -
 
 
 def _fields_behind(family, cfg, by_param: dict, param: str, got: tuple[int, ...]) -> list[tuple[str, int]]:
-    """The config fields a mismatched tensor's shape follows ([("vocab_size", 100)]), found by moving each
-    integer field by one and seeing which moves a differing dimension (meta device; error path only).
+    """The config fields a mismatched tensor's shape follows ([("vocab_size", 100)]), found by doubling each
+    integer field alone and seeing which moves a differing dimension (meta device; error path only).
     A layer's tensor is probed on a config cut to that layer."""
     m = _LAYER.match(param)
     base = cfg

@@ -228,6 +228,10 @@ def read_header(file: str) -> dict[str, TensorHeader]:
     for name, info in meta.items():
         if name == "__metadata__":
             continue
+        if isinstance(info, dict) and str(info.get("dtype", "")).startswith(("F4", "F6", "F8")) \
+                and info["dtype"] not in DTYPE_BYTES:
+            raise ValueError(f"{file}: tensor {name!r} is {info['dtype']} (a quantized dtype); quantized "
+                             "checkpoints are not supported: dequantize to bf16/fp32 first")
         try:
             dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             ok = dtype in DTYPE_BYTES and all(isinstance(s, int) and s >= 0 for s in shape)
