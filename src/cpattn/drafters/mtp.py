@@ -157,10 +157,14 @@ class MTPDrafter:
         return self.cfg.num_hidden_layers
 
     @classmethod
-    def from_checkpoint(cls, path, *, dtype: torch.dtype | None = None) -> MTPDrafter:
+    def from_checkpoint(cls, path, *, dtype: torch.dtype | None = None, target=None) -> MTPDrafter:
         """The MTP module of a DeepSeek-V3-format checkpoint directory (config.json + safetensors).
 
-        Loads only ``model.layers.{N}.*`` (and the target's embedding / head if the module lacks its own).
+        Loads only ``model.layers.{N}.*``. The module's embedding and head are its own
+        ``model.layers.{N}.embed_tokens`` / ``shared_head.head`` (``cpattn train-draft`` writes both), else
+        the checkpoint's ``model.embed_tokens`` / ``lm_head`` (a whole target checkpoint), else ``target``'s:
+        a target checkpoint directory or its params dict (HF shares them the same way). Missing everywhere:
+        a one-line ``ValueError`` naming the directory and the tensor.
         """
         from cpattn.models.common import normalize_params
 
@@ -170,14 +174,30 @@ class MTPDrafter:
         n = cfg.num_hidden_layers
         if not config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0)):
             raise ValueError(f"{path!r}: config.json declares no MTP module (num_nextn_predict_layers = 0)")
-        _, raw = checkpoint.read(path, prefix=f"model.layers.{n}.", names=("model.embed_tokens.weight",
-                                                                           "lm_head.weight"))
+        shared = ("model.embed_tokens.weight", "lm_head.weight")
+        _, raw = checkpoint.read(path, prefix=f"model.layers.{n}.", names=shared)
         params = normalize_params(raw, dtype=dtype)
         pre = f"model.layers.{n}."
-        params.setdefault(pre + "embed_tokens.weight", params.get("model.embed_tokens.weight"))
-        params.setdefault(pre + "shared_head.head.weight", params.get("lm_head.weight",
-                                                                      params[pre + "embed_tokens.weight"]))
-        keep = {k: t for k, t in params.items() if k.startswith(pre) and t is not None}
+        want = {pre + "embed_tokens.weight": ("model.embed_tokens.weight",),
+                pre + "shared_head.head.weight": ("lm_head.weight", "model.embed_tokens.weight")}
+        if any(k not in params for k in want) and target is not None:
+            if isinstance(target, dict):
+                extra = target
+            else:
+                _, extra = checkpoint.read(target, names=shared)
+            extra = {k: (t.to(dtype) if dtype is not None else t) for k, t in extra.items() if k in shared}
+            params = {**extra, **{k: t for k, t in params.items() if k not in extra}}
+        for name, sources in want.items():
+            if name not in params:
+                found = next((params[s] for s in sources if s in params), None)
+                if found is None:
+                    where = "" if target is None else " (nor does the target given)"
+                    raise ValueError(
+                        f"{path!r}: the MTP module has no {name} and the checkpoint no {' or '.join(sources)}{where}; "
+                        "the module shares the target's embedding and head: pass "
+                        "MTPDrafter.from_checkpoint(path, target=TARGET_DIR)")
+                params[name] = found
+        keep = {k: t for k, t in params.items() if k.startswith(pre)}
         return cls(family.name, keep, cfg)
 
     @classmethod

@@ -221,7 +221,8 @@ def forward(model: str, params: dict, cfg: Any, tokens: torch.Tensor, *, hidden_
 def train(model: str, cfg: Any, corpus: Corpus, *, seconds: float, seed: int, batch: int = 32, length: int = 64,
           lr: float = 3e-3, max_steps: int | None = None, on_step=None) -> tuple[dict, list[float]]:
     """Train a tiny target on the corpus for ``seconds``, or exactly ``max_steps`` steps (reproducible on a
-    loaded machine): Adam, next-token loss. Returns (params, loss per step).
+    loaded machine): Adam, next-token loss. Returns (params, loss per step). ``on_step(step, loss)`` after
+    each step. At least one step runs.
 
     >>> cfg = tiny_config("qwen3", vocab_size=16, hidden_size=16, num_layers=1)
     >>> _, losses = train("qwen3", cfg, Corpus.make(16, seed=0), seconds=0, seed=0, batch=2, length=8, max_steps=3)
@@ -233,7 +234,7 @@ def train(model: str, cfg: Any, corpus: Corpus, *, seconds: float, seed: int, ba
     train_params = [t for n, t in params.items() if t.requires_grad and "e_score_correction_bias" not in n]
     opt = torch.optim.Adam(train_params, lr=lr)
     losses, step, t0, expected = [], 0, time.perf_counter(), max_steps
-    while (step < max_steps) if max_steps is not None else (time.perf_counter() - t0 < seconds):
+    while (step < max_steps) if max_steps is not None else (step == 0 or time.perf_counter() - t0 < seconds):
         x = corpus.sample(batch, length + 1, seed=seed * 1_000_003 + step)
         logits = forward(model, params, cfg, x[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
@@ -295,16 +296,40 @@ class GreedyData:
 
 @torch.no_grad()
 def greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, length: int,
-                hidden_layers: tuple) -> GreedyData:
+                hidden_layers: tuple, *, deadline: float | None = None, chunk: int = 32,
+                on_chunk=None) -> GreedyData:
     """Continue prompts [N, P] greedily to ``length`` tokens (a batch KV cache), then one forward over the
     whole sequences for the hidden states and argmax of every position. A family with its own stages
     (DeepSeek-V4) goes through the engine instead (:func:`engine_greedy_data`).
+
+    The prompts go ``chunk`` at a time; with a ``deadline`` (a ``time.perf_counter()`` value) no new
+    chunk starts past it, so the data may hold fewer than N sequences (at least one chunk).
+    ``on_chunk(done, total)`` is called after each chunk.
 
     >>> cfg = tiny_config("qwen3", hidden_size=16, num_layers=2)
     >>> d = greedy_data("qwen3", init("qwen3", cfg, seed=0), cfg, torch.ones(2, 3, dtype=torch.int64), 6, (0,))
     >>> d.tokens.shape, torch.equal(d.greedy[:, 2:-1], d.tokens[:, 3:])
     (torch.Size([2, 6]), True)
+    >>> greedy_data("qwen3", init("qwen3", cfg, seed=0), cfg, torch.ones(4, 3, dtype=torch.int64), 6, (0,),
+    ...             deadline=0.0, chunk=2).tokens.shape   # past the deadline: the first chunk only
+    torch.Size([2, 6])
     """
+    parts = []
+    for a in range(0, prompts.shape[0], chunk):
+        if parts and deadline is not None and time.perf_counter() >= deadline:
+            break
+        parts.append(_greedy_chunk(model, params, cfg, prompts[a : a + chunk], length, hidden_layers))
+        if on_chunk is not None:
+            on_chunk(min(a + chunk, prompts.shape[0]), prompts.shape[0])
+    if len(parts) == 1:
+        return parts[0]
+    return GreedyData(torch.cat([d.tokens for d in parts]), {n: torch.cat([d.hidden[n] for d in parts])
+                                                             for n in parts[0].hidden},
+                      torch.cat([d.greedy for d in parts]), parts[0].prompt_len)
+
+
+def _greedy_chunk(model: str, params: dict, cfg: Any, prompts: torch.Tensor, length: int,
+                  hidden_layers: tuple) -> GreedyData:
     fam = get_family(model)
     if fam.stages is not None:
         return engine_greedy_data(model, params, cfg, prompts, length, hidden_layers)

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from cpattn.bench.args import add_dtype, add_json, bad_value, parser, positive_float, positive_int, usage_error
+from cpattn.bench.args import (add_dtype, add_json, add_progress, bad_value, parser, positive_float, positive_int,
+                               usage_error)
 from cpattn.bench.common import DTYPES
 from cpattn.drafters import objectives as obj
 from cpattn.drafters import target as tg
@@ -37,6 +38,7 @@ from cpattn.drafters.corpus import PROBS, Corpus
 from cpattn.drafters.dspark import DSparkDrafter
 from cpattn.drafters.eagle3 import Eagle3Drafter
 from cpattn.drafters.mtp import MTPDrafter
+from cpattn.drafters.progress import Budget, Phases
 
 # the targets each head can train for (None: any): MTP needs a DeepSeek-format target; Eagle3 fuses [T, H]
 # residual rows, which DeepSeek-V4 (hyper-connection streams [T, n_hc, H]) does not have; DSpark reads either
@@ -44,6 +46,7 @@ from cpattn.drafters.mtp import MTPDrafter
 METHODS = {"mtp": ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"),
            "eagle3": ("qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"),
            "dspark": None}
+CHUNK = 32  # distillation prompts continued at a time (the budget is checked between chunks)
 RULES = {"mtp": f"MTP is DeepSeek's module, for DeepSeek-format targets {METHODS['mtp']}",
          "eagle3": "Eagle3 fuses [T, H] residual rows; DeepSeek-V4's are [T, n_hc, H] hyper-connection streams"}
 
@@ -96,9 +99,11 @@ def prompts_for(path, cfg, n: int, length: int, seed: int) -> torch.Tensor:
 
 def train_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyData, *, seconds: float, seed: int,
                   depth: int = 4, block_size: int = 4, draft_vocab: int | None = None, batch: int = 16,
-                  lr: float = 3e-3, max_steps: int | None = None, on_step=None):
+                  lr: float = 3e-3, max_steps: int | None = None, on_step=None, deadline: float | None = None):
     """Train a fresh head on ``data`` for ``seconds`` (or exactly ``max_steps`` steps, for tests):
-    (drafter, losses, final per-depth / per-slot accuracy).
+    (drafter, losses, final per-depth / per-slot accuracy). ``deadline`` (a ``time.perf_counter()`` value)
+    ends the seconds-bounded training earlier when it comes first (the command's whole budget); at least
+    one step runs.
 
     >>> cfg = tg.tiny_config("qwen3", vocab_size=32, hidden_size=16, num_layers=4)
     >>> p = tg.init("qwen3", cfg, seed=0)
@@ -118,8 +123,9 @@ def train_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyDat
     g = torch.Generator().manual_seed(seed)
     n = data.tokens.shape[0]
     losses, acc, step, t0 = [], [], 0, time.perf_counter()
+    end = t0 + seconds if deadline is None else min(t0 + seconds, deadline)
     expected = None
-    while (step < max_steps) if max_steps is not None else (time.perf_counter() - t0 < seconds):
+    while (step < max_steps) if max_steps is not None else (step == 0 or time.perf_counter() < end):
         idx = torch.randperm(n, generator=g)[:batch]
         if method == "mtp":
             loss, acc = obj.mtp_loss(drafter, data, idx, depth)
@@ -130,7 +136,7 @@ def train_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyDat
         if max_steps is not None:
             expected = max_steps
         elif expected is None and step == 2:  # pace the schedule by the measured step time
-            expected = max(10, int(seconds / max((time.perf_counter() - t0) / 3, 1e-6)))
+            expected = max(10, int((end - t0) / max((time.perf_counter() - t0) / 3, 1e-6)))
         factor = tg.warmup_cosine(step, expected or 10_000)
         for group in opt.param_groups:
             group["lr"] = lr * factor
@@ -206,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the target's checkpoint directory (required; no default)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where the head's checkpoint goes (required; no default)")
-    p.add_argument("--seconds", type=positive_float, default=120.0, metavar="S", help="training time")
+    p.add_argument("--seconds", type=positive_float, default=120.0, metavar="S",
+                   help="wall-clock budget of data generation and training together: no new chunk of prompts "
+                        "is continued past half of it (the data may then hold fewer than --prompts sequences), "
+                        "training stops at S; loading the target before and saving after come on top")
     p.add_argument("--steps", type=positive_int, default=None, metavar="N",
-                   help="train exactly N steps instead (reproducible whatever the machine's load; default: "
-                        "train for --seconds)")
+                   help="train exactly N steps on all --prompts instead, ignoring --seconds (reproducible "
+                        "whatever the machine's load; default: train for --seconds)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, initialisation and batches")
     p.add_argument("--prompts", type=positive_int, default=256, metavar="N", help="distillation prompts")
     p.add_argument("--prompt-len", type=positive_int, default=16, metavar="N", help="tokens per prompt")
@@ -221,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="Eagle3 draft vocabulary (most frequent target tokens); default: the whole vocabulary")
     add_dtype(p, default="float32", help="dtype the checkpoint is stored in (training runs in float32)")
     add_json(p)
+    add_progress(p)
     args = p.parse_args(argv)
     prog = "cpattn train-draft"
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -230,21 +240,38 @@ def main(argv: list[str] | None = None) -> int:
         bad_value(prog, "--length", args.length, f"longer than --prompt-len ({args.prompt_len})",
                   "raise --length or lower --prompt-len")
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    ph = Phases("train-draft", enabled=not args.no_progress)
+    ph.phase("loading the target", args.model)
     model, cfg, params = tg.load(args.model)
     if METHODS[args.method] is not None and model not in METHODS[args.method]:
         fits = [m for m, targets in sorted(METHODS.items()) if targets is None or model in targets]
         usage_error(prog, f"argument --method: saw {args.method!r} for a {model} target; rule: {RULES[args.method]}; "
                           f"fix: --method {' or '.join(fits)} for this target")
+    budget = Budget(None if args.steps else args.seconds)
     prompts = prompts_for(args.model, cfg, args.prompts, args.prompt_len, args.seed)
-    data = tg.greedy_data(model, params, cfg, prompts, args.length, hidden_layers_of(args.method, cfg))
+    ph.phase("generating data", f"the target continues {args.prompts} prompts greedily to {args.length} tokens"
+             + ("" if args.steps else f" (new chunks until {args.seconds / 2:g} s of the {args.seconds:g} s budget)"),
+             total=-(-args.prompts // CHUNK))
+    half = None if budget.deadline is None else budget.t0 + args.seconds / 2
+    data = tg.greedy_data(model, params, cfg, prompts, args.length, hidden_layers_of(args.method, cfg),
+                          deadline=half, chunk=CHUNK,
+                          on_chunk=lambda done, total: ph.step(-(-done // CHUNK), elapsed=budget.elapsed()))
+    ph.done(f"{data.tokens.shape[0]} sequences in {budget.elapsed():.1f} s")
+    t_train = time.perf_counter()
+    ph.phase("training", f"{args.method} head, " + (f"{args.steps} steps" if args.steps else
+                                                    f"until {args.seconds:g} s"), total=args.steps,
+             budget=args.seconds if not args.steps else None)
     drafter, losses, acc = train_drafter(args.method, model, cfg, params, data, seconds=args.seconds, seed=args.seed,
                                          depth=args.depth, block_size=args.block_size, draft_vocab=args.draft_vocab,
-                                         max_steps=args.steps)
+                                         max_steps=args.steps, deadline=budget.deadline,
+                                         on_step=lambda s, loss: ph.step(s, loss, elapsed=budget.elapsed()))
+    ph.done(f"{len(losses)} steps in {time.perf_counter() - t_train:.1f} s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    ph.phase("saving", args.out)
     save_drafter(drafter, args.out, args.model, DTYPES[args.dtype])
     plot_losses(os.path.join(args.out, "loss.png"), {args.method: losses},
                 f"{args.method} on {model}: self-distillation loss")
     report = {"method": args.method, "target": model, "steps": len(losses), "seconds": args.seconds,
-              "max_steps": args.steps,
+              "max_steps": args.steps, "sequences": int(data.tokens.shape[0]),
               "seed": args.seed, "final_loss": losses[-1] if losses else None, "accuracy": acc, "losses": losses}
     with open(os.path.join(args.out, "train.json"), "w") as f:
         json.dump(report, f)
@@ -268,7 +295,8 @@ def target_main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=["qwen3", "deepseek_v3"], required=True,
                    help="the target family (required; no default)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the checkpoint goes (required; no default)")
-    p.add_argument("--seconds", type=positive_float, default=180.0, metavar="S", help="training time")
+    p.add_argument("--seconds", type=positive_float, default=180.0, metavar="S",
+                   help="wall-clock budget of the training steps (saving the checkpoint and loss.png come on top)")
     p.add_argument("--steps", type=positive_int, default=None, metavar="N",
                    help="train exactly N steps instead (reproducible whatever the machine's load; default: "
                         "train for --seconds)")
@@ -280,12 +308,21 @@ def target_main(argv: list[str] | None = None) -> int:
                    help="successor phrases with near-equal probabilities (0.36 / 0.33 / 0.31): the target's choice "
                         "at a phrase boundary is hard to predict, as in real text")
     add_dtype(p, default="float32", help="dtype the checkpoint is stored in (training runs in float32)")
+    add_progress(p)
     args = p.parse_args(argv)
     if args.hidden % 4:
         bad_value("cpattn train-target", "--hidden", args.hidden, "a multiple of 4 (four heads)", "use e.g. 64")
     cfg = tg.tiny_config(args.model, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers)
     corpus = Corpus.make(args.vocab, seed=args.seed, probs=(0.36, 0.33, 0.31) if args.near_ties else PROBS)
-    params, losses = tg.train(args.model, cfg, corpus, seconds=args.seconds, seed=args.seed, max_steps=args.steps)
+    ph = Phases("train-target", enabled=not args.no_progress)
+    t0 = time.perf_counter()
+    ph.phase("training", f"tiny {args.model} on the corpus, " + (f"{args.steps} steps" if args.steps else
+                                                                 f"for {args.seconds:g} s"),
+             total=args.steps, budget=None if args.steps else args.seconds)
+    params, losses = tg.train(args.model, cfg, corpus, seconds=args.seconds, seed=args.seed, max_steps=args.steps,
+                              on_step=lambda s, loss: ph.step(s, loss, elapsed=time.perf_counter() - t0))
+    ph.done(f"{len(losses)} steps in {time.perf_counter() - t0:.1f} s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    ph.phase("saving", args.out)
     tg.save(args.out, args.model, cfg, params, corpus, dtype=DTYPES[args.dtype])
     plot_losses(os.path.join(args.out, "loss.png"), {args.model: losses}, f"tiny {args.model} on the corpus")
     with open(os.path.join(args.out, "train.json"), "w") as f:
