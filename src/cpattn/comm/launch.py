@@ -372,9 +372,11 @@ def spawn(
     ------
     SpawnError
         A rank raised (its traceback is in the message, once), died (with
-        the signal's name), stalled or did not start; ``.failures`` lists
-        every rank that did not finish, the cause first. No worker process
-        outlives the call.
+        the signal's name), stalled, was stuck outside a collective the others
+        waited in, or did not start; ``.failures`` lists every rank that did
+        not finish, the cause first. Also after SIGTERM / SIGHUP to this
+        process, once the previous handler returned (by default the signal
+        ends the process instead). No worker process outlives the call.
 
     Example
     -------
