@@ -67,7 +67,7 @@ def test_lookup_leaves_one_token_and_shares_by_refcount():
     assert bm.allocate("a", 4)
     keys = bm.extend_keys([], toks)
     bm.cache_blocks("a", keys, num_computed=4)
-    hit = bm.lookup(keys, max_tokens=len(toks) - 1)
+    hit = bm.lookup(keys, len(toks))
     assert hit.block_ids == [0] and hit.num_tokens == 2  # the last block is recomputed
     assert bm.allocate("b", 4, prefix=hit) and bm.block_table("b") == [0, 2]
     assert bm.refcount(0) == 2 and bm.refcount(1) == 1 and bm.refcount(2) == 1
@@ -76,10 +76,10 @@ def test_lookup_leaves_one_token_and_shares_by_refcount():
     assert bm.refcount(0) == 1 and bm.num_used == 2  # block 0 still held by b
     bm.free("b")
     assert bm.num_used == 0 and bm.stats.cached == 2  # freed blocks stay findable
-    assert bm.lookup(keys, max_tokens=10).block_ids == [0, 1]
+    assert bm.lookup(keys, 10).block_ids == [0, 1]
     with pytest.raises(ValueError, match="already holds"):
         bm.allocate("c", 2)
-        bm.allocate("c", 4, prefix=bm.lookup(keys, 3))
+        bm.allocate("c", 4, prefix=bm.lookup(keys, 4))
 
 
 def test_eviction_is_lru_and_tail_first():
@@ -145,7 +145,7 @@ def test_random_operations_keep_the_books(seed, num_blocks, block_size, dcp):
             r = object()
             toks = rng.choice(bases)[:rng.randrange(1, 40)]
             keys = bm.extend_keys([], toks)
-            hit = bm.lookup(keys, len(toks) - 1)
+            hit = bm.lookup(keys, len(toks))
             for c, b in enumerate(hit.block_ids):  # a hit is a true prefix
                 assert content[b] == toks[c * bm.span:(c + 1) * bm.span]
             n = hit.num_tokens + rng.randrange(1, len(toks) - hit.num_tokens + 1)

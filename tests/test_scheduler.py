@@ -288,7 +288,7 @@ def test_drawn_schedules_match_each_request_run_alone(w):
     prompts = [base[:r["shared"]] + [rng.randrange(V) for _ in range(r["length"] - r["shared"])] for r in w["reqs"]]
     ids = [None] * len(prompts)
     total = sum(r["length"] + r["max_tokens"] for r in w["reqs"])
-    bound = 14 + (len(prompts) + 1) * total
+    bound = 8 + (len(prompts) + 1) * total
     step = 0
     while step <= 6 or s.has_unfinished():
         for i, r in enumerate(w["reqs"]):
@@ -333,3 +333,29 @@ def test_shared_prefixes_under_pressure_hit_and_preempt():
     assert [s.output_tokens(i) for i in ids] == [reference(p, 8) for p in prompts]
     assert s.stats.prefix_hit_tokens > 0 and s.stats.preemptions > 0 and s.stats.uniform_decode_steps > 0
     assert bm.num_used == 0
+
+
+def test_docs_worked_example():
+    """docs/engine.md's table, step by step."""
+    bm = BlockManager(num_blocks=5, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=8, max_num_seqs=4)
+    s.add_request(list(range(10)), max_tokens=3, req_id="A")
+    s.add_request([50, 51, 52], max_tokens=4, req_id="B")
+    fresh, seen = iter(range(100, 200)), []
+    while s.has_unfinished():
+        if len(seen) == 2:
+            s.add_request(list(range(9)) + [60], max_tokens=2, req_id="C")
+        out = s.schedule()
+        seen.append(([f"{r} {c}+{q}" for r, c, q in zip(out.req_ids, out.context_lens, out.query_lens)],
+                     dict(zip(out.req_ids, out.block_tables)), out.preempted, out.uniform_decode))
+        s.update({r: [next(fresh)] if out.samples[b] else [] for b, r in enumerate(out.req_ids)})
+    assert seen == [
+        (["A 0+8"], {"A": (0, 1)}, (), False),
+        (["A 8+2", "B 0+3"], {"A": (0, 1, 2), "B": (3,)}, (), False),
+        (["A 10+1", "B 3+1", "C 8+2"], {"A": (0, 1, 2), "B": (3,), "C": (0, 1, 4)}, (), False),
+        (["A 11+1", "B 4+1"], {"A": (0, 1, 2), "B": (3, 4)}, ("C",), True),
+        (["B 5+1", "C 8+3"], {"B": (3, 4), "C": (0, 1, 2)}, (), False),
+    ]
+    st_ = s.stats
+    assert (st_.steps, st_.uniform_decode_steps, st_.preemptions, st_.prefix_hit_tokens, st_.prefix_query_tokens,
+            st_.blocks_used) == (5, 1, 1, 16, 34, 0)

@@ -36,7 +36,7 @@ Example
 (True, [0, 1, 2])
 >>> keys = bm.extend_keys([], toks)                   # 2 full blocks of 2 tokens
 >>> bm.cache_blocks("a", keys, num_computed=5); bm.free("a")
->>> hit = bm.lookup(keys, max_tokens=4)               # the same prompt again
+>>> hit = bm.lookup(keys, num_tokens=5)              # the same prompt again
 >>> hit.block_ids, hit.num_tokens
 ([0, 1], 4)
 >>> bm.allocate("b", 5, prefix=hit), bm.block_table("b"), bm.stats.hit_tokens
@@ -87,8 +87,8 @@ def chain_key(parent: str | None, tokens: Sequence[int], identity_digest: bytes)
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """A lookup's answer: the cached ``block_ids`` covering the first ``num_tokens`` tokens;
-    ``query_tokens`` is the length of the sequence asked about (for the hit-rate counters)."""
+    """A lookup's answer: the cached ``block_ids`` covering the first ``num_tokens`` tokens of a
+    sequence of ``query_tokens`` (the hit-rate counters add both when the prefix is adopted)."""
 
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
@@ -194,20 +194,21 @@ class BlockManager:
             keys.append(k)
         return keys
 
-    def lookup(self, keys: Sequence[str], max_tokens: int) -> CachedPrefix:
-        """The longest run of cached spans from the start, covering at most ``max_tokens`` tokens.
+    def lookup(self, keys: Sequence[str], num_tokens: int) -> CachedPrefix:
+        """The longest run of cached spans from the start of a sequence of ``num_tokens`` tokens.
 
-        A scheduler passes ``max_tokens = num_tokens - 1``: one token is always computed (vLLM's
-        rule), so the step has a logit to sample from. Changes nothing (see :meth:`allocate`).
+        At most ``num_tokens - 1`` tokens hit: one is always left to compute, so the step has a
+        logit to sample from (vLLM's rule; a fully cached prompt recomputes its last span).
+        ``keys`` is the sequence's chain (:meth:`extend_keys`). Changes nothing (see :meth:`allocate`).
         """
         ids: list[int] = []
         if self.enable_caching:
-            for k in keys[:max(max_tokens, 0) // self.span]:
+            for k in keys[:max(num_tokens - 1, 0) // self.span]:
                 b = self._cached.get(k)
                 if b is None:
                     break
                 ids.append(b)
-        return CachedPrefix(ids, len(ids) * self.span, max_tokens + 1)
+        return CachedPrefix(ids, len(ids) * self.span, num_tokens)
 
     # -- allocation --------------------------------------------------------------------------
     def _needed(self, req_id: Hashable, num_tokens: int, prefix: CachedPrefix | None) -> int:

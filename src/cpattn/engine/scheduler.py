@@ -258,7 +258,7 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 self.blocks.extend_keys(req.keys, req.tokens)
-                hit = self.blocks.lookup(req.keys, len(req.tokens) - 1)
+                hit = self.blocks.lookup(req.keys, len(req.tokens))
                 todo = len(req.tokens) - hit.num_tokens
                 if not self.enable_chunked_prefill and todo > budget:
                     break
