@@ -79,7 +79,8 @@ CASES = {
                               ("config.json", "'num_key_value_heads' is 3", "divisor of num_attention_heads = 4")),
     "config-list": ("[1, 2]", None, ("config.json", "JSON list", "JSON object")),
     "config-invalid-json": ("{not json", None, ("config.json", "not valid JSON", "JSON object")),
-    "config-string-true": ({"tie_word_embeddings": "false"}, None, ("config.json", "tie_word_embeddings", "true or false")),
+    "config-string-true": ({"tie_word_embeddings": "false"}, None,
+                           ("config.json", "tie_word_embeddings", "true or false")),
     "unknown-model-type": ({"model_type": "llama"}, None, ("config.json", "model_type 'llama'", "qwen3")),
     "layers-1e6": ({"num_hidden_layers": 10**6}, None,
                    ("model.safetensors", "num_hidden_layers", "1000000", "layers 0..1", "num_hidden_layers = 2")),
@@ -141,13 +142,19 @@ def test_truncated_safetensors_is_refused_naming_the_tensor(tmp_path, good):
 
 def test_deepseek_v4_original_names_are_checked_as_spelled(tmp_path):
     """A V4 tensor of the wrong shape is named as the file spells it (DeepSeek's names), after the family's
-    renames matched it to what the model expects; a missing one by its params name."""
+    renames matched it to what the model expects; a missing one by its params name; both spellings of one
+    weight in one checkpoint are refused."""
     from test_checkpoint_load import hf_model
 
     src = tmp_path / "v4"
     hf_model("deepseek_v4").save_pretrained(src)
     state = load_file(str(src / "model.safetensors"))
     assert "model.layers.0.hc_attn_fn" in state  # DeepSeek's spelling, renamed by the family on load
+    save_file({**state, "model.layers.0.attn_hc.fn": state["model.layers.0.hc_attn_fn"].clone()},
+              str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.attn_hc\.fn' both load as "
+                                         r"'model\.layers\.0\.attn_hc\.fn'"):
+        check_checkpoint(src)  # the two spellings of one weight: refused, not one of them silently
     state["model.layers.0.hc_attn_fn"] = state["model.layers.0.hc_attn_fn"][:, :8].contiguous()
     save_file(state, str(src / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.0\.hc_attn_fn' has shape "
