@@ -43,6 +43,15 @@ print(json.dumps({"torch": "torch" in sys.modules, "code": code, "stderr": err.g
 """
 
 
+def _cpu_torch() -> bool:
+    from cpattn.bench.args import _torch_build
+
+    return _torch_build().endswith("+cpu")
+
+
+CPU_TORCH = _cpu_torch()  # a CPU-only wheel: --backend cuda is refused from torch's metadata, without importing it
+
+
 def _commands() -> list[list[str]]:
     from cpattn import cli
 
@@ -83,6 +92,7 @@ def test_an_unknown_flag_is_refused_before_torch_is_imported(cmd):
     ["bench", "mlapo", "--graph-backend", "gpu"], ["bench", "drafts", "--backend", "gpu"],
     ["plan", "validate", "--pcp-json", "/nonexistent.json"], ["plan", "--devices", "0"],
     ["bench", "nonsense"], ["nonsense"],
+    *([["demo", "--backend", "cuda"], ["bench", "graph", "--backend", "cuda"]] if CPU_TORCH else []),
 ], ids=" ".join)
 def test_bad_values_are_refused_before_torch_is_imported(argv):
     r = _probe(argv)

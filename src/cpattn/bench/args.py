@@ -342,14 +342,27 @@ def backend_unavailable(name: str) -> str | None:
     True
     """
     if name == "cuda":
+        build = _torch_build()
+        if build.endswith("+cpu"):  # certain without importing torch
+            return f"a CUDA GPU and a CUDA build of torch, and this torch is {build}, a CPU-only build"
         import torch
 
         if not torch.cuda.is_available():
-            build = "a CPU-only torch build" if torch.version.cuda is None else "no CUDA device visible"
-            return f"a CUDA GPU, and torch.cuda.is_available() is False here ({build})"
+            why = "a CPU-only torch build" if torch.version.cuda is None else "no CUDA device visible"
+            return f"a CUDA GPU, and torch.cuda.is_available() is False here ({why})"
     if name in ("npu", "torchair") and importlib.util.find_spec("torch_npu") is None:
         return "torch_npu (Ascend's PyTorch adapter), which is not installed here"
     return None
+
+
+def _torch_build() -> str:
+    """torch's installed version (``2.13.0+cpu`` for a CPU-only wheel), read from its metadata, not by importing it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def check_backend(prog: str, flag: str, name: str) -> None:
