@@ -461,8 +461,7 @@ def check_engine(prog: str, flags: dict[str, str] | None = None, **flat):
     2
     >>> print(err.getvalue().strip())  # doctest: +NORMALIZE_WHITESPACE
     cpattn x: error: argument --decode-context-parallel-size/--dcp: saw --dcp=4, --tp=2 (mla); rule: MLA/DSA/V4 models
-    need --tp >= --dcp and --tp % --dcp == 0 (DCP reuses TP ranks); fix: use --dcp in [1, 2] or raise --tp to a
-    multiple of 4
+    need --tp >= --dcp and --tp % --dcp == 0 (DCP reuses TP ranks); fix: use --dcp in [2, 1] or --tp in [4, 8]
     """
     from cpattn.config import ConfigError, EngineConfig
 
