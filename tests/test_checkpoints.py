@@ -166,8 +166,9 @@ def test_deepseek_v4_original_names_are_checked_as_spelled(tmp_path):
         check_checkpoint(src)
 
 
-@pytest.mark.parametrize("conf", [{"hidden_size": -128}, {"num_hidden_layers": 10**6}], ids=["hidden", "layers"])
-def test_demo_refuses_a_bad_checkpoint_before_any_rank(tmp_path, good, conf):
+def test_demo_refuses_a_bad_checkpoint_before_any_rank(tmp_path, good):
+    """num_hidden_layers 10**6 against 2 layers (which used to size 3.4 GB over 47 s, then a KeyError)."""
+    conf = {"num_hidden_layers": 10**6}
     d = write(tmp_path / "bad", good, conf, None)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
