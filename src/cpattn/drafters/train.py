@@ -27,18 +27,8 @@ import json
 import os
 import time
 
-import torch
-
-from cpattn.bench.args import (add_dtype, add_json, add_progress, bad_value, parser, positive_float, positive_int,
-                               usage_error)
-from cpattn.bench.common import DTYPES
-from cpattn.drafters import objectives as obj
-from cpattn.drafters import target as tg
-from cpattn.drafters.corpus import PROBS, Corpus
-from cpattn.drafters.dspark import DSparkDrafter
-from cpattn.drafters.eagle3 import Eagle3Drafter
-from cpattn.drafters.mtp import MTPDrafter
-from cpattn.drafters.progress import Budget, Phases
+from cpattn.bench.args import (add_dtype, add_json, add_progress, bad_value, output_dir, parser, positive_float,
+                               positive_int, usage_error)
 
 # the targets each head can train for (None: any): MTP needs a DeepSeek-format target; Eagle3 fuses [T, H]
 # residual rows, which DeepSeek-V4 (hyper-connection streams [T, n_hc, H]) does not have; DSpark reads either
@@ -56,10 +46,16 @@ def init_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyData
     """A fresh head for the target: MTP (embedding / head shared), Eagle3 (draft vocabulary: the
     ``draft_vocab`` most frequent greedy tokens of ``data``), DSpark (placeholder: the last vocabulary id).
 
+    >>> from cpattn.drafters import target as tg
     >>> cfg = tg.tiny_config("qwen3", vocab_size=32, hidden_size=16)
     >>> init_drafter("dspark", "qwen3", cfg, tg.init("qwen3", cfg, seed=0), None, seed=0).cfg.mask_token_id
     31
     """
+    import torch
+    from cpattn.drafters.dspark import DSparkDrafter
+    from cpattn.drafters.eagle3 import Eagle3Drafter
+    from cpattn.drafters.mtp import MTPDrafter
+
     if method == "mtp":
         return MTPDrafter.random(model, cfg, target_params=params, seed=seed, std=0.02)
     if method == "eagle3":
@@ -74,6 +70,7 @@ def init_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyData
 def hidden_layers_of(method: str, cfg) -> tuple:
     """The target layers each method's default head reads (``()``: only the final-normed state).
 
+    >>> from cpattn.drafters import target as tg
     >>> hidden_layers_of("eagle3", tg.tiny_config("qwen3")), hidden_layers_of("mtp", tg.tiny_config("qwen3"))
     ((0, 1, 2), ())
     """
@@ -87,9 +84,13 @@ def prompts_for(path, cfg, n: int, length: int, seed: int) -> torch.Tensor:
     """Distillation prompts [n, length]: from the target's corpus.json if it has one, else random tokens.
 
     >>> import tempfile
+    >>> from cpattn.drafters import target as tg
     >>> prompts_for(tempfile.mkdtemp(), tg.tiny_config("qwen3"), 2, 5, seed=0).shape
     torch.Size([2, 5])
     """
+    import torch
+    from cpattn.drafters.corpus import Corpus
+
     corpus = Corpus.load(path)
     if corpus is not None:
         return corpus.sample(n, length, seed=seed)
@@ -105,6 +106,8 @@ def train_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyDat
     ends the seconds-bounded training earlier when it comes first (the command's whole budget); at least
     one step runs.
 
+    >>> import torch
+    >>> from cpattn.drafters import target as tg
     >>> cfg = tg.tiny_config("qwen3", vocab_size=32, hidden_size=16, num_layers=4)
     >>> p = tg.init("qwen3", cfg, seed=0)
     >>> data = tg.greedy_data("qwen3", p, cfg, torch.ones(2, 2, dtype=torch.int64), 6, (0, 1, 2))
@@ -112,6 +115,9 @@ def train_drafter(method: str, model: str, cfg, params: dict, data: tg.GreedyDat
     >>> d.method, len(losses), len(acc)
     ('eagle3', 2, 2)
     """
+    import torch
+    from cpattn.drafters import objectives as obj, target as tg
+
     torch.manual_seed(seed)
     drafter = init_drafter(method, model, cfg, params, data, seed=seed, block_size=block_size,
                            draft_vocab=draft_vocab)
@@ -184,12 +190,16 @@ def save_drafter(drafter, out: str, target_dir: str, dtype: torch.dtype | None =
     target's config read from ``target_dir``).
 
     >>> import tempfile
+    >>> from cpattn.drafters import target as tg
+    >>> from cpattn.drafters.dspark import DSparkDrafter
     >>> cfg = tg.tiny_config("qwen3", vocab_size=32, hidden_size=16)
     >>> d, out = init_drafter("dspark", "qwen3", cfg, tg.init("qwen3", cfg, seed=0), None, seed=0), tempfile.mkdtemp()
     >>> save_drafter(d, out, "unused for DSpark")
     >>> DSparkDrafter.from_checkpoint(out).cfg == d.cfg
     True
     """
+    from cpattn.drafters.mtp import MTPDrafter
+
     if isinstance(drafter, MTPDrafter):
         from cpattn.drafters.checkpoint import read_config
 
@@ -210,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the draft head to train (required; no default)")
     p.add_argument("--model", required=True, metavar="DIR",
                    help="the target's checkpoint directory (required; no default)")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="where the head's checkpoint goes (required; no default)")
+    p.add_argument("--out", required=True, metavar="DIR", type=output_dir,
+                   help="where the head's checkpoint goes (made if missing; required; no default)")
     p.add_argument("--seconds", type=positive_float, default=120.0, metavar="S",
                    help="wall-clock budget of data generation and training together: no new chunk of prompts "
                         "is continued past half of it (the data may then hold fewer than --prompts sequences), "
@@ -239,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.length <= args.prompt_len:
         bad_value(prog, "--length", args.length, f"longer than --prompt-len ({args.prompt_len})",
                   "raise --length or lower --prompt-len")
+    import torch
+    from cpattn.bench.common import DTYPES
+    from cpattn.drafters import target as tg
+    from cpattn.drafters.progress import Budget, Phases
+
     torch.set_num_threads(max(1, torch.get_num_threads()))
     ph = Phases("train-draft", enabled=not args.no_progress)
     ph.phase("loading the target", args.model)
@@ -294,7 +309,8 @@ def target_main(argv: list[str] | None = None) -> int:
     p = parser("cpattn train-target", "Train a tiny target on the synthetic corpus and save it as a checkpoint.")
     p.add_argument("--model", choices=["qwen3", "deepseek_v3"], required=True,
                    help="the target family (required; no default)")
-    p.add_argument("--out", required=True, metavar="DIR", help="where the checkpoint goes (required; no default)")
+    p.add_argument("--out", required=True, metavar="DIR", type=output_dir,
+                   help="where the checkpoint goes (made if missing; required; no default)")
     p.add_argument("--seconds", type=positive_float, default=180.0, metavar="S",
                    help="wall-clock budget of the training steps (saving the checkpoint and loss.png come on top)")
     p.add_argument("--steps", type=positive_int, default=None, metavar="N",
@@ -312,6 +328,11 @@ def target_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.hidden % 4:
         bad_value("cpattn train-target", "--hidden", args.hidden, "a multiple of 4 (four heads)", "use e.g. 64")
+    from cpattn.bench.common import DTYPES
+    from cpattn.drafters import target as tg
+    from cpattn.drafters.corpus import Corpus, PROBS
+    from cpattn.drafters.progress import Phases
+
     cfg = tg.tiny_config(args.model, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers)
     corpus = Corpus.make(args.vocab, seed=args.seed, probs=(0.36, 0.33, 0.31) if args.near_ties else PROBS)
     ph = Phases("train-target", enabled=not args.no_progress)
