@@ -55,6 +55,7 @@ from cpattn.engine.handoff import (
     HandoffFacts, deal_blocks, exchange, place_blocks, place_rows, recv_blocks, request_blocks, send_blocks,
 )
 from cpattn.engine.kv_rows import row_width
+from cpattn.engine.logits import acc_dtype
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill
@@ -309,7 +310,8 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
         if out.hidden is not None and pg.rank == 0:  # the drafter's prompt hidden states go with the KV
             send_hidden(out.hidden, list(range(psize, psize + nsize)))
         tokens = torch.zeros(p.num_requests, max_new_tokens, dtype=torch.int64)
-        logits = torch.zeros(p.num_requests, max_new_tokens, vocab)
+        # in the decode ranks' logits dtype (float64 in a float64 run): the all_reduce below pairs them
+        logits = torch.zeros(p.num_requests, max_new_tokens, vocab, dtype=acc_dtype(param_dtype(params)))
         run = RunFacts(prefill_s=prefill_s, handoff=facts, role="prefill")
         dec_stats = None
     else:
