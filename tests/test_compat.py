@@ -61,3 +61,28 @@ def test_notes_are_empty_where_the_guide_agrees():
         cfg = EngineConfig.create(attention="mla", pcp_size=2, speculative_method="mtp", num_speculative_tokens=3,
                                   graph_mode="FULL_DECODE_ONLY", strict_guide=True)
     assert cfg.compat_notes() == []
+
+
+@pytest.mark.parametrize("p, n", [(3, 2), (2, 3), (3, 4), (4, 3), (1, 3)])
+def test_engine_layout_fixes_pass_every_rule(p, n):
+    """The engine's refusal of a layout (ranks, DCP vs heads) offers (pcp, dcp, ranks) that pass every rule."""
+    import re
+
+    from cpattn.engine import checks
+    from cpattn.engine.family import get_family
+
+    cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=8)
+    common = dict(num_attention_heads=4, num_kv_heads=1, tp_splits_kv_heads=False)
+    pre = EngineConfig.create(pcp_size=p, **common)
+    dec = EngineConfig.create(tp_size=n, dcp_size=n, **{**common, "num_attention_heads": None})
+    fam, w = get_family("qwen3"), max(p, n)
+    found = checks.engine_problems(fam, cfg, pre, dec, world_size=w, topology="colocated")
+    assert found
+    offers = [tuple(int(x) if x else w for x in m) for line in found
+              for m in re.findall(r"(?:run (\d+) ranks with )?pcp_size=(\d+), dcp_size=(\d+)", line.rpartition("fix: ")[2])]
+    assert offers, found
+    for ranks, pp, nn in offers:
+        ok = checks.engine_problems(fam, cfg, pre.replace(pcp_size=pp), dec.replace(tp_size=nn, dcp_size=nn),
+                                    world_size=ranks, topology="colocated")
+        assert ok == [], (p, n, found, (ranks, pp, nn), ok)

@@ -7,6 +7,7 @@ Whole runs (lossless for every method and topology, graph mode, P/D) are in test
 from __future__ import annotations
 
 import functools
+import warnings
 import json
 import os
 
@@ -25,7 +26,8 @@ from cpattn.drafters.corpus import Corpus
 from cpattn.drafters.train import main as train_main
 from cpattn.drafters.train import target_main, train_drafter
 from cpattn.engine.dense_cache import DenseKVCache
-from cpattn.engine.drafters import DRAFTERS, DraftSettings, ModelDrafter, NgramDrafter, TargetHidden, check_drafter
+from cpattn.engine.drafters import (DRAFTERS, DraftSettings, ModelDrafter, NgramDrafter, TargetHidden, check_drafter,
+                                    speculative_fields)
 from cpattn.graphs.check import check_static
 from cpattn.models import deepseek_v3, deepseek_v32, qwen3
 from cpattn.models.generate import pcp_dcp_config, pcp_dcp_generate, speculative_generate
@@ -274,8 +276,9 @@ def test_draft_steps_are_capturable():
 
 
 def test_the_guide_refuses_with_pcp():
-    """One engine with PCP: each constraint of the guide names its field and fix; without PCP the settings the
-    guide allows but cpattn's drafters do not implement are refused by the drafter check."""
+    """One engine with PCP and strict_guide=True: each constraint of the guide names its field and fix. Without
+    strict_guide they are compatibility notes (docs/compat.md); the settings cpattn's drafters do not implement
+    are refused by the drafter check under every layout."""
     cfg, params = qwen_target()
     mcfg, mparams = mla_target()
     d32 = deepseek_v32.DeepseekV32Config.tiny()
@@ -286,27 +289,38 @@ def test_the_guide_refuses_with_pcp():
     mtp32 = mt.MTPDrafter.random("deepseek_v32", d32, target_params=p32, dtype=torch.float64)
     prompts = [[1, 2, 3]]
 
-    def one_engine(model, p, c, drafter):
-        return pcp_dcp_generate(model, p, c, prompts, 4, config=pcp_dcp_config(model, c, 2), drafter=drafter,
-                                num_speculative_tokens=2)
+    def one_engine(model, p, c, drafter, strict=True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the opted-in engine's compatibility note
+            config = pcp_dcp_config(model, c, 2)
+            if strict:  # the opted-in engine is refused too; the drafter's own rule is listed with it
+                config.replace(strict_guide=True, num_speculative_tokens=2, **speculative_fields(drafter))
+        return pcp_dcp_generate(model, p, c, prompts, 4, config=config, drafter=drafter, num_speculative_tokens=2)
 
     cases = [
         (qwen3, params, cfg, mtp, r"speculative_method: saw 'mtp' .* Eagle3 for GQA"),
         (qwen3, params, cfg, spark, r"speculative_method: saw 'dspark' .*fix: use speculative_method in \['eagle3'\]"),
         (deepseek_v3, mparams, mcfg, eagle, r"speculative_method: saw 'eagle3' .* MTP for MLA"),
         (deepseek_v3, mparams, mcfg, mt.MTPDrafter(mtp.model, mtp.params, mcfg, DraftSettings(draft_sampling="random")),
-         r"draft_sampling: saw 'random' with pcp_size=2; rule: with PCP draft sampling must be greedy"),
+         r"draft_sampling: saw 'random' with pcp_size=2; rule: vLLM-Ascend's engine refuses it: with PCP draft "
+         "sampling must be greedy"),
         (deepseek_v32, p32, d32, mt.MTPDrafter(mtp32.model, mtp32.params, d32, DraftSettings(draft_attention="sfa")),
-         r"draft_attention: saw 'sfa' with pcp_size=2; rule: PCP speculative decoding does not support SFA draft"),
+         r"draft_attention: saw 'sfa' with pcp_size=2; rule: vLLM-Ascend's engine refuses it: PCP speculative "
+         "decoding does not support SFA draft"),
         (deepseek_v3, mparams, mcfg, mt.MTPDrafter(mtp.model, mtp.params, mcfg,
                                                    DraftSettings(adaptive_verification=True)),
-         r"adaptive_verification: saw True with pcp_size=2; rule: PCP speculative decoding does not support"),
+         r"adaptive_verification: saw True with pcp_size=2; rule: vLLM-Ascend's engine refuses it: PCP "
+         "speculative decoding does not support"),
         (qwen3, params, cfg, dsp.DSparkDrafter(spark.params, spark.cfg, DraftSettings(dynamic_draft_length=True)),
-         r"dynamic_draft_length: saw True with pcp_size=2; rule: a dynamic draft length is not validated"),
+         r"dynamic_draft_length: saw True with pcp_size=2; rule: vLLM-Ascend's engine refuses it: a dynamic draft "
+         "length is not validated"),
     ]
     for model, p, c, drafter, message in cases:
         with pytest.raises(ConfigError, match=message):
             one_engine(model, p, c, drafter)
+    # without strict_guide the guide's settings rules are notes; cpattn's drafter check refuses what it lacks
+    with pytest.raises((ValueError, RuntimeError), match="cpattn's drafters draft greedily"):  # (raised in a rank)
+        one_engine(deepseek_v3, mparams, mcfg, cases[3][3], strict=False)
     # no PCP: the guide allows these, cpattn's drafters do not implement them
     for settings, message in ((DraftSettings(draft_sampling="random"), "cpattn's drafters draft greedily"),
                               (DraftSettings(draft_attention="sfa"), "attend densely"),

@@ -51,9 +51,70 @@ def engine_problems(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode
 
     topology: "colocated", "disaggregated" (default: :func:`topology` of the
     world size) or "simulated" (two simulated meshes, any sizes). pool: a KV
-    pool takes part (it moves whole blocks).
+    pool takes part (it moves whole blocks). A problem of the DCP size or of
+    the ranks offers layouts that pass every rule (:func:`passing_layouts`).
     """
     topology = topology or globals()["topology"](prefill, decode, world_size)
+    out = _problems(family, cfg, prefill, decode, world_size=world_size, topology=topology, drafter=drafter,
+                    max_new_tokens=max_new_tokens, pool=pool)
+    if not any(p.startswith(("world_size:", "dcp_size:")) for p in out):
+        return out
+    offers = passing_layouts(family, cfg, prefill, decode, world_size=world_size, topology=topology,
+                             drafter=drafter, max_new_tokens=max_new_tokens, pool=pool)
+    if not offers:
+        return out
+    fix = " or ".join(f"run {w} ranks with pcp_size={p}, dcp_size={n}" if w != world_size else
+                      f"use pcp_size={p}, dcp_size={n}" for p, n, w in offers)
+    return [f"{p.rpartition('; fix: ')[0]}; fix: {fix}" if p.startswith(("world_size:", "dcp_size:")) else p
+            for p in out]
+
+
+def passing_layouts(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, *, world_size: int,
+                    topology: str, shown: int = 3, **kw) -> list[tuple[int, int, int]]:
+    """Up to ``shown`` (pcp_size, dcp_size, ranks) nearest the configs' sizes that pass every rule (the
+    guide's and the engine's; the decode engine keeps ``tp_size = dcp_size``): colocated engines run
+    ``max(pcp, dcp)`` ranks, P/D ``pcp + dcp``, simulated meshes any.
+
+    >>> from cpattn.engine.family import get_family
+    >>> from cpattn.models import qwen3
+    >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                         num_attention_heads=4, num_key_value_heads=1, head_dim=8)
+    >>> p = EngineConfig.create(pcp_size=3)
+    >>> d = EngineConfig.create(tp_size=2, dcp_size=2, num_kv_heads=1, tp_splits_kv_heads=False)
+    >>> passing_layouts(get_family("qwen3"), cfg, p, d, world_size=3, topology="colocated")
+    [(2, 2, 2), (3, 1, 3), (1, 2, 2)]
+    """
+    import warnings
+
+    from cpattn.config import ConfigError
+
+    p0, n0 = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    one = prefill is decode
+    found = []
+    span = range(1, max(8, 2 * max(p0, n0)) + 1)
+    for p, n in sorted(((p, n) for p in span for n in span), key=lambda pn: (abs(pn[0] - p0) + abs(pn[1] - n0), pn)):
+        if (p, n) == (p0, n0):
+            continue
+        w = {"colocated": max(p, n), "disaggregated": p + n}.get(topology, world_size)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if one:
+                    pre = dec = prefill.replace(pcp_size=p, dcp_size=n, tp_size=n)
+                else:
+                    pre = prefill.replace(pcp_size=p)
+                    dec = decode.replace(dcp_size=n, tp_size=n)
+        except ConfigError:
+            continue
+        if not _problems(family, cfg, pre, dec, world_size=w, topology=topology, **kw):
+            found.append((p, n, w))
+            if len(found) == shown:
+                break
+    return found
+
+
+def _problems(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, *, world_size: int,
+              topology: str, drafter=None, max_new_tokens: int = 1, pool: bool = False) -> list[str]:
     out = []
     one = prefill is decode
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
