@@ -9,16 +9,17 @@ Shared by the per-family exactness tests (test_models_hf.py, test_models_moe_hf.
   (prompt logits, ``generate(do_sample=False)`` tokens and logits) for the
   prompts, computed once;
 - :meth:`Reference.check`: prompt logits within 1e-4 relative; tokens equal
-  up to a near-tie flip (DESIGN.md §5): if a token differs, the reference's
-  top-2 margin at the first differing step must be below twice the
-  measured logit error there, the flip is recorded, and the steps after it
-  are not compared;
+  up to a near-tie flip (DESIGN.md §5, :func:`near_tie.check_tokens`): if a
+  token differs, the reference's top-2 margin at the first differing step
+  must be below twice the measured logit error there, the flip is recorded,
+  and the steps after it are not compared;
 - :func:`forward_logits`: one prefill forward of a family on one device.
 """
 
 from __future__ import annotations
 
 import torch
+from near_tie import check_tokens, rel_err  # noqa: F401 (the oracle's comparisons; also imported from here)
 
 from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.models import normalize_params
@@ -40,10 +41,6 @@ def perturbed(model_class, config, seed: int = 0):
             if "norm" in name or "e_score_correction_bias" in name:
                 t.add_(0.1 * torch.randn(t.shape, generator=g))
     return model
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 def forward_logits(module, params: dict, cfg, tokens: torch.Tensor, cu_seqlens: list[int], **kw):
@@ -87,24 +84,6 @@ class Reference:
             assert rel_err(got, ref) <= 1e-4, f"{what}: prompt logits off by {rel_err(got, ref):.2e}"
             at += p.numel()
             check_tokens(gen.tokens[b], gen.logits[b], self.tokens[b][:n], self.logits[b][:n], what, self.flips)
-
-
-def check_tokens(ours, our_logits, ref, ref_logits, what: str, flips: list) -> None:
-    """Equal tokens, or a first difference where the reference had a near tie (recorded in ``flips``)."""
-    diff = (ours != ref).nonzero()
-    n = ref.numel() if diff.numel() == 0 else int(diff[0]) + 1
-    err = float((our_logits[:n] - ref_logits[:n]).abs().max())
-    assert rel_err(our_logits[:n], ref_logits[:n]) <= 1e-4, f"{what}: decode logits off by {err:.2e}"
-    if diff.numel():  # after a flip the contexts differ, so later tokens cannot be compared
-        i = n - 1
-        err = float((our_logits[i] - ref_logits[i]).abs().max())  # the error at the flipped step itself
-        flips.append((what, i))
-        top = ref_logits[i].topk(2).values
-        margin = float(top[0] - top[1])
-        assert margin <= 2 * err, (
-            f"{what}: token {i} is {int(ours[i])}, reference {int(ref[i])}, with a top-2 margin {margin:.2e} "
-            f"above twice the logit error {err:.2e}: a real mismatch, not a near tie"
-        )
 
 
 def check_hidden(ref: Reference) -> None:

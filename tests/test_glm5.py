@@ -30,6 +30,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_oracle import NEW_TOKENS, PROMPT_LENS, VOCAB, Reference, forward_logits, perturbed, rel_err  # noqa: E402
+from near_tie import check_choices  # noqa: E402
 
 import cpattn  # noqa: E402
 from cpattn.comm.launch import spawn  # noqa: E402
@@ -379,9 +380,9 @@ def test_decode_steps_captured_on_gloo_ranks():
     for name, per_rank in zip(("glm_moe_dsa",), zip(*spawn(2, capture_many, ["glm_moe_dsa"]))):
         for res in per_rank:
             assert [path for _, _, path, _, _, _ in res] == ["graph:2", "graph:2", "graph:4", "graph:4"], name
-            for g_logits, e_logits, _, g_arg, e_arg, _ in res:
-                assert rel_err(g_logits, e_logits) <= 1e-5, name
-                assert torch.equal(g_arg, e_arg), name
+            for g_logits, e_logits, _, g_arg, e_arg, _ in res:  # float32, padded rows: up to a counted near tie
+                check_choices(g_arg, g_logits, e_arg, e_logits, f"{name} graph vs eager, {len(g_arg)} requests", FLIPS,
+                              rel=1e-5)
         assert torch.equal(per_rank[0][0][0], per_rank[1][0][0])  # every rank holds the same logits
 
 

@@ -29,10 +29,12 @@ from cpattn.engine.drafters import DraftSettings
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.models import deepseek_v4 as v4
 from cpattn.models import generate as gen
+from near_tie import check_tokens
 from test_v4_model_hf import NEW, VOCAB, ref, rel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 _ONE: list = []
+FLIPS: list[tuple[str, int]] = []  # float32 near-tie flips seen (DESIGN.md §5: count them)
 
 
 def model():
@@ -45,9 +47,9 @@ def prompts(r):
 
 
 def check_hf(out, r, *, with_prompt_logits=True):
+    """HF's greedy tokens (float32: up to a counted near tie, DESIGN.md §5), logits within 1e-4."""
     for b in range(2):
-        assert out.tokens[b].tolist() == r.tokens[b].tolist(), f"request {b}: tokens differ from HF greedy"
-        assert rel(out.logits[b], r.logits[b]) <= 1e-4, f"request {b}: logits off"
+        check_tokens(out.tokens[b], out.logits[b], r.tokens[b], r.logits[b], f"request {b} vs HF", FLIPS)
     if with_prompt_logits:
         assert rel(out.prompt_logits, torch.cat(r.prompt_logits)) <= 1e-4
 
@@ -60,9 +62,11 @@ def one_device():
 
 
 def check_one(out):
+    """One device's tokens (up to a counted near tie), logits within 1e-5."""
     one = one_device()
-    assert torch.equal(out.tokens, one.tokens)
-    assert rel(out.logits, one.logits) <= 1e-5
+    for b in range(2):
+        check_tokens(out.tokens[b], out.logits[b], one.tokens[b], one.logits[b], f"request {b} vs one device", FLIPS,
+                     rel=1e-5)
 
 
 def test_one_device_matches_hf():
@@ -138,3 +142,8 @@ def test_a_cached_prefix_is_refused():
     with pytest.raises(ValueError, match="not supported for DeepSeek-V4"):
         driver.prefill_fn(SimMesh(1).groups()[0], v4.FAMILY, params, cfg, Prompts.of(prompts(r)), Algorithms(), False,
                           prefix)
+
+
+def test_near_tie_flips_stay_rare():
+    """Runs last in this file: of every layout compared above, at most one may end in a near-tie flip."""
+    assert len(FLIPS) <= 1, FLIPS

@@ -49,7 +49,8 @@ def MODEL():
     from cpattn.models import deepseek_v4 as v4
 
     cfg = v4.DeepseekV4Config.tiny()
-    return cfg, v4.init_params(cfg, seed=3, std=0.2)
+    params = v4.init_params(cfg, seed=3, std=0.2)  # in float64: tokens compared with torch.equal (DESIGN.md §5)
+    return cfg, {n: t.double() if t.is_floating_point() else t for n, t in params.items()}
 
 
 PROMPTS, NEW = [[5, 9, 2, 7, 1], [(3 * i + 1) % 64 for i in range(37)]], 6

@@ -32,6 +32,7 @@ from cpattn.graphs import check_static
 from cpattn.graphs.backends import CompileBackend
 from cpattn.models import deepseek_v4 as v4
 from cpattn.models import generate as gen
+from near_tie import check_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CFG = v4.DeepseekV4Config.tiny(num_hidden_layers=2, layer_types=("csa", "hca"), mlp_layer_types=("hash_moe", "moe"),
@@ -83,7 +84,10 @@ def test_decode_runner_replays_the_captured_step():
     res = decode(g, v4.FAMILY, params, CFG, cache, p.lists(), first, steps, drafter=NgramDrafter(max_ngram=2),
                  num_speculative_tokens=k, runner=runner)
     eager = gen.generate(v4, params, CFG, PROMPTS, steps + 1)
-    assert torch.equal(res.tokens, eager.tokens[:, 1:])
-    assert float((res.logits - eager.logits[:, 1:]).abs().max() / eager.logits.abs().max()) <= 1e-5
+    flips: list = []  # float32, padded rows: equal up to a near tie (DESIGN.md §5), at most one
+    for b in range(len(PROMPTS)):
+        check_tokens(res.tokens[b], res.logits[b], eager.tokens[b, 1:], eager.logits[b, 1:], f"request {b}", flips,
+                     rel=1e-5)
+    assert len(flips) <= 1, flips
     assert runner.stats.graph == res.stats.steps and runner.stats.eager == 0
     assert runner.stats.padded_tokens == 2 * res.stats.steps and backend.compiles == 1
