@@ -39,7 +39,7 @@ def test_docs_python_snippet_runs_as_written(name, index, block):
 
 def _commands() -> list[list[str]]:
     out = []
-    for doc in DOCS:
+    for doc in [*DOCS, DOCS[0].parents[1] / "README.md"]:
         for tag, block in re.findall(r"```(bash|sh)?\n(.*?)```", doc.read_text(), re.S):
             first = next((x for x in block.splitlines() if x.strip()), "")
             if not tag and not re.match(r"(cpattn |[A-Z]+=)", first):  # an untagged block of prose or formulas
@@ -61,8 +61,11 @@ def test_docs_show_commands():
 
 @pytest.mark.parametrize("words", sorted({tuple(c[:2]) for c in COMMANDS if c}), ids=lambda w: " ".join(w))
 def test_every_docs_command_answers_help(words, capsys):
-    from cpattn.cli import COMMANDS, GROUPS, _load
+    from cpattn.cli import COMMANDS, GROUPS, _load, main
 
+    if words[0] == "--help":  # cpattn --help: every command
+        assert main(["--help"]) == 0 and "train-draft" in capsys.readouterr().out
+        return
     if words[0] in GROUPS:
         assert len(words) > 1 and words[1] in GROUPS[words[0]], words
         target = GROUPS[words[0]][words[1]][0]

@@ -22,6 +22,15 @@ def test_readme_python_example_runs_and_is_exact(capsys):
     assert scope["gen"].tokens.shape == (2, 8)
 
 
+def test_readme_engine_example_runs_alone():
+    """The engine snippet runs as written in a fresh session (it imports what it uses, torch included)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    engine = next(b for b in blocks if "engine_configs" in b)
+    scope: dict = {}
+    exec(compile(engine, str(README), "exec"), scope)  # noqa: S102
+    assert torch.equal(scope["gen"].tokens, scope["one"].tokens)
+
+
 def test_cli_help_lists_commands(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
