@@ -44,11 +44,6 @@ import sys
 import threading
 
 from cpattn.bench import args as cli
-from cpattn.comm.listeners import loopback_only_namespace, process_tree, reachable_beyond_loopback
-from cpattn.pool.base import StoreUnavailable
-from cpattn.pool.mooncake_store import (
-    MooncakeStore, mooncake_unavailable_reason, mooncake_version, start_master, stop_process,
-)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -109,6 +104,9 @@ def exposure_warning(pid: int | None = None) -> str | None:
     >>> exposure_warning() is None or exposure_warning().startswith("warning: ")
     True
     """
+    from cpattn.comm.listeners import process_tree, reachable_beyond_loopback
+    from cpattn.pool.mooncake_store import mooncake_version
+
     exposed = reachable_beyond_loopback(process_tree(pid or os.getpid()))
     if not exposed:
         return None
@@ -127,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
                    help="pool memory to contribute, e.g. 512MiB or 2GiB (default: 1GiB)")
     p.add_argument("--lease-ttl-ms", type=cli.positive_int, default=1000, metavar="MS",
                    help="how long a read or written object is protected from eviction")
-    p.add_argument("--master-log", default=None, metavar="PATH",
+    p.add_argument("--master-log", default=None, metavar="PATH", type=cli.output_file,
                    help="file for mooncake_master's log (default: discarded)")
     return p
 
@@ -135,6 +133,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the pool server until SIGINT / SIGTERM; returns the exit status (0 stopped, 1 failed, 2 unusable)."""
     args = parser().parse_args(argv)
+    from cpattn.comm.listeners import loopback_only_namespace
+    from cpattn.pool.base import StoreUnavailable
+    from cpattn.pool.mooncake_store import MooncakeStore, mooncake_unavailable_reason, start_master, stop_process
+
     reason = mooncake_unavailable_reason()
     if reason:
         print(f"cpattn pool serve: {reason}", file=sys.stderr)
