@@ -346,5 +346,6 @@ def _with_fixes(cls, flat: dict, found: list[str], strict: bool) -> list[str]:
 
     searchable = [param(p) for p in found if param(p) in FIX_FIELDS]
     also = tuple(dict.fromkeys(f for n in searchable for f in FIX_FIELDS[n][:1]))
-    return [searched_fix(p, flat, FIX_FIELDS, ok, also=also if len(searchable) == 2 else (), progress=progress)
+    return [p if "allow_pcp_with_dcp" in p.rpartition("; fix: ")[2] else  # its fix names the opt-in: kept
+            searched_fix(p, flat, FIX_FIELDS, ok, also=also if len(searchable) == 2 else (), progress=progress)
             for p in found]
