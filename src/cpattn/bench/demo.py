@@ -129,10 +129,7 @@ def _check_args(a, world: int | None) -> tuple[int, int]:
     default = world or 2
     pcp = a.prefill_context_parallel_size or default
     dcp = a.decode_context_parallel_size or default
-    w = max(pcp, dcp)
-    if pcp not in (1, w) or dcp not in (1, w):
-        cli.usage_error(PROG, f"argument --pcp/--dcp: saw --pcp={pcp} --dcp={dcp}; rule: each is 1 or the number of "
-                              f"ranks ({w}): both engines share the same ranks; fix: use --pcp {w} --dcp {w}, or 1")
+    w = max(pcp, dcp)  # sizes the engines cannot share are refused by check(), which knows the model
     if world is not None and w != world:
         cli.usage_error(PROG, f"argument --pcp/--dcp: saw --pcp={pcp} --dcp={dcp} under torchrun with {world} "
                               f"processes; rule: they need {w}; fix: use --nproc-per-node {w} or drop --pcp/--dcp")
@@ -175,8 +172,24 @@ def check(spec):
     try:
         return engine_configs(spec, family, cfg)
     except ConfigError as e:
+        problems = e.problems
+        if any(p.startswith(("tp_size:", "dcp_size:", "pcp_size:", "world_size:")) for p in problems):
+            from cpattn.engine.checks import nearest_sizes  # a fix for the sizes: pairs that pass every rule
+
+            def fits(p, n):
+                try:
+                    return bool(engine_configs(dataclasses.replace(spec, pcp=p, dcp=n), family, cfg))
+                except ConfigError:
+                    return False
+
+            offers = nearest_sizes(fits, spec.pcp, spec.dcp)
+            if offers:
+                fix = ", ".join(f"--pcp {p} --dcp {n}" for p, n in offers)
+                problems = [f"{p.rpartition('; fix: ')[0]}; fix: use {fix}"
+                            if p.startswith(("tp_size:", "dcp_size:", "pcp_size:", "world_size:")) else p
+                            for p in problems]
         # the demo's decode engine has tp = dcp: a TP rule is a DCP rule here; head counts are the model's
-        cli.speak_problems(PROG, e.problems, {"tp_size": "--decode-context-parallel-size/--dcp",
+        cli.speak_problems(PROG, problems, {"tp_size": "--decode-context-parallel-size/--dcp",
                                               "num_attention_heads": "num_attention_heads", "graph_backend": "--backend",
                                               "kv_pool": "--kv-pool"})
 
