@@ -86,3 +86,25 @@ def test_engine_layout_fixes_pass_every_rule(p, n):
         ok = checks.engine_problems(fam, cfg, pre.replace(pcp_size=pp), dec.replace(tp_size=nn, dcp_size=nn),
                                     world_size=ranks, topology="colocated")
         assert ok == [], (p, n, found, (ranks, pp, nn), ok)
+
+
+@pytest.mark.parametrize("argv", [["--pcp", "3"], ["--dcp", "8"], ["--pcp", "3", "--dcp", "3"], ["--dcp", "3"]])
+def test_demo_size_fixes_pass_the_demo_check(argv, capsys):
+    """`cpattn demo --pcp 3` / `--dcp 8` offered `--pcp W --dcp W`, which the heads rule refused next: every pair
+    offered now passes the demo's whole check (before any rank starts)."""
+    import re
+
+    from cpattn.bench import demo
+
+    def checked(args):
+        a = demo.parser().parse_args(args)
+        return demo.check(demo._spec(a, None))
+
+    with pytest.raises(SystemExit) as e:
+        checked(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    offers = re.findall(r"--pcp (\d+) --dcp (\d+)", err.rpartition("fix: ")[2])
+    assert offers, err
+    for p, n in offers:
+        checked(["--pcp", p, "--dcp", n])  # raises SystemExit if refused
