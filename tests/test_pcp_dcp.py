@@ -66,12 +66,16 @@ def test_mla_dsa(name):
 
 
 def test_with_speculative_decoding():
-    """One engine with PCP may only speculate with the guide's methods; a PCP prefill engine and a DCP decode
+    """One engine with PCP speculates with any drafter, exactly (a method outside the guide's list is a
+    compatibility note, refused with strict_guide=True: docs/compat.md); a PCP prefill engine and a DCP decode
     engine on the same ranks (the same computation) may use any drafter."""
     model, params, cfg, ref = reference("qwen3")
+    out = pcp_dcp_generate(model, params, cfg, prompts(), NEW, config=pcp_dcp_config(model, cfg, 4, interleave_size=2),
+                           drafter=NgramDrafter(), num_speculative_tokens=3)
+    assert torch.equal(out.tokens, ref.tokens)
     with pytest.raises(ConfigError, match="speculative_method"):
-        pcp_dcp_generate(model, params, cfg, prompts(), NEW, config=pcp_dcp_config(model, cfg, 4, interleave_size=2),
-                         drafter=NgramDrafter(), num_speculative_tokens=3)
+        pcp_dcp_config(model, cfg, 4, interleave_size=2).replace(speculative_method="ngram", num_speculative_tokens=3,
+                                                                 strict_guide=True)
     pre, dec = driver.engine_configs(model.FAMILY, cfg, pcp_size=4, dcp_size=4, interleave_size=2,
                                      num_speculative_tokens=3)
     outs = simulate(4, driver.generate_on_rank, model.FAMILY, params, cfg, prompts(), NEW, prefill=pre, decode=dec,
