@@ -11,16 +11,19 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, normalized in float32 like the reference.
+    """RMSNorm over the last dim, normalized in float32 like the reference (float64 for float64 x).
 
-    x: [..., D]; weight: [D]. Returns [..., D] in ``weight * x.dtype`` promotion.
+    x: [..., D]; weight: [D]. Returns [..., D] in ``weight * x.dtype`` promotion. A float64 run stays
+    float64: a float32 cast there would round two float64 paths that differ in their last bits to values
+    a float32 ulp apart now and then, and every tight comparison after it would test that rounding.
 
     >>> rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6).shape
     torch.Size([2, 4])
     """
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for a float64 run
+    xa = x.to(acc)
+    xa = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xa.to(x.dtype)
 
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
