@@ -5,11 +5,13 @@ declarations and one call:
 
 - ``method``: its name as ``SpeculativeConfig.speculative_method`` ("ngram",
   "draft_model", "mtp", "eagle3", "dspark"): the guide's rules with PCP
-  check it (MTP for MLA/DSA, Eagle3 for GQA, DSpark for DSA);
+  see it (MTP for MLA/DSA, Eagle3 for GQA, DSpark for DSA: compatibility
+  notes, refusals with ``strict_guide=True``; docs/compat.md);
 - ``settings``: its :class:`DraftSettings` (draft sampling, draft attention,
   adaptive verification, dynamic draft length), routed into the engine's
-  :class:`~cpattn.config.SpeculativeConfig` so the guide's constraints
-  refuse what PCP does not allow (:func:`speculative_fields`);
+  :class:`~cpattn.config.SpeculativeConfig` so the guide's constraints with
+  PCP see them too (:func:`speculative_fields`); :func:`check_drafter`
+  refuses what cpattn's drafters do not implement, under every layout;
 - ``hidden_layers``: None for a drafter that reads tokens only, else the
   target hidden states it reads -- a tuple of layer indices (possibly
   empty); ``"norm"`` (the final-normed state) always comes with them;
