@@ -18,6 +18,7 @@ assumption the numbers rest on is printed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from cpattn.bench import args as cli
@@ -169,6 +170,16 @@ def _load(prog: str, flag: str, path, keys: tuple[str, ...]):
     return data
 
 
+@contextlib.contextmanager
+def _reading(prog: str, flag: str, path):
+    """Within the block, a benchmark output that lacks or mistypes a field is a usage error naming ``flag``."""
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        cli.bad_value(prog, flag, repr(path), f"the --json output of its benchmark (it lacks or mistypes {e})",
+                      f"pass what `cpattn bench {flag[2:].split('-')[0]} --json PATH` wrote")
+
+
 def _validate(argv) -> int:
     ap = cli.parser("cpattn plan validate", "Predicted vs measured ratios of cpattn bench pcp / dcp / graph.")
     ap.add_argument("--profile", default="cpu", help="the calibrated CPU profile (default) or a profile JSON")
@@ -183,40 +194,45 @@ def _validate(argv) -> int:
                          "predicted with the CPU-time shares and transfer costs (bench graph has wall ratios only)")
     cli.add_json(ap)
     a = ap.parse_args(argv)
+    pcp = _load(ap.prog, "--pcp-json", a.pcp_json, ("spec", "world_size"))  # every input checked before any work
+    dcp = _load(ap.prog, "--dcp-json", a.dcp_json, ("config", "dcp"))
+    graph = _load(ap.prog, "--graph-json", a.graph_json, ("config",))
+    prof = _profile(ap.prog, a.profile)
     from cpattn.plan import validate as v
 
-    prof = _profile(ap.prog, a.profile)
     pairs, detail = [], {}
-    pcp = _load(ap.prog, "--pcp-json", a.pcp_json, ("spec", "world_size"))
     if pcp is not None:
-        s = pcp["spec"]
-        seq, heads, kvh, d, p = sum(s["seq_lens"]), s["heads"], s["kv_heads"], s["head_dim"], pcp["world_size"]
+        with _reading(ap.prog, "--pcp-json", a.pcp_json):
+            s = pcp["spec"]
+            seq, heads, kvh, d, p = sum(s["seq_lens"]), s["heads"], s["kv_heads"], s["head_dim"], pcp["world_size"]
     else:
         seq, (heads, kvh), d, p = a.pcp_seq, (int(x) for x in a.pcp_heads.split(",")), 128, 2
     pr = v.predict_pcp(prof, seq=seq, heads=heads, kv_heads=kvh, head_dim=d, pcp=p, clock=a.clock)
     detail["pcp"] = pr
-    pairs.append((f"bench pcp: ring / one rank ({seq} tokens, {heads}/{kvh} heads, P={p}), {a.clock}", pr["ratio"],
-                  None if pcp is None else v.measured_pcp(pcp, a.clock)))
-    dcp = _load(ap.prog, "--dcp-json", a.dcp_json, ("config", "dcp"))
+    with _reading(ap.prog, "--pcp-json", a.pcp_json):
+        pairs.append((f"bench pcp: ring / one rank ({seq} tokens, {heads}/{kvh} heads, P={p}), {a.clock}",
+                      pr["ratio"], None if pcp is None else v.measured_pcp(pcp, a.clock)))
     ctx = a.dcp_context
     if dcp is not None:
-        c = dcp["config"]
-        ctx = ctx if ctx in c["contexts"] else c["contexts"][-1]
-        dr = v.predict_dcp(prof, context=ctx, batch=c["batch"], heads=c["hq"], kv_heads=c["hkv"], head_dim=c["d"],
-                           dcp=dcp["dcp"], kv_bytes=2 if c["dtype"] in ("bfloat16", "float16") else 4, clock=a.clock)
-        meas = v.measured_dcp(dcp, ctx, a.clock)
+        with _reading(ap.prog, "--dcp-json", a.dcp_json):
+            c = dcp["config"]
+            ctx = ctx if ctx in c["contexts"] else c["contexts"][-1]
+            dr = v.predict_dcp(prof, context=ctx, batch=c["batch"], heads=c["hq"], kv_heads=c["hkv"],
+                               head_dim=c["d"], dcp=dcp["dcp"], kv_bytes=2 if c["dtype"] in ("bfloat16", "float16")
+                               else 4, clock=a.clock)
+            meas = v.measured_dcp(dcp, ctx, a.clock)
     else:
         dr, meas = v.predict_dcp(prof, context=ctx, clock=a.clock), {}
     detail["dcp"] = dr
     for k, val in dr["ratio"].items():
         pairs.append((f"bench dcp: whole step {k} / one rank ({ctx} context), {a.clock}", val, meas.get(k)))
-    graph = _load(ap.prog, "--graph-json", a.graph_json, ("config",))
     if graph is not None:
-        c = graph["config"]
-        gr = v.predict_graph(prof, layers=c["layers"], batches=tuple(c["batches"]), dcp=c["decode_context_parallel_size"],
-                             merge=c["merge"], hidden=c["hidden"], heads=c["heads"], kv_heads=c["kv_heads"],
-                             head_dim=c["head_dim"], context=c["context"])
-        meas_g = v.measured_graph(graph)
+        with _reading(ap.prog, "--graph-json", a.graph_json):
+            c = graph["config"]
+            gr = v.predict_graph(prof, layers=c["layers"], batches=tuple(c["batches"]),
+                                 dcp=c["decode_context_parallel_size"], merge=c["merge"], hidden=c["hidden"],
+                                 heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], context=c["context"])
+            meas_g = v.measured_graph(graph)
     else:
         gr, meas_g = v.predict_graph(prof), {}
     detail["graph"] = gr
