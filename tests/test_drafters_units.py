@@ -383,6 +383,7 @@ def test_train_draft_command(tmp_path, capsys):
     assert target_main(["--model", "qwen3", "--out", str(tmp_path / "t"), "--seconds", "1", "--vocab", "32",
                         "--hidden", "32", "--layers", "2"]) == 0
     assert (tmp_path / "t" / "corpus.json").exists() and (tmp_path / "t" / "loss.png").exists()
+    capsys.readouterr()  # train-target's phase lines
     for argv, message in (
             (["--method", "eagle3", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
              "argument --model: saw"),

@@ -255,13 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     from cpattn.drafters.progress import Budget, Phases
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    ph = Phases("train-draft", enabled=not args.no_progress)
-    ph.phase("loading the target", args.model)
-    model, cfg, params = tg.load(args.model)
+    from cpattn.drafters.checkpoint import read_config
+    from cpattn.engine.family import get_family
+
+    model = get_family(read_config(args.model)).name  # the family first: a usage error before any loading
     if METHODS[args.method] is not None and model not in METHODS[args.method]:
         fits = [m for m, targets in sorted(METHODS.items()) if targets is None or model in targets]
         usage_error(prog, f"argument --method: saw {args.method!r} for a {model} target; rule: {RULES[args.method]}; "
                           f"fix: --method {' or '.join(fits)} for this target")
+    ph = Phases("train-draft", enabled=not args.no_progress)
+    ph.phase("loading the target", args.model)
+    model, cfg, params = tg.load(args.model)
     budget = Budget(None if args.steps else args.seconds)
     prompts = prompts_for(args.model, cfg, args.prompts, args.prompt_len, args.seed)
     ph.phase("generating data", f"the target continues {args.prompts} prompts greedily to {args.length} tokens"
