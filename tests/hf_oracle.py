@@ -43,6 +43,24 @@ def perturbed(model_class, config, seed: int = 0):
     return model
 
 
+def perturbed_v4(config, seed: int = 0):
+    """A seeded, eager ``DeepseekV4ForCausalLM(config)`` with hash-routing tables drawn and norms / biases /
+    sinks / scales moved off their init values (so every parameter kind matters to the logits)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("tid2eid"):
+                t.copy_(torch.randint(0, 4, t.shape, generator=g))
+            elif any(s in name for s in ("norm", "bias", "sinks", "base", "scale")):
+                t.add_(0.3 * torch.randn(t.shape, generator=g))
+    return model
+
+
 def forward_logits(module, params: dict, cfg, tokens: torch.Tensor, cu_seqlens: list[int], **kw):
     """``module.forward`` of packed prompts (requests by ``cu_seqlens``) on a fresh dense cache."""
     lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]

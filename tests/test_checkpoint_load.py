@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_oracle import forward_logits, perturbed, rel_err  # noqa: E402
+from hf_oracle import forward_logits, perturbed, perturbed_v4, rel_err  # noqa: E402
 
 from cpattn.engine.family import FAMILY_MODULES, get_family  # noqa: E402
 from cpattn.models import load_checkpoint  # noqa: E402
@@ -62,18 +62,7 @@ def hf_model(model_type: str, seed: int = 0):
     cls, config = HF[model_type]
     if model_type != "deepseek_v4":
         return perturbed(getattr(transformers, cls), config(), seed)
-    torch.manual_seed(seed)
-    cfg = config()
-    cfg._attn_implementation = "eager"
-    model = transformers.DeepseekV4ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("tid2eid"):
-                t.copy_(torch.randint(0, 4, t.shape, generator=g))
-            elif any(s in name for s in ("norm", "bias", "sinks", "base", "scale")):
-                t.add_(0.3 * torch.randn(t.shape, generator=g))
-    return model
+    return perturbed_v4(config(), seed)
 
 
 def our_logits(model_type: str, params: dict, cfg, tokens: torch.Tensor) -> torch.Tensor:

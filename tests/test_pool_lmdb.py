@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from pool_blocks import random_blocks, same_blocks
 
 from cpattn.pool import KVPool, PoolIdentity, PoolUnavailableWarning, codec, open_pool
 from cpattn.pool.lmdb_store import LMDBStore
@@ -17,12 +18,10 @@ BLOB = codec.encoded_size(IDENT.dtype, IDENT.block_shape)
 
 
 def blocks(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(IDENT.block_shape, generator=g).to(IDENT.dtype) for _ in range(n)]
+    return random_blocks(IDENT, n, seed)
 
 
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+same = same_blocks
 
 
 def test_round_trip_survives_reopening(tmp_path):

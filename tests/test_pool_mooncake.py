@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from pool_blocks import random_blocks, same_blocks
 
 from cpattn.pool import PoolIdentity, PoolUnavailableWarning, block_keys, codec, open_pool
 from cpattn.pool.mooncake_store import free_port, mooncake_unavailable_reason
@@ -30,12 +31,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def blocks(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(IDENT.block_shape, generator=g).to(IDENT.dtype) for _ in range(n)]
+    return random_blocks(IDENT, n, seed)
 
 
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+same = same_blocks
 
 
 class Served:

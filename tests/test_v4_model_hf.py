@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_oracle import perturbed_v4
 from near_tie import check_tokens
 
 transformers = pytest.importorskip("transformers")
@@ -43,7 +44,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_model(seed: int = 0):
-    torch.manual_seed(seed)
     cfg = transformers.DeepseekV4Config(
         vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
         head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5, n_routed_experts=4, num_experts_per_tok=2,
@@ -54,16 +54,7 @@ def hf_model(seed: int = 0):
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                          "beta_fast": 32, "beta_slow": 1},
         max_position_embeddings=128, initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    cfg._attn_implementation = "eager"
-    model = transformers.DeepseekV4ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("tid2eid"):
-                t.copy_(torch.randint(0, 4, t.shape, generator=g))
-            elif any(s in name for s in ("norm", "bias", "sinks", "base", "scale")):
-                t.add_(0.3 * torch.randn(t.shape, generator=g))
-    return model
+    return perturbed_v4(cfg, seed)
 
 
 def greedy(params, cfg, prompts, n_new, cache, group=None):
