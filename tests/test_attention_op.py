@@ -127,7 +127,7 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.cpattn.attention_with_lse, (q, k, v, _cu([3, 4]), _cu([5, 4]), True, 0.25))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiles_fullgraph(backend):
     q, k, v, *_ = _inputs([3, 4], [5, 4], 4, 2, 16, 16)
     cq, ck = _cu([3, 4]), _cu([5, 4])

@@ -362,6 +362,7 @@ def test_meta_tensors_on_one_device_only_propagate_shapes():
     assert out.shape == (2, 4, 16) and out.device == META
 
 
+@pytest.mark.slow
 def test_checks_are_skipped_inside_torch_compile():
     """A compiled program calling write_kv traces whole (fullgraph: no graph break from a check's host read),
     matches eager on valid slots, and does not check values at run time (that is the plan step's job)."""

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from cpattn.bench import comm, graph
 
 
+@pytest.mark.slow
 def test_bench_comm_algorithms_agree(tmp_path, capsys):
     out = tmp_path / "comm.json"
     assert comm.main(["--sizes", "4096,2000000", "--reps", "1", "--json", str(out)]) == 0
@@ -18,6 +21,7 @@ def test_bench_comm_algorithms_agree(tmp_path, capsys):
     assert "ratio" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_graph_replays_every_timed_step(tmp_path):
     out = tmp_path / "graph.json"
     argv = ["--layers", "1", "--batches", "2", "--context", "16", "--reps", "2", "--backend", "aot_eager",
@@ -31,6 +35,7 @@ def test_bench_graph_replays_every_timed_step(tmp_path):
         assert rank["stats"]["sizes"] == {"2": rank["stats"]["graph"]}
 
 
+@pytest.mark.slow
 def test_bench_paged_times_every_path_and_names_the_pick():
     import torch
 
@@ -73,6 +78,7 @@ def test_measure_interleaves_rounds_and_takes_the_slowest_rank():
     assert [n for r, n in order if r == 0] == list("abc" "bca" "cab")  # round i starts with function i
 
 
+@pytest.mark.slow
 def test_bench_dcp_tiny_run_reports_ratios_with_spread_and_constant_merge_bytes(tmp_path, capsys):
     from cpattn.bench import dcp
 
@@ -91,6 +97,7 @@ def test_bench_dcp_tiny_run_reports_ratios_with_spread_and_constant_merge_bytes(
     assert [steps[v]["collectives_per_layer"] for v in ("ag_rs", "a2a", "local_a2a", "local_ag")] == [4, 3, 2, 1]
 
 
+@pytest.mark.slow
 def test_bench_dsa_cp_prefill_tiny_run_has_spreads_and_exact_work():
     from cpattn.bench import dsa
 
@@ -101,6 +108,7 @@ def test_bench_dsa_cp_prefill_tiny_run_has_spreads_and_exact_work():
     assert rows[2]["indexer_imbalance"] == 1.0 and rows[1]["indexer_imbalance"] > 1.0  # head-tail balances
 
 
+@pytest.mark.slow
 def test_bench_pool_ttft_on_lmdb(tmp_path):
     """The pool benchmark's engine part on LMDB at tiny sizes: the warm request finds 7/8 of its prompt."""
     from cpattn.bench import pool
@@ -113,6 +121,7 @@ def test_bench_pool_ttft_on_lmdb(tmp_path):
         assert r["stored_bytes_per_rank"] > 0 and r["cold_ms"] > 0 and r["warm_ms"] > 0
 
 
+@pytest.mark.slow
 def test_bench_mlapo_times_both_paths_with_equal_logits(tmp_path):
     from cpattn.bench import mlapo
 
@@ -126,6 +135,7 @@ def test_bench_mlapo_times_both_paths_with_equal_logits(tmp_path):
         assert x["low"] <= x["median"] <= x["high"]
 
 
+@pytest.mark.slow
 def test_bench_pcp_compares_with_pytorchs_ring_on_both_clocks(tmp_path):
     from cpattn.bench import pcp
 

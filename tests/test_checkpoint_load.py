@@ -84,6 +84,7 @@ def test_every_listed_family_has_a_case():
     assert sorted(HF) == sorted(FAMILY_MODULES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(FAMILY_MODULES))
 def test_save_pretrained_loads_with_hf_logits(tmp_path, model_type):
     hf = hf_model(model_type)
@@ -100,6 +101,7 @@ def test_save_pretrained_loads_with_hf_logits(tmp_path, model_type):
     assert rel_err(got, want) <= 1e-4, f"{model_type}: logits off by {rel_err(got, want):.2e}"
 
 
+@pytest.mark.slow
 def test_deepseek_v4_loads_both_spellings_alike(tmp_path):
     """DeepSeek's original names (save_pretrained) and HF's module names (a raw state dict) load to the
     same params; a bf16 load keeps the reference's float32 tensors float32 (the family's dtype rule)."""

@@ -166,6 +166,7 @@ def test_deepseek_v4_original_names_are_checked_as_spelled(tmp_path):
         check_checkpoint(src)
 
 
+@pytest.mark.slow
 def test_demo_refuses_a_bad_checkpoint_before_any_rank(tmp_path, good):
     """num_hidden_layers 10**6 against 2 layers (which used to size 3.4 GB over 47 s, then a KeyError)."""
     conf = {"num_hidden_layers": 10**6}

@@ -171,6 +171,7 @@ def results(tmp_path_factory):
     return {tuple(argv): r for (argv, _), r in zip(CASES, json.loads(proc.stdout))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, names", CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_bad_invocation_is_one_line_exit_2(results, argv, names):
     r = results[tuple(argv)]
@@ -190,6 +191,7 @@ def test_bad_invocation_from_a_shell():
     assert "--seq-lens" in line and "-3" in line and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_json_dash_is_pure_json_and_a_log_gets_no_progress_updates():
     argv = ["prefill", "--seq-lens", "40,9", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--reps", "1",
             "--json", "-"]

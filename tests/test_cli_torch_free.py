@@ -110,6 +110,7 @@ def test_pool_help_is_the_pool_groups_own():
     assert "demo" not in r["stdout"] and "bench" not in r["stdout"], r["stdout"]
 
 
+@pytest.mark.slow
 def test_the_cli_tables_agree_with_the_registries():
     """args.py's torch-free lists (parsed before torch) are the registries' own names (in a fresh process:
     this one's tests register backends of their own)."""

@@ -37,11 +37,13 @@ def test_simulated_collectives(n):
     check(cpattn.simulate(n, collectives), n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_gloo_collectives_match(n):
     check(spawn(n, collectives), n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_gloo_algorithms_match_a_float64_oracle(n):
     """native and a2a collectives against sums computed here in float64; a2a gives every rank the same bits."""
@@ -119,6 +121,7 @@ def test_error_on_one_rank_is_reraised_not_hung():
         cpattn.simulate(3, f, timeout_s=30)
 
 
+@pytest.mark.slow
 def test_gloo_dead_peer_is_an_error_not_a_hang():
     with pytest.raises(SpawnError, match="rank 0"):
         spawn(2, hang_rank1, timeout_s=5)

@@ -200,6 +200,7 @@ def _broken(layout: dict) -> collections.Counter:
         return collections.Counter(p.split(":")[0] for p in e.problems)
 
 
+@pytest.mark.slow
 def test_every_offered_fix_passes_every_rule():
     """Applying an offered fix never breaks a rule the layout kept: with one or two broken rules it leaves
     none (the next rule is checked too); with more, fewer and no new one (each problem's fix does its part)."""

@@ -280,6 +280,7 @@ def gloo_rank(group, cases, prefill):
     return res, pre, compiled
 
 
+@pytest.mark.slow
 def test_dcp_decode_gloo():
     """Two gloo ranks (4 gloo ranks of DCP run in test_dcp_variants and test_pcp_dcp; 4 simulated ranks above)."""
     n = 2

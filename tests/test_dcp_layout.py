@@ -46,6 +46,7 @@ def test_owner_local_index_and_lens_match_a_plain_deal(args):
     assert int(lens.sum()) == s
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 8), st.sampled_from([1, 2, 8]), st.lists(st.integers(0, 200), min_size=1, max_size=5))
 def test_local_lens_batched_and_prefix_visibility(n, inter, seq_lens):

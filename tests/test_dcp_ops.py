@@ -120,7 +120,7 @@ def _traced(fn, backend="aot_eager"):
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[c.id for c in CASES])
 def test_traced_decomposition_matches_oracle(case, backend):
     q, k_cache, v_cache, table, req, lens = case_args(case)
@@ -135,7 +135,7 @@ def test_traced_decomposition_matches_oracle(case, backend):
     assert (o.double() - want_o).abs().max() <= (eager[0].double() - want_o).abs().max() + 1e-6
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", [None, "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_unused_table_entries_may_hold_any_id(backend):
     """Columns past a row's visible keys are never read into a result, whatever id (or -1) they hold."""
     gen = torch.Generator().manual_seed(5)
@@ -297,7 +297,8 @@ def test_opcheck():
                           (torch.zeros(4, 8, 1, 24), torch.randn(3, 16), torch.randn(3, 8), torch.tensor([3, -1, 9])))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("opaque", [False, True])
 def test_write_then_attend_compiles_fullgraph(backend, opaque, monkeypatch):
     """Both ways a compiled CPU step can meet the ops: traced decompositions, or (as CUDA / NPU graphs

@@ -96,6 +96,7 @@ def test_merge_of_nan_partial_stays_nan():
 
 
 # ----------------------------------------------------------------------------- the engine's DCP step
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_engine_step_variants_equal_one_device(n):
     from cpattn.engine.decode import decode

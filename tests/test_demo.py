@@ -44,6 +44,7 @@ def _run(tmp_path, *flags):
     return code, json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_demo_graph_mode_matches_single_device(tmp_path, capsys, expected_tokens):
     """PCP=2 prefill -> DCP=2 decode, the whole step compiled by inductor; batch 3 is padded to size 4."""
     code, out = _run(tmp_path, "--backend", "cpu")
@@ -65,6 +66,7 @@ def test_demo_graph_mode_matches_single_device(tmp_path, capsys, expected_tokens
     assert "TTFT_ms" in printed and "TPOT_ms" in printed and "18/18 identical" in printed
 
 
+@pytest.mark.slow
 def test_demo_mismatch_fails(tmp_path, capsys):
     """A reference token changed on purpose: the demo must say so and exit non-zero (eager decode, DCP only)."""
     code, out = _run(tmp_path, "--graph-mode", "none", "--pcp", "1", "--perturb-reference")

@@ -23,6 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 from cpattn.bench import demo  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 96
 TINY = ["--prompt-len", "24", "--batch", "2", "--max-new-tokens", "4", "--block-size", "4", "--reps", "1",
         "--no-progress"]

@@ -21,7 +21,7 @@ import pytest
 
 from cpattn.bench import demo
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 ARGS = ["--prompt-len", "64", "--max-new-tokens", "4", "--graph-mode", "none", "--reps", "1", "--no-progress",
         "--no-eager-row"]

@@ -35,6 +35,7 @@ def reference(name: str):
 LAYOUTS = [(1, 1), (2, 2), (3, 4), (5, 2), (8, 8), (7, 1), (4, 8), (6, 4)]  # (prefill PCP, decode DCP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p,n", LAYOUTS, ids=[f"P{p}-N{n}" for p, n in LAYOUTS])
 def test_matches_single_engine(p, n):
     model, params, cfg, ref = reference("qwen3")
@@ -93,6 +94,7 @@ def test_config_rules():
         disagg_generate(model, params, cfg, prompts(), 4, prefill_size=2, decode_size=3)
 
 
+@pytest.mark.slow
 def test_on_gloo_ranks():
     """One world of 4 gloo processes: P=2 -> N=2 (plain and speculative), then P=3 -> N=1."""
     model, params, cfg, ref = reference("qwen3")

@@ -48,6 +48,7 @@ def reference(method: str, dtype=torch.float64):
 CASES = [(m, k, topo) for m in METHODS for k, topo in zip((1, 2, 3, 4), ("1x1", "pcp2", "dcp2", "pcp2+dcp2"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,k,topo", CASES, ids=[f"{m}-k{k}-{t}" for m, k, t in CASES])
 def test_equals_plain_greedy(method, k, topo):
     model, params, cfg, ps, ref = reference(method)
@@ -122,6 +123,7 @@ def test_float32(method):
     assert len(flips) <= 1 and out.stats.accepted > 0, flips
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_graph_mode(method):
     """FULL_DECODE_ONLY: the verify step and the draft steps replay captures (sizes multiples of 1 + k where a
@@ -145,6 +147,7 @@ def test_graph_mode(method):
             assert state.runners[1].stats.graph == (k - 1) * out.stats.steps and state.runners[1].stats.eager == 0
 
 
+@pytest.mark.slow
 def test_on_gloo_ranks():
     """Real gloo processes: P/D (2 prefill -> 2 decode ranks, hidden states sent with the KV, each name's
     width first) for each method, and DSpark on DeepSeek-V4 (its rows are n_hc * H streams); identical drafts
@@ -165,6 +168,7 @@ def test_on_gloo_ranks():
         assert dec[0].stats.accepted > 0 and dec[0].stats.draft_digest == dec[1].stats.draft_digest
 
 
+@pytest.mark.slow
 def test_graph_compiled():
     """The verify step (returning the hidden rows the drafter reads) and Eagle3's catch-up step compiled by
     torch.compile (aot_eager, fullgraph; one rank: a compiled step cannot trace the simulated mesh's threads)
@@ -180,6 +184,7 @@ def test_graph_compiled():
     assert state.runners[2].stats.graph == out.stats.steps - 1  # all but the prompt's catch-up
 
 
+@pytest.mark.slow
 def test_other_targets_with_random_heads():
     """Losslessness does not depend on the head: Eagle3 on Qwen3-MoE, MTP on DeepSeek-V3.2 and on GLM-5 (DSA with
     shared-indexer layers), random heads, under PCP + DCP on one engine (the guide's methods for GQA and DSA)."""

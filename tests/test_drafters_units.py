@@ -251,6 +251,7 @@ def chain_batches(width: int, rows: int, requests: int, max_len: int) -> list[di
     return out
 
 
+@pytest.mark.slow
 def test_draft_steps_are_capturable():
     """Each method's draft step compiles once (fullgraph, static shapes) and replays equal to eager."""
     cfg, params = qwen_target(torch.float32)
@@ -377,6 +378,7 @@ def test_corpus_has_its_phrases():
     assert sum(" ".join(map(str, p)) in text for p in c.phrases) >= 3
 
 
+@pytest.mark.slow
 def test_train_draft_command(tmp_path, capsys):
     """Exit 2 with one line for bad input; a short run writes a checkpoint the registry's drafter loads, the
     loss curve and train.json."""

@@ -153,6 +153,7 @@ def test_dsa_cp_decode_with_cached_context(n):
         check_cp(c, [per_rank[r][i] for r in range(n)], n, "contiguous", "head" if 8 % n == 0 else "token")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", range(1, 9))
 def test_dcp_sharded_topk_is_exact(n):
     cases = [case(lens, ctx, h=2 * n, seed=20 + s) for s, (lens, ctx) in enumerate(PREFILL)]
@@ -225,6 +226,7 @@ def test_errors_are_named():
 
 
 # ----------------------------------------------------------------------------- real gloo processes
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2])  # 4 ranks: the simulated mesh (suite time)
 def test_gloo_matches_oracle(n):
     cases = [case(lens, ctx, h=4, seed=40 + s) for s, (lens, ctx) in enumerate(PREFILL)]

@@ -321,6 +321,7 @@ def test_compile_fullgraph_aot_eager():
     torch.testing.assert_close(got[1], want[1], equal_nan=True)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_inductor_decode_step():
     """A decode step (indexer -> top-k -> sparse MLA) through inductor, as a captured graph runs it."""
     b = make_batch([1, 1], ctx=[12, 20], seed=9)

@@ -51,6 +51,7 @@ def check(out, k: int) -> None:
     check_lossless(out, reference(), k, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_head_for_a_v4_target():
     """fc reads the fused layers' streams (2 layers x 2 streams x 32); the config round-trips through
     config.json with its target_hidden_size; a head saved before the field existed (Qwen3, [H] rows) loads
@@ -72,12 +73,14 @@ def test_head_for_a_v4_target():
 
 
 # k = 2, 3 on one device and with PCP 2 prefill (DCP 2 decode, k = 4: the no-cache recomputation test)
+@pytest.mark.slow
 @pytest.mark.parametrize("k,pcp", [(2, 1), (3, 2)])
 def test_equals_plain_greedy(k, pcp):
     check(speculative_generate("deepseek_v4", target(), CFG, prompts(), NEW, drafter=head(), num_speculative_tokens=k,
                                pcp_size=pcp), k)
 
 
+@pytest.mark.slow
 def test_one_engine_pcp2_dcp2_and_pd():
     """PCP 2 + DCP 2 on the same ranks (one engine, the colocated V4 hand-off) and P/D (PCP 2 -> DCP 2, the
     prompts' hidden states sent with the hand-off): identical drafts on both decode ranks."""
@@ -106,6 +109,7 @@ def test_drafts_equal_a_no_cache_recomputation():
         assert sq.dspark_reference(d.params, d.cfg, list(h), feats, 4)[0] == list(got), f"history {h}"
 
 
+@pytest.mark.slow
 def test_graph_mode():
     """FULL_DECODE_ONLY with DCP 2: the verify step (returning the streams) and the DSpark block step replay
     captures (the 'eager' backend: persistent buffers, padding), with plain greedy's tokens and logits."""
@@ -121,6 +125,7 @@ def test_graph_mode():
         assert step.stats.graph == out.stats.steps - 1
 
 
+@pytest.mark.slow
 def test_train_draft_command_on_a_v4_checkpoint(tmp_path, capsys):
     """A random-init V4 target saved as a checkpoint (``target.save``) reads back equal; ``cpattn train-draft
     --method dspark`` trains a head for it that the registry loads; Eagle3 is refused with the rule."""

@@ -19,6 +19,7 @@ from test_dsa_cp import case, check_cp, cp_rank
 SIZES = [2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", SIZES)
 def test_dsa_cp_short_prompts_and_idle_ranks(n, one_thread):
     """Prompts of 1 .. 2n-1 tokens, and a batch with zero-length requests: every split and output."""

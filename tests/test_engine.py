@@ -36,6 +36,7 @@ def tiny(name):
     return deepseek_v32.FAMILY, deepseek_v32.DeepseekV32Config.tiny()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3", "dsa"])
 @pytest.mark.parametrize("pcp,dcp", [(1, 1), (2, 2), (3, 1), (1, 4)])
 def test_prefill_from_a_cached_prefix(name, pcp, dcp):

@@ -41,6 +41,7 @@ def run(fam, cfg, params, prompts, pcp, dcp, pool):
 SHARED = list(range(3, 3 + 18))  # 4 whole blocks and 2 tokens shared by both prompts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3", "dsa"])
 @pytest.mark.parametrize("writer,reader", [((1, 1), (2, 2)), ((1, 2), (1, 4)), ((2, 2), (1, 1)), ((2, 1), (1, 2))])
 def test_warm_run_finds_what_a_cold_run_stored(tmp_path, name, writer, reader):

@@ -12,6 +12,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 EXAMPLES_PER_OP = 40
 WORKER = os.path.join(os.path.dirname(__file__), "fuzz_ops_worker.py")
 

@@ -119,6 +119,7 @@ LAYOUTS = [(1, 1, "balanced"), (2, 1, "balanced"), (2, 1, "contiguous"), (3, 1, 
            (1, 2, "balanced"), (1, 3, "balanced")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pcp,dcp,split", LAYOUTS, ids=[f"pcp{p}-dcp{d}-{s}" for p, d, s in LAYOUTS])
 def test_generate_matches_hf(pcp, dcp, split):
     """Full and shared layers under one device, DSA-CP prefill (2 and 3 ranks, both splits), DCP decode (2, 3)."""
@@ -129,6 +130,7 @@ def test_generate_matches_hf(pcp, dcp, split):
     ref.check(gen)
 
 
+@pytest.mark.slow
 def test_every_other_layer_shared_matches_hf():
     """F, S, F, S (index_topk_freq): one device, then DSA-CP 2 (contiguous) with DCP 2."""
     ref = reference("freq")
@@ -138,6 +140,7 @@ def test_every_other_layer_shared_matches_hf():
                        dsa_split="contiguous", interleave_size=2))
 
 
+@pytest.mark.slow
 def test_pd_and_speculative_match_hf():
     """P/D (DSA-CP 2 prefill -> whole blocks -> DCP 2 decode) and speculative verification of 1 + 3 rows
     per request over DCP 2 (n-gram drafts, through a DecodeRunner)."""
@@ -294,6 +297,7 @@ def test_dcp_step_selection_matches_float64_oracle(size, interleave_size, q_len)
 # -- chunked prefill / cached prefix with shared layers --------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pcp,dcp", [(2, 2), (3, 1)])
 def test_prefill_from_a_cached_prefix(pcp, dcp):
     """Prefill only past each prompt's cached prefix (shared layers' prefix rows carry no indexer key), hand off,
@@ -341,6 +345,7 @@ def test_shared_layers_keep_no_indexer_keys():
 # -- graph mode --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["glm_moe_dsa", "deepseek_v32"])
 def test_decode_step_is_capturable_on_one_rank(name):
     """check_static (aot_eager, fullgraph, no recompile across contents): the DCP DSA step (GLM-5's full and
@@ -371,6 +376,7 @@ def test_decode_step_is_capturable_on_one_rank(name):
     assert all(torch.isfinite(o[0][[0, 2]]).all() for o in outs)
 
 
+@pytest.mark.slow
 def test_decode_steps_captured_on_gloo_ranks():
     """2 gloo ranks, DCP 2: GLM-5's decode step compiled (aot_eager, fullgraph) per capture size (2, 4) over gloo
     collectives; 1..4 requests (1 and 3 padded) replay a graph and equal the eager step. (Qwen3-MoE's step:

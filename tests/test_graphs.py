@@ -199,6 +199,7 @@ SMALL = dp.ProgramConfig(num_layers=1, hidden=32, num_heads=4, num_kv_heads=2, h
                          max_blocks=4, num_blocks=64)
 
 
+@pytest.mark.slow
 def test_aot_eager_every_size_and_padded_sizes():
     # every capture size (1, 2, 4, 8) and the padded ones (3, 5, 6, 7)
     runner = _check_decode(SMALL, "aot_eager", [1, 2, 4, 8], 1, [1, 2, 3, 4, 5, 6, 7, 8])
@@ -213,16 +214,19 @@ def test_cuda_graphs_every_size_and_padded_sizes(q_len):
     assert runner.backend.compiles == 4 and runner.stats.graph == 8  # one graph per size, replays only
 
 
+@pytest.mark.slow
 def test_aot_eager_a2a_merge():
     runner = _check_decode(SMALL, "aot_eager", [4], 1, [3, 4, 1], merge="a2a")
     assert runner.stats.sizes == {4: 3}
 
 
+@pytest.mark.slow
 def test_speculative_decode_captured():
     runner = _check_decode(SMALL, "aot_eager", [2, 4, 8], 2, [1, 2, 3, 4])
     assert runner.stats.sizes == {2: 1, 4: 1, 8: 2}
 
 
+@pytest.mark.slow
 def test_inductor_capture_no_recompile():
     cfg = SMALL  # one layer: inductor compiles are slow on 2 cores
     runner = _check_decode(cfg, "cpu", [2, 4], 1, [2, 1, 3, 4])
@@ -234,6 +238,7 @@ def test_inductor_capture_no_recompile():
     assert runner.backend.compiles == 2 and runner.stats.sizes == {2: 4, 4: 4}
 
 
+@pytest.mark.slow
 def test_eager_fallback_runs_the_same_step():
     group = _one_rank()
     params = dp.init_params(SMALL)
@@ -299,6 +304,7 @@ def test_check_static_shape_from_python_state_recompiles():
         check_static(step, {}, [{"x": torch.ones(2)}, {"x": torch.ones(2)}])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,merge,opaque", [(0, "ag_rs", False), (1, "a2a", False), (1, "ag_rs", True)])
 def test_demo_program_is_static_under_aot_eager_fullgraph(spec, merge, opaque, monkeypatch):
     # torchair's precondition: torch.compile(backend="aot_eager", fullgraph=True), no recompile;
@@ -393,6 +399,7 @@ def gloo_capture(group, cfg, params):
     return out
 
 
+@pytest.mark.slow
 def test_dcp_program_captured_on_two_gloo_ranks():
     cfg = dp.ProgramConfig(**{**SMALL.__dict__, "num_heads": 4, "interleave_size": 1, "max_blocks": 8})
     params = dp.init_params(cfg, seed=1)

@@ -13,7 +13,7 @@ import torch
 
 from cpattn.comm.launch import GRACE_S, SpawnError, spawn
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
+pytestmark = [pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals"), pytest.mark.slow]
 
 
 def loop_collectives(group, pid_dir):

@@ -19,7 +19,7 @@ from cpattn.comm.launch import spawn
 from cpattn.comm.listeners import listen_table, listening, loopback_only_namespace, process_tree, reachable_beyond_loopback
 from cpattn.pool.mooncake_store import free_port, mooncake_unavailable_reason
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"), pytest.mark.slow]
 
 
 def my_listeners(group):

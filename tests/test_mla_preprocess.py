@@ -176,7 +176,7 @@ def test_opcheck(lora):
     torch.library.opcheck(torch.ops.cpattn.mla_preprocess.default, _op_args(args, weights))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("opaque", [False, True], ids=["decomposed", "opaque-op"])
 def test_compile_fullgraph(backend, opaque):
     args, weights = make(torch.float32)

@@ -48,6 +48,7 @@ def counting(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dcp", [1, 2])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_fused_decode_equals_reference_and_unfused(name, dcp, monkeypatch):
@@ -80,6 +81,7 @@ def test_fused_decode_in_bf16(name, monkeypatch):
         assert torch.equal(f.logits, u.logits)
 
 
+@pytest.mark.slow
 def test_fused_decode_captured(monkeypatch):
     """The compiled decode (aot_eager, fullgraph; one rank: the simulated mesh's collectives do not trace) with the
     fused op traced in gives the one-device reference's tokens. (GLM-5's and V3.2's DSA steps: test_glm5.py's

@@ -77,6 +77,7 @@ def reference(family: str) -> Reference:
     return _REFS[family]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pcp,dcp", LAYOUTS, ids=[f"pcp{p}-dcp{d}" for p, d in LAYOUTS])
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "deepseek_v32"])
 def test_generate_matches_hf(family, pcp, dcp):
@@ -98,6 +99,7 @@ def test_hidden_states_match_hf(family):
         forward_logits(ref.module, ref.params, ref.cfg, ref.prompts[0], [0, PROMPT_LENS[0]], hidden_layers=(2,))
 
 
+@pytest.mark.slow
 def test_dsa_cp_matches_hf():
     """DSA-CP (contiguous token split, replicated latent/indexer cache) on 2 ranks, DCP-sharded DSA decode on 2."""
     ref = reference("deepseek_v32")
@@ -153,6 +155,7 @@ def test_errors_name_the_problem():
         normalize_params({"a.weight_scale_inv": torch.ones(1)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2])  # P, N = 4: the simulated mesh (suite time)
 def test_generate_on_gloo_ranks(world):
     """Real gloo processes: PCP (DSA-CP for DeepSeek-V3.2) prefill, then DCP decode over the same ranks.

@@ -88,6 +88,7 @@ CASES = [(n, p, d) for n in ("qwen3_moe", "deepseek_v2") for p, d in FULL] + \
         [("deepseek_v2_lite", p, d) for p, d in [(1, 1), (2, 1), (3, 1), (1, 3)]]  # (1, 2): refused below
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,pcp,dcp", CASES, ids=[f"{n}-pcp{p}-dcp{d}" for n, p, d in CASES])
 def test_generate_matches_hf(name, pcp, dcp):
     ref = reference(name)
@@ -99,6 +100,7 @@ def test_generate_matches_hf(name, pcp, dcp):
     ref.check(gen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
 def test_pd_and_speculative_match_hf(name):
     """P/D (PCP 2 prefill -> whole blocks -> DCP 2 decode) and speculative verification of 1 + 2 rows per

@@ -124,6 +124,7 @@ def test_dense_keeps_the_activation_dtype():
     assert (out.double() - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
+@pytest.mark.slow
 def test_moe_impl_choice_and_capture():
     assert not use_dense("auto") and use_dense("dense") and not use_dense("sparse")
     with pytest.raises(ValueError, match="moe_impl must be one of"):
@@ -156,6 +157,7 @@ CAPTURE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CAPTURE))
 def test_moe_decode_step_is_capturable(name):
     """A decode step (DCP group of one, 3 requests, one padding request) through check_static."""

@@ -64,6 +64,7 @@ def stub(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_import_never_imports_torch_npu():
     res = _run("""
         import sys
@@ -89,6 +90,7 @@ def test_register_refuses_unnamed_privateuse1(stub):
         npu.register()
 
 
+@pytest.mark.slow
 def test_register_with_renamed_privateuse1():
     """In a fresh process: PrivateUse1 renamed as torch_npu does, a stub module, then enable_npu()."""
     res = _run("""

@@ -139,6 +139,7 @@ def test_wrong_shard_is_named():
         cpattn.simulate(3, lambda g: pcp_prefill(q, k, v, plan, group=g))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", [2])  # 4 ranks: the simulated mesh (real 4-rank gloo runs: test_dcp_decode, test_comm)
 def test_gloo_matches_oracle(p):
     cases, refs = [], []

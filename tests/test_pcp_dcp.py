@@ -48,6 +48,7 @@ CASES = [(1, 1, 4, "a2a"), (2, 1, 4, "a2a"), (2, 4, 4, "allgather"), (4, 2, 4, "
          (8, 4, 8, "a2a"), (8, 1, 1, "a2a")]  # (ranks, interleave, block size, exchange)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,inter,bs,exchange", CASES, ids=[f"N{c[0]}-I{c[1]}-B{c[2]}-{c[3]}" for c in CASES])
 def test_matches_single_device(n, inter, bs, exchange):
     model, params, cfg, ref = reference("qwen3")
@@ -65,6 +66,7 @@ def test_mla_dsa(name):
     assert torch.equal(out.tokens, ref.tokens)
 
 
+@pytest.mark.slow
 def test_with_speculative_decoding():
     """One engine with PCP speculates with any drafter, exactly (a method outside the guide's list is a
     compatibility note, refused with strict_guide=True: docs/compat.md); a PCP prefill engine and a DCP decode
@@ -138,6 +140,7 @@ def test_opt_in_and_config_checks():
         pcp_dcp_generate(model, params, cfg, prompts(), 4, config=bad)
 
 
+@pytest.mark.slow
 def test_on_gloo_ranks():
     """Four real gloo processes: a2a and all-gather exchanges, plain and speculative decode (one spawn)."""
     model, params, cfg, ref = reference("qwen3")

@@ -374,6 +374,7 @@ def _dcp_small(group, ctx, reps):
     return s["dcp"].median / s["one"].median
 
 
+@pytest.mark.slow
 def test_small_calibrated_case_predicts_and_measures(tmp_path):
     from cpattn.comm.launch import spawn
     from cpattn.plan.calibrate import calibrate, summary

@@ -65,6 +65,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_a_truncated_or_garbage_data_file_is_a_cold_pool_with_one_warning(tmp_path):
     truncated, garbage = str(tmp_path / "truncated"), str(tmp_path / "garbage")
     f = filled(truncated)

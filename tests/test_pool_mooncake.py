@@ -23,7 +23,7 @@ from cpattn.pool import PoolIdentity, PoolUnavailableWarning, block_keys, codec,
 from cpattn.pool.mooncake_store import free_port, mooncake_unavailable_reason
 
 REASON = mooncake_unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"Mooncake Store unavailable: {REASON}")
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"Mooncake Store unavailable: {REASON}"), pytest.mark.slow]
 
 IDENT = PoolIdentity("tiny-mooncake", torch.bfloat16, num_layers=4, block_size=16, row_width=64)
 BLOB = codec.encoded_size(IDENT.dtype, IDENT.block_shape)  # ~8 KiB

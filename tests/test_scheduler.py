@@ -276,6 +276,7 @@ def check_step(s, out, w, fake, admitted):
     assert bm.num_used == len(holders) and bm.num_free + bm.num_used == bm.num_blocks
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_drawn_schedules_match_each_request_run_alone(w):

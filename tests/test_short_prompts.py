@@ -47,6 +47,7 @@ def expect(name, prompts):
     return reference_generate(module.FAMILY, params, cfg, prompts, NEW).tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 @pytest.mark.parametrize("pcp", [2, 3])
 def test_every_short_length_under_pcp(name, pcp):

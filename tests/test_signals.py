@@ -14,7 +14,7 @@ import pytest
 
 from cpattn.comm.listeners import process_tree
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"), pytest.mark.slow]
 
 
 def _cmdline(pid):

@@ -63,6 +63,7 @@ CASES = [(k, d, dcp, pcp) for k, (dcp, pcp) in zip((1, 2, 3, 4), ((1, 3), (2, 1)
          for d in ("ngram", "model", "constant")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,drafter,dcp,pcp", CASES, ids=[f"k{k}-{d}-dcp{n}-pcp{p}" for k, d, n, p in CASES])
 def test_matches_plain_greedy(k, drafter, dcp, pcp):
     model, params, cfg, ref = reference("qwen3")
@@ -115,6 +116,7 @@ def test_graph_mode_buckets():
                              graph=True, capture_sizes=[4])
 
 
+@pytest.mark.slow
 def test_float32_logits_and_tokens():
     """float32: verification logits within 1e-4 of plain decode; a differing token only at a near tie (DESIGN §5)."""
     model, params64, cfg, _ = reference("qwen3")
@@ -163,6 +165,7 @@ def test_errors_name_the_problem():
         NgramDrafter(max_ngram=1, min_ngram=2)
 
 
+@pytest.mark.slow
 def test_on_gloo_ranks():
     """Two real gloo ranks: PCP prefill, then DCP verification with each drafter (one spawn, three cases).
 

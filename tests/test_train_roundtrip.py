@@ -18,6 +18,8 @@ from cpattn.drafters.train import target_main
 from cpattn.engine.drafters import DRAFTERS
 from cpattn.models.generate import generate, speculative_generate
 
+pytestmark = pytest.mark.slow
+
 SMALL = ["--hidden", "16", "--layers", "2", "--vocab", "32", "--steps", "2", "--no-progress"]
 
 

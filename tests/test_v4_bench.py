@@ -24,6 +24,7 @@ def test_kv_rows_are_the_exact_table_and_shard_the_entries():
     assert "identical" in bench.sources()["checked"]
 
 
+@pytest.mark.slow
 def test_timed_parts_report_ratios_with_spreads():
     cfg = {"decode": {"context": 200, "batch": 2, "dtypes": ["float32"], "reps": 1},
            "prefill": {"tokens": 128, "heads": 2, "index_heads": 2, "topk": 8, "dtype": "float32", "reps": 1}}

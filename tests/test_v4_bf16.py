@@ -30,7 +30,7 @@ from cpattn.engine import Prompts
 from cpattn.models import deepseek_v4 as v4
 from test_v4_model_hf import ref
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 FORCED = 12
 STAGES = v4.FAMILY.stages
 

@@ -29,6 +29,7 @@ def dcp_rank(group, kind, xs, chunks, interleave_size, dtype=torch.float64):
     return outs, cache.seq_lens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,interleave_size", [(2, 1), (3, 2), (4, 1)])
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
 def test_dcp_matches_one_device(kind, n, interleave_size):

@@ -73,6 +73,7 @@ def test_one_device_matches_hf():
     check_hf(one_device(), ref())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pcp,dcp", [(2, 1), (1, 2)])
 def test_pcp_and_dcp_match_hf_and_one_device(pcp, dcp):
     r, cfg, params = model()
@@ -81,6 +82,7 @@ def test_pcp_and_dcp_match_hf_and_one_device(pcp, dcp):
     check_one(out)
 
 
+@pytest.mark.slow
 def test_one_engine_pcp_with_dcp():
     """PCP 2 and DCP 2 on the same two ranks: the colocated hand-off (tail rows gathered once, each rank
     keeps the entries it owns)."""
@@ -92,6 +94,7 @@ def test_one_engine_pcp_with_dcp():
     assert out.facts.bytes_sent["handoff"] > 0
 
 
+@pytest.mark.slow
 def test_pd_producer_to_consumer():
     r, cfg, params = model()
     out = gen.disagg_generate(v4, params, cfg, prompts(r), NEW, prefill_size=2, decode_size=2, block_size=4)
@@ -124,6 +127,7 @@ class ScriptedDrafter:
         pass
 
 
+@pytest.mark.slow
 def test_speculative_decoding_rewinds_to_plain_greedy():
     """k = 3 drafts verified per DCP 2 step; rejected rows rewound (and poisoned): HF's greedy tokens."""
     r, cfg, params = model()

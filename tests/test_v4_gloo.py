@@ -11,12 +11,15 @@ point to point to rank 1, which decodes -- the tokens of one device.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cpattn.comm.launch import spawn
 from cpattn.v4.cache import V4Cache
 from test_v4_attention import CHUNKS, LENGTHS, layout, make_layer, packed_input, run_steps
 from test_v4_pcp import LENS, shard
+
+pytestmark = pytest.mark.slow
 
 
 def both(group):

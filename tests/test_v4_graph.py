@@ -34,7 +34,7 @@ from cpattn.models import deepseek_v4 as v4
 from cpattn.models import generate as gen
 from near_tie import check_tokens
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 CFG = v4.DeepseekV4Config.tiny(num_hidden_layers=2, layer_types=("csa", "hca"), mlp_layer_types=("hash_moe", "moe"),
                                hc_sinkhorn_iters=3)
 CSA_ONLY = v4.DeepseekV4Config.tiny(num_hidden_layers=1, layer_types=("csa",), mlp_layer_types=("moe",),

@@ -228,6 +228,7 @@ def test_speculative_greedy_equals_plain_greedy():
                      f"speculative request {b}", FLIPS)
 
 
+@pytest.mark.slow
 def test_dcp_generation_matches_one_device():
     """The whole model with DCP steps (N = 2, entries sharded, window heads split): the same tokens and
     logits as one device."""

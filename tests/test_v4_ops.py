@@ -192,6 +192,7 @@ def _graph_ops(fn, *args):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opaque", [False, True])
 def test_compiles_fullgraph(opaque, monkeypatch):
     """aot_eager only: an inductor build of this program costs ~40 s on a cold cache (2 cores)."""
