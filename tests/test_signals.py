@@ -42,7 +42,8 @@ def _ranks(tree):
 def test_signal_to_the_demo_leaves_no_rank_running(signum, after_s):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     demo = subprocess.Popen(
-        [sys.executable, "-m", "cpattn", "demo", "--no-progress", "--prompt-len", "64", "--max-new-tokens", "64"],
+        [sys.executable, "-m", "cpattn", "demo", "--no-progress", "--prompt-len", "64", "--max-new-tokens", "256",
+         "--graph-mode", "none"],  # 255 eager decode steps: seconds of running ranks, whatever the compile cache holds
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
     )
     seen: set[int] = set()
@@ -56,6 +57,7 @@ def test_signal_to_the_demo_leaves_no_rank_running(signum, after_s):
         while time.monotonic() < end:
             seen |= set(process_tree(demo.pid)) - {demo.pid}
             time.sleep(0.05)
+        assert demo.poll() is None, f"the demo ended (exit {demo.returncode}) before it could be signalled"
         demo.send_signal(signum)
         demo.wait(timeout=60)
         deadline = time.monotonic() + 5
