@@ -32,7 +32,7 @@ Policies (vLLM V1's ``Scheduler.schedule``; facts carried over, code ours):
   the budget. The update commits accepted drafts plus the bonus token; the
   blocks past the new computed length (rejected drafts' KV) are released.
 
-Not yet wired into the engine's run (issue 24: the model runner step comes next).
+Not yet wired into the engine's run: a model-runner step that takes a SchedulerOutput comes next.
 
 Example
 -------
