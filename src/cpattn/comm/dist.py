@@ -121,6 +121,28 @@ class DistGroup(Group):
 
         return Pending(finish)
 
+    # point to point (blocking ``send`` / ``recv``; ranks of this group, mapped to world ranks) and sub-groups
+    def _p2p_send(self, x, dst):
+        dist.send(x, dist.get_global_rank(self.pg, dst), group=self.pg)
+
+    def _p2p_recv(self, out, src):
+        dist.recv(out, dist.get_global_rank(self.pg, src), group=self.pg)
+        return out
+
+    def _split(self, ranks):
+        """``dist.new_group`` of the listed ranks. Split from the world group, every process calls it (torch's
+        rule); split from a sub-group, its ranks do (``use_local_synchronization``)."""
+        world = [dist.get_global_rank(self.pg, r) for r in ranks]
+        if self.size == dist.get_world_size():
+            pg = dist.new_group(world)
+        elif self.rank in ranks:
+            pg = dist.new_group(world, use_local_synchronization=True)
+        else:
+            return None
+        if self.rank not in ranks:
+            return None
+        return DistGroup(pg, algorithm=self.algorithm, small_bytes=self.small_bytes)
+
 
 def default_backend(device: torch.device | str | None = None) -> str:
     """gloo for CPU, nccl for CUDA, hccl for Ascend NPUs."""

@@ -10,6 +10,12 @@ Each group counts the logical bytes a rank sends and receives per collective
 kind (what a ring or pairwise algorithm moves; the same formula for both
 implementations), in ``group.stats``. Counting happens in eager code only;
 inside a torch.compile trace it is skipped, since a trace runs once.
+
+Besides the collectives, a group moves tensors point to point
+(:meth:`Group.send` / :meth:`Group.recv`, counted as kind ``"p2p"``) and
+splits into sub-groups (:meth:`Group.split`), which is what a P/D run needs:
+its prefill ranks and decode ranks are two sub-groups of one world, and the
+KV travels from one to the other point to point.
 """
 
 from __future__ import annotations
@@ -76,6 +82,17 @@ class Group(abc.ABC):
       receive a tensor of ``recv_shape`` from ``rank-shift``; returns a
       :class:`Pending` so compute can overlap the transfer.
 
+    Point to point and sub-groups (ranks of this group, not of a parent):
+
+    - ``send(x, dst)`` / ``recv(shape, dtype, src)``: one tensor from this
+      rank to rank ``dst``; messages between two ranks arrive in the order
+      sent. ``send`` may block until the peer receives (NCCL's does), so
+      order the calls so that no cycle of ranks waits on itself.
+    - ``split(ranks)``: the sub-group of the listed ranks (rank i of it is
+      the i-th smallest listed); every rank calls it with the same list,
+      and ranks outside the list get ``None`` (as torch.distributed's
+      ``new_group``).
+
     Example
     -------
     >>> import torch, cpattn
@@ -105,6 +122,16 @@ class Group(abc.ABC):
 
     @abc.abstractmethod
     def _ring_start(self, x: torch.Tensor, recv: torch.Tensor, shift: int) -> Pending: ...
+
+    # point to point and sub-groups: optional (a group that only prices collectives need not move tensors)
+    def _p2p_send(self, x: torch.Tensor, dst: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point send; use SimGroup or DistGroup")
+
+    def _p2p_recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point recv; use SimGroup or DistGroup")
+
+    def _split(self, ranks: list[int]) -> Group | None:
+        raise NotImplementedError(f"{type(self).__name__} cannot split into sub-groups; use SimGroup or DistGroup")
 
     # -- the public, dim-aware, counted interface ------------------------------
     def _count(self, kind: str, sent: float, recv: float) -> None:
@@ -158,6 +185,50 @@ class Group(abc.ABC):
             same = x.clone()
             return Pending(lambda: same)
         return self._ring_start(x.contiguous(), recv, shift)
+
+    def _peer(self, what: str, peer: int) -> int:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"{what}: rank {peer!r} is not another rank of this group (rank {self.rank} of "
+                             f"{self.size}); pass a rank in [0, {self.size}) other than {self.rank}")
+        return peer
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send ``x`` (any shape; not modified) to rank ``dst`` of this group; :meth:`recv` there takes it.
+
+        >>> import torch, cpattn
+        >>> def rank(g):
+        ...     if g.rank == 0:
+        ...         return g.send(torch.arange(3.), 1)
+        ...     return g.recv((3,), torch.float32, 0).tolist(), g.stats.bytes_recv["p2p"]
+        >>> cpattn.simulate(2, rank)
+        [None, ([0.0, 1.0, 2.0], 12)]
+        """
+        self._peer("send", dst)
+        self._count("p2p", x.nbytes, 0)
+        self._p2p_send(x.contiguous(), dst)
+
+    def recv(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
+        """The next tensor rank ``src`` sent here with :meth:`send`: a new tensor of ``shape`` and ``dtype``
+        (the sender's must match: the simulated mesh checks it, torch.distributed trusts it)."""
+        self._peer("recv", src)
+        out = torch.empty(tuple(shape), dtype=dtype)
+        self._count("p2p", 0, out.nbytes)
+        return self._p2p_recv(out, src)
+
+    def split(self, ranks) -> Group | None:
+        """The sub-group of ``ranks`` (ranks of this group; rank i of the sub-group is the i-th smallest),
+        or None on a rank not listed. Every rank of this group must call it, with the same list.
+
+        >>> import cpattn
+        >>> cpattn.simulate(3, lambda g: (lambda s: s and (s.rank, s.size))(g.split([0, 2])))
+        [(0, 2), None, (1, 2)]
+        """
+        got = list(ranks)
+        if not got or len(set(got)) != len(got) or any(
+                not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.size for r in got):
+            raise ValueError(f"split: ranks {got!r} must be distinct ranks of this group, in [0, {self.size}), "
+                             "at least one; pass e.g. list(range(P))")
+        return self._split(sorted(got))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

@@ -36,19 +36,43 @@ class PeerFailed(RuntimeError):
 
 
 class SimMesh:
-    """Shared state of ``size`` simulated ranks: one FIFO mailbox per ordered pair."""
+    """Shared state of ``size`` simulated ranks: one FIFO mailbox per ordered pair for collectives, one
+    for point-to-point messages, and the sub-meshes :meth:`SimGroup.split` made."""
 
     def __init__(self, size: int, timeout_s: float = 120.0):
         if size < 1:
             raise ValueError(f"world_size must be >= 1; got {size}")
         self.size = size
         self.timeout_s = timeout_s
-        self.boxes = {(s, d): queue.Queue() for s in range(size) for d in range(size)}
+        self._boxes(size)
         self.failed = threading.Event()
         self.failure: tuple[int, BaseException] | None = None
 
+    def _boxes(self, size: int) -> None:
+        self.boxes = {(s, d): queue.Queue() for s in range(size) for d in range(size)}
+        self.p2p = {(s, d): queue.Queue() for s in range(size) for d in range(size)}
+        self.lock = threading.Lock()
+        self.splits: dict[int, tuple[tuple[int, ...], SimMesh]] = {}  # split call number -> (ranks, sub-mesh)
+
     def groups(self) -> list[SimGroup]:
         return [SimGroup(self, r) for r in range(self.size)]
+
+
+class _SubMesh(SimMesh):
+    """The mesh of a sub-group: its own mailboxes, the parent's failure (a rank that raises stops them all)."""
+
+    def __init__(self, parent: SimMesh, size: int):
+        self.size, self.timeout_s, self.parent = size, parent.timeout_s, parent
+        self._boxes(size)
+        self.failed = parent.failed
+
+    @property
+    def failure(self):
+        return self.parent.failure
+
+    @failure.setter
+    def failure(self, value):
+        self.parent.failure = value
 
 
 class SimGroup(Group):
@@ -58,13 +82,15 @@ class SimGroup(Group):
         super().__init__()
         self.mesh, self.rank, self.size = mesh, rank, mesh.size
         self._seq = 0
+        self._p2p_seq: dict[tuple[str, int], int] = {}  # ("to" | "from", peer) -> messages so far
+        self._splits = 0
 
     # -- point to point with checks -------------------------------------------
     def _send(self, dst: int, tag: tuple, x: torch.Tensor) -> None:
         self.mesh.boxes[(self.rank, dst)].put((tag, x.clone()))
 
-    def _recv(self, src: int, tag: tuple) -> torch.Tensor:
-        box = self.mesh.boxes[(src, self.rank)]
+    def _recv(self, src: int, tag: tuple, boxes: dict | None = None) -> torch.Tensor:
+        box = (self.mesh.boxes if boxes is None else boxes)[(src, self.rank)]
         deadline = time.monotonic() + self.mesh.timeout_s
         while True:
             if self.mesh.failed.is_set():
@@ -143,6 +169,33 @@ class SimGroup(Group):
             return got
 
         return Pending(finish)
+
+    # -- point to point and sub-groups ------------------------------------------
+    def _p2p_tag(self, way: str, peer: int) -> tuple:
+        n = self._p2p_seq.get((way, peer), 0) + 1
+        self._p2p_seq[(way, peer)] = n
+        return ("p2p", n)
+
+    def _p2p_send(self, x, dst):
+        self.mesh.p2p[(self.rank, dst)].put((self._p2p_tag("to", dst), x.clone()))
+
+    def _p2p_recv(self, out, src):
+        got = self._recv(src, self._p2p_tag("from", src), self.mesh.p2p)
+        if got.shape != out.shape or got.dtype != out.dtype:
+            raise CollectiveMismatch(
+                f"recv: rank {self.rank} expected {tuple(out.shape)} {out.dtype} from rank {src} but it sent "
+                f"{tuple(got.shape)} {got.dtype}; pass recv the shape and dtype the sender's send had")
+        return got
+
+    def _split(self, ranks):
+        self._splits += 1
+        with self.mesh.lock:
+            listed, sub = self.mesh.splits.setdefault(self._splits, (tuple(ranks), _SubMesh(self.mesh, len(ranks))))
+        if listed != tuple(ranks):
+            raise CollectiveMismatch(
+                f"split (call #{self._splits}): rank {self.rank} lists ranks {list(ranks)} but another rank listed "
+                f"{list(listed)}; every rank must call split with the same ranks")
+        return SimGroup(sub, ranks.index(self.rank)) if self.rank in ranks else None
 
 
 def simulate(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list:
