@@ -18,11 +18,9 @@ assumption the numbers rest on is printed.
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 from cpattn.bench import args as cli
 from cpattn.bench.common import table, write_json
+from cpattn.plan.rules import fix_of, rule_of
 
 SUBCOMMANDS = ("calibrate", "validate", "anchors")
 
@@ -31,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``cpattn plan ARGV``; return the exit status (0 ok, 2 usage error)."""
     argv = list(argv or [])
     if argv and argv[0] in SUBCOMMANDS:
-        return {"calibrate": _calibrate, "validate": _validate, "anchors": _anchors}[argv[0]](argv[1:])
+        from cpattn.plan import cli_tools
+
+        return getattr(cli_tools, f"_{argv[0]}")(argv[1:])
     return _plan(argv)
 
 
@@ -50,6 +50,11 @@ def _plan_parser():
     p.add_argument("--kv-cache-dtype", default=None, help="KV dtype override: bf16 or fp8")
     p.add_argument("--pcp-method", choices=PCP_METHODS, default="ring", help="PCP KV exchange")
     p.add_argument("--dcp-merge", choices=DCP_MERGES, default="local_a2a", help="DCP decode-layer variant")
+    p.add_argument("--layout", action="append", type=layout_arg, default=None, metavar="tp=T[,pcp=P][,dcp=D]",
+                   help="price only these layouts (repeatable; each checked by the engine's rules, a refused one "
+                        "is reported with its rule and fix); default: every tp * pcp = --devices, dcp a divisor")
+    p.add_argument("--allow-pcp-with-dcp", action="store_true",
+                   help="the engine's opt-in to PCP and DCP in one engine (refused without it)")
     cli.add_json(p)
     return p
 
@@ -71,11 +76,9 @@ def _plan(argv) -> int:
         cli.usage_error(ap.prog, f"argument --model: saw {a.model!r}; rule: a Hugging Face config.json with the "
                                  f"model's shapes (it lacks or mistypes {e}); fix: pass the model's own config.json")
     prof = _profile(ap.prog, a.profile)
-    lays = layouts(spec, a.devices)
-    if not lays:
-        cli.bad_value(ap.prog, "--devices", a.devices, f"a device count some (tp, pcp, dcp) of {spec.name} accepts "
-                      f"({spec.heads} heads must split over tp)", "use a divisor or multiple of the head count")
-    opts = Options(pcp_method=a.pcp_method, dcp_merge=a.dcp_merge, output=a.output_len)
+    opts = Options(pcp_method=a.pcp_method, dcp_merge=a.dcp_merge, output=a.output_len,
+                   allow_pcp_with_dcp=a.allow_pcp_with_dcp)
+    lays, refused = _layouts(ap.prog, spec, a, opts)
     preds = [predict(spec, prof, lay, context=a.context, batch=a.batch, opts=opts) for lay in lays]
     best, why = recommend(preds)
     rows = [{"layout": str(p.layout), "TTFT_ms": 1e3 * p.ttft_s, "TPOT_ms": 1e3 * p.tpot_s,
@@ -87,15 +90,61 @@ def _plan(argv) -> int:
               f"{spec.kv_dtype} KV) on {a.devices} x {prof.device}; context {a.context}, batch {a.batch}, "
               f"{a.output_len} output tokens; PCP {a.pcp_method}, DCP {a.dcp_merge}")
         print(table(rows, list(rows[0])))
+        if not a.layout and not a.allow_pcp_with_dcp and a.devices > 1:
+            print("\n(PCP with DCP in one engine is refused by the guide's rule, so those layouts are not listed; "
+                  "--allow-pcp-with-dcp prices them)")
+        if refused:
+            print("\nrefused by the engine's rules (EngineConfig.create), not priced:")
+            for r in refused:
+                print(f"  - {r.layout}: " + " -- also ".join(
+                    f"{p.split(':', 1)[0]}: {rule_of(p)}; fix: {fix_of(p)}" for p in r.problems))
         print(f"\nrecommendation: {why}")
         print("\nassumptions:")
         for line in _assumptions(spec, prof):
             print(f"  - {line}")
     write_json(a.json, {"model": spec.name, "profile": prof.name, "context": a.context, "batch": a.batch,
                         "devices": a.devices, "predictions": [p.as_dict() for p in preds],
+                        "refused": [r.as_dict() for r in refused],
                         "recommendation": None if best is None else str(best.layout), "reason": why,
                         "assumptions": _assumptions(spec, prof)})
     return 0
+
+
+def layout_arg(text: str):
+    """``--layout tp=8,dcp=2`` (also ``pcp=``, ``dp=``; omitted sizes are 1) -> a :class:`Layout`."""
+    import argparse
+
+    from cpattn.plan.model import Layout
+
+    sizes = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        key, sep, val = part.partition("=")
+        if not sep or key not in ("tp", "pcp", "dcp", "dp") or not val.isdigit() or int(val) < 1 or key in sizes:
+            raise argparse.ArgumentTypeError(f"saw {text!r}; rule: comma-separated tp=, pcp=, dcp=, dp= sizes, "
+                                             "each a positive int, tp required; fix: e.g. --layout tp=8,dcp=2")
+        sizes[key] = int(val)
+    if "tp" not in sizes:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: tp= is required; fix: e.g. --layout tp=8,dcp=2")
+    return Layout(**sizes)
+
+
+def _layouts(prog, spec, a, opts):
+    """(accepted, refused) layouts: those of ``--layout``, or the space of ``--devices``; a usage error when
+    none is accepted (one line: the rules and the fixes)."""
+    from cpattn.plan.rules import Refusal, layout_problems, layout_space
+
+    if a.layout:
+        found = [(lay, layout_problems(spec, lay, opts.allow_pcp_with_dcp)) for lay in dict.fromkeys(a.layout)]
+        ok, refused = [lay for lay, f in found if not f], [Refusal(lay, tuple(f)) for lay, f in found if f]
+        if not ok:
+            cli.usage_error(prog, "argument --layout: " + " -- also ".join(
+                f"{r.layout} for {spec.name}: {'; '.join(r.problems)}" for r in refused))
+        return ok, refused
+    ok, refused = layout_space(spec, a.devices, opts.allow_pcp_with_dcp)
+    if not ok:
+        cli.bad_value(prog, "--devices", a.devices, f"a device count some (tp, pcp, dcp) of {spec.name} accepts "
+                      f"({spec.heads} heads must split over tp)", "use a divisor or multiple of the head count")
+    return ok, refused
 
 
 def _profile(prog: str, name: str):
@@ -127,185 +176,3 @@ def _assumptions(spec, prof) -> list[str]:
     ]
 
 
-# ----------------------------------------------------------------------------- calibrate
-def _calibrate(argv) -> int:
-    from cpattn.plan.profiles import CPU_PROFILE_PATH, save_profile
-
-    ap = cli.parser("cpattn plan calibrate", "Fit the CPU profile from microbenchmarks on this machine.")
-    cli.add_quick(ap, "smaller microbenchmarks, no inductor compile (~30 s)")
-    ap.add_argument("--out", default=CPU_PROFILE_PATH, type=cli.output_file_made,
-                    help="where the profile JSON goes (the 'cpu' profile; missing directories are made)")
-    cli.add_json(ap)
-    cli.add_timeout(ap, default=300.0)
-    a = ap.parse_args(argv)
-    from cpattn.plan.calibrate import calibrate, summary
-    with cli.report_to(a.json):
-        prof = calibrate(quick=a.quick, timeout_s=a.timeout)
-        save_profile(prof, a.out)
-        print(summary(prof))
-        print(f"saved to {a.out}")
-    write_json(a.json, prof.as_dict())
-    return 0
-
-
-# ----------------------------------------------------------------------------- validate
-def _load(prog: str, flag: str, path, keys: tuple[str, ...]):
-    """A benchmark's ``--json`` output, or None; a usage error (one line, exit 2) for a file that is not one."""
-    import json
-
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError) as e:
-        cli.bad_value(prog, flag, repr(path), "a readable JSON file", f"check the file ({e})")
-    except json.JSONDecodeError as e:
-        cli.bad_value(prog, flag, repr(path), f"JSON ({e.msg} at line {e.lineno})",
-                      "pass what `cpattn bench ... --json PATH` wrote")
-    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
-    if missing:
-        cli.bad_value(prog, flag, repr(path), f"the --json output of its benchmark (it lacks {missing[0]!r})",
-                      f"pass what `cpattn bench {flag[2:].split('-')[0]} --json PATH` wrote")
-    return data
-
-
-@contextlib.contextmanager
-def _reading(prog: str, flag: str, path):
-    """Within the block, a benchmark output that lacks or mistypes a field is a usage error naming ``flag``."""
-    try:
-        yield
-    except (KeyError, TypeError, IndexError, ValueError) as e:
-        cli.bad_value(prog, flag, repr(path), f"the --json output of its benchmark (it lacks or mistypes {e})",
-                      f"pass what `cpattn bench {flag[2:].split('-')[0]} --json PATH` wrote")
-
-
-def _validate(argv) -> int:
-    ap = cli.parser("cpattn plan validate", "Predicted vs measured ratios of cpattn bench pcp / dcp / graph.")
-    ap.add_argument("--profile", default="cpu", help="the calibrated CPU profile (default) or a profile JSON")
-    ap.add_argument("--pcp-json", default=None, type=cli.input_file, help="cpattn bench pcp --json output (its spec is predicted)")
-    ap.add_argument("--dcp-json", default=None, type=cli.input_file, help="cpattn bench dcp --json output")
-    ap.add_argument("--graph-json", default=None, type=cli.input_file, help="cpattn bench graph --json output")
-    ap.add_argument("--pcp-seq", type=cli.positive_int, default=16384, help="without --pcp-json: tokens")
-    ap.add_argument("--pcp-heads", default="32,8", help="without --pcp-json: query,kv heads")
-    ap.add_argument("--dcp-context", type=cli.positive_int, default=65536, help="context of the dcp ratio")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="wall: wall-clock ratios (slowest rank); cpu: process CPU-time ratios (slowest rank), "
-                         "predicted with the CPU-time shares and transfer costs (bench graph has wall ratios only)")
-    cli.add_json(ap)
-    a = ap.parse_args(argv)
-    pcp = _load(ap.prog, "--pcp-json", a.pcp_json, ("spec", "world_size"))  # every input checked before any work
-    dcp = _load(ap.prog, "--dcp-json", a.dcp_json, ("config", "dcp"))
-    graph = _load(ap.prog, "--graph-json", a.graph_json, ("config",))
-    prof = _profile(ap.prog, a.profile)
-    from cpattn.plan import validate as v
-
-    pairs, detail = [], {}
-    if pcp is not None:
-        with _reading(ap.prog, "--pcp-json", a.pcp_json):
-            s = pcp["spec"]
-            seq, heads, kvh, d, p = sum(s["seq_lens"]), s["heads"], s["kv_heads"], s["head_dim"], pcp["world_size"]
-    else:
-        seq, (heads, kvh), d, p = a.pcp_seq, (int(x) for x in a.pcp_heads.split(",")), 128, 2
-    pr = v.predict_pcp(prof, seq=seq, heads=heads, kv_heads=kvh, head_dim=d, pcp=p, clock=a.clock)
-    detail["pcp"] = pr
-    with _reading(ap.prog, "--pcp-json", a.pcp_json):
-        pairs.append((f"bench pcp: ring / one rank ({seq} tokens, {heads}/{kvh} heads, P={p}), {a.clock}",
-                      pr["ratio"], None if pcp is None else v.measured_pcp(pcp, a.clock)))
-    ctx = a.dcp_context
-    if dcp is not None:
-        with _reading(ap.prog, "--dcp-json", a.dcp_json):
-            c = dcp["config"]
-            ctx = ctx if ctx in c["contexts"] else c["contexts"][-1]
-            dr = v.predict_dcp(prof, context=ctx, batch=c["batch"], heads=c["hq"], kv_heads=c["hkv"],
-                               head_dim=c["d"], dcp=dcp["dcp"], kv_bytes=2 if c["dtype"] in ("bfloat16", "float16")
-                               else 4, clock=a.clock)
-            meas = v.measured_dcp(dcp, ctx, a.clock)
-    else:
-        dr, meas = v.predict_dcp(prof, context=ctx, clock=a.clock), {}
-    detail["dcp"] = dr
-    for k, val in dr["ratio"].items():
-        pairs.append((f"bench dcp: whole step {k} / one rank ({ctx} context), {a.clock}", val, meas.get(k)))
-    if graph is not None:
-        with _reading(ap.prog, "--graph-json", a.graph_json):
-            c = graph["config"]
-            gr = v.predict_graph(prof, layers=c["layers"], batches=tuple(c["batches"]),
-                                 dcp=c["decode_context_parallel_size"], merge=c["merge"], hidden=c["hidden"],
-                                 heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], context=c["context"])
-            meas_g = v.measured_graph(graph)
-    else:
-        gr, meas_g = v.predict_graph(prof), {}
-    detail["graph"] = gr
-    for b, val in gr.items():
-        pairs.append((f"bench graph: eager / graph, batch {b}, wall", val["speedup"], meas_g.get(b)))
-    rows, gaps = v.table(pairs), v.profile_gaps(prof)
-    with cli.report_to(a.json):
-        print(f"profile: {prof.device}")
-        shown = [{**r, "error": "-" if r["error"] is None else f"{r['error']:.1%}",
-                  "measured": "-" if r["measured"] is None else r["measured"]} for r in rows]
-        print(table(shown, ["what", "predicted", "measured", "error"]))
-        worst = max((r["error"] for r in rows if r["error"] is not None), default=math.nan)
-        print(f"\nlargest error {worst:.1%} (target: within 15%)" if not math.isnan(worst) else
-              "\n(no measured values given: pass the benchmarks' --json outputs)")
-        one = detail["pcp"]["one_rank_s"]
-        print(f"\nwhere a PCP rank's time goes (predicted, of one rank's {one:.3g} s; before the share of the "
-              f"shared cores, {detail['pcp']['share']:.0%}): " +
-              "; ".join(f"rank {r}: " + ", ".join(f"{k} {x / one:.3g}" for k, x in parts.items())
-                        for r, parts in enumerate(detail["pcp"]["ranks"])))
-        print(f"DCP: a rank keeps {detail['dcp']['share']:.0%} of its decode bandwidth while both decode; "
-              "graph (eager / graph ms, of which collectives, eager's cold extra): " +
-              "; ".join(f"batch {b}: {g['eager_s'] * 1e3:.1f} / {g['graph_s'] * 1e3:.1f}, {g['comm_s'] * 1e3:.1f}, "
-                        f"{g['cold_s'] * 1e3:.1f}" for b, g in detail["graph"].items()))
-        if gaps:
-            print("\nthis profile predates some calibrated numbers; standing in:")
-            for line in gaps:
-                print(f"  - {line}")
-    write_json(a.json, {"profile": prof.name, "clock": a.clock, "rows": rows, "detail": detail,
-                        "profile_gaps": gaps})
-    return 0
-
-
-# ----------------------------------------------------------------------------- anchors
-def _with_range(row: dict, key: str, fmt: str) -> str:
-    """``row[key]`` formatted, with its ``[low, high]`` from ``row["range"]`` where that is not one point."""
-    lo, hi = row["range"][key]
-    text = fmt.format(row[key])
-    return text if lo == hi else f"{text} [{fmt.format(lo).lstrip('x')}, {fmt.format(hi).lstrip('x')}]"
-
-
-def _anchors(argv) -> int:
-    from cpattn.plan import anchors
-
-    ap = cli.parser("cpattn plan anchors", "The published anchors, predicted, with their assumptions.")
-    cli.add_json(ap)
-    a = ap.parse_args(argv)
-    pcp = anchors.pcp_anchor()
-    terms = anchors.pcp_terms(pcp)
-    dcp = anchors.dcp_anchor()
-    with cli.report_to(a.json):
-        lo, hi = anchors.PCP_RANGE
-        print(f"PCP = 2 TTFT reduction, prefill instances of 16 Ascend 910C (A3), DP2 TP8 -> PCP2 TP8, EP16 "
-              f"(published {lo:.0%}-{hi:.0%}; 'fitted': two scales fitted to the published baseline TTFTs):")
-        pct = ("published_reduction", "ttft_reduction", "fitted_reduction")
-        pts = ("error", "fitted_error")  # percentage points against the same cell's published reduction
-        print(table([{**r, **{k: f"{r[k]:.1%}" for k in pct}, **{k: f"{100 * r[k]:+.1f} pts" for k in pts}}
-                     for r in pcp],
-                    ["model", "context", "published_base_s", "published_reduction", "ttft_reduction", "error",
-                     "in_range", "fitted_base_s", "fitted_reduction", "fitted_error", "fitted_in_range"]))
-        print("\nEach column solved exactly through its three cells as constant + per-token * x + attention * x^2 "
-              "(x = context / 32K; s at 32K), and what PCP did to each term; [low, high]: over every rounding of "
-              f"the published cells (+-{anchors.PUBLISHED_HALF_UNIT} s):")
-        cols = {"constant_32k_s": "{:.2f}", "pcp_constant_s": "{:.2f}", "per_token_32k_s": "{:.2f}",
-                "per_token_ratio": "x{:.2f}", "attention_32k_s": "{:.2f}", "attention_ratio": "x{:.2f}"}
-        print(table([{**t, **{k: _with_range(t, k, f) for k, f in cols.items()}} for t in terms],
-                    ["model", "source", *cols]))
-        lo, hi = anchors.DCP_RANGE
-        print(f"\nDCP8 over TP8, Kimi-K2 on 8 x B200, tokens/s per GPU (published {dcp['published']['ratio']:.2f}x, "
-              f"range {lo}-{hi}x): predicted {dcp['ratio']:.2f}x (concurrency {dcp['tp8']['concurrency']} -> "
-              f"{dcp['tp8_dcp8']['concurrency']}, TPOT {dcp['tp8']['tpot_s'] * 1e3:.1f} -> "
-              f"{dcp['tp8_dcp8']['tpot_s'] * 1e3:.1f} ms); in range: {dcp['in_range']}")
-        print("\nassumptions:")
-        for line in anchors.ASSUMPTIONS:
-            print(f"  - {line}")
-    write_json(a.json, {"pcp": pcp, "pcp_terms": terms, "dcp": dcp, "assumptions": anchors.ASSUMPTIONS})
-    return 0

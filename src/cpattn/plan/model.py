@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, ep_all_to_all_time, expected_experts
 from cpattn.plan.profiles import Profile
+from cpattn.plan.rules import check_layout, layout_space
 from cpattn.plan.specs import WEIGHT_BYTES, ModelSpec
 
 DCP_MERGES = ("local_a2a", "fold", "a2a", "ag_rs")
@@ -85,7 +86,8 @@ class Options:
     """pcp_method: "ring" or "allgather"; dcp_merge: see module doc; output: tokens generated per request
     (for KV sizing); weights: override the spec's weight dtype; compute_dtype: peak FLOP/s key;
     prefix_hit: fraction of each prompt already cached (prefix caching; only the rest is prefilled);
-    max_requests: the scheduler's cap on concurrent requests (vLLM's max_num_seqs)."""
+    max_requests: the scheduler's cap on concurrent requests (vLLM's max_num_seqs);
+    allow_pcp_with_dcp: price PCP with DCP in one engine (the engine's opt-in; refused without it)."""
 
     pcp_method: str = "ring"
     dcp_merge: str = "local_a2a"
@@ -94,6 +96,7 @@ class Options:
     prefix_hit: float = 0.0
     max_requests: int = 1024
     reserve: float = 0.05
+    allow_pcp_with_dcp: bool = False
 
 
 @dataclass
@@ -287,7 +290,12 @@ def decode_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch
 # ----------------------------------------------------------------------------- one layout, every layout
 def predict(spec: ModelSpec, prof: Profile, lay: Layout, *, context: int, batch: int,
             opts: Options = Options()) -> Prediction:
-    """TTFT, TPOT, KV bytes and concurrency of ``spec`` on ``prof`` with layout ``lay`` (module doc)."""
+    """TTFT, TPOT, KV bytes and concurrency of ``spec`` on ``prof`` with layout ``lay`` (module doc).
+
+    A layout the engine refuses (:func:`cpattn.plan.rules.check_layout`, i.e. ``EngineConfig.create``)
+    raises its :class:`~cpattn.config.ConfigError` (a ``ValueError``) naming each rule and its fix.
+    """
+    check_layout(spec, lay, opts.allow_pcp_with_dcp)
     w = weights_per_device(spec, lay)
     per_tok = kv_bytes_per_token(spec, lay)
     capacity = prof.mem_bytes * (prof.mem_util - opts.reserve) - w
@@ -303,24 +311,10 @@ def predict(spec: ModelSpec, prof: Profile, lay: Layout, *, context: int, batch:
                       max_req, max_req >= batch, tput, {"prefill": pre, "decode": dec})
 
 
-def layouts(spec: ModelSpec, devices: int) -> list[Layout]:
-    """Every (tp, pcp, dcp) with ``tp * pcp == devices`` that ``EngineConfig.create`` accepts for the model."""
-    from cpattn.config import ConfigError, EngineConfig
-    from cpattn.config.problems import divisors
-
-    out = []
-    for tp in divisors(devices):
-        pcp = devices // tp
-        for dcp in divisors(tp):
-            try:
-                EngineConfig.create(tp_size=tp, pcp_size=pcp, dcp_size=dcp,
-                                    attention="gqa" if spec.attention == "gqa" else spec.attention,
-                                    num_attention_heads=spec.heads,
-                                    num_kv_heads=spec.kv_heads if spec.attention == "gqa" else None)
-            except ConfigError:
-                continue
-            out.append(Layout(tp, pcp, dcp))
-    return out
+def layouts(spec: ModelSpec, devices: int, opts: Options = Options()) -> list[Layout]:
+    """Every (tp, pcp, dcp) with ``tp * pcp == devices`` that ``EngineConfig.create`` accepts for the model
+    (:func:`cpattn.plan.rules.layout_space`; its refusals carry each rule and fix)."""
+    return layout_space(spec, devices, opts.allow_pcp_with_dcp)[0]
 
 
 def recommend(preds: list[Prediction]) -> tuple[Prediction | None, str]:

@@ -1,0 +1,201 @@
+"""``cpattn plan calibrate | validate | anchors``: the subcommands that fit, check and anchor the model.
+
+``calibrate`` writes the CPU profile and never replaces an existing file
+unless ``--out`` names it or ``--force`` is given (other processes read the
+default one); ``validate`` compares predicted and measured ratios of
+``cpattn bench pcp / dcp / graph``; ``anchors`` predicts the published
+anchors. Usage errors are one line, exit 2, before any work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+from cpattn.bench import args as cli
+from cpattn.bench.common import table, write_json
+from cpattn.plan.cli import _profile
+
+
+# ----------------------------------------------------------------------------- calibrate
+def _calibrate(argv) -> int:
+    from cpattn.plan.profiles import CPU_PROFILE_PATH, save_profile
+
+    ap = cli.parser("cpattn plan calibrate", "Fit the CPU profile from microbenchmarks on this machine.")
+    cli.add_quick(ap, "smaller microbenchmarks, no inductor compile (~30 s)")
+    ap.add_argument("--out", default=CPU_PROFILE_PATH, type=cli.output_file_made,
+                    help="where the profile JSON goes (the 'cpu' profile; missing directories are made)")
+    cli.add_json(ap)
+    cli.add_timeout(ap, default=300.0)
+    a = ap.parse_args(argv)
+    from cpattn.plan.calibrate import calibrate, summary
+    with cli.report_to(a.json):
+        prof = calibrate(quick=a.quick, timeout_s=a.timeout)
+        save_profile(prof, a.out)
+        print(summary(prof))
+        print(f"saved to {a.out}")
+    write_json(a.json, prof.as_dict())
+    return 0
+
+
+# ----------------------------------------------------------------------------- validate
+def _load(prog: str, flag: str, path, keys: tuple[str, ...]):
+    """A benchmark's ``--json`` output, or None; a usage error (one line, exit 2) for a file that is not one."""
+    import json
+
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        cli.bad_value(prog, flag, repr(path), "a readable JSON file", f"check the file ({e})")
+    except json.JSONDecodeError as e:
+        cli.bad_value(prog, flag, repr(path), f"JSON ({e.msg} at line {e.lineno})",
+                      "pass what `cpattn bench ... --json PATH` wrote")
+    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+    if missing:
+        cli.bad_value(prog, flag, repr(path), f"the --json output of its benchmark (it lacks {missing[0]!r})",
+                      f"pass what `cpattn bench {flag[2:].split('-')[0]} --json PATH` wrote")
+    return data
+
+
+@contextlib.contextmanager
+def _reading(prog: str, flag: str, path):
+    """Within the block, a benchmark output that lacks or mistypes a field is a usage error naming ``flag``."""
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        cli.bad_value(prog, flag, repr(path), f"the --json output of its benchmark (it lacks or mistypes {e})",
+                      f"pass what `cpattn bench {flag[2:].split('-')[0]} --json PATH` wrote")
+
+
+def _validate(argv) -> int:
+    ap = cli.parser("cpattn plan validate", "Predicted vs measured ratios of cpattn bench pcp / dcp / graph.")
+    ap.add_argument("--profile", default="cpu", help="the calibrated CPU profile (default) or a profile JSON")
+    ap.add_argument("--pcp-json", default=None, type=cli.input_file, help="cpattn bench pcp --json output (its spec is predicted)")
+    ap.add_argument("--dcp-json", default=None, type=cli.input_file, help="cpattn bench dcp --json output")
+    ap.add_argument("--graph-json", default=None, type=cli.input_file, help="cpattn bench graph --json output")
+    ap.add_argument("--pcp-seq", type=cli.positive_int, default=16384, help="without --pcp-json: tokens")
+    ap.add_argument("--pcp-heads", default="32,8", help="without --pcp-json: query,kv heads")
+    ap.add_argument("--dcp-context", type=cli.positive_int, default=65536, help="context of the dcp ratio")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: wall-clock ratios (slowest rank); cpu: process CPU-time ratios (slowest rank), "
+                         "predicted with the CPU-time shares and transfer costs (bench graph has wall ratios only)")
+    cli.add_json(ap)
+    a = ap.parse_args(argv)
+    pcp = _load(ap.prog, "--pcp-json", a.pcp_json, ("spec", "world_size"))  # every input checked before any work
+    dcp = _load(ap.prog, "--dcp-json", a.dcp_json, ("config", "dcp"))
+    graph = _load(ap.prog, "--graph-json", a.graph_json, ("config",))
+    prof = _profile(ap.prog, a.profile)
+    from cpattn.plan import validate as v
+
+    pairs, detail = [], {}
+    if pcp is not None:
+        with _reading(ap.prog, "--pcp-json", a.pcp_json):
+            s = pcp["spec"]
+            seq, heads, kvh, d, p = sum(s["seq_lens"]), s["heads"], s["kv_heads"], s["head_dim"], pcp["world_size"]
+    else:
+        seq, (heads, kvh), d, p = a.pcp_seq, (int(x) for x in a.pcp_heads.split(",")), 128, 2
+    pr = v.predict_pcp(prof, seq=seq, heads=heads, kv_heads=kvh, head_dim=d, pcp=p, clock=a.clock)
+    detail["pcp"] = pr
+    with _reading(ap.prog, "--pcp-json", a.pcp_json):
+        pairs.append((f"bench pcp: ring / one rank ({seq} tokens, {heads}/{kvh} heads, P={p}), {a.clock}",
+                      pr["ratio"], None if pcp is None else v.measured_pcp(pcp, a.clock)))
+    ctx = a.dcp_context
+    if dcp is not None:
+        with _reading(ap.prog, "--dcp-json", a.dcp_json):
+            c = dcp["config"]
+            ctx = ctx if ctx in c["contexts"] else c["contexts"][-1]
+            dr = v.predict_dcp(prof, context=ctx, batch=c["batch"], heads=c["hq"], kv_heads=c["hkv"],
+                               head_dim=c["d"], dcp=dcp["dcp"], kv_bytes=2 if c["dtype"] in ("bfloat16", "float16")
+                               else 4, clock=a.clock)
+            meas = v.measured_dcp(dcp, ctx, a.clock)
+    else:
+        dr, meas = v.predict_dcp(prof, context=ctx, clock=a.clock), {}
+    detail["dcp"] = dr
+    for k, val in dr["ratio"].items():
+        pairs.append((f"bench dcp: whole step {k} / one rank ({ctx} context), {a.clock}", val, meas.get(k)))
+    if graph is not None:
+        with _reading(ap.prog, "--graph-json", a.graph_json):
+            c = graph["config"]
+            gr = v.predict_graph(prof, layers=c["layers"], batches=tuple(c["batches"]),
+                                 dcp=c["decode_context_parallel_size"], merge=c["merge"], hidden=c["hidden"],
+                                 heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"], context=c["context"])
+            meas_g = v.measured_graph(graph)
+    else:
+        gr, meas_g = v.predict_graph(prof), {}
+    detail["graph"] = gr
+    for b, val in gr.items():
+        pairs.append((f"bench graph: eager / graph, batch {b}, wall", val["speedup"], meas_g.get(b)))
+    rows, gaps = v.table(pairs), v.profile_gaps(prof)
+    with cli.report_to(a.json):
+        print(f"profile: {prof.device}")
+        shown = [{**r, "error": "-" if r["error"] is None else f"{r['error']:.1%}",
+                  "measured": "-" if r["measured"] is None else r["measured"]} for r in rows]
+        print(table(shown, ["what", "predicted", "measured", "error"]))
+        worst = max((r["error"] for r in rows if r["error"] is not None), default=math.nan)
+        print(f"\nlargest error {worst:.1%} (target: within 15%)" if not math.isnan(worst) else
+              "\n(no measured values given: pass the benchmarks' --json outputs)")
+        one = detail["pcp"]["one_rank_s"]
+        print(f"\nwhere a PCP rank's time goes (predicted, of one rank's {one:.3g} s; before the share of the "
+              f"shared cores, {detail['pcp']['share']:.0%}): " +
+              "; ".join(f"rank {r}: " + ", ".join(f"{k} {x / one:.3g}" for k, x in parts.items())
+                        for r, parts in enumerate(detail["pcp"]["ranks"])))
+        print(f"DCP: a rank keeps {detail['dcp']['share']:.0%} of its decode bandwidth while both decode; "
+              "graph (eager / graph ms, of which collectives, eager's cold extra): " +
+              "; ".join(f"batch {b}: {g['eager_s'] * 1e3:.1f} / {g['graph_s'] * 1e3:.1f}, {g['comm_s'] * 1e3:.1f}, "
+                        f"{g['cold_s'] * 1e3:.1f}" for b, g in detail["graph"].items()))
+        if gaps:
+            print("\nthis profile predates some calibrated numbers; standing in:")
+            for line in gaps:
+                print(f"  - {line}")
+    write_json(a.json, {"profile": prof.name, "clock": a.clock, "rows": rows, "detail": detail,
+                        "profile_gaps": gaps})
+    return 0
+
+
+# ----------------------------------------------------------------------------- anchors
+def _with_range(row: dict, key: str, fmt: str) -> str:
+    """``row[key]`` formatted, with its ``[low, high]`` from ``row["range"]`` where that is not one point."""
+    lo, hi = row["range"][key]
+    text = fmt.format(row[key])
+    return text if lo == hi else f"{text} [{fmt.format(lo).lstrip('x')}, {fmt.format(hi).lstrip('x')}]"
+
+
+def _anchors(argv) -> int:
+    from cpattn.plan import anchors
+
+    ap = cli.parser("cpattn plan anchors", "The published anchors, predicted, with their assumptions.")
+    cli.add_json(ap)
+    a = ap.parse_args(argv)
+    pcp = anchors.pcp_anchor()
+    terms = anchors.pcp_terms(pcp)
+    dcp = anchors.dcp_anchor()
+    with cli.report_to(a.json):
+        lo, hi = anchors.PCP_RANGE
+        print(f"PCP = 2 TTFT reduction, prefill instances of 16 Ascend 910C (A3), DP2 TP8 -> PCP2 TP8, EP16 "
+              f"(published {lo:.0%}-{hi:.0%}; 'fitted': two scales fitted to the published baseline TTFTs):")
+        pct = ("published_reduction", "ttft_reduction", "fitted_reduction")
+        pts = ("error", "fitted_error")  # percentage points against the same cell's published reduction
+        print(table([{**r, **{k: f"{r[k]:.1%}" for k in pct}, **{k: f"{100 * r[k]:+.1f} pts" for k in pts}}
+                     for r in pcp],
+                    ["model", "context", "published_base_s", "published_reduction", "ttft_reduction", "error",
+                     "in_range", "fitted_base_s", "fitted_reduction", "fitted_error", "fitted_in_range"]))
+        print("\nEach column solved exactly through its three cells as constant + per-token * x + attention * x^2 "
+              "(x = context / 32K; s at 32K), and what PCP did to each term; [low, high]: over every rounding of "
+              f"the published cells (+-{anchors.PUBLISHED_HALF_UNIT} s):")
+        cols = {"constant_32k_s": "{:.2f}", "pcp_constant_s": "{:.2f}", "per_token_32k_s": "{:.2f}",
+                "per_token_ratio": "x{:.2f}", "attention_32k_s": "{:.2f}", "attention_ratio": "x{:.2f}"}
+        print(table([{**t, **{k: _with_range(t, k, f) for k, f in cols.items()}} for t in terms],
+                    ["model", "source", *cols]))
+        lo, hi = anchors.DCP_RANGE
+        print(f"\nDCP8 over TP8, Kimi-K2 on 8 x B200, tokens/s per GPU (published {dcp['published']['ratio']:.2f}x, "
+              f"range {lo}-{hi}x): predicted {dcp['ratio']:.2f}x (concurrency {dcp['tp8']['concurrency']} -> "
+              f"{dcp['tp8_dcp8']['concurrency']}, TPOT {dcp['tp8']['tpot_s'] * 1e3:.1f} -> "
+              f"{dcp['tp8_dcp8']['tpot_s'] * 1e3:.1f} ms); in range: {dcp['in_range']}")
+        print("\nassumptions:")
+        for line in anchors.ASSUMPTIONS:
+            print(f"  - {line}")
+    write_json(a.json, {"pcp": pcp, "pcp_terms": terms, "dcp": dcp, "assumptions": anchors.ASSUMPTIONS})
+    return 0
