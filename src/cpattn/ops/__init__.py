@@ -12,6 +12,7 @@ from cpattn.ops import registry
 from cpattn.ops.attention import attention_with_lse
 from cpattn.ops.merge import merge_attn_states
 from cpattn.ops.compressor import gated_pool
+from cpattn.ops.gated_delta import causal_conv1d, gated_delta_chunk, gated_delta_step
 from cpattn.ops.mla_preprocess import mla_preprocess, mla_weights
 from cpattn.ops.window_attention import window_attention_with_lse
 from cpattn.ops.paged import paged_attention_with_lse
@@ -39,5 +40,6 @@ __all__ = [
     "attention_with_lse", "merge_attn_states", "paged_attention_with_lse", "write_kv", "write_kv_mla",
     "indexer_scores", "topk_indices", "sparse_mla_attention_with_lse", "mla_softmax_scale", "mla_preprocess",
     "mla_weights", "gated_pool", "window_attention_with_lse", "write_rows",
+    "gated_delta_chunk", "gated_delta_step", "causal_conv1d",
     "registry", "enable_npu",
 ]
