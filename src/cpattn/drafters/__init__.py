@@ -16,5 +16,10 @@ logical PCP size 1 (:mod:`cpattn.engine.drafters` has the protocol):
 - :mod:`~cpattn.drafters.train` -- ``cpattn train-draft``: self-distillation
   of any of the three on a target's own greedy continuations.
 
+Beside them the two drafters that read tokens only: :mod:`~cpattn.drafters.ngram`
+(prompt lookup, no weights) and :mod:`~cpattn.drafters.draft_model` (a small
+model of the target's family, its own dense cache); their names are also
+importable from :mod:`cpattn.engine.drafters`.
+
 All are reachable by name from :data:`cpattn.engine.drafters.DRAFTERS`.
 """

@@ -41,8 +41,13 @@ The draft state's two calls, once per verification step each:
   cache holds them); the state drops whatever it holds past them (rejected
   drafts, and the draft's own cache rows built on them).
 
+The two drafters that need no weights file of their own, n-gram prompt
+lookup (:mod:`cpattn.drafters.ngram`) and a draft model
+(:mod:`cpattn.drafters.draft_model`), are importable from here too.
+
 Example
 -------
+>>> from cpattn.engine.drafters import NgramDrafter
 >>> d = NgramDrafter(max_ngram=2).start(num_requests=1, max_len=32)
 >>> d.propose([[5, 6, 7, 1, 5, 6]], 3, [0]).tolist()
 [[7, 1, 5]]
@@ -55,14 +60,25 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from cpattn.engine.dense_cache import DenseKVCache
-from cpattn.engine.family import ModelFamily, get_family, param_dtype
-from cpattn.engine.logits import as_logits
+# the concrete drafters live in cpattn.drafters (they import this module); their names stay importable from here
+_MOVED = {"NgramDrafter": "cpattn.drafters.ngram", "ngram_lookup": "cpattn.drafters.ngram",
+          "ModelDrafter": "cpattn.drafters.draft_model", "ModelDraftState": "cpattn.drafters.draft_model",
+          "truncated": "cpattn.drafters.draft_model"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MOVED])
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,7 @@ class DraftSettings:
 def speculative_fields(drafter) -> dict:
     """The ``SpeculativeConfig`` fields of a run with ``drafter``: its method and settings (flat names).
 
+    >>> from cpattn.drafters.ngram import NgramDrafter
     >>> speculative_fields(NgramDrafter())["speculative_method"]
     'ngram'
     """
@@ -162,178 +179,11 @@ class Drafter(Protocol):
     def start(self, num_requests: int, max_len: int, *, graph: str | None = None) -> DraftState: ...
 
 
-# -- n-gram prompt lookup ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the history's last n tokens, propose what followed.
-
-    Tries n = ``max_ngram`` down to ``min_ngram``; the first n with a match
-    wins. No match: the draft repeats the last token (cheap to reject).
-    Stateless, so :meth:`start` returns itself.
-    """
-
-    max_ngram: int = 3
-    min_ngram: int = 1
-    settings: DraftSettings = DraftSettings()
-    method: ClassVar[str] = "ngram"
-    hidden_layers: ClassVar[None] = None
-
-    def __post_init__(self):
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(
-                f"need 1 <= min_ngram <= max_ngram; got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
-            )
-
-    def start(self, num_requests: int, max_len: int, *, graph: str | None = None) -> NgramDrafter:
-        """This drafter (it keeps no state; a host-side lookup, nothing to capture)."""
-        return self
-
-    def propose(self, histories: list[list[int]], k: int, requests: list[int],
-                hidden: TargetHidden | None = None) -> torch.Tensor:
-        """k draft tokens per history: [A, k] int64 (``requests`` and ``hidden`` are unused)."""
-        return torch.tensor([ngram_lookup(h, k, self.max_ngram, self.min_ngram) for h in histories],
-                            dtype=torch.int64).view(len(histories), k)
-
-    def rollback(self, requests: list[int], keep_lens: list[int]) -> None:
-        """Nothing to drop: the lookup reads the histories only."""
-
-
-def ngram_lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """The k tokens that followed the latest earlier match of ``history``'s last n tokens.
-
-    history: [S] token ids (S >= 1). Returns exactly k ids, padded with the
-    last one found (or the history's last token when nothing matches).
-
-    Example
-    -------
-    >>> ngram_lookup([1, 2, 3, 9, 1, 2], 2)
-    [3, 9]
-    >>> ngram_lookup([4, 5], 2)
-    [5, 5]
-    """
-    s = len(history)
-    for n in range(min(max_ngram, s - 1), min_ngram - 1, -1):
-        tail = history[s - n :]
-        for start in range(s - n - 1, -1, -1):  # latest match first; it must end before the tail does
-            if history[start : start + n] == tail:
-                found = history[start + n : start + n + k]
-                return found + [found[-1]] * (k - len(found))
-    return [history[-1]] * k
-
-
-# -- draft model ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelDrafter:
-    """A small model of the target's family, greedy, on one device (logical PCP size 1).
-
-    ``model``: a :class:`~cpattn.engine.family.ModelFamily` or family name;
-    ``params`` / ``cfg`` its weights and config (same vocabulary as the
-    target). :func:`truncated` builds one from the target's first layers.
-    """
-
-    model: ModelFamily | str
-    params: dict
-    cfg: Any
-    settings: DraftSettings = DraftSettings()
-    method: ClassVar[str] = "draft_model"
-    hidden_layers: ClassVar[None] = None
-
-    def start(self, num_requests: int, max_len: int, *, graph: str | None = None) -> ModelDraftState:
-        """Fresh per-rank state: a dense KV cache of ``num_requests`` rows x ``max_len`` tokens
-        (its steps run eagerly whatever ``graph`` says: the dense cache plans on the host)."""
-        return ModelDraftState(self, num_requests, max_len)
-
-
-class ModelDraftState:
-    """The draft model's KV cache and the tokens it holds, per request.
-
-    propose: feed each request's history past what the cache holds in one
-    step, then k - 1 single-token steps; the cache then holds history +
-    drafts[:k-1]. rollback: keep only the final tokens (rejected drafts' rows
-    are dropped by length and overwritten later).
-    """
-
-    def __init__(self, drafter: ModelDrafter, num_requests: int, max_len: int):
-        self.family = get_family(drafter.model)
-        self.params, self.cfg = drafter.params, drafter.cfg
-        self.cache = DenseKVCache.empty(self.family.kv_layouts(self.cfg), batch=num_requests, max_len=max_len,
-                                        dtype=param_dtype(self.params))
-        self.held: list[list[int]] = [[] for _ in range(num_requests)]
-
-    def propose(self, histories: list[list[int]], k: int, requests: list[int],
-                hidden: TargetHidden | None = None) -> torch.Tensor:
-        """k greedy draft tokens for each request in ``requests`` (histories in the same order): [A, k]."""
-        if k == 0:
-            return torch.zeros(len(requests), 0, dtype=torch.int64)
-        if list(requests) != sorted(set(requests)):
-            raise ValueError(f"requests must be distinct and ascending (cache row order); got {requests}")
-        b = len(self.held)
-        lens = list(self.cache.seq_lens)
-        feed, new = [], [0] * b
-        for r, h in zip(requests, histories):
-            c = _common_prefix(self.held[r], h, len(h) - 1)  # keep >= 1 token to feed
-            lens[r] = c
-            self.held[r] = list(h)
-            feed.extend(h[c:])
-            new[r] = len(h) - c
-        self.cache = self.cache.truncate(lens)
-        last = torch.tensor(new).cumsum(0)[torch.tensor(requests)] - 1  # [A] each request's last fed row
-        tok = self._step(torch.tensor(feed, dtype=torch.int64), new, last)  # [A]
-        drafts = [tok]
-        for _ in range(k - 1):
-            ones = [0] * b
-            for r in requests:
-                ones[r] = 1
-            tok = self._step(tok, ones, torch.arange(len(requests)))
-            drafts.append(tok)
-        for i, r in enumerate(requests):
-            self.held[r].extend(int(d[i]) for d in drafts[:-1])
-        return torch.stack(drafts, 1)  # [A, k]
-
-    def rollback(self, requests: list[int], keep_lens: list[int]) -> None:
-        """Forget cache rows past the first ``keep_lens[i]`` tokens of each request."""
-        lens = list(self.cache.seq_lens)
-        for r, n in zip(requests, keep_lens):
-            lens[r] = min(lens[r], n)
-            del self.held[r][lens[r]:]
-        self.cache = self.cache.truncate(lens)
-
-    def _step(self, tokens: torch.Tensor, new_lens: list[int], last: torch.Tensor) -> torch.Tensor:
-        step = self.cache.step(new_lens)
-        logits = as_logits(self.family.forward(self.params, self.cfg, tokens, step, logits_index=last))  # [A, V]
-        self.cache = step.finish()
-        return logits.argmax(-1)
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def truncated(model: ModelFamily | str, params: dict, cfg: Any, num_layers: int = 1) -> ModelDrafter:
-    """A draft model made of the target's first ``num_layers`` layers, its final norm and head.
-
-    Example
-    -------
-    >>> # drafter = truncated("qwen3", params, cfg, num_layers=1)
-    """
-    if not 1 <= num_layers <= cfg.num_hidden_layers:
-        raise ValueError(f"num_layers must be in [1, {cfg.num_hidden_layers}]; got {num_layers}")
-    keep = {n: t for n, t in params.items()
-            if not n.startswith("model.layers.") or int(n.split(".")[2]) < num_layers}
-    return ModelDrafter(model, keep, replace(cfg, num_hidden_layers=num_layers))
-
 
 class Registry(Mapping):
     """Drafter name -> class, importing a method's module on first use (its weights code is not free).
 
+    >>> from cpattn.drafters.ngram import NgramDrafter
     >>> DRAFTERS["ngram"] is NgramDrafter, "mtp" in DRAFTERS
     (True, True)
     """
@@ -359,8 +209,8 @@ class Registry(Mapping):
 
 # name -> drafter class; a drafter is built as DRAFTERS[name](**its arguments) or DRAFTERS[name].from_checkpoint(dir)
 DRAFTERS = Registry({
-    "ngram": NgramDrafter,
-    "draft_model": ModelDrafter,
+    "ngram": "cpattn.drafters.ngram:NgramDrafter",
+    "draft_model": "cpattn.drafters.draft_model:ModelDrafter",
     "mtp": "cpattn.drafters.mtp:MTPDrafter",
     "eagle3": "cpattn.drafters.eagle3:Eagle3Drafter",
     "dspark": "cpattn.drafters.dspark:DSparkDrafter",
@@ -373,6 +223,7 @@ def check_drafter(drafter, num_speculative_tokens: int, *, settings: bool = True
     passed the guide's rules, so with PCP the guide's refusal (and its fix) comes first; entry points
     that check before building their configs pass ``settings=False``.
 
+    >>> from cpattn.drafters.ngram import NgramDrafter
     >>> check_drafter(NgramDrafter(settings=DraftSettings(draft_sampling="random")), 2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
