@@ -13,8 +13,9 @@ Topologies:
   alone (replicated), a full-size one over the world; the hand-off moves
   rows inside the world (:func:`cpattn.engine.handoff.exchange`);
 - **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks): world
-  ranks ``[0, P)`` prefill, ``[P, P + N)`` decode, whole KV blocks move point
-  to point over torch.distributed;
+  ranks ``[0, P)`` prefill, ``[P, P + N)`` decode (two ``world.split``
+  sub-groups), whole KV blocks move point to point (``world.send`` /
+  ``world.recv``), on torch.distributed or a simulated mesh alike;
 - **simulated** (:func:`generate`): a mesh of P simulated ranks prefills, the
   KV travels in memory (rows, or whole blocks for a P/D consumer), a mesh of
   N simulated ranks decodes; any P and N.
@@ -51,8 +52,9 @@ from cpattn.engine.decode import DecodeOut
 from cpattn.engine.decode_stage import drafter_hidden, hidden_layers, new_shard, run_decode
 from cpattn.engine.drafters import TargetHidden, check_drafter
 from cpattn.engine.family import ModelFamily, get_family, param_dtype
-from cpattn.engine.handoff import (
-    HandoffFacts, deal_blocks, exchange, place_blocks, place_rows, recv_blocks, request_blocks, send_blocks,
+from cpattn.engine.handoff import (  # noqa: F401 - send_hidden / recv_hidden: re-exported (they lived here)
+    HandoffFacts, deal_blocks, exchange, place_blocks, place_rows, recv_blocks, recv_hidden, request_blocks,
+    send_blocks, send_hidden,
 )
 from cpattn.engine.kv_rows import row_width
 from cpattn.engine.logits import acc_dtype
@@ -253,85 +255,53 @@ def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillO
     return HandoffFacts(rows_kept=rows.shape[0], bytes_sent=pg.stats.total_sent() - before)
 
 
-def send_hidden(hidden: dict, decode_ranks: list[int]) -> None:
-    """P/D: prefill rank 0 sends the prompts' hidden states ``{name: [T, ...]}`` (layer indices ascending,
-    then "norm") to every decode rank, point to point: first each one's width F (int64 [names]; a
-    DeepSeek-V4 layer's row is its n_hc streams, n_hc * H), then the rows flattened to [T, F]."""
-    import torch.distributed as dist
-
-    names = [*sorted(n for n in hidden if n != "norm"), "norm"]
-    flat = [hidden[name].reshape(hidden[name].shape[0], -1).contiguous() for name in names]  # [T, F] each
-    widths = torch.tensor([h.shape[1] for h in flat], dtype=torch.int64)
-    for r in decode_ranks:
-        dist.send(widths, dst=r)
-        for h in flat:
-            dist.send(h, dst=r)
-
-
-def recv_hidden(names: list, tokens: int, dtype: torch.dtype, src: int) -> dict:
-    """P/D: a decode rank receives what :func:`send_hidden` sent: ``{name: [T, F]}``."""
-    import torch.distributed as dist
-
-    widths = torch.empty(len(names), dtype=torch.int64)
-    dist.recv(widths, src=src)
-    out = {}
-    for name, f in zip(names, widths.tolist()):
-        out[name] = torch.empty(tokens, f, dtype=dtype)
-        dist.recv(out[name], src=src)
-    return out
-
-
 def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefill_cfg, decode_cfg, algorithms,
                    drafter, on_step) -> Generation:
-    """P/D over torch.distributed: ranks [0, P) prefill and send whole blocks, [P, P + N) receive and decode."""
-    import torch.distributed as dist
-
-    from cpattn.comm.dist import DistGroup
-
+    """P/D: world ranks [0, P) prefill and send whole blocks point to point, [P, P + N) receive and decode."""
     psize, nsize = prefill_cfg.parallel.pcp_size, decode_cfg.parallel.dcp_size
-    pg_raw = dist.new_group(list(range(psize)))  # every world rank creates both groups, in the same order
-    dg_raw = dist.new_group(list(range(psize, psize + nsize)))
+    decode_ranks = list(range(psize, psize + nsize))
+    pg = world.split(list(range(psize)))  # every world rank splits both groups, in the same order
+    dg = world.split(decode_ranks)
     steps, cu = max_new_tokens - 1, p.cu_seqlens
     layouts = family.kv_layouts(cfg)
     vocab = cfg.vocab_size
     world.all_reduce(torch.zeros(1))
     t0 = time.perf_counter()
     if world.rank < psize:
-        pg = DistGroup(pg_raw)
         out = prefill_fn(pg, family, params, cfg, p, algorithms, False, None, hidden_layers(drafter))
         prefill_s = time.perf_counter() - t0
         if family.stages is not None:  # the family's own payload, with the first-token logits
-            facts = family.stages.send(pg, out, list(range(psize, psize + nsize)))
+            facts = family.stages.send(pg, out, decode_ranks, world=world)
         else:
             rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order: any prefill rank sends any block
             blocks = request_blocks(rows, cu, decode_cfg.cache.block_size)
             facts = send_blocks(blocks, out.first_logits if pg.rank == 0 else None, prefill_rank=pg.rank,
-                                prefill_size=psize, decode_ranks=list(range(psize, psize + nsize)))
+                                prefill_size=psize, decode_ranks=decode_ranks, world=world)
         if out.hidden is not None and pg.rank == 0:  # the drafter's prompt hidden states go with the KV
-            send_hidden(out.hidden, list(range(psize, psize + nsize)))
+            send_hidden(out.hidden, decode_ranks, world)
         tokens = torch.zeros(p.num_requests, max_new_tokens, dtype=torch.int64)
         # in the decode ranks' logits dtype (float64 in a float64 run): the all_reduce below pairs them
         logits = torch.zeros(p.num_requests, max_new_tokens, vocab, dtype=acc_dtype(param_dtype(params)))
         run = RunFacts(prefill_s=prefill_s, handoff=facts, role="prefill")
         dec_stats = None
     else:
-        dg = DistGroup(dg_raw)
         dtype = param_dtype(params)
         if family.stages is not None:
             shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter, dg)
-            first_logits, facts = family.stages.recv(shard, p, src=0)
+            first_logits, facts = family.stages.recv(shard, p, src=0, world=world)
         else:
             received, first_logits, facts = recv_blocks(list(p.query_lens), decode_rank=dg.rank, decode_size=nsize,
                                                         prefill_ranks=list(range(psize)),
                                                         block_size=decode_cfg.cache.block_size,
-                                                        width=row_width(layouts), dtype=dtype, vocab_size=vocab)
+                                                        width=row_width(layouts), dtype=dtype, vocab_size=vocab,
+                                                        world=world)
             shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter)
             place_blocks(shard, received)
         layers = hidden_layers(drafter)
         hidden = None
         if layers is not None:
             names = [*sorted(layers), "norm"]
-            hidden = recv_hidden(names, p.cu_seqlens[-1], dtype, src=0)
+            hidden = recv_hidden(names, p.cu_seqlens[-1], dtype, 0, world)
         ttft = time.perf_counter() - t0
         dec = run_decode(dg, family, params, cfg, shard, p, first_logits.argmax(-1), steps, decode_cfg, algorithms,
                          drafter, on_step,

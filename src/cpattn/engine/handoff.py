@@ -16,7 +16,9 @@ Engines on different ranks (P/D disaggregation, ``I == block_size``): whole
 blocks of ``block_size`` tokens move (:func:`request_blocks`,
 :func:`deal_blocks`): block j of a request goes to decode rank ``j % N`` as
 its local block ``j // N`` -- in memory (:func:`place_blocks`) or point to
-point over torch.distributed (:func:`send_blocks` / :func:`recv_blocks`).
+point over a :class:`~cpattn.comm.group.Group` (:func:`send_blocks` /
+:func:`recv_blocks`; the drafter's prompt hidden states with them:
+:func:`send_hidden` / :func:`recv_hidden`).
 A KV pool stores and loads the same whole blocks.
 
 Example
@@ -40,7 +42,6 @@ from cpattn.layout.dcp import dcp_owner
 from cpattn.layout.rows import request_of
 
 METHODS = ("a2a", "allgather")
-_HEADER_TAG = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -146,48 +147,84 @@ def place_blocks(shard: PagedShard, received: list[tuple[int, int, torch.Tensor]
         shard.write_block(int(shard.block_table[b, i]), payload)
 
 
-def send_blocks(blocks: list[torch.Tensor], first_logits: torch.Tensor | None, *, prefill_rank: int,
-                prefill_size: int, decode_ranks: list[int]) -> HandoffFacts:
-    """Send this prefill rank's share of the blocks (block j of every request when j % P == rank) to the
-    decode ranks (world ranks ``decode_ranks``) with torch.distributed ``isend``; prefill rank 0 also sends
-    every decode rank the first-token logits [B, V]. Returns after every send completed."""
-    import torch.distributed as dist
+def _world(world: Group | None) -> Group:
+    """The group point-to-point messages travel in: ``world``, or torch.distributed's world group (legacy)."""
+    if world is not None:
+        return world
+    from cpattn.comm.dist import DistGroup
 
-    works, sent, nbytes = [], 0, 0
-    if first_logits is not None:
-        for d in decode_ranks:
-            works.append(dist.isend(first_logits.contiguous(), d, tag=_HEADER_TAG))
-    n = len(decode_ranks)
-    for b, blk in enumerate(blocks):
-        for j in range(blk.shape[0]):
-            if j % prefill_size == prefill_rank:
-                works.append(dist.isend(blk[j].contiguous(), decode_ranks[j % n], tag=b * (1 << 20) + j))
-                sent += 1
-                nbytes += blk[j].numel() * blk[j].element_size()
-    for w in works:
-        w.wait()
+    return DistGroup()
+
+
+def _pair_blocks(lens_blocks: list[int], p: int, prefill_size: int, d: int, decode_size: int) -> list[tuple[int, int]]:
+    """(request, block) pairs prefill rank p sends decode rank d, in request then block order."""
+    return [(b, j) for b, nb in enumerate(lens_blocks) for j in range(d, nb, decode_size) if j % prefill_size == p]
+
+
+def send_blocks(blocks: list[torch.Tensor], first_logits: torch.Tensor | None, *, prefill_rank: int,
+                prefill_size: int, decode_ranks: list[int], world: Group | None = None) -> HandoffFacts:
+    """Send this prefill rank's share of the blocks (block j of every request when j % P == rank) to the
+    decode ranks (ranks ``decode_ranks`` of ``world``) point to point (:meth:`~cpattn.comm.group.Group.send`);
+    prefill rank 0 also sends every decode rank the first-token logits [B, V].
+
+    One message per decode rank (its blocks stacked, [n, block_size, F], after the logits), decode ranks
+    in order; :func:`recv_blocks` takes them prefill ranks in order, so the sends and receives form no
+    cycle. world: the group ``decode_ranks`` index (default: torch.distributed's world).
+    """
+    world = _world(world)
+    sent, nbytes = 0, 0
+    nb = [int(blk.shape[0]) for blk in blocks]
+    for d, dst in enumerate(decode_ranks):
+        if first_logits is not None:
+            world.send(first_logits, dst)
+        mine = _pair_blocks(nb, prefill_rank, prefill_size, d, len(decode_ranks))
+        if mine:
+            payload = torch.stack([blocks[b][j] for b, j in mine])  # [n, block_size, F]
+            world.send(payload, dst)
+            sent += len(mine)
+            nbytes += payload.nbytes
     return HandoffFacts(blocks_sent=sent, bytes_sent=nbytes)
 
 
 def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, prefill_ranks: list[int],
-                block_size: int, width: int, dtype: torch.dtype, vocab_size: int):
-    """Receive this decode rank's blocks (and the first-token logits from prefill rank 0).
+                block_size: int, width: int, dtype: torch.dtype, vocab_size: int, world: Group | None = None):
+    """Receive this decode rank's blocks (and the first-token logits from prefill rank 0) over ``world``
+    (what :func:`send_blocks` sent; ``prefill_ranks``: ranks of ``world``, default torch.distributed's world).
 
-    Returns (received ``[(request, local block, payload [block_size, F])]``,
+    Returns (received ``[(request, local block, payload [block_size, F])]`` in request then block order,
     first_logits [B, V] float32 (float64 in a float64 run), :class:`HandoffFacts`).
     """
-    import torch.distributed as dist
-
-    first_logits = torch.empty(len(prompt_lens), vocab_size, dtype=acc_dtype(dtype))  # as the prefill's logits
-    works = [dist.irecv(first_logits, prefill_ranks[0], tag=_HEADER_TAG)]
-    received = []
+    world = _world(world)
+    first_logits = world.recv((len(prompt_lens), vocab_size), acc_dtype(dtype), prefill_ranks[0])  # as the prefill's
+    nb = [-(-m // block_size) for m in prompt_lens]
+    got: dict[tuple[int, int], torch.Tensor] = {}
     p = len(prefill_ranks)
-    for b, m in enumerate(prompt_lens):
-        for j in range(decode_rank, -(-m // block_size), decode_size):
-            buf = torch.empty(block_size, width, dtype=dtype)
-            works.append(dist.irecv(buf, prefill_ranks[j % p], tag=b * (1 << 20) + j))
-            received.append((b, j // decode_size, buf))
-    for w in works:
-        w.wait()
+    for i, src in enumerate(prefill_ranks):
+        mine = _pair_blocks(nb, i, p, decode_rank, decode_size)
+        if mine:
+            payload = world.recv((len(mine), block_size, width), dtype, src)
+            got.update(zip(mine, payload.unbind(0)))
+    received = [(b, j // decode_size, got[(b, j)]) for b in range(len(nb)) for j in range(decode_rank, nb[b], decode_size)]
     nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in received)
     return received, first_logits, HandoffFacts(blocks_received=len(received), bytes_received=nbytes)
+
+
+def send_hidden(hidden: dict, decode_ranks: list[int], world: Group | None = None) -> None:
+    """P/D: prefill rank 0 sends the prompts' hidden states ``{name: [T, ...]}`` (layer indices ascending,
+    then "norm") to every decode rank (ranks of ``world``), point to point: first each one's width F (int64
+    [names]; a DeepSeek-V4 layer's row is its n_hc streams, n_hc * H), then the rows flattened to [T, F]."""
+    world = _world(world)
+    names = [*sorted(n for n in hidden if n != "norm"), "norm"]
+    flat = [hidden[name].reshape(hidden[name].shape[0], -1) for name in names]  # [T, F] each
+    widths = torch.tensor([h.shape[1] for h in flat], dtype=torch.int64)
+    for r in decode_ranks:
+        world.send(widths, r)
+        for h in flat:
+            world.send(h, r)
+
+
+def recv_hidden(names: list, tokens: int, dtype: torch.dtype, src: int, world: Group | None = None) -> dict:
+    """P/D: a decode rank receives what :func:`send_hidden` sent from rank ``src`` of ``world``: ``{name: [T, F]}``."""
+    world = _world(world)
+    widths = world.recv((len(names),), torch.int64, src)
+    return {name: world.recv((tokens, f), dtype, src) for name, f in zip(names, widths.tolist())}

@@ -169,19 +169,23 @@ class V4Stages:
         sent = prefill_group.stats.total_sent() - before
         return HandoffFacts(rows_kept=int(h.tail.requests.numel()), bytes_sent=sent)
 
-    def send(self, prefill_group: Group, out: V4PrefillOut, decode_ranks: list[int]) -> HandoffFacts:
+    def send(self, prefill_group: Group, out: V4PrefillOut, decode_ranks: list[int],
+             world: Group | None = None) -> HandoffFacts:
         """P/D, on every prefill rank: collect over the prefill group; rank 0 sends the hand-off and the
-        first-token logits to every decode rank (world ranks ``decode_ranks``)."""
+        first-token logits to every decode rank (ranks ``decode_ranks`` of ``world``, default
+        torch.distributed's world)."""
         h = collect(prefill_group, out)
         if prefill_group.rank != 0:
             return HandoffFacts()
-        return HandoffFacts(bytes_sent=send_handoff(h, out.first_logits, decode_ranks))
+        return HandoffFacts(bytes_sent=send_handoff(h, out.first_logits, decode_ranks, world))
 
-    def recv(self, holder: V4DecodeCache, prompts: Prompts, src: int) -> tuple[torch.Tensor, HandoffFacts]:
-        """P/D, on every decode rank: receive ``prompts``' hand-off from world rank ``src`` and seed this rank's
-        cache. Returns the first-token logits [B, V] and what arrived."""
+    def recv(self, holder: V4DecodeCache, prompts: Prompts, src: int,
+             world: Group | None = None) -> tuple[torch.Tensor, HandoffFacts]:
+        """P/D, on every decode rank: receive ``prompts``' hand-off from rank ``src`` of ``world`` (default
+        torch.distributed's world) and seed this rank's cache. Returns the first-token logits [B, V] and
+        what arrived."""
         c = holder.cache
-        h, first, got = recv_handoff(c.layout, prompts.query_lens, c.window[0].dtype, src)
+        h, first, got = recv_handoff(c.layout, prompts.query_lens, c.window[0].dtype, src, world)
         self.place(holder, h)
         return first, HandoffFacts(bytes_received=got)
 

@@ -15,7 +15,8 @@ So the hand-off is one all-gather of the tail rows over the prefill group
 request order) and a local write (:func:`seed_cache`: rings whole, the
 entries this rank owns). Nothing is sent per entry. P/D on separate
 ranks: prefill rank 0 sends the :class:`V4Handoff` (and the first-token
-logits) to every decode rank point to point (:func:`send_handoff` /
+logits) to every decode rank point to point over a
+:class:`~cpattn.comm.group.Group` (:func:`send_handoff` /
 :func:`recv_handoff`: each tensor after a small shape header), and each
 keeps its share.
 
@@ -145,40 +146,47 @@ def _tensors(h: V4Handoff, first_logits: torch.Tensor) -> list[torch.Tensor]:
     return ts + [e.offsets[k].long() for k in sorted(e.offsets)]
 
 
-def send_handoff(h: V4Handoff, first_logits: torch.Tensor, decode_ranks: list[int]) -> int:
-    """P/D: send the hand-off and first-token logits [B, V] to every decode rank (world ranks), point to
-    point with torch.distributed; each tensor goes after an int64 header ``[ndim, *shape]``. Returns bytes sent."""
-    import torch.distributed as dist
+def _p2p(world: Group | None) -> Group:
+    if world is not None:
+        return world
+    from cpattn.comm.dist import DistGroup  # legacy default: torch.distributed's world group
 
+    return DistGroup()
+
+
+def send_handoff(h: V4Handoff, first_logits: torch.Tensor, decode_ranks: list[int], world: Group | None = None) -> int:
+    """P/D: send the hand-off and first-token logits [B, V] to every decode rank (ranks of ``world``, default
+    torch.distributed's world), point to point (:meth:`~cpattn.comm.group.Group.send`); each tensor goes
+    after an int64 header ``[ndim, *shape]``. Returns bytes sent (the rows, not the headers)."""
+    world = _p2p(world)
     sent = 0
     for d in decode_ranks:
         for x in _tensors(h, first_logits):
             header = torch.zeros(1 + MAX_DIMS, dtype=torch.int64)
             header[0] = x.dim()
             header[1 : 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-            dist.send(header, dst=d)
+            world.send(header, d)
             if x.numel():
-                dist.send(x.contiguous(), dst=d)
+                world.send(x, d)
                 sent += x.numel() * x.element_size()
     return sent
 
 
-def recv_handoff(layout: V4Layout, lens: tuple[int, ...], dtype: torch.dtype, src: int):
-    """P/D: receive what :func:`send_handoff` sent from world rank ``src``: (:class:`V4Handoff`, first-token
-    logits [B, V] float32 (float64 in a float64 run), bytes received). ``layout`` says which layers carry
-    which tensors; rows arrive in ``dtype`` (the model's)."""
-    import torch.distributed as dist
-
+def recv_handoff(layout: V4Layout, lens: tuple[int, ...], dtype: torch.dtype, src: int, world: Group | None = None):
+    """P/D: receive what :func:`send_handoff` sent from rank ``src`` of ``world`` (default torch.distributed's
+    world): (:class:`V4Handoff`, first-token logits [B, V] float32 (float64 in a float64 run), bytes
+    received). ``layout`` says which layers carry which tensors; rows arrive in ``dtype`` (the model's)."""
+    world = _p2p(world)
     got = 0
 
     def take(dt: torch.dtype) -> torch.Tensor:
         nonlocal got
-        header = torch.zeros(1 + MAX_DIMS, dtype=torch.int64)
-        dist.recv(header, src=src)
-        x = torch.empty(header[1 : 1 + int(header[0])].tolist(), dtype=dt)
-        if x.numel():
-            dist.recv(x, src=src)
-            got += x.numel() * x.element_size()
+        header = world.recv((1 + MAX_DIMS,), torch.int64, src)
+        shape = header[1 : 1 + int(header[0])].tolist()
+        if not torch.Size(shape).numel():
+            return torch.empty(shape, dtype=dt)
+        x = world.recv(shape, dt, src)
+        got += x.numel() * x.element_size()
         return x
 
     kinds = layout.kinds
