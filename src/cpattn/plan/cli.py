@@ -48,6 +48,8 @@ def _plan_parser():
     p.add_argument("--output-len", type=cli.positive_int, default=1024, help="generated tokens per request (KV sizing)")
     p.add_argument("--weights", default=None, help="weight dtype override: bf16, fp8, w8a8, int4, nvfp4")
     p.add_argument("--kv-cache-dtype", default=None, help="KV dtype override: bf16 or fp8")
+    p.add_argument("--max-batched-tokens", type=cli.positive_int, default=8192,
+                   help="tokens one prefill step holds activations for (vLLM's --max-num-batched-tokens)")
     p.add_argument("--pcp-method", choices=PCP_METHODS, default="ring", help="PCP KV exchange")
     p.add_argument("--dcp-merge", choices=DCP_MERGES, default="local_a2a", help="DCP decode-layer variant")
     p.add_argument("--layout", action="append", type=layout_arg, default=None, metavar="tp=T[,pcp=P][,dcp=D]",
@@ -60,7 +62,8 @@ def _plan_parser():
 
 
 def _plan(argv) -> int:
-    from cpattn.plan.model import Options, layouts, predict, recommend
+    from cpattn.plan.fits import fit_changes
+    from cpattn.plan.model import Options, predict, recommend
     from cpattn.plan.specs import WEIGHT_BYTES, get_model
 
     ap = _plan_parser()
@@ -77,13 +80,18 @@ def _plan(argv) -> int:
                                  f"model's shapes (it lacks or mistypes {e}); fix: pass the model's own config.json")
     prof = _profile(ap.prog, a.profile)
     opts = Options(pcp_method=a.pcp_method, dcp_merge=a.dcp_merge, output=a.output_len,
-                   allow_pcp_with_dcp=a.allow_pcp_with_dcp)
+                   allow_pcp_with_dcp=a.allow_pcp_with_dcp, max_batched_tokens=a.max_batched_tokens)
     lays, refused = _layouts(ap.prog, spec, a, opts)
     preds = [predict(spec, prof, lay, context=a.context, batch=a.batch, opts=opts) for lay in lays]
     best, why = recommend(preds)
+    changes = [] if best is not None else fit_changes(spec, prof, a.devices, a.context, a.batch, opts)
+    if changes:
+        why += "; smallest change that fits: " + "; or ".join(
+            f"{c['change']} ({', '.join(c['layouts'][:3])}{' ...' if len(c['layouts']) > 3 else ''})" for c in changes)
     rows = [{"layout": str(p.layout), "TTFT_ms": 1e3 * p.ttft_s, "TPOT_ms": 1e3 * p.tpot_s,
              "weights_GB": p.weights_bytes / 1e9, "KV_GB_per_device": p.kv_bytes / 1e9,
              "KV_B_per_token": p.kv_bytes_per_token, "max_requests": p.max_requests, "fits": p.fits,
+             "overflow": "-" if p.fits else f"{p.overflow} +{p.memory['short'] / 1e9:.1f} GB",
              "tok_s_per_device": p.tokens_per_s_per_device} for p in preds]
     with cli.report_to(a.json):
         print(f"{spec.name} ({spec.attention}, {spec.total_params() / 1e9:.0f}B params, {spec.weights} weights, "
@@ -106,6 +114,7 @@ def _plan(argv) -> int:
                         "devices": a.devices, "predictions": [p.as_dict() for p in preds],
                         "refused": [r.as_dict() for r in refused],
                         "recommendation": None if best is None else str(best.layout), "reason": why,
+                        "fit_changes": changes,
                         "assumptions": _assumptions(spec, prof)})
     return 0
 
@@ -172,7 +181,8 @@ def _assumptions(spec, prof) -> list[str]:
         f"{KERNELS_PER_LAYER['prefill']} eager kernels per prefill layer; {KERNELS_PER_LAYER['decode']} kernels per "
         "decode layer at the in-graph launch cost",
         "decode with pcp > 1: every PCP rank runs the step, KV sharded over pcp * dcp, one more all-gather over PCP",
-        "KV capacity: mem_util of device memory, less a 5% reserve and the weights",
+        "KV capacity: mem_util of device memory, less a 5% reserve, the weights and one prefill step's "
+        "activations (an estimate: residual + the wider of the attention and MLP blocks, bf16)",
     ]
 
 

@@ -25,11 +25,13 @@ in one all-to-all; "local_a2a" computes the group's heads locally, one
 all-to-all; "fold" local heads, LSE all-gather, merge folded into the TP
 all-reduce), plus a launch cost per kernel (graph mode).
 
-Memory: weights per device (attention and dense weights over TP, routed
-experts over the whole engine, ``tp * pcp * dp`` devices); the rest of
-``mem_util`` of the device, less a 5% reserve, holds KV. KV per token and
-device: one layer's bytes (:meth:`ModelSpec.kv_bytes_per_token_layer`, KV
-heads over TP, replicated past ``num_kv_heads``) divided by ``dcp * pcp``.
+Memory (:mod:`cpattn.plan.memory`): weights per device (attention and dense
+weights over TP, routed experts over the whole engine, ``tp * pcp * dp``
+devices) and one prefill step's activations; the rest of ``mem_util`` of the
+device, less a 5% reserve, holds KV. KV per token and device: one layer's
+bytes (:meth:`ModelSpec.kv_bytes_per_token_layer`, KV heads over TP,
+replicated past ``num_kv_heads``) divided by ``dcp * pcp``. A layout that
+does not fit names the term that overflows (``Prediction.overflow``).
 
 Data parallelism (``dp`` > 1): the batch is dealt over the replicas; one
 replica's attention, projections and dense work run on ``ceil(batch / dp)``
@@ -51,13 +53,15 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, ep_all_to_all_time, expected_experts
+from cpattn.plan.memory import (  # noqa: F401 (re-exported: model.weights_per_device etc. stay importable)
+    ACT, activation_bytes, kv_bytes_per_token, kv_heads_per_device, memory_terms, weights_per_device,
+)
 from cpattn.plan.profiles import Profile
 from cpattn.plan.rules import check_layout, layout_space
 from cpattn.plan.specs import WEIGHT_BYTES, ModelSpec
 
 DCP_MERGES = ("local_a2a", "fold", "a2a", "ag_rs")
 PCP_METHODS = ("ring", "allgather")
-ACT = 2  # bytes of an activation element (bf16)
 KERNELS_PER_LAYER = {"prefill": 24, "decode": 30}  # launches per layer (norms, projections, rope, attention, MLP)
 
 
@@ -87,7 +91,8 @@ class Options:
     (for KV sizing); weights: override the spec's weight dtype; compute_dtype: peak FLOP/s key;
     prefix_hit: fraction of each prompt already cached (prefix caching; only the rest is prefilled);
     max_requests: the scheduler's cap on concurrent requests (vLLM's max_num_seqs);
-    allow_pcp_with_dcp: price PCP with DCP in one engine (the engine's opt-in; refused without it)."""
+    allow_pcp_with_dcp: price PCP with DCP in one engine (the engine's opt-in; refused without it);
+    max_batched_tokens: tokens one prefill step holds activations for (vLLM's --max-num-batched-tokens)."""
 
     pcp_method: str = "ring"
     dcp_merge: str = "local_a2a"
@@ -97,11 +102,13 @@ class Options:
     max_requests: int = 1024
     reserve: float = 0.05
     allow_pcp_with_dcp: bool = False
+    max_batched_tokens: int = 8192
 
 
 @dataclass
 class Prediction:
-    """One layout's numbers (seconds, bytes per device); ``parts``: where the time goes."""
+    """One layout's numbers (seconds, bytes per device); ``parts``: where the time goes; ``overflow``: the
+    memory term that does not fit when ``fits`` is False (:func:`cpattn.plan.memory.memory_terms`)."""
 
     layout: Layout
     ttft_s: float
@@ -113,32 +120,13 @@ class Prediction:
     fits: bool
     tokens_per_s_per_device: float
     parts: dict = field(default_factory=dict)
+    overflow: str | None = None  # the term that does not fit: "weights", "activations", "KV", "max_requests"
+    memory: dict = field(default_factory=dict)  # bytes per device of each term (memory.memory_terms)
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["layout"] = asdict(self.layout)
         return d
-
-
-# ----------------------------------------------------------------------------- memory
-def weights_per_device(spec: ModelSpec, lay: Layout) -> float:
-    """Weight bytes on one device: attention, dense MLP, shared experts, embedding and lm_head over TP;
-    routed experts over all the engine's devices (``tp * pcp * dp``)."""
-    wb = spec.weight_bytes()
-    routed = sum(spec.mlp_params(i)[1] for i in range(spec.layers))
-    rest = spec.total_params() - routed
-    return wb * (rest / lay.tp + routed / lay.devices)
-
-
-def kv_heads_per_device(spec: ModelSpec, tp: int) -> int:
-    """GQA KV heads a TP rank holds (at least one: replicated past ``num_kv_heads``)."""
-    return max(1, math.ceil(spec.kv_heads / tp)) if spec.attention == "gqa" else 1
-
-
-def kv_bytes_per_token(spec: ModelSpec, lay: Layout) -> float:
-    """KV bytes one token costs on one device, all layers (sharded over DCP and PCP)."""
-    per_layer = spec.kv_bytes_per_token_layer(kv_heads_per_device(spec, lay.tp))
-    return spec.layers * per_layer / (lay.dcp * lay.pcp)
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -296,19 +284,15 @@ def predict(spec: ModelSpec, prof: Profile, lay: Layout, *, context: int, batch:
     raises its :class:`~cpattn.config.ConfigError` (a ``ValueError``) naming each rule and its fix.
     """
     check_layout(spec, lay, opts.allow_pcp_with_dcp)
-    w = weights_per_device(spec, lay)
-    per_tok = kv_bytes_per_token(spec, lay)
-    capacity = prof.mem_bytes * (prof.mem_util - opts.reserve) - w
-    per_req = per_tok * (context + opts.output)
-    max_req = lay.dp * max(0, int(capacity // per_req)) if per_req > 0 else 0  # each replica holds its own
-    max_req = min(max_req, opts.max_requests)
+    mem = memory_terms(spec, prof, lay, context, batch, opts)
+    max_req = mem["max_requests"]
     pre = prefill_time(spec, prof, lay, context, batch, opts)
     dec = decode_time(spec, prof, lay, context, batch, opts)
     at_max = decode_time(spec, prof, lay, context, max_req, opts)["total"] if max_req else math.inf
     tput = max_req / at_max / lay.devices if max_req else 0.0
-    kv = per_tok * math.ceil(batch / lay.dp) * (context + opts.output)
-    return Prediction(lay, pre["total"], dec["total"], w, per_tok, kv,
-                      max_req, max_req >= batch, tput, {"prefill": pre, "decode": dec})
+    return Prediction(lay, pre["total"], dec["total"], mem["weights"], mem["kv_bytes_per_token"], mem["KV"],
+                      max_req, mem["overflow"] is None, tput, {"prefill": pre, "decode": dec},
+                      overflow=mem["overflow"], memory=mem)
 
 
 def layouts(spec: ModelSpec, devices: int, opts: Options = Options()) -> list[Layout]:
@@ -322,7 +306,7 @@ def recommend(preds: list[Prediction]) -> tuple[Prediction | None, str]:
     tokens/s per device; None when nothing fits."""
     fit = [p for p in preds if p.fits]
     if not fit:
-        return None, "no layout holds the batch's KV cache in device memory: add devices or shorten the context"
+        return None, no_fit_reason(preds)
     best = min(fit, key=lambda p: (round(p.ttft_s, 4), -p.tokens_per_s_per_device))
     thr = max(fit, key=lambda p: p.tokens_per_s_per_device)
     why = (f"{best.layout}: lowest predicted TTFT ({best.ttft_s * 1e3:.0f} ms) among the {len(fit)} layouts that fit "
@@ -331,3 +315,37 @@ def recommend(preds: list[Prediction]) -> tuple[Prediction | None, str]:
         why += (f". For decode throughput prefer {thr.layout}: {thr.tokens_per_s_per_device:.0f} tokens/s per device "
                 f"at {thr.max_requests} concurrent requests (vs {best.tokens_per_s_per_device:.0f})")
     return best, why
+
+
+def no_fit_reason(preds: list[Prediction]) -> str:
+    """Why no layout fits: the term each layout overflows (weights, activations, KV), with the bytes.
+
+    >>> from cpattn.plan.profiles import get_profile
+    >>> from cpattn.plan.specs import get_model
+    >>> spec, prof = get_model("glm-5"), get_profile("h200")
+    >>> no_fit_reason([predict(spec, prof, Layout(8), context=131072, batch=1)])  # doctest: +ELLIPSIS
+    'no layout fits in device memory: the weights overflow on 1 of 1 layouts (186 GB per device against 120 GB usable)'
+    """
+    def gb(xs):
+        lo, hi = min(xs) / 1e9, max(xs) / 1e9
+        return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
+
+    parts = []
+    for term in ("weights", "activations", "KV", "max_requests"):
+        mine = [p for p in preds if p.overflow == term]
+        if not mine:
+            continue
+        m = [p.memory for p in mine]
+        n = f"{len(mine)} of {len(preds)} layouts"
+        if term == "weights":
+            parts.append(f"the weights overflow on {n} ({gb([x['weights'] for x in m])} GB per device against "
+                         f"{gb([x['usable'] for x in m])} GB usable)")
+        elif term == "activations":
+            parts.append(f"the prefill activations overflow on {n} ({gb([x['activations'] for x in m])} GB per "
+                         f"device, {gb([x['usable'] - x['weights'] for x in m])} GB left after the weights)")
+        elif term == "KV":
+            parts.append(f"the batch's KV cache overflows on {n} ({gb([x['KV'] for x in m])} GB per device, "
+                         f"{gb([max(0.0, x['kv_capacity']) for x in m])} GB left after weights and activations)")
+        else:
+            parts.append(f"the scheduler's cap on concurrent requests is below the batch on {n}")
+    return "no layout fits in device memory: " + "; ".join(parts)
