@@ -6,6 +6,7 @@
 - :class:`KVTransferConfig`: P/D roles, KV pooling.
 - :class:`SpeculativeConfig`: speculative method and draft tokens.
 - :class:`CompilationConfig`: graph mode, capture sizes, graph backend.
+- :class:`SchedulerConfig`: the step loop's token budget, request cap, chunked prefill, prefix caching.
 - :class:`EngineConfig`: all of them, checked against every rule of the
   CP guide (DESIGN.md §8) that spans parts.
 
@@ -33,10 +34,11 @@ from cpattn.config.kv_transfer import KV_ROLES, KV_TRANSFERS, KVTransferConfig
 from cpattn.config.model import ATTENTION_KINDS, ModelConfig
 from cpattn.config.parallel import ParallelConfig
 from cpattn.config.problems import ConfigError
+from cpattn.config.scheduler import SchedulerConfig
 from cpattn.config.speculative import SpeculativeConfig
 
 __all__ = [
     "EngineConfig", "ModelConfig", "ParallelConfig", "CacheConfig", "KVTransferConfig", "SpeculativeConfig",
-    "CompilationConfig", "ConfigError", "ATTENTION_KINDS", "GRAPH_MODES", "KV_ROLES", "KV_TRANSFERS",
+    "CompilationConfig", "SchedulerConfig", "ConfigError", "ATTENTION_KINDS", "GRAPH_MODES", "KV_ROLES", "KV_TRANSFERS",
     "PCP_SPEC_METHODS", "GuideCompatWarning",
 ]

@@ -142,6 +142,7 @@ class BlockManager:
         self._cached: dict[str, int] = {}  # key -> block id
         self._tables: dict[Hashable, list[int]] = {}
         self._hits = self._queries = self._evictions = 0
+        self._fresh: list[int] = []  # handed out since the last take_fresh(): their rows are stale
 
     # -- sizes -------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -252,7 +253,18 @@ class BlockManager:
                 self._evictions += 1
             self._ref[b] = 1
             table.append(b)
+            self._fresh.append(b)
         return True
+
+    def take_fresh(self) -> list[int]:
+        """Block ids handed out as new blocks (not prefix hits) since the last call, in order: whatever
+        they hold is stale (another request's, or never written), so a runner may poison them.
+
+        >>> bm = BlockManager(4, 2); _ = bm.allocate("a", 3); bm.take_fresh(), bm.take_fresh()
+        ([0, 1], [])
+        """
+        out, self._fresh = self._fresh, []
+        return out
 
     def cache_blocks(self, req_id: Hashable, keys: Sequence[str], num_computed: int) -> None:
         """Make the request's full spans within its first ``num_computed`` tokens findable.

@@ -32,7 +32,7 @@ Policies (vLLM V1's ``Scheduler.schedule``; facts carried over, code ours):
   the budget. The update commits accepted drafts plus the bonus token; the
   blocks past the new computed length (rejected drafts' KV) are released.
 
-Not yet wired into the engine's run: a model-runner step that takes a SchedulerOutput comes next.
+The engine's step loop (:class:`cpattn.engine.llm.LLMEngine`) runs it with :class:`cpattn.engine.runner.StepRunner`.
 
 Example
 -------
@@ -79,7 +79,8 @@ class SchedulerOutput:
     ``draft_tokens[b]`` last); ``block_tables[b]`` the block ids covering ``seq_lens[b]``;
     ``is_prefill[b]`` (a prompt chunk or a recompute, else a decode); ``samples[b]`` whether the
     row's last position is sampled (False for a partial chunk); requests ``preempted`` this step
-    and ``finished`` (or aborted) since the previous one."""
+    and ``finished`` (or aborted) since the previous one; ``fresh_blocks``: block ids handed out as
+    new blocks since the previous step (stale rows: never read before this step writes them)."""
 
     req_ids: tuple = ()
     query_lens: tuple[int, ...] = ()
@@ -92,6 +93,7 @@ class SchedulerOutput:
     samples: tuple[bool, ...] = ()
     preempted: tuple = ()
     finished: tuple = ()
+    fresh_blocks: tuple[int, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -364,4 +366,5 @@ class Scheduler:
             samples=tuple(c + n - len(d) == len(r.tokens) for r, c, n, d in rows),
             preempted=tuple(preempted),
             finished=finished,
+            fresh_blocks=tuple(self.blocks.take_fresh()),
         )

@@ -1,0 +1,238 @@
+"""``LLMEngine``: requests arrive, the engine steps (vLLM's ``LLMEngine`` shape).
+
+Each :meth:`LLMEngine.step` is one turn of the loop::
+
+    scheduler.schedule()  ->  SchedulerOutput (rows: query / context lens, block tables, drafts)
+        ->  StepRunner.execute on every DCP rank  ->  sampled tokens (the same on every rank)
+        ->  scheduler.update  ->  RequestOutput per row, finished ones marked
+
+The scheduler (:mod:`cpattn.engine.scheduler`) and its block manager
+(:mod:`cpattn.engine.blocks`) are host-side and deterministic, so under
+torchrun every rank runs its own copy and they agree without talking; on
+the simulated mesh one copy drives ``dcp_size`` runner threads. Greedy
+sampling: each request's tokens equal one-device greedy generation of that
+request alone, whatever the arrivals, the budget (so the chunk
+boundaries), the batch mix, preemptions and prefix-cache hits.
+
+Example
+-------
+>>> from cpattn.config import SchedulerConfig
+>>> from cpattn.models import qwen3
+>>> cfg = qwen3.Qwen3Config.tiny()
+>>> engine = LLMEngine("qwen3", qwen3.init_params(cfg), cfg, dcp_size=2, block_size=4, num_blocks=16,
+...                    scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4))
+>>> a = engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=3))   # 10 tokens: 2 chunks
+>>> finished = []
+>>> while engine.has_unfinished():
+...     if engine.stats.steps == 2:  # arrives once a's prompt is cached; shares its first 8 tokens
+...         b = engine.add_request(list(range(1, 9)) + [20, 21], SamplingParams(max_tokens=2))
+...     finished += [o for o in engine.step() if o.finished]
+>>> [(o.request_id, len(o.token_ids), o.finish_reason) for o in finished]
+[(0, 3, 'length'), (1, 2, 'length')]
+>>> engine.stats.prefix_hit_tokens, engine.stats.blocks_used   # b found a's first span; nothing leaked
+(8, 0)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cpattn.comm.group import Group
+from cpattn.comm.sim import SimMesh
+from cpattn.config import EngineConfig, SchedulerConfig
+from cpattn.engine.blocks import BlockManager
+from cpattn.engine.decode_stage import graph_backend
+from cpattn.engine.family import ModelFamily, get_family
+from cpattn.engine.runner import StepResult, StepRunner
+from cpattn.engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per request: ``max_tokens`` to generate; generation also stops after any of ``stop_token_ids``."""
+
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: every output token so far; ``finish_reason`` "stop" / "length" /
+    "abort" once ``finished``."""
+
+    request_id: Hashable
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine started (vLLM exposes the same to its metrics).
+
+    steps: steps run (``replayed_steps`` from a captured program, ``eager_steps`` eagerly);
+    prefix_hit_tokens / prefix_query_tokens: prompt tokens found cached / looked up;
+    preemptions; blocks_used / blocks_free (KV blocks per rank); running / waiting requests;
+    bytes_sent: what DCP rank 0 sent in all steps; last_step_bytes: in the last one.
+    """
+
+    steps: int = 0
+    replayed_steps: int = 0
+    eager_steps: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    preemptions: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
+    running: int = 0
+    waiting: int = 0
+    bytes_sent: int = 0
+    last_step_bytes: int = 0
+
+
+def _default_blocks(sched: SchedulerConfig, span: int) -> int:
+    """Enough blocks for max_num_seqs sequences of max_model_len (4096 when unset)."""
+    return sched.max_num_seqs * -(-(sched.max_model_len or 4096) // span)
+
+
+class LLMEngine:
+    """The step loop over one DCP group (module docstring).
+
+    Arguments
+    ---------
+    model, params, cfg: a family (or its name), its weights, its config.
+    config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, block and interleave
+        sizes, graph mode); None: built from ``dcp_size`` / ``block_size`` / ``interleave_size`` /
+        ``graph_mode`` by :func:`cpattn.engine.driver.engine_configs`.
+    scheduler: the :class:`~cpattn.config.SchedulerConfig` (budget, request cap, chunking, prefix caching).
+    world: this rank's group under torchrun (every rank builds the engine and calls the same methods
+        in the same order); None: a simulated mesh of ``dcp_size`` threads in this process.
+    num_blocks: KV blocks per rank (default: ``max_num_seqs`` sequences of ``max_model_len``).
+    merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
+    """
+
+    def __init__(self, model: ModelFamily | str, params: dict, cfg: Any, *, config: EngineConfig | None = None,
+                 scheduler: SchedulerConfig | None = None, world: Group | None = None, dcp_size: int = 1,
+                 block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
+                 num_blocks: int | None = None, merge: str = "local_ag", poison: bool = False) -> None:
+        from cpattn.engine.driver import engine_configs
+
+        family = get_family(model)
+        if config is None:
+            config = engine_configs(family, cfg, dcp_size=dcp_size, block_size=block_size,
+                                    interleave_size=interleave_size, graph_mode=graph_mode)[1]
+        sched = scheduler or SchedulerConfig()
+        if config.speculative.num_speculative_tokens:
+            raise ValueError("LLMEngine: speculative decoding in the step loop is not built yet; pass a config "
+                             "with num_speculative_tokens=0 (cpattn.engine.generate runs drafters)")
+        n = config.parallel.dcp_size
+        if world is not None and world.size != n:
+            raise ValueError(f"world: a group of {world.size} ranks, but the config's dcp_size is {n}; "
+                             "start dcp_size ranks or pass their config")
+        block, inter = config.cache.block_size, config.cache.cp_kv_cache_interleave_size
+        nb = num_blocks if num_blocks is not None else _default_blocks(sched, block * n)
+        self.family, self.config, self.scheduler_config = family, config, sched
+        self.blocks = BlockManager(nb, block, dcp_size=n, interleave_size=inter,
+                                   enable_caching=sched.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens=sched.max_num_batched_tokens,
+                                   max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill)
+        self.max_model_len = sched.max_model_len or nb * block * n
+        self._mesh = None if world is not None else SimMesh(n)
+        groups = [world] if world is not None else self._mesh.groups()
+        capture = graph_backend(config, family, groups[0]) if config.compilation.captures else None
+        sizes = config.compilation.capture_sizes
+
+        def runner(g: Group) -> StepRunner:  # a capture runs the step: every rank builds at once
+            return StepRunner(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,
+                              max_model_len=self.max_model_len, merge=merge, capture=capture,
+                              capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
+                              poison=poison)
+
+        self.runners = _on_every_rank(self._mesh, [lambda g=g: runner(g) for g in groups]) \
+            if len(groups) > 1 else [runner(groups[0])]
+        self._prompts: dict[Hashable, tuple[int, ...]] = {}
+        self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0}
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: Hashable | None = None) -> Hashable:
+        """Queue a request; returns its id (0, 1, ... unless given). Checked now, not at its first step."""
+        p = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        vocab = getattr(self.runners[0].cfg, "vocab_size", None)
+        bad = [t for t in prompt if vocab is not None and not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
+        if len(prompt) + p.max_tokens - 1 > self.max_model_len:
+            raise ValueError(f"request needs {len(prompt)} prompt + {p.max_tokens} max_tokens - 1 tokens; "
+                             f"max_model_len is {self.max_model_len}: shorten it or raise max_model_len")
+        rid = self.scheduler.add_request(prompt, max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids,
+                                         req_id=request_id)
+        self._prompts[rid] = tuple(prompt)
+        return rid
+
+    def abort_request(self, request_id: Hashable) -> bool:
+        """Stop a request now (its blocks freed); False if it had already finished."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and commit one step; the :class:`RequestOutput` of every row it ran."""
+        out = self.scheduler.schedule()
+        results = self._execute(out)
+        done = set(self.scheduler.update(results[0].outputs))
+        if out.req_ids:
+            self._counts["replayed_steps" if results[0].replayed else "eager_steps"] += 1
+        self._counts["last_step_bytes"] = results[0].bytes_sent
+        self._counts["bytes_sent"] += results[0].bytes_sent
+        reqs = self.scheduler.requests
+        return [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
+                              reqs[rid].status == "finished", reqs[rid].finish_reason) for rid in out.req_ids]
+
+    def _execute(self, out) -> list[StepResult]:
+        if self._mesh is None or len(self.runners) == 1:
+            results = [r.execute(out) for r in self.runners]
+        else:
+            results = _on_every_rank(self._mesh, [lambda r=r: r.execute(out) for r in self.runners])
+        for r, res in enumerate(results[1:], 1):
+            if {k: v.sampled for k, v in res.outputs.items()} != {k: v.sampled for k, v in results[0].outputs.items()}:
+                raise RuntimeError(f"DCP rank {r} sampled different tokens than rank 0; the ranks diverged")
+        return results
+
+    @property
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(steps=s.steps, prefix_hit_tokens=s.prefix_hit_tokens,
+                           prefix_query_tokens=s.prefix_query_tokens, preemptions=s.preemptions,
+                           blocks_used=s.blocks_used, blocks_free=s.blocks_free, running=s.running,
+                           waiting=s.waiting, **self._counts)
+
+
+def _on_every_rank(mesh: SimMesh, calls: list) -> list:
+    """Run ``calls[r]()`` on a thread per simulated rank of ``mesh`` (they meet in collectives)."""
+    results: list = [None] * len(calls)
+
+    def run(r: int) -> None:
+        try:
+            results[r] = calls[r]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            if mesh.failure is None:
+                mesh.failure = (r, e)
+            mesh.failed.set()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if mesh.failure is not None:
+        r, e = mesh.failure
+        raise RuntimeError(f"LLMEngine: DCP rank {r} raised {type(e).__name__}: {e}") from e
+    return results

@@ -1,0 +1,155 @@
+"""The model runner of the step loop: one rank's paged KV cache, and one step over a scheduled batch.
+
+A :class:`~cpattn.engine.scheduler.SchedulerOutput` names, per row, the
+``query_lens[b]`` tokens to compute on top of ``context_lens[b]`` cached
+ones and the block ids that cover them. The runner turns it into the
+tensors of :func:`cpattn.engine.decode.decode_step` -- tokens [T], seq_lens
+[B], block_table [B, max_blocks] (padded with the spare block, which stays
+NaN), cu_seqlens_q [B+1] -- and runs that one step function:
+
+- a prefill chunk is a query of many rows at positions ``context ..
+  seq_len - 1``: it writes its KV where owned and attends, causally, to
+  its cached context and to itself through DCP attention (each rank its
+  shard of the keys, partials merged by LSE), so a chunk never recomputes
+  the context before it;
+- a decode is a query of ``1 + d`` rows (the last token and d drafts);
+- a step whose rows are all decodes of one length (``uniform_decode``)
+  replays a captured program when the runner has one (FULL_DECODE_ONLY);
+  any other step runs the same function eagerly.
+
+Sampling is greedy (ties to the lowest token id). A sampled row emits the
+accepted drafts then the bonus token (:func:`~cpattn.engine.decode.accept_drafts`).
+With ``poison=True`` every block the block manager hands out anew is
+filled with NaN before the step writes it, so a read of stale rows shows.
+
+Example
+-------
+>>> import cpattn
+>>> from cpattn.engine.blocks import BlockManager
+>>> from cpattn.engine.scheduler import Scheduler
+>>> from cpattn.models import qwen3
+>>> cfg = qwen3.Qwen3Config.tiny()
+>>> params = qwen3.init_params(cfg)
+>>> def rank(g):
+...     s = Scheduler(BlockManager(8, 4, dcp_size=g.size), max_num_batched_tokens=8, max_num_seqs=2)
+...     run = StepRunner(g, "qwen3", params, cfg, num_blocks=8, block_size=4, max_model_len=32)
+...     rid = s.add_request([1, 2, 3], max_tokens=3)
+...     while s.has_unfinished():
+...         s.update(run.execute(s.schedule()).outputs)
+...     return s.output_tokens(rid)
+>>> a, b = cpattn.simulate(2, rank)
+>>> a == b, len(a)
+(True, 3)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.engine.decode import accept_drafts, decode_step, step_fields
+from cpattn.engine.family import ModelFamily, get_family, nan_caches, param_dtype
+from cpattn.engine.paged_cache import PagedShard
+from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
+from cpattn.graphs.runner import DecodeRunner
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One executed step: ``outputs[req_id]`` for the scheduler's update; ``logits[req_id]`` [n, V]
+    the rows each sampled token came from (float32, float64 in a float64 run); ``replayed``: the step
+    ran a captured program; ``bytes_sent``: what this rank sent during the step."""
+
+    outputs: dict
+    logits: dict
+    replayed: bool
+    bytes_sent: int
+
+
+class StepRunner:
+    """One rank's model runner (module docstring): a NaN-filled paged cache of ``num_blocks`` blocks.
+
+    Arguments
+    ---------
+    group: this rank's DCP group (size 1: one device). model: a family or its name.
+    num_blocks, block_size, interleave_size: the cache layout, the block manager's (block ids
+        ``0 .. num_blocks - 1``; block ``num_blocks`` is the spare that pads block tables).
+    max_model_len: the longest sequence (prompt + outputs + drafts) a block table must cover.
+    merge: the DCP merge (:data:`cpattn.engine.paged_cache.STEP_MERGES`).
+    capture: graph backend for uniform decode steps ("eager", "aot_eager", "inductor", "auto"),
+        or None (every step eager); capture_sizes / max_num_seqs / num_speculative_tokens size it.
+    poison: NaN-fill each freshly handed-out block before the step (tests; costs a write per block).
+    """
+
+    def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
+                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
+                 capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
+                 num_speculative_tokens: int = 0, poison: bool = False) -> None:
+        self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
+        if self.family.stages is not None:
+            raise ValueError(f"the step loop runs paged-cache families; {self.family.name} keeps its own cache "
+                             "(window + compressed entries): use cpattn.engine.generate for it")
+        span = block_size * group.size
+        self.max_blocks = -(-max_model_len // span)
+        layouts = self.family.kv_layouts(cfg)
+        k, v, ki = nan_caches(layouts, (num_blocks + 1, block_size), param_dtype(params), "cpu")
+        self.spare = num_blocks
+        self.shard = PagedShard(layouts, k, v, ki, torch.zeros(0, self.max_blocks, dtype=torch.int64), block_size,
+                                interleave_size)
+        self.poison = poison
+        self._step = functools.partial(decode_step, family=self.family, cfg=cfg, group=group, merge=merge)
+        self._state = {"params": params, "shard": self.shard}
+        self.graph: DecodeRunner | None = None
+        if capture is not None:
+            q = 1 + num_speculative_tokens
+            self.graph = DecodeRunner(self._step, self._state, step_fields(self.max_blocks),
+                                      num_speculative_tokens=num_speculative_tokens,
+                                      capture_sizes=list(capture_sizes) if capture_sizes else None,
+                                      max_size=max(q, max_num_seqs * q), backend=capture).capture()
+
+    def batch(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """The step's inputs: tokens [T], seq_lens [B], block_table [B, max_blocks] (spare-padded)."""
+        table = torch.full((len(out.req_ids), self.max_blocks), self.spare, dtype=torch.int64)
+        for b, ids in enumerate(out.block_tables):
+            if len(ids) > self.max_blocks:
+                raise ValueError(f"request {out.req_ids[b]!r} holds {len(ids)} blocks; the runner was built for "
+                                 f"max_model_len covering {self.max_blocks}: raise max_model_len")
+            table[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        tokens = torch.tensor([t for ids in out.input_ids for t in ids], dtype=torch.int64)
+        return {"tokens": tokens, "seq_lens": torch.tensor(out.seq_lens, dtype=torch.int64), "block_table": table}
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""
+        if self.poison and out.fresh_blocks:
+            ids = torch.tensor(out.fresh_blocks, dtype=torch.int64)
+            for t in (*self.shard.k, *self.shard.v, *self.shard.k_index):
+                if t is not None:
+                    t[ids] = float("nan")
+        if not out.req_ids:
+            return StepResult({}, {}, False, 0)
+        sent = self.group.stats.total_sent()
+        batch = self.batch(out)
+        replayed = False
+        if self.graph is not None and out.uniform_decode:
+            logits, greedy = self.graph(batch, list(out.query_lens))[:2]
+            replayed = self.graph.stats.last.startswith("graph")
+        else:
+            cu = torch.tensor([0, *out.query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            logits, greedy = self._step(self._state, {**batch, "cu_seqlens_q": cu})[:2]
+        outputs, rows = {}, {}
+        end = 0
+        for b, rid in enumerate(out.req_ids):
+            end += out.query_lens[b]
+            if not out.samples[b]:
+                outputs[rid] = ModelOutput()
+                continue
+            d = len(out.draft_tokens[b])
+            g = greedy[end - 1 - d:end]  # [1 + d]: the target's choice after the last token and each draft
+            a = int(accept_drafts(torch.tensor([out.draft_tokens[b]], dtype=torch.int64).view(1, d), g[None])[0])
+            outputs[rid] = ModelOutput(tuple(g[: a + 1].tolist()))
+            rows[rid] = logits[end - 1 - d:end - d + a]
+        return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent)
