@@ -121,3 +121,22 @@ def test_sim_split_of_a_split():
 @pytest.mark.slow
 def test_gloo_send_recv_split():
     _check(spawn(4, _p2p_program, timeout_s=120), 4)
+
+
+def test_pd_per_rank_code_runs_on_the_simulated_mesh():
+    """The P/D path of generate_on_rank (what gloo ranks run) on P + N simulated ranks: world.split makes the
+    two groups, whole blocks move with send / recv; the tokens are one-device greedy's."""
+    from spec_pd_cases import prompts, reference
+
+    from cpattn.models.generate import pd_generate_on_rank
+
+    _, params, cfg, ref = reference("qwen3", 6)
+    outs = simulate(5, pd_generate_on_rank, "qwen3", params, cfg, prompts(), 6, prefill_size=3, decode_size=2,
+                    block_size=4)
+    assert all(torch.equal(o.tokens, ref.tokens) for o in outs)
+    assert [o.facts.role for o in outs] == ["prefill"] * 3 + ["decode"] * 2
+    blocks = sum(-(-len(q) // 4) for q in prompts())
+    assert sum(o.facts.handoff.blocks_sent for o in outs[:3]) == sum(o.facts.handoff.blocks_received
+                                                                    for o in outs[3:]) == blocks
+    assert sum(o.facts.handoff.bytes_sent for o in outs[:3]) == sum(o.facts.handoff.bytes_received for o in outs[3:])
+    assert sum(o.facts.bytes_sent["handoff"] for o in outs[:3]) > sum(o.facts.handoff.bytes_sent for o in outs[:3])

@@ -256,8 +256,11 @@ def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillO
 
 
 def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefill_cfg, decode_cfg, algorithms,
-                   drafter, on_step) -> Generation:
-    """P/D: world ranks [0, P) prefill and send whole blocks point to point, [P, P + N) receive and decode."""
+                   drafter, on_step, prompt_logits: bool = False) -> Generation:
+    """P/D: world ranks [0, P) prefill and send whole blocks point to point, [P, P + N) receive and decode.
+
+    Every rank returns decode rank 0's tokens and logits; prompt logits (``prompt_logits``) stay on the
+    prefill ranks (None on decode ranks). A decode rank whose own tokens differ from rank 0's raises."""
     psize, nsize = prefill_cfg.parallel.pcp_size, decode_cfg.parallel.dcp_size
     decode_ranks = list(range(psize, psize + nsize))
     pg = world.split(list(range(psize)))  # every world rank splits both groups, in the same order
@@ -268,8 +271,8 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
     world.all_reduce(torch.zeros(1))
     t0 = time.perf_counter()
     if world.rank < psize:
-        out = prefill_fn(pg, family, params, cfg, p, algorithms, False, None, hidden_layers(drafter))
-        prefill_s = time.perf_counter() - t0
+        out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, None, hidden_layers(drafter))
+        prefill_s, sent0 = time.perf_counter() - t0, world.stats.total_sent()
         if family.stages is not None:  # the family's own payload, with the first-token logits
             facts = family.stages.send(pg, out, decode_ranks, world=world)
         else:
@@ -282,8 +285,9 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
         tokens = torch.zeros(p.num_requests, max_new_tokens, dtype=torch.int64)
         # in the decode ranks' logits dtype (float64 in a float64 run): the all_reduce below pairs them
         logits = torch.zeros(p.num_requests, max_new_tokens, vocab, dtype=acc_dtype(param_dtype(params)))
-        run = RunFacts(prefill_s=prefill_s, handoff=facts, role="prefill")
-        dec_stats = None
+        run = RunFacts(prefill_s=prefill_s, handoff=facts, role="prefill",
+                       bytes_sent={"prefill": pg.stats.total_sent(), "handoff": world.stats.total_sent() - sent0})
+        dec_stats, mine, plogits = None, None, out.prompt_logits
     else:
         dtype = param_dtype(params)
         if family.stages is not None:
@@ -311,12 +315,31 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
         tokens = gen.tokens if dg.rank == 0 else torch.zeros_like(gen.tokens)
         logits = gen.logits if dg.rank == 0 else torch.zeros_like(gen.logits)
         run = RunFacts(ttft_s=ttft, step_s=tuple(dec.step_s), kv_bytes=shard.kv_bytes(), handoff=facts,
-                       runner=dec.runner, role="decode")
-        dec_stats = dec.stats
+                       runner=dec.runner, role="decode", bytes_sent={"decode": dg.stats.total_sent()})
+        dec_stats, mine, plogits = dec.stats, gen.tokens, None
     tokens, logits = world.all_reduce(tokens), world.all_reduce(logits)  # decode rank 0's, on every rank
+    if mine is not None and not torch.equal(mine, tokens):
+        raise RuntimeError(f"DCP rank {dg.rank} generated different tokens than rank 0; the ranks diverged")
     from cpattn.engine.decode import SpecStats
 
-    return Generation(tokens, logits, None, dec_stats or SpecStats(), run)
+    return Generation(tokens, logits, plogits, dec_stats or SpecStats(), run)
+
+
+def _simulated_pd(family, params, cfg, p: Prompts, max_new_tokens, prefill, decode, algorithms, drafter,
+                  prompt_logits) -> Generation:
+    """P/D on a simulated world of P + N ranks, the per-rank code of a torch.distributed run; decode rank 0's
+    Generation with prefill rank 0's prompt logits and prefill time. The prefill ranks wait for the decode
+    in the final all-reduce, so a rank may wait longer than the default 120 s on a slow decode."""
+    psize = prefill.parallel.pcp_size
+    gens = simulate(psize + decode.parallel.dcp_size, _disaggregated, family, params, cfg, p, max_new_tokens, prefill,
+                    decode, algorithms, drafter, None, prompt_logits, timeout_s=1800.0)
+    first, dec = gens[0], gens[psize]
+    for r, g in enumerate(gens[psize + 1:], 1):
+        if g.stats.draft_digest != dec.stats.draft_digest:
+            raise RuntimeError(f"DCP rank {r} drafted differently from rank 0; the replicated drafters diverged")
+    facts = dataclasses.replace(dec.facts, prefill_s=first.facts.prefill_s,
+                                bytes_sent={**first.facts.bytes_sent, **dec.facts.bytes_sent})
+    return Generation(dec.tokens, dec.logits, first.prompt_logits, dec.stats, facts)
 
 
 def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
@@ -325,14 +348,19 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
     """A run on simulated meshes: P ranks prefill, the KV travels in memory, N ranks decode (any P, N).
 
     The KV moves as request-order rows, each decode rank keeping its own
-    tokens, or as whole blocks dealt round robin when the decode engine is a
-    P/D consumer. Checked before any rank starts. Returns decode rank 0's
+    tokens. When the decode engine is a P/D consumer, the run is the
+    torch.distributed run's own per-rank code (:func:`generate_on_rank`'s
+    P/D path) on one simulated world of P + N ranks: whole blocks travel
+    point to point. Checked before any rank starts. Returns decode rank 0's
     :class:`~cpattn.engine.result.Generation` (every rank's tokens are checked equal).
     """
     psize, nsize = prefill.parallel.pcp_size, decode.parallel.dcp_size
     family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, psize + nsize,
                          "simulated")
     steps = max_new_tokens - 1
+    if decode.kv_transfer.kv_role == "kv_consumer":
+        return _simulated_pd(family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
+                             prompt_logits)
 
     def prefill_rank(g):
         out = prefill_fn(g, family, params, cfg, p, algorithms, prompt_logits, None, hidden_layers(drafter))
@@ -344,19 +372,14 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
     t0 = time.perf_counter()
     out, rows, sent = simulate(psize, prefill_rank)[0]
     prefill_s = time.perf_counter() - t0
-    block = decode.cache.block_size
-    dealt = deal_blocks(request_blocks(rows, p.cu_seqlens, block), decode_size=nsize) \
-        if decode.kv_transfer.kv_role == "kv_consumer" and family.stages is None else None
     req, pos = request_order(out.plan, rows.shape[0], out.plan.context_lens) if family.stages is None else (None, None)
 
     def decode_rank(g):
         shard = new_shard(family, cfg, params, p, steps, decode, drafter, g)
         if family.stages is not None:
             family.stages.place(shard, rows)
-        elif dealt is None:
-            place_rows(shard, rows, req, pos, rank=g.rank, dcp_size=g.size)
         else:
-            place_blocks(shard, dealt[g.rank])
+            place_rows(shard, rows, req, pos, rank=g.rank, dcp_size=g.size)
         dec = run_decode(g, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
                          drafter, None, prompt_hidden=drafter_hidden(out, p))
         run = RunFacts(prefill_s=prefill_s, step_s=tuple(dec.step_s), bytes_sent={"prefill": sent,
