@@ -1,0 +1,183 @@
+"""Exact PCP for linear-attention layers: a scan of chunk summaries instead of a KV exchange.
+
+The gated delta recurrence is linear in the state (DESIGN.md §4.13), so a
+segment of tokens maps a start state S to ``M S + U`` with its transition
+``M = A_n ... A_1`` [Hv, Dk, Dk] and its zero-start state U [Hv, Dk, Dv].
+:func:`pcp_gated_delta` on every rank, for its parts (see
+:mod:`cpattn.linear.layout`):
+
+1. one chunked pass per part over *augmented* values ``[0 | v]`` from the
+   augmented start ``[I | 0]`` (:func:`cpattn.ops.gated_delta_chunk` with
+   ``Dk + Dv`` value columns): its final state is ``[M | U]``, and its
+   output at token t is ``[M_t^T q_t | U_t^T q_t]`` (``M_t``, ``U_t``:
+   the prefix through t);
+2. one all-gather of the summaries ``[parts, B, Hv, Dk, Dk + Dv]`` over the
+   group (bytes counted by the group: ``(P-1) * parts * B * Hv * Dk *
+   (Dk + Dv) * 4`` sent per rank, float32);
+3. each rank folds the summaries of the segments before each of its parts,
+   in sequence order, onto the requests' initial state: ``S <- M S + U``;
+4. its outputs are ``o_t = S_start^T (M_t^T q_t) + U_t^T q_t`` -- no second
+   pass over the tokens. Every rank also folds all segments: the final
+   state, the same on every rank.
+
+Exact in float64 (to rounding) against one device; NaN in a token reaches
+what it reaches there (a NaN summary poisons the start states of the later
+segments as the recurrence poisons the state). The price against one device:
+the pass carries ``Dk`` more value columns (the models: Dk = Dv, so about
+twice the value-side work of the chunked kernel) and the gather.
+
+:func:`pcp_causal_conv1d`: the short convolution needs the last ``K - 1``
+inputs before each part (a halo). Each rank gathers every part's last
+``K - 1`` inputs with a valid flag (a part may hold fewer than K - 1
+tokens, or none), and builds each part's conv state from the requests'
+conv state and the tails of the segments before it.
+
+Example
+-------
+>>> import torch, cpattn
+>>> from cpattn.linear import ScanLayout, pcp_causal_conv1d, scan_shard
+>>> x, w = torch.arange(6.0)[:, None], torch.ones(1, 2)
+>>> def rank(group):
+...     idx, parts = scan_shard([0, 6], ScanLayout.contiguous(group.size), group.rank)
+...     y, _ = pcp_causal_conv1d(group, ScanLayout.contiguous(group.size), x[idx], w, None, parts,
+...                              torch.zeros(1, 1, 1), silu=False)
+...     return y.flatten().tolist()
+>>> cpattn.simulate(2, rank)
+[[0.0, 1.0, 3.0], [5.0, 7.0, 9.0]]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.linear.layout import ScanLayout
+from cpattn.ops import gated_delta as gd
+from cpattn.ops.ref import acc_dtype
+
+
+def _check_parts(layout: ScanLayout, group: Group, parts_cu, total: int, what: str) -> list[list[int]]:
+    if layout.size != group.size:
+        raise ValueError(f"layout has {layout.size} ranks but the group has {group.size}; build it for the group")
+    if len(parts_cu) != layout.parts:
+        raise ValueError(f"parts_cu has {len(parts_cu)} entries; the layout gives each rank {layout.parts} parts")
+    cus = [[int(c) for c in cu] for cu in parts_cu]
+    if len({len(c) for c in cus}) != 1 or sum(c[-1] for c in cus) != total or any(c[0] != 0 for c in cus):
+        raise ValueError(f"parts_cu {cus}: every part needs B+1 offsets from 0, the parts summing to {what}")
+    return cus
+
+
+def fold(summaries: torch.Tensor, start: torch.Tensor, dk: int) -> list[torch.Tensor]:
+    """Start states of every segment: ``[start, M_0 start + U_0, ...]`` (S+1 states [B, Hv, Dk, Dv]).
+
+    summaries: [S, B, Hv, Dk, Dk + Dv] in sequence order.
+    """
+    states = [start]
+    for s in range(summaries.shape[0]):
+        m, u = summaries[s, ..., :dk], summaries[s, ..., dk:]
+        states.append(m @ states[-1] + u)
+    return states
+
+
+def pcp_gated_delta(
+    group: Group, layout: ScanLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    beta: torch.Tensor, parts_cu: list[torch.Tensor], initial_state: torch.Tensor, *, scale: float,
+    use_qk_l2norm: bool = True, chunk_size: int = gd.CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule of this rank's parts, exact for the whole sequence (see the module doc).
+
+    Arguments
+    ---------
+    group: the PCP group (``layout.size`` ranks).
+    q, k: [T_r, Hk, Dk]; v: [T_r, Hv, Dv]; g, beta: [T_r, Hv] -- this rank's
+        local tokens, its parts concatenated.
+    parts_cu: per part its ``cu_seqlens`` [B+1] (from 0; the same B everywhere).
+    initial_state: [B, Hv, Dk, Dv], each request's state before segment 0
+        (zeros, or the cached state of a continued request), the same on every rank.
+    scale, use_qk_l2norm, chunk_size: as :func:`cpattn.ops.gated_delta_chunk`.
+
+    Returns
+    -------
+    o: [T_r, Hv, Dv] in q's dtype; final_state: [B, Hv, Dk, Dv] after every
+    segment (float32, float64 for float64 inputs), equal on all ranks.
+    """
+    cus = _check_parts(layout, group, parts_cu, q.shape[0], f"q's {q.shape[0]} tokens")
+    acc = acc_dtype(q, initial_state)
+    nb, hv, dk, dv = initial_state.shape
+    aug0 = torch.cat([torch.eye(dk, dtype=acc, device=q.device).expand(nb, hv, dk, dk),
+                      torch.zeros(nb, hv, dk, dv, dtype=acc, device=q.device)], dim=-1)  # [B, Hv, Dk, Dk+Dv]
+    outs, sums, off = [], [], 0
+    for cu, cu_t in zip(cus, parts_cu):
+        sl = slice(off, off + cu[-1])
+        off += cu[-1]
+        vv = torch.cat([torch.zeros(cu[-1], hv, dk, dtype=acc, device=q.device), v[sl].to(acc)], dim=-1)
+        o, s = gd.gated_delta_chunk(q[sl].to(acc), k[sl].to(acc), vv, g[sl], beta[sl], cu_t.to(q.device), aug0,
+                                    scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+        outs.append(o)  # [T_p, Hv, Dk+Dv]: [M_t^T q_t | U_t^T q_t]
+        sums.append(s)
+    gathered = group.all_gather(torch.stack(sums))  # [P * parts, B, Hv, Dk, Dk+Dv], rank-major
+    order = layout.gathered_segments()
+    seq = torch.empty_like(gathered)
+    seq[torch.tensor(order, device=q.device)] = gathered
+    starts = fold(seq, initial_state.to(acc), dk)
+    out = []
+    for seg, cu, o in zip(layout.segments[group.rank], cus, outs):
+        start = starts[seg]  # [B, Hv, Dk, Dv]
+        part = torch.empty(o.shape[0], hv, dv, dtype=acc, device=q.device)
+        for b in range(nb):
+            lo, hi = cu[b], cu[b + 1]
+            part[lo:hi] = torch.einsum("thk,hkv->thv", o[lo:hi, :, :dk], start[b]) + o[lo:hi, :, dk:]
+        out.append(part)
+    o = torch.cat(out) if out else v.new_zeros(0, hv, dv)
+    return o.to(q.dtype), starts[-1]
+
+
+def _tails(x: torch.Tensor, cu: torch.Tensor, w: int) -> torch.Tensor:
+    """Each request's last ``w`` rows of a part [B, w, C+1], the last channel 1 where the row exists."""
+    cu = cu.to(device=x.device, dtype=torch.int64)
+    e = (cu[1:] - cu[:-1])[:, None] - w + torch.arange(w, device=x.device)  # [B, w] offsets in the request
+    live = e >= 0
+    rows = torch.where(live, cu[:-1, None] + e, 0)
+    vals = x[rows] if x.shape[0] else x.new_zeros(*rows.shape, x.shape[1])
+    vals = torch.where(live[..., None], vals, 0.0)
+    return torch.cat([vals, live[..., None].to(x.dtype)], dim=-1)
+
+
+def _append_tail(halo: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The last w rows of ``halo`` [B, w, C] followed by the live rows of ``tail`` [B, w, C+1] (a live suffix)."""
+    w = halo.shape[1]
+    m = tail[..., -1].sum(-1).to(torch.int64)  # [B] live rows
+    both = torch.cat([halo, tail[..., :-1].to(halo.dtype)], dim=1)  # [B, 2w, C]
+    i = torch.arange(w, device=halo.device)[None]
+    src = torch.where(i < w - m[:, None], m[:, None] + i, w + i)  # [B, w]
+    return both.gather(1, src[..., None].expand(-1, -1, both.shape[-1]))
+
+
+def pcp_causal_conv1d(
+    group: Group, layout: ScanLayout, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    parts_cu: list[torch.Tensor], conv_state: torch.Tensor, *, silu: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal conv of this rank's parts with halos from the segments before them (see the module doc).
+
+    x: [T_r, C] this rank's local tokens (parts concatenated); weight [C, K]; bias [C] or None; parts_cu as
+    :func:`pcp_gated_delta`; conv_state: [B, K-1, C] each request's inputs before segment 0, the same on every
+    rank. Returns (y [T_r, C], the conv state after every segment [B, K-1, C], equal on all ranks).
+    """
+    cus = _check_parts(layout, group, parts_cu, x.shape[0], f"x's {x.shape[0]} tokens")
+    w = weight.shape[1] - 1
+    tails, off = [], 0
+    for cu, cu_t in zip(cus, parts_cu):
+        tails.append(_tails(x[off:off + cu[-1]], cu_t, w))
+        off += cu[-1]
+    gathered = group.all_gather(torch.stack(tails))  # [P * parts, B, w, C+1]
+    seq = torch.empty_like(gathered)
+    seq[torch.tensor(layout.gathered_segments(), device=x.device)] = gathered
+    halos = [conv_state]
+    for s in range(seq.shape[0]):
+        halos.append(_append_tail(halos[-1], seq[s]))
+    ys, off = [], 0
+    for seg, cu, cu_t in zip(layout.segments[group.rank], cus, parts_cu):
+        y, _ = gd.causal_conv1d(x[off:off + cu[-1]], weight, bias, cu_t.to(x.device), halos[seg], silu=silu)
+        ys.append(y)
+        off += cu[-1]
+    return torch.cat(ys), halos[-1]
