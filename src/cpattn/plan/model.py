@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from cpattn.plan.collectives import comm_time
 from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, ep_all_to_all_time, expected_experts
 from cpattn.plan.memory import (  # noqa: F401 (re-exported: model.weights_per_device etc. stay importable)
     ACT, activation_bytes, kv_bytes_per_token, kv_heads_per_device, memory_terms, weights_per_device,
@@ -165,7 +166,7 @@ def prefill_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batc
     mine = math.ceil(batch / lay.dp)  # prompts one DP replica prefills
     tokens = mine * new / lay.pcp  # per PCP rank
     dpn = prof.devices_per_node
-    tp_link, pcp_link = prof.link(lay.tp > dpn), prof.link(lay.tp * lay.pcp > dpn)
+    pcp_link = prof.link(lay.tp * lay.pcp > dpn)
     wb = spec.weight_bytes()
     gemm = attn = comm_tp = comm_pcp = comm_ep = other = 0.0
     for i in range(spec.layers):
@@ -178,7 +179,8 @@ def prefill_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batc
         a_time = prof.op_time("attention_causal", flops=a_flops, bytes_=kv_bytes, dtype=dt)
         attn += a_time
         if lay.tp > 1:  # after attention, and after a dense MLP (routed experts reduce in the combine)
-            comm_tp += (1 if routed else 2) * collective_time("all_reduce", tokens * spec.hidden * ACT, lay.tp, tp_link)
+            comm_tp += (1 if routed else 2) * comm_time(prof, "all_reduce", tokens * spec.hidden * ACT, lay.tp,
+                                                                 lay.tp > dpn)
         if routed:  # expert parallel over the engine's devices: dispatch + combine of top-k hidden rows
             sent = tokens / lay.tp * spec.experts_per_token * spec.hidden * ACT
             comm_ep += 2 * ep_all_to_all_time(sent, lay.devices, dpn, prof.links["intra"], prof.link(True))
@@ -187,7 +189,7 @@ def prefill_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batc
                 step = collective_time("ring", kv_bytes, lay.pcp, pcp_link)
                 comm_pcp += (lay.pcp - 1) * max(0.0, step - pcp_link.overlap * a_time / lay.pcp)
             else:
-                comm_pcp += collective_time("all_gather", kv_bytes, lay.pcp, pcp_link)
+                comm_pcp += comm_time(prof, "all_gather", kv_bytes, lay.pcp, lay.tp * lay.pcp > dpn)
         other += prof.op_time("elementwise", flops=0.0, bytes_=12 * tokens * spec.hidden * ACT / lay.tp, dtype=dt)
         other += KERNELS_PER_LAYER["prefill"] * prof.launch.get("eager", 0.0)
     head = prof.op_time("gemm", flops=2.0 * mine * spec.vocab * spec.hidden / lay.tp,
@@ -198,23 +200,28 @@ def prefill_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batc
 
 
 # ----------------------------------------------------------------------------- decode
-def _dcp_comm(spec: ModelSpec, lay: Layout, batch: int, link, merge: str) -> float:
-    """One decode layer's DCP collectives (the TP all-reduce is priced apart)."""
+def _dcp_comm(spec: ModelSpec, lay: Layout, batch: int, prof: Profile, crosses: bool, merge: str) -> float:
+    """One decode layer's DCP collectives (the TP all-reduce is priced apart), each as the profile's library
+    runs it (:func:`cpattn.plan.collectives.choose`)."""
+
+    def coll(kind, nbytes):
+        return comm_time(prof, kind, nbytes, n, crosses)
+
     n = lay.dcp
     if n == 1:
         return 0.0
     heads = spec.heads / lay.tp  # this rank's heads
     dqk = spec.head_dim if spec.attention == "gqa" else spec.kv_lora_rank + spec.qk_rope_head_dim
     dv = spec.head_dim if spec.attention == "gqa" else spec.kv_lora_rank
-    q_gather = collective_time("all_gather", batch * heads * dqk * ACT, n, link)
+    q_gather = coll("all_gather", batch * heads * dqk * ACT)
     partial = batch * heads * n * (dv + 1) * 4  # fp32 [O | L] of the group's heads
-    lse = collective_time("all_gather", batch * heads * n * 4, n, link)
+    lse = coll("all_gather", batch * heads * n * 4)
     if merge == "ag_rs":
-        return q_gather + lse + collective_time("reduce_scatter", batch * heads * n * dv * 4, n, link)
+        return q_gather + lse + coll("reduce_scatter", batch * heads * n * dv * 4)
     if merge == "a2a":
-        return q_gather + collective_time("all_to_all", partial, n, link)
+        return q_gather + coll("all_to_all", partial)
     if merge == "local_a2a":
-        return collective_time("all_to_all", partial, n, link)
+        return coll("all_to_all", partial)
     if merge == "fold":
         return lse
     raise ValueError(f"dcp_merge must be one of {DCP_MERGES}; got {merge!r}")
@@ -233,7 +240,7 @@ def decode_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch
     wb = spec.weight_bytes()
     kvb = WEIGHT_BYTES[spec.kv_dtype]
     dpn = prof.devices_per_node
-    link, pcp_link = prof.link(tp > dpn), prof.link(tp * pcp > dpn)
+
     gemm = attn = comm_tp = comm_cp = comm_ep = other = 0.0
     for i in range(spec.layers):
         shared, routed = spec.mlp_params(i)
@@ -260,13 +267,13 @@ def decode_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch
                 flops += 2.0 * batch * local * spec.index_heads * spec.index_dim
         attn += prof.op_time("decode_attention", flops=flops, bytes_=byts, dtype=dt)
         if tp > 1:
-            comm_tp += (1 if routed else 2) * collective_time("all_reduce", batch * spec.hidden * ACT, tp, link)
+            comm_tp += (1 if routed else 2) * comm_time(prof, "all_reduce", batch * spec.hidden * ACT, tp, tp > dpn)
         if routed:
             sent = batch / tp * spec.experts_per_token * spec.hidden * ACT
             comm_ep += 2 * ep_all_to_all_time(sent, lay.devices, dpn, prof.links["intra"], prof.link(True))
-        comm_cp += _dcp_comm(spec, lay, batch, link, opts.dcp_merge)
+        comm_cp += _dcp_comm(spec, lay, batch, prof, tp > dpn, opts.dcp_merge)
         if pcp > 1:
-            comm_cp += collective_time("all_gather", batch * h_dev * (dv + 1) * 4, pcp, pcp_link)
+            comm_cp += comm_time(prof, "all_gather", batch * h_dev * (dv + 1) * 4, pcp, tp * pcp > dpn)
         other += KERNELS_PER_LAYER["decode"] * prof.launch.get("graph", 0.0)
     head = prof.op_time("gemm", flops=2.0 * batch * spec.vocab * spec.hidden / tp,
                         bytes_=wb * spec.vocab * spec.hidden / tp, dtype=dt)

@@ -120,6 +120,8 @@ class Profile:
     mem_util: float = 0.9
     sources: dict[str, str] = field(default_factory=dict)
     curves: dict[str, list[list[float]]] = field(default_factory=dict)
+    # link name -> the collective library's algorithms on it (cpattn.plan.collectives); empty: alpha-beta rings
+    collectives: dict[str, list[dict]] = field(default_factory=dict)
 
     def efficiency_at(self, kind: str, size: float | None = None) -> float:
         """Achieved fraction of ``kind`` at problem ``size``: from ``curves[kind]`` (``[[size, eff], ...]``
@@ -156,6 +158,53 @@ class Profile:
 
 
 TB, GB = 1e12, 1e9
+KB, MB, US = 1024, 1024 * 1024, 1e-6
+
+# ----------------------------------------------------------------------------- collective algorithms
+# One entry per (algorithm, protocol) a library runs; cpattn.plan.collectives prices each as
+# base + steps * hop + bytes / (beta * bw[kind]) and picks as the library does: an entry with ``windows``
+# ([[max ranks, max bytes], ...]) is taken whenever its rule admits the message (vLLM's custom all-reduce is
+# chosen by rule, not by cost); among the rest the cheapest wins (NCCL's tuner: the protocol switch by size).
+NCCL_NVLINK = [
+    # NCCL src/graph/tuning.cc: baseLat Ring {LL 6.6, LL128 14.0, Simple 8.4} us; hwLat NVLINK Ring
+    # {LL .6, LL128 1.9, Simple 3.4} us per step. bw: LL moves 8-byte lines of 4 data + 4 flag bytes and
+    # NCCL's model caps it at 1/4 (all-reduce) or 1/3 (other collectives) of the bus bandwidth; LL128 at
+    # 120/128 of it (also tuning.cc). Inside one node NCCL's tree is a chain with the ring's step count, so
+    # the ring entries stand for it.
+    {"name": "nccl ring LL", "family": "ring", "base": 6.6 * US, "hop": 0.6 * US,
+     "bw": {"all_reduce": 0.25, "*": 1 / 3}},
+    {"name": "nccl ring LL128", "family": "ring", "base": 14.0 * US, "hop": 1.9 * US, "bw": {"*": 120 / 128}},
+    {"name": "nccl ring Simple", "family": "ring", "base": 8.4 * US, "hop": 3.4 * US, "bw": {"*": 1.0}},
+]
+VLLM_CUSTOM_AR = [
+    # vLLM csrc/custom_all_reduce.cuh (CustomAllreduce::allreduce): one-stage (one-shot: every rank reads all
+    # peers' buffers) when world_size == 2, or <= 4 ranks and < 512 KB, or <= 8 ranks and < 256 KB on a fully
+    # connected NVLink node; else two-stage (reduce-scatter + all-gather through peer memory);
+    # vllm/distributed/device_communicators/custom_all_reduce.py: only up to max_size = 8 MB, else NCCL.
+    # base: assumption, 4 us (one kernel and two flag barriers over NVLink, no ring steps).
+    {"name": "vllm custom all-reduce 1-stage", "family": "one_shot", "base": 4.0 * US, "hop": 0.0,
+     "bw": {"*": 1.0}, "kinds": ["all_reduce"], "windows": [[2, 8 * MB], [4, 512 * KB], [8, 256 * KB]]},
+    {"name": "vllm custom all-reduce 2-stage", "family": "two_shot", "base": 4.0 * US, "hop": 2.0 * US,
+     "bw": {"*": 1.0}, "kinds": ["all_reduce"], "windows": [[8, 8 * MB]]},
+]
+NCCL_NET = [
+    # NCCL tuning.cc: hwLat NET Ring {LL 2.7, LL128 4.0, Simple 14.0}, Tree {LL 5.0, LL128 8.5, Simple 28} us;
+    # the tree's steps: 2 log2(ranks) (an assumption: NCCL counts log2 of the nodes, intra-node hops apart).
+    {"name": "nccl ring LL", "family": "ring", "base": 6.6 * US, "hop": 2.7 * US,
+     "bw": {"all_reduce": 0.25, "*": 1 / 3}},
+    {"name": "nccl ring LL128", "family": "ring", "base": 14.0 * US, "hop": 4.0 * US, "bw": {"*": 120 / 128}},
+    {"name": "nccl ring Simple", "family": "ring", "base": 8.4 * US, "hop": 14.0 * US, "bw": {"*": 1.0}},
+    {"name": "nccl tree LL", "family": "tree", "base": 6.8 * US, "hop": 5.0 * US, "bw": {"*": 0.25},
+     "kinds": ["all_reduce"]},
+    {"name": "nccl tree Simple", "family": "tree", "base": 0.0, "hop": 28.0 * US, "bw": {"*": 1.0},
+     "kinds": ["all_reduce"]},
+]
+HCCL_HCCS = [
+    # assumption (no published per-step latency): HCCL's full-mesh algorithm on an HCCS node (one step, every
+    # peer at once) for small messages, its ring for large ones, both with the node's 10 us alpha
+    {"name": "hccl mesh", "family": "one_shot", "base": 10.0 * US, "hop": 0.0, "bw": {"*": 1.0}},
+    {"name": "hccl ring", "family": "ring", "base": 0.0, "hop": 10.0 * US, "bw": {"*": 1.0}},
+]
 
 H200 = Profile(
     name="h200", device="NVIDIA H200 SXM (HGX H200, 8 GPUs, NVLink 4 + NVSwitch)",
@@ -171,12 +220,18 @@ H200 = Profile(
         "mem_bw": "NVIDIA H200 datasheet: 4.8 TB/s HBM3e",
         "mem_bytes": "NVIDIA H200 datasheet: 141 GB HBM3e",
         "links.intra": "NVIDIA H200 datasheet: NVLink 900 GB/s per GPU (both directions) -> 450 GB/s each way; "
-                       "alpha 8 us per NCCL ring step: assumption (typical NCCL small-message latency)",
+                       "alpha 8 us per point-to-point message (the PCP ring step, the expert all-to-all): assumption; "
+                       "collectives use the library tables below",
         "links.inter": "HGX H200 reference: one ConnectX-7 400 Gb/s NIC per GPU -> 50 GB/s; alpha 15 us: assumption",
         "efficiency": "assumption: achieved fraction of peak (dense GEMM 70%, flash attention 50-55%, "
                       "decode attention 75% of HBM bandwidth)",
         "launch": "assumption: 8 us per eager kernel launch, 2 us per kernel inside a CUDA graph",
+        "collectives": "vLLM's custom all-reduce (1-stage / 2-stage by vLLM's size rule, up to 8 MB) on NVLink, "
+                       "else NCCL's ring LL / LL128 / Simple, the cheapest by NCCL's tuning.cc constants; "
+                       "between nodes NCCL's ring and tree (constants and sources in NCCL_NVLINK, "
+                       "VLLM_CUSTOM_AR, NCCL_NET)",
     },
+    collectives={"intra": VLLM_CUSTOM_AR + NCCL_NVLINK, "inter": NCCL_NET},
 )
 
 B200 = Profile(
@@ -193,7 +248,9 @@ B200 = Profile(
         "links.intra": "NVIDIA: NVLink 5, 1.8 TB/s per GPU (both directions) -> 900 GB/s each way",
         "links.inter": "assumption: one 400 Gb/s NIC per GPU -> 50 GB/s",
         "efficiency": "assumption: as for the H200", "launch": "assumption: as for the H200",
+        "collectives": "as for the H200 (NCCL's NVLink constants; vLLM's custom all-reduce rule)",
     },
+    collectives={"intra": VLLM_CUSTOM_AR + NCCL_NVLINK, "inter": NCCL_NET},
 )
 
 ASCEND_910C = Profile(
@@ -217,7 +274,9 @@ ASCEND_910C = Profile(
         "links.inter": "assumption: 200 Gb/s RoCE per die between nodes (25 GB/s), alpha 20 us",
         "efficiency": "assumption: achieved fraction of peak (GEMM 60%, attention 40-45%, decode 70% of HBM)",
         "launch": "assumption: 15 us per eager kernel, 3 us per kernel inside a graph",
+        "collectives": "assumption: HCCL's full-mesh one-step algorithm or its ring, the cheaper (HCCL_HCCS)",
     },
+    collectives={"intra": HCCL_HCCS},
 )
 
 # The CPU default: overwritten by `cpattn plan calibrate` (saved to CPU_PROFILE_PATH); numbers of the
