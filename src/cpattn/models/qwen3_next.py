@@ -1,0 +1,420 @@
+"""Qwen3-Next (hybrid: Gated DeltaNet linear layers + gated full attention, MoE or dense MLPs) as a pure function.
+
+``forward(params, cfg, tokens, attn, lin)`` runs the text decoder on one
+step's packed tokens. Layer i's token mixer is ``cfg.layer_types[i]``:
+
+- ``"full_attention"``: GQA with per-head q/k RMSNorm (``1 + weight``),
+  partial RoPE (the first ``head_dim * partial_rotary_factor`` dims,
+  half-split), and an output gate: q_proj yields ``[q | gate]`` per head and
+  the attention output is multiplied by ``sigmoid(gate)`` before o_proj.
+  It calls ``attn(j, q, k, v, head_dim ** -0.5)`` with j counting the full
+  attention layers only (:func:`kv_layouts` has one entry per such layer).
+- ``"linear_attention"``: Gated DeltaNet. in_proj_qkvz / in_proj_ba give,
+  per key head, ``q, k`` [Dk] and ``v, z`` [r * Dv] and ``b, a`` [r]
+  (``r = Hv / Hk``); the causal conv (kernel 4, SiLU) runs over ``q | k | v``;
+  ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``; the
+  gated delta rule with q/k L2-normalised and ``scale = Dk ** -0.5``; then
+  the gated RMSNorm ``rms(o) * weight * silu(z)`` per value head and
+  out_proj. It calls ``lin.conv(j, ...)`` / ``lin.delta(j, ...)`` with j
+  counting the linear layers only (:class:`cpattn.linear.state.RecurrentStep`
+  on one device).
+
+The MLP of layer i is a sparse MoE block (softmax top-k router, optionally
+renormalised, plus a shared expert scaled by ``sigmoid(shared_expert_gate)``)
+when the model has experts, ``i not in mlp_only_layers`` and ``(i + 1) %
+decoder_sparse_step == 0``; a dense SwiGLU otherwise. RMSNorms are
+Qwen3-Next's ``x_hat * (1 + weight)`` (weights stored centred at 0).
+
+Numerics follow transformers 5.24's torch paths: norms and the delta rule in
+float32 (float64 for float64 params), gates in float32.
+
+Not supported yet: MTP layers (``mtp.*`` are ignored), padding masks (the
+step carries each request's own tokens), the engine (this family is not in
+``FAMILY_MODULES``: the cache-backend seam that gives it paged KV for the
+attention layers plus recurrent states is being built); Qwen3.5's composite
+checkpoints.
+
+Example
+-------
+>>> import torch
+>>> from cpattn.engine.dense_cache import DenseKVCache
+>>> from cpattn.models import qwen3_next
+>>> cfg = qwen3_next.Qwen3NextConfig.tiny()
+>>> params = qwen3_next.init_params(cfg, seed=0)
+>>> attn = DenseKVCache.empty(qwen3_next.kv_layouts(cfg), batch=1, max_len=8).step([3])
+>>> lin = qwen3_next.recurrent_cache(cfg, batch=1).step([3])
+>>> qwen3_next.forward(params, cfg, torch.tensor([1, 2, 3]), attn, lin).shape
+torch.Size([3, 64])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cpattn.engine.family import KVLayout
+from cpattn.linear.state import RecurrentCache
+from cpattn.models.checks import bad, check_at_most, check_choices, check_divides, check_fields, check_rope
+from cpattn.models.common import Attention, config_dict, lm_head, mlp_dense, rope_cos_sin, rope_inv_freq, rope_parameters
+from cpattn.models.moe import MOE_IMPLS, moe_experts, softmax_route
+from cpattn.ops.norm_rope import rope_half
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+CONFIG_RULES = {"vocab_size": "int>0", "hidden_size": "int>0", "intermediate_size": "int>0",
+                "num_hidden_layers": "int>0", "num_attention_heads": "int>0", "num_key_value_heads": "int>0?",
+                "head_dim": "int>0?", "rms_norm_eps": "num>0?", "max_position_embeddings": "int>0?",
+                "tie_word_embeddings": "bool?", "attention_bias": "bool?", "layer_types": "strs?",
+                "full_attention_interval": "int>0?", "linear_conv_kernel_dim": "int>0?",
+                "linear_key_head_dim": "int>0?", "linear_value_head_dim": "int>0?", "linear_num_key_heads": "int>0?",
+                "linear_num_value_heads": "int>0?", "decoder_sparse_step": "int>0?", "moe_intermediate_size": "int>0?",
+                "shared_expert_intermediate_size": "int>=0?", "num_experts_per_tok": "int>=0?",
+                "num_experts": "int>=0?", "norm_topk_prob": "bool?", "mlp_only_layers": "ints?", "hidden_act": "str?"}
+
+
+@dataclass(frozen=True)
+class Qwen3NextConfig:
+    """The hyper-parameters the forward reads (names as in config.json; ``mlp_layer_types`` derived)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    rms_norm_eps: float = 1e-6
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.25})
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    mlp_layer_types: tuple[str, ...] = ()
+    moe_impl: str = "auto"
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        if len(self.layer_types) != n or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types {self.layer_types} must give one of {LAYER_TYPES} per layer ({n})")
+        if not self.mlp_layer_types:
+            object.__setattr__(self, "mlp_layer_types", ("dense",) * n)
+        if len(self.mlp_layer_types) != n or any(t not in ("dense", "sparse") for t in self.mlp_layer_types):
+            raise ValueError(f"mlp_layer_types {self.mlp_layer_types} must give 'dense' or 'sparse' per layer ({n})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads = {self.linear_num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads = {self.linear_num_key_heads}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}; got {self.moe_impl!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE'd dims of each attention head: ``int(head_dim * partial_rotary_factor)``."""
+        return int(self.head_dim * float(self.rope.get("partial_rotary_factor", 1.0)))
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the linear layers' conv: ``q | k | v`` = ``2 Hk Dk + Hv Dv``."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    def layer_slots(self, kind: str) -> list[int]:
+        """Indices of the layers of ``kind`` ("full_attention" / "linear_attention"); slot j is the j-th."""
+        return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+    @classmethod
+    def tiny(cls, **over) -> Qwen3NextConfig:
+        """A tiny test/demo configuration: 4 layers (linear, full, linear, linear), 3 / 1 attention heads,
+        linear heads 1 key / 3 value, MoE (6 experts, top-2, a shared expert) except layer 2, vocab 64."""
+        base = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=3,
+                    num_key_value_heads=1, head_dim=16,
+                    layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
+                    linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=1,
+                    linear_num_value_heads=3, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                    shared_expert_intermediate_size=24, mlp_layer_types=("sparse", "sparse", "dense", "sparse"))
+        base.update(over)
+        return cls(**base)
+
+    @classmethod
+    def from_hf(cls, config: Any) -> Qwen3NextConfig:
+        """From a transformers ``Qwen3NextConfig``, a config.json dict, or a checkpoint path.
+
+        >>> d = dict(model_type="qwen3_next", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=3,
+        ...          num_attention_heads=2, num_key_value_heads=1, head_dim=4, full_attention_interval=3,
+        ...          num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+        >>> c = Qwen3NextConfig.from_hf(d)
+        >>> c.layer_types, c.mlp_layer_types
+        (('linear_attention', 'linear_attention', 'full_attention'), ('sparse', 'dense', 'sparse'))
+        """
+        d = config_dict(config)
+        if d.get("model_type", "qwen3_next") != "qwen3_next":
+            raise ValueError(f"model_type is {d.get('model_type')!r}; this family expects 'qwen3_next'")
+        check_fields(d, CONFIG_RULES)
+        check_divides(d, "num_key_value_heads", "num_attention_heads")
+        check_divides(d, "linear_num_key_heads", "linear_num_value_heads")
+        if d.get("hidden_act", "silu") != "silu":
+            raise bad("hidden_act", d.get("hidden_act"), "'silu' (the activation Qwen3-Next's blocks use)")
+        n = d["num_hidden_layers"]
+        check_choices(d, "layer_types", LAYER_TYPES, length=n)
+        types = d.get("layer_types")
+        if types is None:
+            every = d.get("full_attention_interval") or 4
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        rope = rope_parameters(d)
+        rope.setdefault("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+        check_rope(rope)
+        experts, step = d.get("num_experts") or 0, d.get("decoder_sparse_step") or 1
+        only = set(d.get("mlp_only_layers") or ())
+        if experts:
+            check_at_most(d, "num_experts_per_tok", "num_experts")
+            if not d.get("num_experts_per_tok"):
+                raise bad("num_experts_per_tok", d.get("num_experts_per_tok"), f"1..{experts} (experts per token)")
+        mlp = tuple("sparse" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n))
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n, num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"], layer_types=tuple(types),
+            linear_conv_kernel_dim=d.get("linear_conv_kernel_dim") or 4,
+            linear_key_head_dim=d.get("linear_key_head_dim") or 128,
+            linear_value_head_dim=d.get("linear_value_head_dim") or 128,
+            linear_num_key_heads=d.get("linear_num_key_heads") or 16,
+            linear_num_value_heads=d.get("linear_num_value_heads") or 32, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope=rope, max_position_embeddings=d.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)), num_experts=experts,
+            num_experts_per_tok=d.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=d.get("moe_intermediate_size") or 512,
+            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_layer_types=mlp)
+
+
+# -- blocks ----------------------------------------------------------------------------------
+
+
+def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3-Next's RMSNorm: ``x_hat * (1 + weight)`` in float32 (float64 for float64 x), cast back to x's dtype.
+
+    >>> rms_norm_1p(torch.ones(2, 4), torch.zeros(4), 1e-6).tolist()[0]
+    [0.9999995231628418, 0.9999995231628418, 0.9999995231628418, 0.9999995231628418]
+    """
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xa = x.to(acc)
+    xa = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    return (xa * (1.0 + weight.to(acc))).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The linear layers' output norm: ``weight * rms(x) * silu(gate)`` over the last dim (weight centred at 1).
+
+    >>> gated_rms_norm(torch.ones(1, 2), torch.zeros(1, 2), torch.ones(2), 1e-6).tolist()
+    [[0.0, 0.0]]
+    """
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xa = x.to(acc)
+    xa = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xa.to(x.dtype)
+    return (y.to(acc) * F.silu(gate.to(acc))).to(x.dtype)
+
+
+def _linear(x: torch.Tensor, p: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return F.linear(x, p[name + ".weight"], p.get(name + ".bias"))
+
+
+def rope_tables(cfg: Qwen3NextConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [T, rotary_dim / 2] for positions [T]."""
+    inv_freq, factor = rope_inv_freq(cfg.rotary_dim, cfg.rope, cfg.max_position_embeddings)
+    return rope_cos_sin(positions, inv_freq, factor, dtype)
+
+
+def _rope_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    return torch.cat([rope_half(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+
+
+def attention_block(p, cfg: Qwen3NextConfig, layer: int, slot: int, x, cos, sin, attn: Attention) -> torch.Tensor:
+    """Gated full attention of layer ``layer`` (KV slot ``slot``): x [T, H] after input_layernorm -> [T, H]."""
+    t, hd, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    pre = f"model.layers.{layer}.self_attn."
+    qg = _linear(x, p, pre + "q_proj").view(t, hq, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(t, hq * hd)
+    k = _linear(x, p, pre + "k_proj").view(t, hkv, hd)
+    v = _linear(x, p, pre + "v_proj").view(t, hkv, hd)
+    q = _rope_partial(rms_norm_1p(q, p[pre + "q_norm.weight"], eps), cos, sin, cfg.rotary_dim)
+    k = _rope_partial(rms_norm_1p(k, p[pre + "k_norm.weight"], eps), cos, sin, cfg.rotary_dim)
+    o = attn(slot, q, k, v, hd**-0.5).reshape(t, hq * hd)  # [T, Hq * hd]
+    return _linear(o * torch.sigmoid(gate), p, pre + "o_proj")
+
+
+def linear_block(p, cfg: Qwen3NextConfig, layer: int, slot: int, x, lin) -> torch.Tensor:
+    """Gated DeltaNet of layer ``layer`` (state slot ``slot``): x [T, H] after input_layernorm -> [T, H]."""
+    t = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    pre = f"model.layers.{layer}.linear_attn."
+    qkvz = F.linear(x, p[pre + "in_proj_qkvz.weight"]).view(t, hk, 2 * dk + 2 * r * dv)
+    ba = F.linear(x, p[pre + "in_proj_ba.weight"]).view(t, hk, 2 * r)
+    q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)  # grouped per key head
+    b, a = ba[..., :r].reshape(t, hv), ba[..., r:].reshape(t, hv)
+    mixed = torch.cat([q.reshape(t, hk * dk), k.reshape(t, hk * dk), v.reshape(t, hv * dv)], dim=-1)  # [T, C]
+    mixed = lin.conv(slot, mixed, p[pre + "conv1d.weight"].squeeze(1), p.get(pre + "conv1d.bias"))
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    beta = torch.sigmoid(b)
+    g = -p[pre + "A_log"].to(acc).exp() * F.softplus(a.to(acc) + p[pre + "dt_bias"])
+    o = lin.delta(slot, q, k, v, g, beta, dk**-0.5)  # [T, Hv, Dv]
+    o = gated_rms_norm(o, z.reshape(t, hv, dv), p[pre + "norm.weight"], cfg.rms_norm_eps)
+    return F.linear(o.reshape(t, hv * dv), p[pre + "out_proj.weight"])
+
+
+def mlp_block(p, cfg: Qwen3NextConfig, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """Layer ``layer``'s dense SwiGLU, or its MoE block with the gated shared expert. x: [T, H] -> [T, H]."""
+    pre = f"model.layers.{layer}.mlp."
+    if cfg.mlp_layer_types[layer] == "dense":
+        return mlp_dense(p, pre, x)
+    weights, experts = softmax_route(x, p[pre + "gate.weight"], top_k=cfg.num_experts_per_tok,
+                                     norm_topk_prob=cfg.norm_topk_prob, logits_dtype=x.dtype)
+    out = moe_experts(x, weights.to(x.dtype), experts, p[pre + "experts.gate_up_proj"],
+                      p[pre + "experts.down_proj"], impl=cfg.moe_impl)
+    if pre + "shared_expert.gate_proj.weight" in p:
+        shared = mlp_dense(p, pre + "shared_expert.", x)
+        out = out + torch.sigmoid(F.linear(x, p[pre + "shared_expert_gate.weight"])) * shared
+    return out
+
+
+def forward(
+    params: dict[str, torch.Tensor],
+    cfg: Qwen3NextConfig,
+    tokens: torch.Tensor,
+    attn: Attention,
+    lin,
+    *,
+    logits_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits of one step's packed tokens.
+
+    Arguments
+    ---------
+    params: Hugging Face names -> tensors (``model.layers.0.linear_attn.A_log`` ...; experts stacked).
+    tokens: [T] int64, this step's tokens of every request, packed.
+    attn: the step of a KV cache over the full-attention layers (slot j = the
+        j-th such layer); ``attn.positions`` [T] are the RoPE positions.
+    lin: the step of the linear layers' states (slot j = the j-th linear
+        layer): ``conv`` and ``delta`` (:class:`cpattn.linear.state.RecurrentStep`).
+    logits_index: optional [T'] rows to project to the vocabulary.
+
+    Returns
+    -------
+    logits: [T or T', vocab_size] in the params' dtype.
+    """
+    p, eps = params, cfg.rms_norm_eps
+    cos, sin = rope_tables(cfg, attn.positions, p["model.embed_tokens.weight"].dtype)
+    h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
+    slots = {"full_attention": 0, "linear_attention": 0}
+    for i, kind in enumerate(cfg.layer_types):
+        pre = f"model.layers.{i}."
+        x = rms_norm_1p(h, p[pre + "input_layernorm.weight"], eps)
+        j = slots[kind]
+        slots[kind] += 1
+        if kind == "full_attention":
+            h = h + attention_block(p, cfg, i, j, x, cos, sin, attn)
+        else:
+            h = h + linear_block(p, cfg, i, j, x, lin)
+        h = h + mlp_block(p, cfg, i, rms_norm_1p(h, p[pre + "post_attention_layernorm.weight"], eps))
+    h = rms_norm_1p(h, p["model.norm.weight"], eps)
+    return F.linear(h if logits_index is None else h[logits_index], lm_head(p, cfg))
+
+
+def kv_layouts(cfg: Qwen3NextConfig) -> tuple[KVLayout, ...]:
+    """One GQA cache row per *full-attention* layer (the linear layers keep no KV)."""
+    n = len(cfg.layer_slots("full_attention"))
+    return (KVLayout(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim),) * n
+
+
+def recurrent_cache(cfg: Qwen3NextConfig, *, batch: int, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> RecurrentCache:
+    """Zero conv and recurrent states for every linear layer of ``batch`` requests."""
+    return RecurrentCache.empty(len(cfg.layer_slots("linear_attention")), batch=batch,
+                                conv_channels=cfg.conv_channels, kernel=cfg.linear_conv_kernel_dim,
+                                heads=cfg.linear_num_value_heads, k_dim=cfg.linear_key_head_dim,
+                                v_dim=cfg.linear_value_head_dim, dtype=dtype, device=device)
+
+
+def load_params(state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Params from a Hugging Face state dict (``model.*``, ``lm_head.weight``; ``mtp.*`` dropped).
+
+    ``A_log`` and ``dt_bias`` stay as stored (the reference reads them in float32).
+    """
+    from cpattn.models.common import normalize_params
+
+    keep = {n: t for n, t in state.items() if not n.startswith("mtp.")}
+
+    def rule(name: str, dt: torch.dtype):
+        return None if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")) else dt
+
+    return normalize_params(keep, dtype=dtype, load_dtype=rule)
+
+
+def init_params(cfg: Qwen3NextConfig, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict:
+    """Random parameters with the Hugging Face names (norms at their identity). For demos and tests.
+
+    >>> init_params(Qwen3NextConfig.tiny())["model.layers.0.linear_attn.conv1d.weight"].shape
+    torch.Size([52, 1, 4])
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+    hs, hd = cfg.hidden_size, cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    zeros = lambda n: torch.zeros(n, dtype=dtype)  # noqa: E731 (1 + weight norms)
+    p = {"model.embed_tokens.weight": rnd(cfg.vocab_size, hs), "model.norm.weight": zeros(hs)}
+    if not cfg.tie_word_embeddings:
+        p["lm_head.weight"] = rnd(cfg.vocab_size, hs)
+    for i, kind in enumerate(cfg.layer_types):
+        pre = f"model.layers.{i}."
+        p[pre + "input_layernorm.weight"], p[pre + "post_attention_layernorm.weight"] = zeros(hs), zeros(hs)
+        if kind == "full_attention":
+            a = pre + "self_attn."
+            p.update({a + "q_proj.weight": rnd(2 * hq * hd, hs), a + "k_proj.weight": rnd(hkv * hd, hs),
+                      a + "v_proj.weight": rnd(hkv * hd, hs), a + "o_proj.weight": rnd(hs, hq * hd),
+                      a + "q_norm.weight": zeros(hd), a + "k_norm.weight": zeros(hd)})
+        else:
+            a = pre + "linear_attn."
+            p.update({a + "in_proj_qkvz.weight": rnd(2 * hk * dk + 2 * hv * dv, hs),
+                      a + "in_proj_ba.weight": rnd(2 * hv, hs),
+                      a + "conv1d.weight": (torch.randn(cfg.conv_channels, 1, cfg.linear_conv_kernel_dim,
+                                                        generator=gen) * 0.5).to(dtype),
+                      a + "dt_bias": torch.ones(hv), a + "A_log": torch.linspace(0.01, 16, hv).log(),
+                      a + "norm.weight": torch.ones(dv, dtype=dtype), a + "out_proj.weight": rnd(hs, hv * dv)})
+        m = pre + "mlp."
+        if cfg.mlp_layer_types[i] == "dense":
+            im = cfg.intermediate_size
+            p.update({m + "gate_proj.weight": rnd(im, hs), m + "up_proj.weight": rnd(im, hs),
+                      m + "down_proj.weight": rnd(hs, im)})
+        else:
+            e, im, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            p.update({m + "gate.weight": rnd(e, hs), m + "experts.gate_up_proj": rnd(e, 2 * im, hs),
+                      m + "experts.down_proj": rnd(e, hs, im)})
+            if si:
+                p.update({m + "shared_expert.gate_proj.weight": rnd(si, hs),
+                          m + "shared_expert.up_proj.weight": rnd(si, hs),
+                          m + "shared_expert.down_proj.weight": rnd(hs, si),
+                          m + "shared_expert_gate.weight": rnd(1, hs)})
+    return p
