@@ -6,7 +6,12 @@ Modules (one idea each):
   each published number with its source;
 - :mod:`~cpattn.plan.specs` -- model shapes: built-in entries and Hugging Face ``config.json``;
 - :mod:`~cpattn.plan.costs` -- exact attention pairs / FLOPs and the alpha + beta cost of each collective;
-- :mod:`~cpattn.plan.model` -- TTFT, TPOT, KV bytes and concurrency per (tp, pcp, dcp), and a recommendation;
+- :mod:`~cpattn.plan.rules` -- which layouts the engine accepts (``EngineConfig.create`` itself);
+- :mod:`~cpattn.plan.collectives` -- collectives as the libraries run them (vLLM custom all-reduce, NCCL);
+- :mod:`~cpattn.plan.memory` / :mod:`~cpattn.plan.fits` -- weights, activations, KV; what overflows, what fits;
+- :mod:`~cpattn.plan.model` -- TTFT (per request and makespan), TPOT, KV bytes and concurrency per layout;
+- :mod:`~cpattn.plan.objective` -- the recommendation for ttft / tpot / throughput / goodput, ties as ties;
+- :mod:`~cpattn.plan.breakeven` -- the prompt length above which PCP lowers TTFT (``pcp_break_even``);
 - :mod:`~cpattn.plan.calibrate` -- microbenchmarks that fit the CPU profile;
 - :mod:`~cpattn.plan.validate` -- predicted vs measured ratios of ``cpattn bench pcp / dcp / graph``;
 - :mod:`~cpattn.plan.anchors` -- the published PCP and DCP anchors, predicted;

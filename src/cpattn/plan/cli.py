@@ -1,19 +1,33 @@
-"""``cpattn plan``: predict TTFT, TPOT, KV bytes and concurrency per (tp, pcp, dcp) on hardware we do not have.
+"""``cpattn plan``: the layout to run for your objective, priced on hardware we do not have.
 
 Usage::
 
-    cpattn plan --model deepseek-v3.2 --context 65536 --batch 4 --devices 8 --profile h200
-    cpattn plan --model path/to/config.json --profile ascend-910c --devices 16 --json -
-    cpattn plan calibrate [--quick] [--out PATH]    # fit the CPU profile on this machine
+    cpattn plan --model deepseek-r1 --input-len 131072 --devices 8 --profile h200 --objective ttft
+    cpattn plan --model deepseek-r1 --input-len 131072 --devices 8 --objective tpot
+    cpattn plan --model qwen3-235b-a22b --input-len 32768 --output-len 1024 --objective throughput
+    cpattn plan --model deepseek-r1 --input-len 8192 --output-len 512 --objective goodput --ttft-slo 2s --tpot-slo 50ms
+    cpattn plan --model deepseek-r1 --input-len 32768 --concurrency 16   # per-request TTFT p50 / p99, makespan
+    cpattn plan --model qwen3-235b-a22b --layout tp=8,dcp=4              # refused: rule and fix, exit 2
+    cpattn plan --model glm-5 --input-len 131072 --devices 8             # fits False: the term and the fix
+    cpattn plan calibrate [--quick] [--out PATH] [--force]    # fit the CPU profile on this machine
     cpattn plan validate --pcp-json p.json --dcp-json d.json --graph-json g.json
-    cpattn plan anchors                             # the published anchors, predicted
+    cpattn plan anchors                                       # the published anchors, predicted
 
-Models: a built-in name (deepseek-v3.2, deepseek-r1, glm-5, qwen3-235b-a22b,
-kimi-k2) or a Hugging Face config.json. Profiles: h200, b200, ascend-910c,
-cpu (the calibrated one once ``cpattn plan calibrate`` saved it), or a
-profile JSON. Every layout ``EngineConfig.create`` accepts for the model and
-device count is predicted; the recommendation names its reason. Every
-assumption the numbers rest on is printed.
+Objectives: ttft (lowest p99 per-request TTFT), tpot (lowest time per output
+token), throughput (most tokens/s per device at the concurrency memory
+holds), goodput (most tokens/s per device at the largest concurrency that
+meets --ttft-slo / --tpot-slo, one of them required). Layouts within
+--tie-tolerance of the best are reported as a tie, broken by the next
+metric. SLOs given with any objective also filter the layouts.
+
+Layouts: every tp * pcp = --devices (dcp a divisor) goes through the
+engine's own rule check (EngineConfig.create); refused ones are listed with
+their rule and fix, never priced. A layout that does not fit names the
+memory term that overflows (weights, activations, KV) and the smallest
+change that fits. Models: a built-in name (deepseek-v3.2, deepseek-r1,
+glm-5, qwen3-235b-a22b, kimi-k2) or a Hugging Face config.json. Profiles:
+h200, b200, ascend-910c, cpu (the calibrated one once ``cpattn plan
+calibrate`` saved it), or a profile JSON. Every assumption is printed.
 """
 
 from __future__ import annotations
@@ -38,14 +52,25 @@ def main(argv: list[str] | None = None) -> int:
 # ----------------------------------------------------------------------------- cpattn plan
 def _plan_parser():
     from cpattn.plan.model import DCP_MERGES, PCP_METHODS
+    from cpattn.plan.objective import OBJECTIVES
 
     p = cli.parser("cpattn plan", __doc__)
     p.add_argument("--model", default="deepseek-v3.2", help="built-in model name or a Hugging Face config.json")
-    p.add_argument("--context", type=cli.positive_int, default=65536, help="prompt / cached tokens per request")
-    p.add_argument("--batch", type=cli.positive_int, default=1, help="requests (prefilled together; decoded together)")
+    p.add_argument("--input-len", "--context", dest="context", type=cli.positive_int, default=65536,
+                   help="prompt tokens per request (the decode's cached context)")
+    p.add_argument("--concurrency", "--batch", dest="batch", type=cli.positive_int, default=1,
+                   help="requests in flight (arriving together: prefilled first come first served, decoded together)")
     p.add_argument("--devices", type=cli.positive_int, default=8, help="devices of one engine (tp * pcp)")
     p.add_argument("--profile", default="h200", help="h200, b200, ascend-910c, cpu or a profile JSON")
-    p.add_argument("--output-len", type=cli.positive_int, default=1024, help="generated tokens per request (KV sizing)")
+    p.add_argument("--output-len", type=cli.positive_int, default=1024,
+                   help="generated tokens per request (KV sizing, goodput)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="ttft", help="what the recommendation optimises")
+    p.add_argument("--ttft-slo", type=duration, default=None, metavar="T",
+                   help="p99 TTFT bound, e.g. 2s or 500ms (goodput; filters every objective)")
+    p.add_argument("--tpot-slo", type=duration, default=None, metavar="T",
+                   help="TPOT bound, e.g. 50ms (goodput; filters every objective)")
+    p.add_argument("--tie-tolerance", type=fraction, default=0.02,
+                   help="layouts this close (relative) to the best are a tie, broken by the next metric")
     p.add_argument("--weights", default=None, help="weight dtype override: bf16, fp8, w8a8, int4, nvfp4")
     p.add_argument("--kv-cache-dtype", default=None, help="KV dtype override: bf16 or fp8")
     p.add_argument("--max-batched-tokens", type=cli.positive_int, default=8192,
@@ -63,7 +88,8 @@ def _plan_parser():
 
 def _plan(argv) -> int:
     from cpattn.plan.fits import fit_changes
-    from cpattn.plan.model import Options, predict, recommend
+    from cpattn.plan.model import Options, predict
+    from cpattn.plan.objective import SLO, _slo, rank, recommend, with_goodput
     from cpattn.plan.specs import WEIGHT_BYTES, get_model
 
     ap = _plan_parser()
@@ -81,23 +107,32 @@ def _plan(argv) -> int:
     prof = _profile(ap.prog, a.profile)
     opts = Options(pcp_method=a.pcp_method, dcp_merge=a.dcp_merge, output=a.output_len,
                    allow_pcp_with_dcp=a.allow_pcp_with_dcp, max_batched_tokens=a.max_batched_tokens)
+    slo = SLO(a.ttft_slo, a.tpot_slo)
+    if a.objective == "goodput" and not slo:
+        cli.bad_value(ap.prog, "--objective", "'goodput' without an SLO", "goodput counts what meets an SLO",
+                      "add --ttft-slo T and/or --tpot-slo T (e.g. --ttft-slo 2s --tpot-slo 50ms)")
     lays, refused = _layouts(ap.prog, spec, a, opts)
     preds = [predict(spec, prof, lay, context=a.context, batch=a.batch, opts=opts) for lay in lays]
-    best, why = recommend(preds)
-    changes = [] if best is not None else fit_changes(spec, prof, a.devices, a.context, a.batch, opts)
+    if a.objective == "goodput":
+        preds = with_goodput(preds, spec, prof, context=a.context, slo=slo, opts=opts)
+    ranked = rank(preds, a.objective, a.tie_tolerance, slo)
+    best, why = recommend(preds, a.objective, a.tie_tolerance, slo=slo)
+    devices = a.devices if not a.layout else lays[0].devices
+    changes = [] if any(p.fits for p in preds) else fit_changes(spec, prof, devices, a.context, a.batch, opts)
     if changes:
         why += "; smallest change that fits: " + "; or ".join(
             f"{c['change']} ({', '.join(c['layouts'][:3])}{' ...' if len(c['layouts']) > 3 else ''})" for c in changes)
-    rows = [{"layout": str(p.layout), "TTFT_ms": 1e3 * p.ttft_s, "TPOT_ms": 1e3 * p.tpot_s,
-             "weights_GB": p.weights_bytes / 1e9, "KV_GB_per_device": p.kv_bytes / 1e9,
-             "KV_B_per_token": p.kv_bytes_per_token, "max_requests": p.max_requests, "fits": p.fits,
-             "overflow": "-" if p.fits else f"{p.overflow} +{p.memory['short'] / 1e9:.1f} GB",
-             "tok_s_per_device": p.tokens_per_s_per_device} for p in preds]
+    rows = [_row(p, a, slo) for p in preds]
     with cli.report_to(a.json):
         print(f"{spec.name} ({spec.attention}, {spec.total_params() / 1e9:.0f}B params, {spec.weights} weights, "
-              f"{spec.kv_dtype} KV) on {a.devices} x {prof.device}; context {a.context}, batch {a.batch}, "
-              f"{a.output_len} output tokens; PCP {a.pcp_method}, DCP {a.dcp_merge}")
+              f"{spec.kv_dtype} KV) on {devices} x {prof.device}; input {a.context}, output {a.output_len} tokens, "
+              f"concurrency {a.batch}; objective {a.objective}"
+              + (f", SLO TTFT p99 <= {_slo(slo.ttft_s)}, TPOT <= {_slo(slo.tpot_s)}" if slo else "")
+              + f"; PCP {a.pcp_method}, DCP {a.dcp_merge}")
         print(table(rows, list(rows[0])))
+        if a.batch > 1:
+            print(f"\nTTFT p50 / p99: per request, {a.batch} arriving together, prefilled first come first served "
+                  f"({a.max_batched_tokens} tokens a step); makespan: the whole batch's prefill")
         if not a.layout and not a.allow_pcp_with_dcp and a.devices > 1:
             print("\n(PCP with DCP in one engine is refused by the guide's rule, so those layouts are not listed; "
                   "--allow-pcp-with-dcp prices them)")
@@ -111,12 +146,61 @@ def _plan(argv) -> int:
         for line in _assumptions(spec, prof):
             print(f"  - {line}")
     write_json(a.json, {"model": spec.name, "profile": prof.name, "context": a.context, "batch": a.batch,
-                        "devices": a.devices, "predictions": [p.as_dict() for p in preds],
+                        "input_len": a.context, "output_len": a.output_len, "concurrency": a.batch,
+                        "devices": devices, "objective": a.objective,
+                        "slo": {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo},
+                        "predictions": [{**p.as_dict(), "makespan_s": p.makespan_s} for p in preds],
                         "refused": [r.as_dict() for r in refused],
                         "recommendation": None if best is None else str(best.layout), "reason": why,
+                        "ties": [str(p.layout) for p in ranked["ties"]],
+                        "per_objective": {o: str(p.layout) for o, p in ranked["per_objective"].items()},
                         "fit_changes": changes,
                         "assumptions": _assumptions(spec, prof)})
     return 0
+
+
+def _row(p, a, slo) -> dict:
+    row = {"layout": str(p.layout), "TTFT_p50_ms": 1e3 * p.ttft_p50_s, "TTFT_p99_ms": 1e3 * p.ttft_p99_s,
+           "makespan_ms": 1e3 * p.makespan_s, "TPOT_ms": 1e3 * p.tpot_s, "weights_GB": p.weights_bytes / 1e9,
+           "KV_GB_per_device": p.kv_bytes / 1e9, "KV_B_per_token": p.kv_bytes_per_token,
+           "max_requests": p.max_requests, "fits": p.fits,
+           "overflow": "-" if p.fits else f"{p.overflow} +{p.memory['short'] / 1e9:.1f} GB",
+           "tok_s_per_device": p.tokens_per_s_per_device}
+    if slo:
+        row["meets_slo"] = slo.met(p.ttft_p99_s, p.tpot_s)
+    if "goodput" in p.parts:
+        row["goodput_requests"] = p.parts["goodput"]["concurrency"]
+        row["goodput_tok_s_per_device"] = p.parts["goodput"]["tokens_per_s_per_device"]
+    return row
+
+
+def duration(text: str) -> float:
+    """``--ttft-slo 2s`` / ``500ms`` / ``0.05`` (seconds) -> seconds."""
+    import argparse
+
+    t = text.strip().lower()
+    scale = 1e-3 if t.endswith("ms") else 1.0
+    t = t[:-2] if t.endswith("ms") else t[:-1] if t.endswith("s") else t
+    try:
+        v = float(t) * scale
+    except ValueError:
+        v = -1.0
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a positive duration; fix: e.g. 2s, 500ms or 0.05")
+    return v
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1)."""
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a fraction in [0, 1); fix: e.g. 0.02 (2%)")
+    return v
 
 
 def layout_arg(text: str):

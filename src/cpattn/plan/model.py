@@ -109,7 +109,9 @@ class Options:
 @dataclass
 class Prediction:
     """One layout's numbers (seconds, bytes per device); ``parts``: where the time goes; ``overflow``: the
-    memory term that does not fit when ``fits`` is False (:func:`cpattn.plan.memory.memory_terms`)."""
+    memory term that does not fit when ``fits`` is False (:func:`cpattn.plan.memory.memory_terms`).
+    ``ttft_s`` is the makespan of the batch's prefill (at batch 1 the request's TTFT); ``ttft_p50_s`` /
+    ``ttft_p99_s`` the per-request TTFTs of :func:`request_ttfts`."""
 
     layout: Layout
     ttft_s: float
@@ -123,6 +125,13 @@ class Prediction:
     parts: dict = field(default_factory=dict)
     overflow: str | None = None  # the term that does not fit: "weights", "activations", "KV", "max_requests"
     memory: dict = field(default_factory=dict)  # bytes per device of each term (memory.memory_terms)
+    ttft_p50_s: float = 0.0  # per-request TTFT of the batch's requests, median (request_ttfts)
+    ttft_p99_s: float = 0.0  # and 99th percentile; ttft_s is the makespan (the last request's TTFT)
+
+    @property
+    def makespan_s(self) -> float:
+        """The end of the batch's prefill (every request's first token): ``ttft_s``."""
+        return self.ttft_s
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -297,9 +306,37 @@ def predict(spec: ModelSpec, prof: Profile, lay: Layout, *, context: int, batch:
     dec = decode_time(spec, prof, lay, context, batch, opts)
     at_max = decode_time(spec, prof, lay, context, max_req, opts)["total"] if max_req else math.inf
     tput = max_req / at_max / lay.devices if max_req else 0.0
+    ttfts = request_ttfts(pre["total"], batch, context - int(context * opts.prefix_hit), opts.max_batched_tokens,
+                          lay.dp)
     return Prediction(lay, pre["total"], dec["total"], mem["weights"], mem["kv_bytes_per_token"], mem["KV"],
                       max_req, mem["overflow"] is None, tput, {"prefill": pre, "decode": dec},
-                      overflow=mem["overflow"], memory=mem)
+                      overflow=mem["overflow"], memory=mem, ttft_p50_s=percentile(ttfts, 0.5),
+                      ttft_p99_s=percentile(ttfts, 0.99))
+
+
+def request_ttfts(makespan: float, batch: int, new_tokens: int, max_batched_tokens: int, dp: int = 1) -> list[float]:
+    """Each request's TTFT when ``batch`` requests arrive together and the engine prefills them first come,
+    first served: a step holds ``max(1, max_batched_tokens // new_tokens)`` prompts per DP replica, so the
+    requests finish in groups of that many times ``dp``, evenly over the ``makespan`` (the batched prefill).
+
+    >>> request_ttfts(8.0, 4, 65536, 8192)  # long prompts: one after another
+    [2.0, 4.0, 6.0, 8.0]
+    >>> request_ttfts(1.0, 4, 1024, 8192)  # eight short prompts fit one step: all at the end
+    [1.0, 1.0, 1.0, 1.0]
+    """
+    group = max(1, max_batched_tokens // max(1, new_tokens)) * dp
+    groups = math.ceil(batch / group)
+    return [makespan * (k // group + 1) / groups for k in range(batch)]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0 < q <= 1) of ``xs``.
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 0.5), percentile(list(range(1, 101)), 0.99)
+    (2.0, 99)
+    """
+    s = sorted(xs)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
 
 
 def layouts(spec: ModelSpec, devices: int, opts: Options = Options()) -> list[Layout]:
@@ -308,51 +345,8 @@ def layouts(spec: ModelSpec, devices: int, opts: Options = Options()) -> list[La
     return layout_space(spec, devices, opts.allow_pcp_with_dcp)[0]
 
 
-def recommend(preds: list[Prediction]) -> tuple[Prediction | None, str]:
-    """The layout to pick and why: the lowest TTFT among layouts where the batch fits, ties broken by
-    tokens/s per device; None when nothing fits."""
-    fit = [p for p in preds if p.fits]
-    if not fit:
-        return None, no_fit_reason(preds)
-    best = min(fit, key=lambda p: (round(p.ttft_s, 4), -p.tokens_per_s_per_device))
-    thr = max(fit, key=lambda p: p.tokens_per_s_per_device)
-    why = (f"{best.layout}: lowest predicted TTFT ({best.ttft_s * 1e3:.0f} ms) among the {len(fit)} layouts that fit "
-           f"the batch; TPOT {best.tpot_s * 1e3:.1f} ms, up to {best.max_requests} requests")
-    if thr is not best:
-        why += (f". For decode throughput prefer {thr.layout}: {thr.tokens_per_s_per_device:.0f} tokens/s per device "
-                f"at {thr.max_requests} concurrent requests (vs {best.tokens_per_s_per_device:.0f})")
-    return best, why
+def recommend(preds: list[Prediction], objective: str = "ttft", tolerance: float = 0.02, **kw):
+    """The layout to pick for ``objective`` and why (:func:`cpattn.plan.objective.recommend`)."""
+    from cpattn.plan.objective import recommend as _recommend
 
-
-def no_fit_reason(preds: list[Prediction]) -> str:
-    """Why no layout fits: the term each layout overflows (weights, activations, KV), with the bytes.
-
-    >>> from cpattn.plan.profiles import get_profile
-    >>> from cpattn.plan.specs import get_model
-    >>> spec, prof = get_model("glm-5"), get_profile("h200")
-    >>> no_fit_reason([predict(spec, prof, Layout(8), context=131072, batch=1)])  # doctest: +ELLIPSIS
-    'no layout fits in device memory: the weights overflow on 1 of 1 layouts (186 GB per device against 120 GB usable)'
-    """
-    def gb(xs):
-        lo, hi = min(xs) / 1e9, max(xs) / 1e9
-        return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
-
-    parts = []
-    for term in ("weights", "activations", "KV", "max_requests"):
-        mine = [p for p in preds if p.overflow == term]
-        if not mine:
-            continue
-        m = [p.memory for p in mine]
-        n = f"{len(mine)} of {len(preds)} layouts"
-        if term == "weights":
-            parts.append(f"the weights overflow on {n} ({gb([x['weights'] for x in m])} GB per device against "
-                         f"{gb([x['usable'] for x in m])} GB usable)")
-        elif term == "activations":
-            parts.append(f"the prefill activations overflow on {n} ({gb([x['activations'] for x in m])} GB per "
-                         f"device, {gb([x['usable'] - x['weights'] for x in m])} GB left after the weights)")
-        elif term == "KV":
-            parts.append(f"the batch's KV cache overflows on {n} ({gb([x['KV'] for x in m])} GB per device, "
-                         f"{gb([max(0.0, x['kv_capacity']) for x in m])} GB left after weights and activations)")
-        else:
-            parts.append(f"the scheduler's cap on concurrent requests is below the batch on {n}")
-    return "no layout fits in device memory: " + "; ".join(parts)
+    return _recommend(preds, objective, tolerance, **kw)
