@@ -17,166 +17,28 @@ Example
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import re
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from cpattn.bench.common import DTYPES, Progress
+from cpattn.bench.common import Progress
+from cpattn.bench.demo_pool import POOL_NEW_TOKENS, pool_rank, pool_requests, shareable_blocks
+from cpattn.bench.demo_setup import (EMBEDDED_STD, Spec, engine_configs, flat, graph_backend, load_model,
+                                     model_config, prompts)
 from cpattn.comm.group import Group
-from cpattn.config import EngineConfig
-from cpattn.engine import checks, decode_stage, driver
+from cpattn.engine import decode_stage, driver
 from cpattn.engine.batch import Prompts
-from cpattn.engine.family import ModelFamily, get_family
+from cpattn.engine.family import ModelFamily
 from cpattn.engine.options import Algorithms
-from cpattn.engine.pooling import PoolSpec
 from cpattn.engine.reference import Reference, reference_generate
 from cpattn.graphs import capture_sizes, pick_size
-from cpattn.models import load_checkpoint
-from cpattn.models.common import config_dict
 
-# the embedded default: a tiny Qwen3 (GQA 4:1 with q/k norm), random weights, nothing downloaded.
-EMBEDDED_STD = 0.2  # weights ~ N(0, 0.2): clear logit margins, so greedy tokens are not near-ties
-POOL_NEW_TOKENS = 4  # greedy tokens of each pool-phase request
-
-
-@dataclass(frozen=True)
-class Spec:
-    """Everything a rank needs (picklable): model, layout, sizes, graph and pool settings."""
-
-    model_dir: str | None = None
-    model_type: str = "qwen3"
-    pcp: int = 2
-    dcp: int = 2
-    prompt_len: int = 4096
-    batch: int = 1
-    max_new_tokens: int = 32
-    graph_mode: str = "full_decode_only"
-    backend: str = "cpu"
-    block_size: int = 16
-    interleave_size: int | None = None
-    merge: str = "local_ag"
-    dtype: str = "float32"
-    seed: int = 0
-    capture_sizes: tuple[int, ...] | None = None
-    eager_row: bool = True
-    progress: bool = True
-    perturb_reference: bool = False
-    reps: int = 3
-    kv_pool: str | None = None
-    pool_rounds: int = 3
-    pool_salt: int = 0
-
-    @property
-    def world_size(self) -> int:
-        return max(self.pcp, self.dcp)
-
-    @property
-    def interleave(self) -> int:
-        """``cp_kv_cache_interleave_size``: the block size unless set (whole blocks handed over)."""
-        return self.block_size if self.interleave_size is None else self.interleave_size
-
-    @property
-    def prompt_lens(self) -> list[int]:
-        """Request b has ``prompt_len - b * prompt_len // (2 * batch)`` tokens (uneven on purpose)."""
-        return [self.prompt_len - (b * self.prompt_len) // (2 * self.batch) for b in range(self.batch)]
-
-
-# -- model, inputs, engines -------------------------------------------------------------------
-
-
-def model_config(spec: Spec) -> tuple[ModelFamily, Any]:
-    """(family, config) of the run from the checkpoint's config.json alone (no weights read), or the
-    family's tiny config for an embedded model. Raises ValueError naming what is wrong with a checkpoint."""
-    if spec.model_dir is None:
-        family = get_family(spec.model_type)
-        return family, family.config_class.tiny()
-    import json
-    import os
-
-    from cpattn.models import check_checkpoint
-
-    check_checkpoint(spec.model_dir)  # config.json + safetensors headers against the family: no weights read
-    path = os.path.join(spec.model_dir, "config.json")
-    if not os.path.isdir(spec.model_dir):
-        raise ValueError(f"{spec.model_dir!r} is not a directory; pass a Hugging Face checkpoint directory")
-    if not os.path.isfile(path):
-        raise ValueError(f"{spec.model_dir!r} has no config.json; pass a Hugging Face checkpoint directory")
-    if not any(f.endswith(".safetensors") for f in os.listdir(spec.model_dir)):
-        raise ValueError(f"{spec.model_dir!r} has no *.safetensors file (only safetensors checkpoints are read)")
-    try:
-        d = config_dict(spec.model_dir)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    family = get_family(d)
-    try:
-        cfg = family.config_class.from_hf(d)
-    except KeyError as e:
-        raise ValueError(f"{path} lacks {e.args[0]!r}, which a {family.name} config needs") from None
-    _check_safetensors(spec.model_dir)
-    return family, cfg
-
-
-def _check_safetensors(model_dir: str) -> None:
-    """Every *.safetensors file of the checkpoint has a readable header (only headers are read)."""
-    import os
-
-    from safetensors import SafetensorError, safe_open
-
-    for name in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
-        try:
-            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
-                f.keys()
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{os.path.join(model_dir, name)} is not a readable safetensors file ({e})") from None
-
-
-def load_model(spec: Spec) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
-    """(family, config, params): an embedded tiny random model, or a local Hugging Face checkpoint."""
-    dtype = DTYPES[spec.dtype]
-    family, cfg = model_config(spec)
-    if spec.model_dir is None:
-        return family, cfg, family.init_params(cfg, seed=spec.seed, std=EMBEDDED_STD, dtype=dtype)
-    _, params = load_checkpoint(spec.model_dir, dtype=dtype)
-    return family, cfg, params
-
-
-def prompts(spec: Spec, vocab: int) -> tuple[torch.Tensor, list[int]]:
-    """Seeded random prompts, packed: tokens [T] int64 and cu_seqlens [B+1] (host ints)."""
-    g = torch.Generator().manual_seed(spec.seed + 1)
-    cu = [0]
-    for n in spec.prompt_lens:
-        cu.append(cu[-1] + n)
-    return torch.randint(0, vocab, (cu[-1],), generator=g), cu
-
-
-def graph_backend(spec: Spec, family: ModelFamily) -> str:
-    """The decode runner's backend: the requested compiler for a capturable family, else "eager"."""
-    return spec.backend if family.capturable else "eager"
-
-
-def engine_configs(spec: Spec, family: ModelFamily, cfg: Any) -> tuple[EngineConfig, EngineConfig]:
-    """The prefill (kv_producer, PCP) and decode (kv_consumer, DCP) engines of the P/D pair, validated.
-
-    Raises :class:`~cpattn.config.ConfigError` listing every broken rule for
-    a layout the guide (or the engine) cannot run.
-    """
-    graph = "FULL_DECODE_ONLY" if spec.graph_mode == "full_decode_only" else "NONE"
-    pre, dec = driver.engine_configs(family, cfg, pcp_size=spec.pcp, dcp_size=spec.dcp, block_size=spec.block_size,
-                                     interleave_size=spec.interleave, pd=True, graph_mode=graph,
-                                     capture_sizes=spec.capture_sizes, graph_backend=graph_backend(spec, family))
-    checks.check(family, cfg, pre, dec, world_size=spec.world_size, topology="colocated",
-                 pool=spec.kv_pool is not None)
-    return pre, dec
-
-
-def flat(config: EngineConfig) -> dict:
-    """An engine config as one flat dict of its fields (the flat names of ``EngineConfig.create``)."""
-    return {k: v for part in dataclasses.asdict(config).values() for k, v in part.items()}
+# the run's parts live beside it (demo_setup, demo_pool); their names stay importable from here
+__all__ = ["EMBEDDED_STD", "POOL_NEW_TOKENS", "Spec", "demo_rank", "engine_configs", "flat", "graph_backend",
+           "load_model", "model_config", "one_device", "pool_rank", "pool_requests", "prompts", "reference",
+           "shareable_blocks"]
 
 
 # -- the one-device reference (parent process) ----------------------------------------------------
@@ -337,83 +199,3 @@ def demo_rank(group: Group, spec: Spec) -> dict:
     bar.step("done")
     return res
 
-
-# -- the KV pool phase ---------------------------------------------------------------------------------
-
-
-def pool_requests(spec: Spec, vocab: int) -> dict[str, list[list[int]]]:
-    """The pool phase's prompts, each ``prompt_len`` tokens: a ``warm-up`` pair (a prompt, then the same
-    prompt: the pool's store and load paths run once before anything is timed; the same on every demo run,
-    so a second run finds it), then per round a ``cold`` prompt of fresh tokens (``pool_salt`` makes them new
-    on every run: nothing of it can be pooled) and a ``warm`` one sharing its first 7/8 (whole blocks) with a
-    fresh tail. Returns ``{"warm-up": [2], "cold": [rounds], "warm": [rounds]}`` token lists.
-
-    >>> r = pool_requests(Spec(prompt_len=64, block_size=16), vocab=512)
-    >>> [len(r[k]) for k in ("warm-up", "cold", "warm")], r["warm"][0][:48] == r["cold"][0][:48]
-    ([2, 3, 3], True)
-    """
-    n = spec.prompt_len
-    keep = (n * 7 // 8) // spec.block_size * spec.block_size
-
-    def fresh(*key, length=n) -> list[int]:
-        seed = int.from_bytes(hashlib.sha256(repr((spec.seed, *key)).encode()).digest()[:7], "little")
-        g = torch.Generator().manual_seed(seed)  # the same in the parent and on every rank
-        return torch.randint(0, vocab, (length,), generator=g).tolist()
-
-    warmup = fresh("pool warm-up")
-    colds = [fresh("pool cold", spec.pool_salt, r) for r in range(spec.pool_rounds)]
-    warms = [c[:keep] + fresh("pool tail", spec.pool_salt, r, length=n - keep) for r, c in enumerate(colds)]
-    return {"warm-up": [warmup, warmup], "cold": colds, "warm": warms}
-
-
-def shareable_blocks(spec: Spec) -> int:
-    """Whole blocks a warm request shares with its cold one (the pool should serve them all)."""
-    keep = (spec.prompt_len * 7 // 8) // spec.block_size * spec.block_size
-    return min(keep, spec.prompt_len - 1) // spec.block_size
-
-
-def pool_rank(group: Group, spec: Spec, family, cfg, params, pre_cfg, dec_cfg) -> dict:
-    """The pool phase on one rank: after the warm-up pair, ``spec.pool_rounds`` interleaved rounds of a cold
-    request (its blocks go to the pool) then a warm one sharing 7/8 of it (:func:`pool_requests`), each through
-    :func:`cpattn.engine.driver.generate_on_rank` with one pool opened for the phase. Per request: TTFT (the
-    slowest rank's), blocks found / loaded / stored, bytes loaded, tokens (checked against one device by the
-    caller); and why the store was unavailable, if it said so (a :class:`~cpattn.pool.PoolUnavailableWarning`)."""
-    import warnings
-
-    from cpattn.engine.pooling import open_for_run, release
-    from cpattn.pool import PoolUnavailableWarning
-
-    reqs = pool_requests(spec, cfg.vocab_size)
-    label = PoolSpec(spec.kv_pool, model=spec.model_dir or f"{family.name}-tiny-seed{spec.seed}")
-    decode = dec_cfg.replace(graph_mode="NONE")
-    out: dict[str, list[dict]] = {name: [] for name in reqs}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PoolUnavailableWarning)
-        pool, opened = open_for_run(label, family, cfg, params, dec_cfg.cache.block_size)
-        try:
-            order = [("warm-up", 0), ("warm-up", 1)] + [(name, r) for r in range(spec.pool_rounds)
-                                                         for name in ("cold", "warm")]
-            for name, r in order:
-                gen = driver.generate_on_rank(group, family, params, cfg, [reqs[name][r]], POOL_NEW_TOKENS,
-                                              prefill=pre_cfg, decode=decode, prompt_logits=False, pool=pool)
-                f = gen.facts.pool
-                out[name].append({
-                    "ttft_s": max(group.all_gather(torch.tensor([gen.facts.ttft_s], dtype=torch.float64)).tolist()),
-                    "hit_blocks": list(f.hit_blocks), "blocks_loaded": f.blocks_loaded,
-                    "blocks_stored": sum(int(x) for x in group.all_gather(torch.tensor([f.blocks_stored])).tolist()),
-                    "bytes_loaded": f.bytes_loaded, "prompt_len": len(reqs[name][r]), "tokens": gen.tokens})
-        finally:
-            if opened:
-                release(pool)
-    reasons = [_reason(str(w.message)) for w in caught if issubclass(w.category, PoolUnavailableWarning)]
-    return {"requests": out, "unavailable": reasons[0] if reasons else None}
-
-
-def _reason(message: str) -> str:
-    """The store's own reason inside a :class:`~cpattn.pool.PoolUnavailableWarning` message (else all of it).
-
-    >>> _reason("cpattn KV pool: the store is unavailable (no master at h:1 (start one)); continuing without ...")
-    'no master at h:1 (start one)'
-    """
-    m = re.match(r".*?the store is unavailable \((.*)\); continuing", message, re.S)
-    return m.group(1) if m else message
