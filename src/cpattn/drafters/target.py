@@ -12,8 +12,8 @@ that :func:`cpattn.models.load_checkpoint` and transformers read.
 target's own greedy continuations of corpus prompts, its hidden states and
 its argmax at every position.
 
-A family with its own engine stages (DeepSeek-V4: ``ModelFamily.stages``;
-its attention state is rings and compressed entries, not per-token KV rows)
+A family whose cache is not per-token KV rows (DeepSeek-V4, ``ModelFamily.cache
+= "v4"``: its attention state is rings and compressed entries)
 does not run through :class:`SequenceAttention`, so it is not trained here;
 :func:`save` writes one (e.g. random-init) as a checkpoint that
 ``cpattn train-draft`` reads, and :func:`greedy_data` takes it through the
@@ -206,9 +206,10 @@ def forward(model: str, params: dict, cfg: Any, tokens: torch.Tensor, *, hidden_
     (torch.Size([2, 3, 64]), [1, 'norm'])
     """
     fam = get_family(model)
-    if fam.stages is not None:
-        raise ValueError(f"{model} runs through its own engine stages (ModelFamily.stages), not a whole-sequence "
-                         "SequenceAttention: it cannot be trained here; greedy_data takes it through the engine")
+    if not fam.backend.per_token_kv:
+        raise ValueError(f"{model} keeps its own cache (ModelFamily.cache={fam.cache!r}), not per-token KV rows that "
+                         "a whole-sequence SequenceAttention holds: it cannot be trained here; greedy_data takes it "
+                         "through the engine")
     b, t = tokens.shape
     attn = SequenceAttention(fam.kv_layouts(cfg), batch=b, length=t, device=tokens.device)
     out = fam.forward(params, cfg, tokens.reshape(-1), attn, hidden_layers=hidden_layers)
@@ -299,8 +300,8 @@ def greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, lengt
                 hidden_layers: tuple, *, deadline: float | None = None, chunk: int = 32,
                 on_chunk=None) -> GreedyData:
     """Continue prompts [N, P] greedily to ``length`` tokens (a batch KV cache), then one forward over the
-    whole sequences for the hidden states and argmax of every position. A family with its own stages
-    (DeepSeek-V4) goes through the engine instead (:func:`engine_greedy_data`).
+    whole sequences for the hidden states and argmax of every position. A family whose cache is not
+    per-token KV rows (DeepSeek-V4) goes through the engine instead (:func:`engine_greedy_data`).
 
     The prompts go ``chunk`` at a time; with a ``deadline`` (a ``time.perf_counter()`` value) no new
     chunk starts past it, so the data may hold fewer than N sequences (at least one chunk).
@@ -331,7 +332,7 @@ def greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, lengt
 def _greedy_chunk(model: str, params: dict, cfg: Any, prompts: torch.Tensor, length: int,
                   hidden_layers: tuple) -> GreedyData:
     fam = get_family(model)
-    if fam.stages is not None:
+    if not fam.backend.per_token_kv:
         return engine_greedy_data(model, params, cfg, prompts, length, hidden_layers)
     dtype = params["model.embed_tokens.weight"].dtype
     cache = BatchCache(fam.kv_layouts(cfg), batch=prompts.shape[0], max_len=length, dtype=dtype)
@@ -347,7 +348,7 @@ def _greedy_chunk(model: str, params: dict, cfg: Any, prompts: torch.Tensor, len
 @torch.no_grad()
 def engine_greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, length: int,
                        hidden_layers: tuple) -> GreedyData:
-    """:func:`greedy_data` through the engine, for any family (those with their own stages included): the
+    """:func:`greedy_data` through the engine, for any family (DeepSeek-V4's own cache included): the
     continuation from one-device greedy generation (:func:`cpattn.models.generate.generate`), then the
     family's one-device prefill over the whole sequences [N, length] with ``hidden_layers``, its hidden
     states ``{name: [N, length, F]}`` (trailing dims flattened: a DeepSeek-V4 layer's n_hc streams are

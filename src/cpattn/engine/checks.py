@@ -15,7 +15,7 @@ engine has its own limits, each reported as
 - a compiler graph backend needs a family whose decode step is capturable;
 - speculation: k >= 1 drafts with a drafter, none without;
 - a KV pool moves whole blocks of the paged cache: not for a family with
-  its own cache (``ModelFamily.stages``, DeepSeek-V4).
+  its own cache (``ModelFamily.cache``, DeepSeek-V4's ``"v4"``).
 
 Example
 -------
@@ -176,9 +176,9 @@ def _problems(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engi
                            f"{decode.cache.cp_kv_cache_interleave_size} with block_size={decode.cache.block_size} "
                            f"and a KV pool (dcp_size={n})", "a DCP rank stores and loads whole blocks of a KV pool, "
                            "so interleave size == block size", f"set cp_kv_cache_interleave_size={decode.cache.block_size}"))
-    if pool and family.stages is not None:
+    if pool and not family.backend.per_token_kv:
         out.append(problem("kv_pool", f"a KV pool for {family.name}", f"{family.name} keeps its own cache "
-                           "(ModelFamily.stages), which the pool's whole-block rows do not describe",
+                           f"(ModelFamily.cache={family.cache!r}), which the pool's whole-block rows do not describe",
                            "run without a KV pool"))
     backend = decode.compilation.graph_backend
     if decode.compilation.captures and backend not in ("auto", "eager") and not family.capturable:

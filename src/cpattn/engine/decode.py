@@ -46,7 +46,6 @@ torch.Size([1, 3])
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,17 +195,10 @@ def make_runner(group: Group, family: ModelFamily, params: dict, cfg: Any, shard
             f"graph backend {backend!r}: the {family.name} decode step has data-dependent shapes or host syncs "
             "(it is not capturable); use the 'eager' backend (persistent buffers and padding, no compiler)")
     q_len = 1 + num_speculative_tokens
-    if family.stages is not None:  # the family's own program over its own cache
-        prog = family.stages.decode_program(group, params, cfg, shard, merge=merge, hidden_layers=hidden_layers)
-        fn, state, fields, device = prog.step, prog.state, prog.fields, prog.device
-    else:
-        fn = functools.partial(decode_step, family=family, cfg=cfg, group=group, merge=merge,
-                               hidden_layers=hidden_layers)
-        state, fields = {"params": params, "shard": shard}, step_fields(shard.block_table.shape[1])
-        device = shard.block_table.device
-    runner = DecodeRunner(fn, state, fields, num_speculative_tokens=num_speculative_tokens,
+    prog = family.backend.program(group, family, params, cfg, shard, merge=merge, hidden_layers=hidden_layers)
+    runner = DecodeRunner(prog.step, prog.state, prog.fields, num_speculative_tokens=num_speculative_tokens,
                           capture_sizes=capture_sizes, max_size=max(q_len, max_requests * q_len), backend=backend,
-                          device=device)
+                          device=prog.device)
     return runner.capture()
 
 
@@ -241,12 +233,9 @@ def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: Pag
     out_log: list[list[torch.Tensor]] = [[] for _ in range(b)]
     stats = SpecStats(accepted_hist=[0] * (k + 1))
     draft = drafter.start(b, max(lens) + steps + k + 1, graph=draft_graph) if k else None
-    eager = functools.partial(decode_step, family=family, cfg=cfg, group=group, merge=merge, hidden_layers=layers)
-    state = {"params": params, "shard": shard}
-    program = None  # a family with its own cache plans its steps itself and commits what verification kept
-    if family.stages is not None:
-        program = family.stages.decode_program(group, params, cfg, shard, merge=merge, hidden_layers=layers)
-        eager, state = program.step, program.state
+    # the cache backend's program plans each step and commits what verification kept
+    program = family.backend.program(group, family, params, cfg, shard, merge=merge, hidden_layers=layers)
+    eager, state = program.step, program.state
     step_s = []
     pending, pending_reqs = prompt_hidden, list(range(b))  # target hidden rows not yet given to the drafter
     while True:
@@ -261,11 +250,7 @@ def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: Pag
             torch.zeros(len(active), 0, dtype=torch.int64)
         last = torch.tensor([hist[i][-1] for i in active], dtype=torch.int64)
         tokens = torch.cat([last[:, None], drafts], 1).flatten()  # [A * (1 + k)]
-        if program is not None:
-            batch = program.batch(active, [lens[i] for i in active], tokens)
-        else:
-            batch = {"tokens": tokens, "seq_lens": torch.tensor([lens[i] + 1 + k for i in active]),
-                     "block_table": shard.block_table[active]}  # [A, max_blocks]
+        batch = program.batch(active, [lens[i] for i in active], tokens)  # paged: seq_lens [A], block_table [A, M]
         if runner is not None:
             out = runner(batch, [1 + k] * len(active))  # [A * (1 + k), V], [A * (1 + k)](, hidden)
             stats.graph_steps += runner.stats.last.startswith("graph")
@@ -290,8 +275,7 @@ def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: Pag
             out_tok[i].extend(new)
             out_log[i].extend(logits[j, : a + 1])
             stats.accepted_hist[a] += 1
-        if program is not None:
-            program.commit(active, [lens[i] for i in active])
+        program.commit(active, [lens[i] for i in active])
         if k:
             draft.rollback(active, [len(hist[i]) - 1 for i in active])  # what the target's cache now holds
         stats.steps += 1

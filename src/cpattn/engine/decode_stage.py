@@ -9,9 +9,9 @@ from cpattn.comm.group import Group
 from cpattn.comm.sim import SimMesh
 from cpattn.config import EngineConfig
 from cpattn.engine.batch import Prompts
-from cpattn.engine.decode import DecodeOut, cache_capacity, decode, make_runner
+from cpattn.engine.decode import DecodeOut, cache_capacity, decode, make_runner  # noqa: F401 - cache_capacity kept
 from cpattn.engine.drafters import TargetHidden
-from cpattn.engine.family import ModelFamily, param_dtype
+from cpattn.engine.family import ModelFamily, param_dtype  # noqa: F401 - param_dtype kept importable
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut
@@ -70,12 +70,9 @@ def capture(dg: Group, family, params, cfg, shard, prompts: Prompts, decode_cfg:
 
 def new_shard(family, cfg, params, prompts: Prompts, steps: int, decode_cfg: EngineConfig, drafter,
               group: Group | None = None) -> PagedShard:
-    """An empty decode cache for this rank, sized for the prompts, ``steps`` more tokens and k drafts
-    (the family's own cache when it declares ``stages``; ``group``: this rank's decode group)."""
+    """An empty decode cache for this rank, sized for the prompts, ``steps`` more tokens and k drafts: the
+    family's cache backend's (a :class:`~cpattn.engine.paged_cache.PagedShard` for the paged kind;
+    ``group``: this rank's decode group, default this rank alone)."""
     k = decode_cfg.speculative.num_speculative_tokens if drafter is not None else 0
-    if family.stages is not None:
-        return family.stages.new_cache(cfg, params, prompts, steps, decode_cfg, k, group or SimMesh(1).groups()[0])
-    dtype = param_dtype(params)
-    return PagedShard.empty(family.kv_layouts(cfg), capacity=cache_capacity(list(prompts.query_lens), steps, k),
-                            dcp_size=decode_cfg.parallel.dcp_size, block_size=decode_cfg.cache.block_size,
-                            interleave_size=decode_cfg.cache.cp_kv_cache_interleave_size, dtype=dtype)
+    return family.backend.new_cache(family, cfg, params, prompts, steps, decode_cfg, k,
+                                    group or SimMesh(1).groups()[0])

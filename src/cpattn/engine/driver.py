@@ -52,15 +52,16 @@ from cpattn.engine.decode import DecodeOut
 from cpattn.engine.decode_stage import drafter_hidden, hidden_layers, new_shard, run_decode
 from cpattn.engine.drafters import TargetHidden, check_drafter
 from cpattn.engine.family import ModelFamily, get_family, param_dtype
-from cpattn.engine.handoff import (  # noqa: F401 - send_hidden / recv_hidden: re-exported (they lived here)
+from cpattn.engine.backends.paged import handoff, request_order  # noqa: F401 - public here, they lived here
+from cpattn.engine.handoff import (  # noqa: F401 - re-exported: they were importable from here
     HandoffFacts, deal_blocks, exchange, place_blocks, place_rows, recv_blocks, recv_hidden, request_blocks,
     send_blocks, send_hidden,
 )
-from cpattn.engine.kv_rows import row_width
+from cpattn.engine.kv_rows import row_width  # noqa: F401 - kept importable from here
 from cpattn.engine.logits import acc_dtype
 from cpattn.engine.options import Algorithms
-from cpattn.engine.paged_cache import PagedShard
-from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill
+from cpattn.engine.paged_cache import PagedShard  # noqa: F401 - kept importable from here
+from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill  # noqa: F401 - kept importable from here
 from cpattn.engine.pooling import PoolFacts, load_prefix, open_for_run, release, store_blocks
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.result import Generation, RunFacts
@@ -112,19 +113,6 @@ def stage_group(world: Group, size: int) -> Group:
     1
     """
     return world if size == world.size and size > 1 else _single()
-
-
-def request_order(plan, total: int, context_lens: tuple[int, ...]):
-    """Request [T] and position [T] of a plan's ``total`` new tokens, in request order.
-
-    >>> from cpattn import pcp_plan
-    >>> [x.tolist() for x in request_order(pcp_plan([0, 2, 3], 2), 3, (4, 0))]
-    [[0, 0, 1], [4, 5, 0]]
-    """
-    cu = plan.cu_seqlens.tolist()
-    req = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor([b - a for a, b in zip(cu, cu[1:])]))
-    pos = torch.arange(total) - torch.tensor(cu[:-1])[req] + torch.tensor(context_lens or [0] * (len(cu) - 1))[req]
-    return req, pos
 
 
 def _generation(first_logits, dec: DecodeOut, prompt_logits, facts) -> Generation:
@@ -210,49 +198,18 @@ def _open_pool(pool, family, cfg, params, decode_cfg: EngineConfig):
 
 def prefill_fn(pg: Group, family, params, cfg, p: Prompts, algorithms: Algorithms, prompt_logits: bool,
                prefix: Prefix | None = None, hidden_layers: tuple | None = None) -> PrefillOut:
-    """The prefill stage as the driver calls it (a seam for timing harnesses); ``hidden_layers``: the
-    hidden states a drafter reads, computed under the prefill's layout and gathered in request order."""
-    if family.stages is not None:
-        return family.stages.prefill(pg, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits,
-                                     prefix=prefix, hidden_layers=hidden_layers)
-    return prefill(pg, family, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits, prefix=prefix,
-                   hidden_layers=hidden_layers)
+    """The prefill stage as the driver calls it (a seam for timing harnesses): the family's cache backend's
+    prefill; ``hidden_layers``: the hidden states a drafter reads, computed under the prefill's layout and
+    gathered in request order."""
+    return family.backend.prefill(pg, family, params, cfg, p, algorithms=algorithms, prompt_logits=prompt_logits,
+                                  prefix=prefix, hidden_layers=hidden_layers)
 
 
 def handoff_stage(world: Group, family: ModelFamily, pg: Group, dg: Group, shard, out,
                   algorithms: Algorithms = Algorithms(), prefix: Prefix | None = None) -> HandoffFacts:
-    """The hand-off as :func:`generate_on_rank` runs it (engines on the same ranks): the family's own stage
-    when it declares ``stages`` (its own cache, no cached prefix), else :func:`handoff`."""
-    if family.stages is not None:
-        return family.stages.handoff(pg, shard, out)
-    return handoff(world, pg, dg, shard, out, algorithms, prefix)
-
-
-def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillOut,
-            algorithms: Algorithms = Algorithms(), prefix: Prefix | None = None) -> HandoffFacts:
-    """Put the prefill rows of ``out`` into this rank's decode shard (engines on the same ranks).
-
-    pg / dg: this rank's prefill and decode groups (:func:`stage_group`).
-    prefix: the cached prefix the prefill started from (every rank holds it);
-    each decode rank keeps the prefix rows it owns.
-    """
-    psize, nsize = pg.size, dg.size
-    if prefix is not None:
-        ctx = prefix.context_lens
-        req = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(ctx, dtype=torch.int64))
-        pos = torch.cat([torch.arange(c) for c in ctx]) if sum(ctx) else torch.zeros(0, dtype=torch.int64)
-        place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=nsize)
-    if psize > 1 and nsize > 1:  # both over the world: rows go straight to their owners
-        rows, req, pos, facts = exchange(world, out.rows, out.plan, prefill_size=psize, decode_size=nsize,
-                                         interleave_size=shard.interleave_size, width=row_width(shard.layouts),
-                                         dtype=out.rows.dtype, method=algorithms.handoff)
-        place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=nsize)
-        return facts
-    before = pg.stats.total_sent()
-    rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order, on every rank
-    req, pos = request_order(out.plan, rows.shape[0], out.plan.context_lens)
-    place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=nsize)
-    return HandoffFacts(rows_kept=rows.shape[0], bytes_sent=pg.stats.total_sent() - before)
+    """The hand-off as :func:`generate_on_rank` runs it (engines on the same ranks): the family's cache
+    backend's (:func:`handoff` for the paged cache)."""
+    return family.backend.handoff(world, pg, dg, shard, out, algorithms, prefix)
 
 
 def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefill_cfg, decode_cfg, algorithms,
@@ -265,21 +222,13 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
     decode_ranks = list(range(psize, psize + nsize))
     pg = world.split(list(range(psize)))  # every world rank splits both groups, in the same order
     dg = world.split(decode_ranks)
-    steps, cu = max_new_tokens - 1, p.cu_seqlens
-    layouts = family.kv_layouts(cfg)
-    vocab = cfg.vocab_size
+    steps, vocab, backend = max_new_tokens - 1, cfg.vocab_size, family.backend
     world.all_reduce(torch.zeros(1))
     t0 = time.perf_counter()
     if world.rank < psize:
         out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, None, hidden_layers(drafter))
         prefill_s, sent0 = time.perf_counter() - t0, world.stats.total_sent()
-        if family.stages is not None:  # the family's own payload, with the first-token logits
-            facts = family.stages.send(pg, out, decode_ranks, world=world)
-        else:
-            rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order: any prefill rank sends any block
-            blocks = request_blocks(rows, cu, decode_cfg.cache.block_size)
-            facts = send_blocks(blocks, out.first_logits if pg.rank == 0 else None, prefill_rank=pg.rank,
-                                prefill_size=psize, decode_ranks=decode_ranks, world=world)
+        facts = backend.send(world, pg, out, decode_ranks, decode_cfg.cache.block_size)  # with the first logits
         if out.hidden is not None and pg.rank == 0:  # the drafter's prompt hidden states go with the KV
             send_hidden(out.hidden, decode_ranks, world)
         tokens = torch.zeros(p.num_requests, max_new_tokens, dtype=torch.int64)
@@ -290,17 +239,9 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
         dec_stats, mine, plogits = None, None, out.prompt_logits
     else:
         dtype = param_dtype(params)
-        if family.stages is not None:
-            shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter, dg)
-            first_logits, facts = family.stages.recv(shard, p, src=0, world=world)
-        else:
-            received, first_logits, facts = recv_blocks(list(p.query_lens), decode_rank=dg.rank, decode_size=nsize,
-                                                        prefill_ranks=list(range(psize)),
-                                                        block_size=decode_cfg.cache.block_size,
-                                                        width=row_width(layouts), dtype=dtype, vocab_size=vocab,
-                                                        world=world)
-            shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter)
-            place_blocks(shard, received)
+        shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter, dg)
+        first_logits, facts = backend.recv(world, shard, p, cfg, prefill_ranks=list(range(psize)), decode_group=dg,
+                                           dtype=dtype)
         layers = hidden_layers(drafter)
         hidden = None
         if layers is not None:
@@ -362,24 +303,19 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
         return _simulated_pd(family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
                              prompt_logits)
 
+    backend = family.backend
+
     def prefill_rank(g):
         out = prefill_fn(g, family, params, cfg, p, algorithms, prompt_logits, None, hidden_layers(drafter))
-        if family.stages is not None:  # the family's own hand-off payload, the same on every rank
-            return out, family.stages.collect(g, out), g.stats.total_sent()
-        rows = gather_unshard(g, out.rows, out.plan)  # [T, F] request order
-        return out, rows, g.stats.total_sent()
+        return out, backend.collect(g, out), g.stats.total_sent()  # the hand-off payload, the same on every rank
 
     t0 = time.perf_counter()
-    out, rows, sent = simulate(psize, prefill_rank)[0]
+    out, collected, sent = simulate(psize, prefill_rank)[0]
     prefill_s = time.perf_counter() - t0
-    req, pos = request_order(out.plan, rows.shape[0], out.plan.context_lens) if family.stages is None else (None, None)
 
     def decode_rank(g):
         shard = new_shard(family, cfg, params, p, steps, decode, drafter, g)
-        if family.stages is not None:
-            family.stages.place(shard, rows)
-        else:
-            place_rows(shard, rows, req, pos, rank=g.rank, dcp_size=g.size)
+        backend.place(shard, collected, g)
         dec = run_decode(g, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
                          drafter, None, prompt_hidden=drafter_hidden(out, p))
         run = RunFacts(prefill_s=prefill_s, step_s=tuple(dec.step_s), bytes_sent={"prefill": sent,

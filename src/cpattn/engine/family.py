@@ -31,22 +31,14 @@ this declaration: it never sniffs module names or config attributes.
   that tensor takes when a checkpoint is loaded in ``dtype`` (None: as
   stored); None: the default rule of :func:`cpattn.models.normalize_params`
   (routers, correction biases and DSA ``weights_proj`` as stored).
-- ``stages`` (optional): the family's own cache and stages, for state that
-  per-token ``KVLayout`` rows cannot describe (DeepSeek-V4's rings and
-  compressed entries: :class:`cpattn.v4.engine.V4Stages`); None: the paged
-  cache and the engine's steps. It offers ``prefill(group, params, cfg,
-  prompts, *, algorithms, prompt_logits, prefix, hidden_layers)`` (an output
-  with ``first_logits``, ``prompt_logits``, ``hidden``), ``new_cache(cfg,
-  params, prompts, steps, decode_cfg, num_speculative_tokens, group)`` (a
-  cache with ``kv_bytes()``), ``collect(prefill_group, out)`` (what the
-  decode caches need, on every prefill rank), ``place(cache, collected)``,
-  ``handoff(prefill_group, cache, out)`` (both, engines on the same ranks),
-  ``send(prefill_group, out, decode_ranks)`` / ``recv(cache, prompts, src)``
-  (P/D on separate ranks; recv returns the first-token logits) and
-  ``decode_program(group, params, cfg, cache, *, merge, hidden_layers)``
-  (``state``, ``fields``, ``step`` for the graph runner; ``batch(requests,
-  context_lens, tokens)`` plans a step; ``commit(requests, seq_lens)``
-  keeps what verification accepted).
+- ``cache``: the family's KV cache kind, ``"paged"`` (default: per-token
+  ``KVLayout`` rows in the engine's paged cache) or ``"v4"`` (DeepSeek-V4's
+  rings and compressed entries); the engine serves it through that kind's
+  backend (``family.backend``, :mod:`cpattn.engine.backend`).
+- ``stages`` (deprecated, optional): the old way to declare DeepSeek-V4's
+  kind, a :class:`cpattn.v4.engine.V4Stages`; a family passing it is taken
+  as ``cache="v4"`` and its V4 backend runs over those stages. Declare
+  ``cache="v4"`` instead.
 
 Example
 -------
@@ -153,6 +145,28 @@ class ModelFamily:
     stages: Any = None
     rename: Callable[[str], str | None] | None = None
     load_dtype: Callable[[str, torch.dtype], torch.dtype | None] | None = None
+    cache: str = "paged"
+
+    def __post_init__(self) -> None:
+        from cpattn.engine.backend import CACHE_KINDS
+
+        legacy = self.stages  # the deprecated declaration of DeepSeek-V4's kind
+        if legacy is not None and self.cache == "paged":
+            object.__setattr__(self, "cache", "v4")
+        if self.cache not in CACHE_KINDS:
+            raise ValueError(f"ModelFamily {self.name!r}: cache={self.cache!r} is not a cache kind; expected one "
+                             f"of {CACHE_KINDS}")
+
+    @property
+    def backend(self):
+        """The :class:`~cpattn.engine.backend.CacheBackend` of the family's ``cache`` kind.
+
+        >>> get_family("qwen3").backend.name, get_family("deepseek_v4").backend.per_token_kv
+        ('paged', False)
+        """
+        from cpattn.engine.backend import backend_for
+
+        return backend_for(self)
 
     def param_name(self, name: str) -> str | None:
         """The params name of checkpoint tensor ``name`` (None: not loaded), by the family's ``rename``.

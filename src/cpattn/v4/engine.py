@@ -2,8 +2,10 @@
 
 The engine's paged KV cache describes a layer by what one token leaves in
 it (:class:`~cpattn.engine.family.KVLayout`); V4's state is rings plus one
-entry per m tokens, so the family declares its own stages
-(``ModelFamily.stages``) and the driver calls them in place of its own:
+entry per m tokens, so the family declares its own cache kind
+(``ModelFamily(..., cache="v4")``) and the engine serves it through the V4
+cache backend (:class:`cpattn.engine.backends.v4.V4Backend`), which runs
+these stages (:class:`V4Stages`):
 
 - **prefill** -- :func:`cpattn.v4.prefill.v4_prefill` over the PCP group
   (halos and an entry all-gather; one rank: plain prefill);

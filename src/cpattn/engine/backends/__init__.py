@@ -1,0 +1,1 @@
+"""The engine's cache backends (:mod:`cpattn.engine.backend`): ``paged`` and ``v4``."""
