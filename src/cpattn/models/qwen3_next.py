@@ -1,4 +1,12 @@
-"""Qwen3-Next (hybrid: Gated DeltaNet linear layers + gated full attention, MoE or dense MLPs) as a pure function.
+"""Qwen3-Next and Qwen3.5 text (hybrid: Gated DeltaNet linear layers + gated full attention) as a pure function.
+
+One file for both: Qwen3.5's text model is Qwen3-Next's with the linear
+layers' input projections stored apart (``in_proj_qkv`` / ``in_proj_z`` /
+``in_proj_b`` / ``in_proj_a``, ``split_projections``), dense MLPs, and
+multimodal RoPE, which for text (the three position streams equal) is plain
+RoPE. Its Hub form (``model_type`` ``qwen3_5``: ``text_config`` nested,
+weights under ``model.language_model.``, a vision tower) loads through
+:meth:`Qwen3NextConfig.from_hf` and :func:`load_params`.
 
 ``forward(params, cfg, tokens, attn, lin)`` runs the text decoder on one
 step's packed tokens. Layer i's token mixer is ``cfg.layer_types[i]``:
@@ -31,8 +39,8 @@ float32 (float64 for float64 params), gates in float32.
 Not supported yet: MTP layers (``mtp.*`` are ignored), padding masks (the
 step carries each request's own tokens), the engine (this family is not in
 ``FAMILY_MODULES``: the cache-backend seam that gives it paged KV for the
-attention layers plus recurrent states is being built); Qwen3.5's composite
-checkpoints.
+attention layers plus recurrent states is being built); ``qwen3_5_moe``;
+image / video inputs.
 
 Example
 -------
@@ -63,6 +71,7 @@ from cpattn.models.moe import MOE_IMPLS, moe_experts, softmax_route
 from cpattn.ops.norm_rope import rope_half
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5")  # qwen3_5: the composite (text_config nested)
 CONFIG_RULES = {"vocab_size": "int>0", "hidden_size": "int>0", "intermediate_size": "int>0",
                 "num_hidden_layers": "int>0", "num_attention_heads": "int>0", "num_key_value_heads": "int>0?",
                 "head_dim": "int>0?", "rms_norm_eps": "num>0?", "max_position_embeddings": "int>0?",
@@ -76,7 +85,12 @@ CONFIG_RULES = {"vocab_size": "int>0", "hidden_size": "int>0", "intermediate_siz
 
 @dataclass(frozen=True)
 class Qwen3NextConfig:
-    """The hyper-parameters the forward reads (names as in config.json; ``mlp_layer_types`` derived)."""
+    """The hyper-parameters the forward reads (names as in config.json; ``mlp_layer_types`` derived).
+
+    split_projections: the linear layers' input projections as Qwen3.5 stores them (``in_proj_qkv`` in
+    conv order, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``); False: Qwen3-Next's ``in_proj_qkvz`` /
+    ``in_proj_ba``, grouped per key head.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -104,6 +118,7 @@ class Qwen3NextConfig:
     norm_topk_prob: bool = True
     mlp_layer_types: tuple[str, ...] = ()
     moe_impl: str = "auto"
+    split_projections: bool = False
 
     def __post_init__(self):
         n = self.num_hidden_layers
@@ -159,8 +174,15 @@ class Qwen3NextConfig:
         (('linear_attention', 'linear_attention', 'full_attention'), ('sparse', 'dense', 'sparse'))
         """
         d = config_dict(config)
-        if d.get("model_type", "qwen3_next") != "qwen3_next":
-            raise ValueError(f"model_type is {d.get('model_type')!r}; this family expects 'qwen3_next'")
+        kind = d.get("model_type", "qwen3_next")
+        if kind == "qwen3_5":  # the Hub's composite form: the text model's config is nested
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise bad("text_config", text, "the text model's config (a qwen3_5 checkpoint nests it)")
+            d = {"tie_word_embeddings": d.get("tie_word_embeddings", False), **text, "model_type": "qwen3_5_text"}
+            kind = "qwen3_5_text"
+        if kind not in MODEL_TYPES:
+            raise ValueError(f"model_type is {kind!r}; this family expects one of {MODEL_TYPES}")
         check_fields(d, CONFIG_RULES)
         check_divides(d, "num_key_value_heads", "num_attention_heads")
         check_divides(d, "linear_num_key_heads", "linear_num_value_heads")
@@ -198,7 +220,8 @@ class Qwen3NextConfig:
             num_experts_per_tok=d.get("num_experts_per_tok") or 0,
             moe_intermediate_size=d.get("moe_intermediate_size") or 512,
             shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_layer_types=mlp)
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_layer_types=mlp,
+            split_projections=kind == "qwen3_5_text")
 
 
 # -- blocks ----------------------------------------------------------------------------------
@@ -264,11 +287,16 @@ def linear_block(p, cfg: Qwen3NextConfig, layer: int, slot: int, x, lin) -> torc
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
     pre = f"model.layers.{layer}.linear_attn."
-    qkvz = F.linear(x, p[pre + "in_proj_qkvz.weight"]).view(t, hk, 2 * dk + 2 * r * dv)
-    ba = F.linear(x, p[pre + "in_proj_ba.weight"]).view(t, hk, 2 * r)
-    q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)  # grouped per key head
-    b, a = ba[..., :r].reshape(t, hv), ba[..., r:].reshape(t, hv)
-    mixed = torch.cat([q.reshape(t, hk * dk), k.reshape(t, hk * dk), v.reshape(t, hv * dv)], dim=-1)  # [T, C]
+    if cfg.split_projections:  # Qwen3.5: q | k | v already in conv order
+        mixed = F.linear(x, p[pre + "in_proj_qkv.weight"])  # [T, C]
+        z = F.linear(x, p[pre + "in_proj_z.weight"])
+        b, a = F.linear(x, p[pre + "in_proj_b.weight"]), F.linear(x, p[pre + "in_proj_a.weight"])  # [T, Hv]
+    else:  # Qwen3-Next: grouped per key head
+        qkvz = F.linear(x, p[pre + "in_proj_qkvz.weight"]).view(t, hk, 2 * dk + 2 * r * dv)
+        ba = F.linear(x, p[pre + "in_proj_ba.weight"]).view(t, hk, 2 * r)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = ba[..., :r].reshape(t, hv), ba[..., r:].reshape(t, hv)
+        mixed = torch.cat([q.reshape(t, hk * dk), k.reshape(t, hk * dk), v.reshape(t, hv * dv)], dim=-1)  # [T, C]
     mixed = lin.conv(slot, mixed, p[pre + "conv1d.weight"].squeeze(1), p.get(pre + "conv1d.bias"))
     q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
@@ -356,11 +384,20 @@ def recurrent_cache(cfg: Qwen3NextConfig, *, batch: int, dtype: torch.dtype = to
 def load_params(state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Params from a Hugging Face state dict (``model.*``, ``lm_head.weight``; ``mtp.*`` dropped).
 
-    ``A_log`` and ``dt_bias`` stay as stored (the reference reads them in float32).
+    The composite Qwen3.5 form (``model.language_model.*``, a vision tower ``model.visual.*`` that text
+    generation ignores) is read as the text model's names. ``A_log`` and ``dt_bias`` stay as stored (the
+    reference reads them in float32).
+
+    >>> sorted(load_params({"model.language_model.norm.weight": torch.zeros(2), "model.visual.w": torch.zeros(1)}))
+    ['model.norm.weight']
     """
     from cpattn.models.common import normalize_params
 
-    keep = {n: t for n, t in state.items() if not n.startswith("mtp.")}
+    keep = {}
+    for n, t in state.items():
+        if n.startswith(("mtp.", "model.visual.")):
+            continue
+        keep["model." + n[len("model.language_model."):] if n.startswith("model.language_model.") else n] = t
 
     def rule(name: str, dt: torch.dtype):
         return None if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")) else dt
@@ -397,9 +434,13 @@ def init_params(cfg: Qwen3NextConfig, *, seed: int = 0, std: float = 0.02, dtype
                       a + "q_norm.weight": zeros(hd), a + "k_norm.weight": zeros(hd)})
         else:
             a = pre + "linear_attn."
-            p.update({a + "in_proj_qkvz.weight": rnd(2 * hk * dk + 2 * hv * dv, hs),
-                      a + "in_proj_ba.weight": rnd(2 * hv, hs),
-                      a + "conv1d.weight": (torch.randn(cfg.conv_channels, 1, cfg.linear_conv_kernel_dim,
+            if cfg.split_projections:
+                p.update({a + "in_proj_qkv.weight": rnd(cfg.conv_channels, hs), a + "in_proj_z.weight": rnd(hv * dv, hs),
+                          a + "in_proj_b.weight": rnd(hv, hs), a + "in_proj_a.weight": rnd(hv, hs)})
+            else:
+                p.update({a + "in_proj_qkvz.weight": rnd(2 * hk * dk + 2 * hv * dv, hs),
+                          a + "in_proj_ba.weight": rnd(2 * hv, hs)})
+            p.update({a + "conv1d.weight": (torch.randn(cfg.conv_channels, 1, cfg.linear_conv_kernel_dim,
                                                         generator=gen) * 0.5).to(dtype),
                       a + "dt_bias": torch.ones(hv), a + "A_log": torch.linspace(0.01, 16, hv).log(),
                       a + "norm.weight": torch.ones(dv, dtype=dtype), a + "out_proj.weight": rnd(hs, hv * dv)})
