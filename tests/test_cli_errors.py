@@ -97,7 +97,7 @@ CASES = [  # argv, what the one line must name
     (["bench"], "benchmark"),
 ]
 
-# imports the CLI once, then forks one child per case: stdout/stderr to files, a 30 s alarm
+# imports the CLI (and what its checks import) once, then forks one child per case: stdout/stderr to files, a 30 s alarm
 RUNNER = r"""
 import importlib, json, os, signal, sys, tempfile, time, traceback
 import cpattn.cli as cli
@@ -106,6 +106,10 @@ for target, _ in [*cli.COMMANDS.values(), *(v for t in cli.GROUPS.values() for v
         importlib.import_module(target.split(":")[0])
     except Exception:
         pass
+# and what the demo's checks import once the flags parse (torch, the engine's configs): each forked case would
+# otherwise import torch again (~5 s a case on 2 shared cores); a case that starts a rank still spawns a fresh
+# process that imports torch itself, so "seconds < 10" below still means "refused before any rank starts"
+import torch, cpattn.bench.demo_run, cpattn.engine.checks, cpattn.v4  # noqa: E401,F401
 results = []
 for argv in json.load(sys.stdin):
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
