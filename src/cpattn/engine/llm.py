@@ -44,7 +44,8 @@ from cpattn.comm.group import Group
 from cpattn.comm.sim import SimMesh
 from cpattn.config import EngineConfig, SchedulerConfig
 from cpattn.engine.blocks import BlockManager
-from cpattn.engine.decode_stage import graph_backend
+from cpattn.engine.decode_stage import graph_backend as pick_backend
+from cpattn.engine.driver import engine_configs
 from cpattn.engine.family import ModelFamily, get_family
 from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.scheduler import Scheduler
@@ -107,24 +108,28 @@ class LLMEngine:
     model, params, cfg: a family (or its name), its weights, its config.
     config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, block and interleave
         sizes, graph mode); None: built from ``dcp_size`` / ``block_size`` / ``interleave_size`` /
-        ``graph_mode`` by :func:`cpattn.engine.driver.engine_configs`.
+        ``graph_mode`` / ``graph_backend`` ("auto": a compiler where the group can be traced) by
+        :func:`cpattn.engine.driver.engine_configs`.
     scheduler: the :class:`~cpattn.config.SchedulerConfig` (budget, request cap, chunking, prefix caching).
     world: this rank's group under torchrun (every rank builds the engine and calls the same methods
         in the same order); None: a simulated mesh of ``dcp_size`` threads in this process.
     num_blocks: KV blocks per rank (default: ``max_num_seqs`` sequences of ``max_model_len``).
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
+
+    ``engine.last_step`` is ``(SchedulerOutput, replayed)`` of the latest step (what ran, and whether
+    it replayed a captured program); ``engine.stats`` the counters.
     """
 
     def __init__(self, model: ModelFamily | str, params: dict, cfg: Any, *, config: EngineConfig | None = None,
                  scheduler: SchedulerConfig | None = None, world: Group | None = None, dcp_size: int = 1,
                  block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
-                 num_blocks: int | None = None, merge: str = "local_ag", poison: bool = False) -> None:
-        from cpattn.engine.driver import engine_configs
-
+                 graph_backend: str = "auto", num_blocks: int | None = None, merge: str = "local_ag",
+                 poison: bool = False) -> None:
         family = get_family(model)
         if config is None:
             config = engine_configs(family, cfg, dcp_size=dcp_size, block_size=block_size,
-                                    interleave_size=interleave_size, graph_mode=graph_mode)[1]
+                                    interleave_size=interleave_size, graph_mode=graph_mode,
+                                    graph_backend=graph_backend)[1]
         sched = scheduler or SchedulerConfig()
         if config.speculative.num_speculative_tokens:
             raise ValueError("LLMEngine: speculative decoding in the step loop is not built yet; pass a config "
@@ -143,7 +148,7 @@ class LLMEngine:
         self.max_model_len = sched.max_model_len or nb * block * n
         self._mesh = None if world is not None else SimMesh(n)
         groups = [world] if world is not None else self._mesh.groups()
-        capture = graph_backend(config, family, groups[0]) if config.compilation.captures else None
+        capture = pick_backend(config, family, groups[0]) if config.compilation.captures else None
         sizes = config.compilation.capture_sizes
 
         def runner(g: Group) -> StepRunner:  # a capture runs the step: every rank builds at once
@@ -156,6 +161,7 @@ class LLMEngine:
             if len(groups) > 1 else [runner(groups[0])]
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0}
+        self.last_step: tuple | None = None  # (SchedulerOutput, replayed) of the latest step
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
@@ -192,6 +198,7 @@ class LLMEngine:
             self._counts["replayed_steps" if results[0].replayed else "eager_steps"] += 1
         self._counts["last_step_bytes"] = results[0].bytes_sent
         self._counts["bytes_sent"] += results[0].bytes_sent
+        self.last_step = (out, results[0].replayed)
         reqs = self.scheduler.requests
         return [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
                               reqs[rid].status == "finished", reqs[rid].finish_reason) for rid in out.req_ids]

@@ -1,0 +1,40 @@
+"""Helpers of tests/test_engine_loop.py: a schedule run through LLMEngine, and its gloo rank function."""
+
+from __future__ import annotations
+
+import torch
+
+from cpattn.config import SchedulerConfig
+from cpattn.engine.llm import LLMEngine, SamplingParams
+
+
+def run_schedule(engine: LLMEngine, schedule: list[dict]) -> tuple[dict, list]:
+    """Feed ``schedule`` (dicts: prompt, max_tokens, arrive step, optional stop / abort step) to ``engine``,
+    stepping until everything finished. Returns ({index: request id}, [(SchedulerOutput, replayed) per step])."""
+    ids, steps, step = {}, [], 0
+    pending = sorted(range(len(schedule)), key=lambda i: schedule[i]["arrive"])
+    while pending or engine.has_unfinished():
+        while pending and schedule[pending[0]]["arrive"] <= step:
+            i = pending.pop(0)
+            r = schedule[i]
+            ids[i] = engine.add_request(r["prompt"], SamplingParams(max_tokens=r["max_tokens"],
+                                                                    stop_token_ids=tuple(r.get("stop", ()))))
+        for i, rid in ids.items():
+            if schedule[i].get("abort") == step:
+                engine.abort_request(rid)
+        engine.step()
+        steps.append(engine.last_step)
+        step += 1
+        if step > 10_000:
+            raise RuntimeError("the schedule did not drain in 10,000 steps")
+    return ids, steps
+
+
+def gloo_rank(group, family: str, cfg, seed: int, schedule: list[dict], engine_kwargs: dict) -> dict:
+    """One torchrun-style rank: every rank builds the engine over its group and runs the same schedule."""
+    fam_params = __import__("cpattn.engine.family", fromlist=["get_family"]).get_family(family)
+    params = fam_params.init_params(cfg, seed=seed, dtype=torch.float64)
+    engine = LLMEngine(family, params, cfg, world=group, dcp_size=group.size,
+                       scheduler=SchedulerConfig(**engine_kwargs.pop("scheduler")), **engine_kwargs)
+    ids, steps = run_schedule(engine, schedule)
+    return {i: list(engine.scheduler.requests[rid].output) for i, rid in ids.items()}

@@ -1,0 +1,234 @@
+"""The step loop (LLMEngine = Scheduler + BlockManager + StepRunner) against one-device greedy generation.
+
+The oracle: :func:`cpattn.engine.reference.reference_generate` of each request alone, on a dense cache,
+no chunking, no parallelism. Whatever the arrivals, the token budget (so the chunk boundaries), the batch
+mix, preemptions, prefix-cache hits and aborts, each request's tokens must equal it (float64 weights: the
+chunked and the whole-prompt attention differ in their last bits only). Freshly handed-out blocks are
+NaN-poisoned, so a read of stale or never-written rows turns the logits NaN and the tokens wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from engine_loop_cases import gloo_rank, run_schedule
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpattn.config import SchedulerConfig
+from cpattn.engine.family import get_family
+from cpattn.engine.llm import LLMEngine, SamplingParams
+from cpattn.engine.reference import reference_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MAX_TOKENS = 6  # the reference is computed once per prompt at this length; shorter requests take a prefix
+
+
+@functools.lru_cache(maxsize=None)
+def model(family: str, heads: int | None = None):
+    """A tiny float64 model; ``heads``: query heads (6 lets a DCP / TP size of 3 divide them)."""
+    fam = get_family(family)
+    cfg = fam.config_class.tiny(**({} if heads is None else {"num_attention_heads": heads}))
+    return cfg, fam.init_params(cfg, seed=1, dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(family: str, prompt: tuple[int, ...], heads: int | None = None) -> list[int]:
+    cfg, params = model(family, heads)
+    return reference_generate(family, params, cfg, [list(prompt)], MAX_TOKENS).tokens[0].tolist()
+
+
+def expected(family: str, req: dict, heads: int | None = None) -> list[int]:
+    """One-device greedy tokens of the request alone: max_tokens of them, cut after the first stop token."""
+    ref = reference(family, tuple(req["prompt"]), heads)[: req["max_tokens"]]
+    for j, t in enumerate(ref):
+        if t in req.get("stop", ()):
+            return ref[: j + 1]
+    return ref
+
+
+def check_run(family: str, engine: LLMEngine, schedule: list[dict], heads: int | None = None) -> list:
+    """Run the schedule; assert every request's tokens, the replay rule and that no block leaks."""
+    ids, steps = run_schedule(engine, schedule)
+    for i, rid in ids.items():
+        got, want = list(engine.scheduler.requests[rid].output), expected(family, schedule[i], heads)
+        if "abort" in schedule[i]:
+            assert want[: len(got)] == got, f"aborted request {i}: {got} is not a prefix of {want}"
+        else:
+            assert got == want, f"request {i} (prompt {len(schedule[i]['prompt'])} tokens): {got} != {want}"
+            stopped = want[-1] in schedule[i].get("stop", ())  # a stop token wins over max_tokens (vLLM)
+            assert engine.scheduler.requests[rid].finish_reason == ("stop" if stopped else "length")
+    for out, replayed in steps:
+        assert not (replayed and not out.uniform_decode), f"a step with {out.eager_reason} replayed"
+        if engine.runners[0].graph is not None and out.uniform_decode and out.num_scheduled_tokens <= \
+                engine.runners[0].graph.sizes[-1]:
+            assert replayed, f"a uniform decode step of {out.num_scheduled_tokens} tokens ran eagerly"
+    s = engine.stats
+    assert (s.blocks_used, s.running, s.waiting) == (0, 0, 0), s
+    assert s.replayed_steps + s.eager_steps == s.steps == len([o for o, _ in steps if o.req_ids])
+    return steps
+
+
+def shared_schedule(vocab: int, seed: int = 0) -> list[dict]:
+    """Five requests: two share 18 prompt tokens, one repeats an earlier prompt, arrivals spread over steps."""
+    g = torch.Generator().manual_seed(seed)
+
+    def toks(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    base = toks(18)
+    first = base + toks(5)
+    return [dict(prompt=first, max_tokens=5, arrive=0), dict(prompt=toks(3), max_tokens=6, arrive=0),
+            dict(prompt=base + toks(9), max_tokens=4, arrive=3), dict(prompt=toks(30), max_tokens=3, arrive=4),
+            dict(prompt=list(first), max_tokens=6, arrive=9)]
+
+
+@pytest.mark.parametrize("family,dcp,interleave,heads", [
+    ("qwen3", 2, 1, None),
+    ("qwen3", 3, 2, 6),  # DCP 3: uneven shares of every span
+    pytest.param("qwen3_moe", 3, 1, None, marks=pytest.mark.slow),
+    pytest.param("deepseek_v2", 2, 2, None, marks=pytest.mark.slow),  # MLA: values in the keys
+    pytest.param("deepseek_v3", 2, 4, None, marks=pytest.mark.slow),
+    pytest.param("deepseek_v32", 2, 1, None, marks=pytest.mark.slow),  # DSA: indexer keys in the paged cache
+    pytest.param("glm_moe_dsa", 2, 2, None, marks=pytest.mark.slow),
+])
+def test_every_family_serves_a_mixed_schedule_exactly(family, dcp, interleave, heads):
+    """Chunked prefill beside decodes, prefix hits, captured uniform decode steps, DCP-sharded blocks."""
+    cfg, params = model(family, heads)
+    engine = LLMEngine(family, params, cfg, dcp_size=dcp, block_size=4, interleave_size=interleave,
+                       graph_mode="FULL_DECODE_ONLY", num_blocks=24, poison=True,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3))
+    steps = check_run(family, engine, shared_schedule(cfg.vocab_size), heads)
+    s = engine.stats
+    assert s.prefix_hit_tokens >= 4 * dcp * ((18 // (4 * dcp))), s  # the shared 18 tokens' full spans
+    assert s.replayed_steps > 0 and s.eager_steps > 0, s
+    assert any(o.is_prefill and not o.samples[0] for o, _ in steps if o.req_ids), "no partial chunk ran"
+    assert s.bytes_sent > 0  # DCP merges moved partials
+
+
+def test_preemption_recomputes_exactly():
+    """A pool too small for the running requests: the newest is preempted, recomputed, still exact."""
+    cfg, params = model("qwen3")
+    g = torch.Generator().manual_seed(5)
+    sched = [dict(prompt=torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), max_tokens=6, arrive=0)
+             for n in (7, 9, 6)]
+    engine = LLMEngine("qwen3", params, cfg, dcp_size=1, block_size=2, num_blocks=8, poison=True,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=3))
+    check_run("qwen3", engine, sched)
+    assert engine.stats.preemptions > 0
+
+
+def test_stop_token_and_abort():
+    cfg, params = model("qwen3")
+    g = torch.Generator().manual_seed(7)
+    p1, p2 = (torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 12))
+    stop = reference("qwen3", tuple(p1))[2]
+    sched = [dict(prompt=p1, max_tokens=6, arrive=0, stop=[stop]), dict(prompt=p2, max_tokens=6, arrive=0, abort=3)]
+    engine = LLMEngine("qwen3", params, cfg, dcp_size=2, block_size=4, num_blocks=8,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2))
+    check_run("qwen3", engine, sched)
+    reqs = engine.scheduler.requests
+    assert reqs[0].finish_reason == "stop" and reqs[0].output[-1] == stop and len(reqs[0].output) <= 3
+    assert reqs[1].finish_reason == "abort"
+
+
+def test_poison_reaches_stale_blocks():
+    """The poisoning the exactness tests rely on is real: a block handed out anew is NaN where not written."""
+    cfg, params = model("qwen3")
+    engine = LLMEngine("qwen3", params, cfg, block_size=4, num_blocks=4, poison=True,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=1,
+                                                 enable_prefix_caching=False))
+    run_schedule(engine, [dict(prompt=list(range(1, 14)), max_tokens=2, arrive=0)])  # fills 4 blocks (14 tokens)
+    k = engine.runners[0].shard.k[0]
+    assert not k[:3].isnan().any()  # blocks 0..2 written by the first request
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+    out = engine.step()
+    first = engine.last_step[0].block_tables[0][0]
+    assert out[0].token_ids == tuple(expected("qwen3", dict(prompt=[1, 2, 3], max_tokens=1)))
+    assert not k[first, :3].isnan().any() and k[first, 3:].isnan().all()  # stale row 3 poisoned, never read
+
+
+def test_bad_requests_are_refused_before_a_step():
+    cfg, params = model("qwen3")
+    engine = LLMEngine("qwen3", params, cfg, block_size=4, num_blocks=4,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=8, max_model_len=16))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, cfg.vocab_size])
+    with pytest.raises(ValueError, match="max_model_len is 16"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="keeps its own cache"):
+        LLMEngine("deepseek_v4", {}, get_family("deepseek_v4").config_class.tiny())
+    assert not engine.has_unfinished() and engine.stats.steps == 0
+
+
+requests = st.lists(st.fixed_dictionaries({
+    "len": st.integers(1, 40), "share": st.integers(0, 3), "shared": st.integers(0, 24),
+    "max_tokens": st.integers(1, MAX_TOKENS), "arrive": st.integers(0, 8),
+    "abort": st.one_of(st.none(), st.integers(0, 12)), "stop": st.booleans()}), min_size=1, max_size=6)
+
+
+def draw_schedule(vocab: int, reqs: list[dict], seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in reqs:
+        prompt = torch.randint(0, vocab, (r["len"],), generator=g).tolist()
+        if r["share"] and out:  # share a prefix with an earlier request
+            donor = out[r["share"] % len(out)]["prompt"]
+            prompt = donor[: r["shared"]] + prompt
+        req = dict(prompt=prompt, max_tokens=r["max_tokens"], arrive=r["arrive"])
+        if r["abort"] is not None:
+            req["abort"] = r["arrive"] + r["abort"]
+        if r["stop"]:
+            req["stop"] = [reference("qwen3", tuple(prompt))[r["len"] % MAX_TOKENS]]
+        out.append(req)
+    return out
+
+
+def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed):
+    cfg, params = model("qwen3")
+    sched = draw_schedule(cfg.vocab_size, reqs, seed)
+    span = block * dcp
+    longest = max(len(r["prompt"]) + r["max_tokens"] for r in sched)
+    num_blocks = -(-longest // span) + spare  # small spare: preemptions
+    if not chunked:
+        budget = max(budget, longest)
+    engine = LLMEngine("qwen3", params, cfg, dcp_size=dcp, block_size=block, num_blocks=num_blocks, poison=True,
+                       graph_mode="FULL_DECODE_ONLY" if graph else "NONE",
+                       scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
+                                                 enable_chunked_prefill=chunked))
+    check_run("qwen3", engine, sched)
+
+
+schedules = dict(reqs=requests, dcp=st.sampled_from([1, 2]), block=st.sampled_from([2, 4]),
+                 budget=st.integers(1, 48), seqs=st.integers(1, 4), spare=st.integers(0, 12), chunked=st.booleans(),
+                 graph=st.booleans(), seed=st.integers(0, 2**16))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(**schedules)
+def test_any_schedule_gives_one_device_greedy_tokens(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed):
+    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**schedules)
+def test_any_schedule_gives_one_device_greedy_tokens_more(reqs, dcp, block, budget, seqs, spare, chunked, graph,
+                                                          seed):
+    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed)
+
+
+@pytest.mark.slow
+def test_gloo_ranks_give_the_simulated_tokens():
+    """Under real processes (gloo) every rank runs its own scheduler; the tokens equal the simulated run's."""
+    from cpattn.comm.launch import spawn
+
+    cfg, params = model("qwen3")
+    sched = shared_schedule(cfg.vocab_size, seed=3)
+    kwargs = dict(block_size=4, num_blocks=16, graph_mode="FULL_DECODE_ONLY", graph_backend="eager",
+                  scheduler=dict(max_num_batched_tokens=8, max_num_seqs=3))
+    per_rank = spawn(2, gloo_rank, "qwen3", cfg, 1, sched, kwargs)
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0] == {i: expected("qwen3", r) for i, r in enumerate(sched)}
