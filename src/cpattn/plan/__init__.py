@@ -25,9 +25,10 @@ Example
 (True, True, True)
 """
 
+from cpattn.plan.breakeven import pcp_break_even
 from cpattn.plan.model import Layout, Options, Prediction, layouts, predict, recommend
 from cpattn.plan.profiles import Profile, get_profile
 from cpattn.plan.specs import ModelSpec, get_model
 
-__all__ = ["Layout", "Options", "Prediction", "layouts", "predict", "recommend", "Profile", "get_profile",
+__all__ = ["pcp_break_even", "Layout", "Options", "Prediction", "layouts", "predict", "recommend", "Profile", "get_profile",
            "ModelSpec", "get_model"]

@@ -123,6 +123,10 @@ def _plan(argv) -> int:
         why += "; smallest change that fits: " + "; or ".join(
             f"{c['change']} ({', '.join(c['layouts'][:3])}{' ...' if len(c['layouts']) > 3 else ''})" for c in changes)
     rows = [_row(p, a, slo) for p in preds]
+    from cpattn.plan.breakeven import pcp_break_even
+
+    even = {str(p.layout): pcp_break_even(spec, p.layout, prof, opts=opts) for p in preds
+            if p.layout.pcp > 1 and p.layout.dcp == 1}
     with cli.report_to(a.json):
         print(f"{spec.name} ({spec.attention}, {spec.total_params() / 1e9:.0f}B params, {spec.weights} weights, "
               f"{spec.kv_dtype} KV) on {devices} x {prof.device}; input {a.context}, output {a.output_len} tokens, "
@@ -141,6 +145,10 @@ def _plan(argv) -> int:
             for r in refused:
                 print(f"  - {r.layout}: " + " -- also ".join(
                     f"{p.split(':', 1)[0]}: {rule_of(p)}; fix: {fix_of(p)}" for p in r.problems))
+        if even:
+            print("\nPCP break-even (one request's TTFT is lower with the layout's PCP than on one of its PCP "
+                  "ranks from this prompt length on, plan.pcp_break_even): " + "; ".join(
+                      f"{k}: {'never' if v is None else f'{v} tokens'}" for k, v in even.items()))
         print(f"\nrecommendation: {why}")
         print("\nassumptions:")
         for line in _assumptions(spec, prof):
@@ -154,7 +162,7 @@ def _plan(argv) -> int:
                         "recommendation": None if best is None else str(best.layout), "reason": why,
                         "ties": [str(p.layout) for p in ranked["ties"]],
                         "per_objective": {o: str(p.layout) for o, p in ranked["per_objective"].items()},
-                        "fit_changes": changes,
+                        "fit_changes": changes, "pcp_break_even": even,
                         "assumptions": _assumptions(spec, prof)})
     return 0
 

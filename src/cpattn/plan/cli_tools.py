@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 from cpattn.bench import args as cli
 from cpattn.bench.common import table, write_json
@@ -21,19 +22,33 @@ from cpattn.plan.cli import _profile
 def _calibrate(argv) -> int:
     from cpattn.plan.profiles import CPU_PROFILE_PATH, save_profile
 
-    ap = cli.parser("cpattn plan calibrate", "Fit the CPU profile from microbenchmarks on this machine.")
+    ap = cli.parser("cpattn plan calibrate", "Fit the CPU profile from microbenchmarks on this machine.\n\n"
+                    "An existing profile is never replaced unless asked: --out PATH writes PATH (replacing it), "
+                    "--force replaces the default 'cpu' profile other processes read (written atomically).")
     cli.add_quick(ap, "smaller microbenchmarks, no inductor compile (~30 s)")
-    ap.add_argument("--out", default=CPU_PROFILE_PATH, type=cli.output_file_made,
-                    help="where the profile JSON goes (the 'cpu' profile; missing directories are made)")
+    ap.add_argument("--out", default=None, type=cli.output_file_made,
+                    help=f"where the profile JSON goes (missing directories are made); default: the 'cpu' profile, "
+                         f"{CPU_PROFILE_PATH}, only if it does not exist yet (or with --force)")
+    ap.add_argument("--force", action="store_true", help="replace the existing default profile")
     cli.add_json(ap)
     cli.add_timeout(ap, default=300.0)
     a = ap.parse_args(argv)
+    out = a.out or CPU_PROFILE_PATH
+    if a.out is None and not a.force and os.path.exists(out):
+        cli.bad_value(ap.prog, "--out", f"no --out, and the default profile {out} exists",
+                      "calibrate never replaces an existing profile unless asked (other processes read it)",
+                      "pass --force to replace it, or --out PATH to write another file")
+    from cpattn.plan.breakeven import bench_break_even
     from cpattn.plan.calibrate import calibrate, summary
     with cli.report_to(a.json):
         prof = calibrate(quick=a.quick, timeout_s=a.timeout)
-        save_profile(prof, a.out)
+        save_profile(prof, out)
         print(summary(prof))
-        print(f"saved to {a.out}")
+        even = {c: bench_break_even(prof, clock=c) for c in ("wall", "cpu")}
+        print("PCP break-even of `cpattn bench pcp` (32 / 8 heads, head dim 128, P=2), predicted: " + "; ".join(
+            f"{c} clock {'never below 128K tokens' if n is None else f'{n} tokens'}" for c, n in even.items())
+              + " (check with cpattn bench pcp --seq-lens N at lengths around it)")
+        print(f"saved to {out}")
     write_json(a.json, prof.as_dict())
     return 0
 

@@ -155,8 +155,21 @@ def _prefill_attention_flops(spec: ModelSpec, new: int, cached: int) -> float:
         return attention_flops(full, spec.heads, dqk, dv)
     k = spec.index_topk
     # each query attends min(visible, k) keys; the indexer scores every visible key
-    sparse = sum(min(cached + i + 1, k) for i in range(0, new, max(1, new // 4096))) * max(1, new // 4096)
+    sparse = topk_pairs(new, cached, k)
     return attention_flops(sparse, spec.heads, dqk, dv) + 2.0 * full * spec.index_heads * spec.index_dim
+
+
+def topk_pairs(new: int, cached: int, k: int) -> int:
+    """Exactly ``sum(min(cached + i + 1, k) for i in range(new))``: the keys each of ``new`` queries after
+    ``cached`` tokens attends under top-k sparse attention.
+
+    >>> topk_pairs(10, 3, 8) == sum(min(3 + i + 1, 8) for i in range(10)), topk_pairs(5, 20, 8)
+    (True, 40)
+    """
+    if cached >= k:
+        return new * k
+    m = min(cached + new, k)  # queries that see fewer than k keys attend them all
+    return (m * (m + 1) - cached * (cached + 1)) // 2 + (cached + new - m) * k
 
 
 def _kv_exchange_bytes(spec: ModelSpec, tokens: int, tp: int) -> float:

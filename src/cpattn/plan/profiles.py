@@ -322,7 +322,10 @@ def load_profile(path: str) -> Profile:
 
 
 def save_profile(profile: Profile, path: str) -> None:
-    """Write ``profile`` as JSON (directories created)."""
+    """Write ``profile`` as JSON (directories created), atomically: a reader sees the old file or the new one."""
+    path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(profile.as_dict(), f, indent=2)
+    os.replace(tmp, path)
