@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 
 from cpattn.bench import args as cli
 from cpattn.bench.common import Progress, Samples, measure, ratio, table, write_json
+from cpattn.bench.pcp_breakdown import breakdown
+from cpattn.bench.pcp_model import model_rank, model_report
 
 # the default run, and the run the ring targets are stated for (8K tokens, MHA 16 x 128, fp32, P = 2)
 FULL_SIZE = dict(pcp=2, seq_lens=(16384,), heads=32, kv_heads=8, head_dim=128)
@@ -171,94 +173,6 @@ def run(world_size: int, spec: Spec, methods=("ring", "allgather"), peer=False, 
         "contiguous_flops_max_over_mean": max(cont) / (sum(cont) / len(cont)),
         "rows": rows, "torch": torch.__version__, "machine": platform.machine(),
     }
-
-
-# ----------------------------------------------------------------------------- where a ring rank's time goes
-def breakdown(spec: Spec, reps: int) -> list[dict]:
-    """One process, one thread: every piece of a P = 2 ring rank's work timed alone, interleaved with the
-    one-rank call (one request): the head-major copies, each step's kernel call, the merge. CPU ms and the
-    share of the one-rank time; the transfer itself is what the ring measurement adds on top."""
-    import torch
-    from cpattn.layout.pcp import pcp_plan, pcp_shard
-    from cpattn.ops import attention_with_lse
-    from cpattn.ops.merge import merge_into
-    from cpattn.pcp import _pack, _unpack
-
-    q_all, k_all, v_all, cu = spec.inputs()
-    plan = pcp_plan(cu, 2)
-    span = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
-    hkv, d, dv = spec.kv_heads, spec.head_dim, spec.v_head_dim
-    out = {}
-    for r in range(2):
-        q, k, v = (pcp_shard(x, plan, r) for x in (q_all, k_all, v_all))
-        t_r, na = q.shape[0], plan.num_a(r)
-        qh = q.transpose(0, 1).contiguous().transpose(0, 1)
-        msg = _pack(k, v)
-        ks, vs = _unpack(msg, t_r, hkv, d, dv)
-        if r == 0:  # rank 1's KV arrives whole; q_b attends it all
-            step1 = lambda qh=qh, ks=ks, vs=vs, na=na, t=t_r: attention_with_lse(qh[na:], ks, vs, span(t - na), span(t),
-                                                                                causal=False)
-        else:  # rank 0's kv_a arrives alone; every local query attends it
-            step1 = lambda qh=qh, ks=ks, vs=vs, na=na, t=t_r: attention_with_lse(qh, ks[:na], vs[:na], span(t), span(na),
-                                                                                causal=False)
-        o0, l0 = attention_with_lse(qh, ks, vs, span(t_r), span(t_r), causal=True)
-        o1, l1 = step1()
-        rows = slice(na, t_r) if r == 0 else slice(0, t_r)
-        out[r] = {
-            "q head-major copy": lambda q=q: q.transpose(0, 1).contiguous(),
-            "K/V packing": lambda k=k, v=v: _pack(k, v),
-            "step 0 (causal, local)": lambda qh=qh, ks=ks, vs=vs, t=t_r: attention_with_lse(qh, ks, vs, span(t), span(t),
-                                                                                           causal=True),
-            "step 1 (unmasked, received)": step1,
-            "merge": lambda o0=o0.float().clone(), l0=l0.clone(), o1=o1, l1=l1, rows=rows: merge_into(
-                o0[rows], l0[rows], o1, l1),  # in place, as the ring's accumulator (repeats change values, not cost)
-        }
-    fns = {"one rank": lambda: attention_with_lse(q_all, k_all, v_all, cu, cu, causal=True)}
-    fns.update({f"rank {r}: {name}": fn for r in out for name, fn in out[r].items()})
-    s = measure(fns, reps, warmup=1)
-    one = min(s["one rank"].cpu)
-    return [{"piece": n, "cpu_ms": 1e3 * min(x.cpu), "of_one_rank": min(x.cpu) / one} for n, x in s.items()]
-
-
-# ----------------------------------------------------------------------------- the demo model's prefill
-def model_rank(group, prompt_len: int, reps: int, method: str):
-    """The demo's embedded tiny Qwen3: one prompt's whole prefill (TTFT: every layer, the first token's logits)
-    on one rank vs PCP over the group, interleaved; the non-attention work is split with the tokens."""
-    import torch
-    from cpattn.bench.demo_run import EMBEDDED_STD
-    from cpattn.comm.sim import SimMesh
-    from cpattn.engine.batch import Prompts
-    from cpattn.engine.family import get_family
-    from cpattn.engine.options import Algorithms
-    from cpattn.engine.prefill import prefill
-
-    fam = get_family("qwen3")
-    cfg = fam.config_class.tiny()  # the demo's embedded model
-    params = fam.init_params(cfg, seed=0, std=EMBEDDED_STD)
-    tokens = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1))
-    batch = Prompts(tokens, (prompt_len,))
-    algo = Algorithms(pcp_method=method)
-    solo = SimMesh(1).groups()[0]
-    runs = {"one": (lambda: prefill(solo, fam, params, cfg, batch, algorithms=algo).first_logits)
-            if group.rank == 0 else (lambda: None),
-            "pcp": lambda: prefill(group, fam, params, cfg, batch, algorithms=algo).first_logits}
-    s = measure(runs, reps, group=group, warmup=1)
-    diff = None
-    if group.rank == 0:
-        diff = (s["one"].result - s["pcp"].result).abs().max().item()
-    return {"samples": {k: Samples(v.wall, v.cpu) for k, v in s.items()}, "max_diff": diff,
-            "layers": cfg.num_hidden_layers}
-
-
-def model_report(res: dict, prompt_len: int, world: int, method: str) -> dict:
-    s = res["samples"]
-    r, rc = ratio(s["pcp"], s["one"]), ratio(s["pcp"], s["one"], clock="cpu")
-    print(f"\nWhole-model PCP prefill (the demo's tiny Qwen3, {res['layers']} layers, one {prompt_len}-token prompt, "
-          f"{method}): TTFT on {world} gloo ranks / one rank = {r} (median [low-high] of per-round wall ratios, "
-          f"best {r.best:.3f}); CPU time {rc}; one rank {1e3 * s['one'].median:.0f} ms, PCP "
-          f"{1e3 * s['pcp'].median:.0f} ms; first-token logits max |diff| {res['max_diff']:.2e}")
-    return {"prompt_len": prompt_len, "method": method, "ttft_ratio": r.as_dict(), "cpu_ratio": rc.as_dict(),
-            "one_ms": 1e3 * s["one"].median, "pcp_ms": 1e3 * s["pcp"].median, "max_diff": res["max_diff"]}
 
 
 def report(result: dict) -> str:
