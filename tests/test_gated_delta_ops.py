@@ -180,3 +180,25 @@ def test_errors_name_the_argument():
         gd.gated_delta_chunk(q, k, v, g, beta, torch.tensor([0, 5, 7]), s0, scale=1.0)
     with pytest.raises(ValueError, match=r"conv_state must be \[B, K-1, C\] = \(2, 3, 6\)"):
         gd.causal_conv1d(torch.randn(8, 6), torch.randn(6, 4), None, cu, torch.zeros(2, 4, 6))
+
+
+@pytest.mark.slow
+def test_compile_fullgraph():
+    """The decode ops trace (their plain-torch bodies are the CPU decompositions); the chunked op is one opaque
+    call with its fake implementation. Same results as eager."""
+    q, k, v, g, beta, cu, s0 = inputs([1, 1, 1], dtype=torch.float32)
+    x, w, cs = torch.randn(3, 6), torch.randn(6, 4), torch.randn(3, 3, 6)
+
+    def decode(q, k, v, g, beta, s, x, cs):
+        y, cs = gd.causal_conv1d(x, w, None, torch.arange(4), cs)
+        o, s = gd.gated_delta_step(q, k, v, g, beta, s, scale=0.3)
+        return o, s, y, cs
+
+    def prefill(q, k, v, g, beta, s):
+        return gd.gated_delta_chunk(q, k, v, g, beta, cu, s, scale=0.3)
+
+    for fn, args in ((decode, (q, k, v, g, beta, s0, x, cs)), (prefill, (q, k, v, g, beta, s0))):
+        eager = fn(*args)
+        traced = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+        for a, b in zip(eager, traced):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
