@@ -113,7 +113,8 @@ def test_head_tail_layout_is_the_attention_layout(size):
     for r in range(size):
         idx, parts = scan_shard(cu, layout, r)
         assert torch.equal(idx, plan.token_index[r])
-        assert torch.equal(parts[0], plan.cu_a[r].to(torch.int32)) and torch.equal(parts[1], plan.cu_b[r].to(torch.int32))
+        assert torch.equal(parts[0], plan.cu_a[r].to(torch.int32))
+        assert torch.equal(parts[1], plan.cu_b[r].to(torch.int32))
     check(layout, lens, inputs(lens, seed=1))
 
 

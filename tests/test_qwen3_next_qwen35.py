@@ -26,7 +26,8 @@ VOCAB, NEW = 80, 12
 TEXT = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=72, num_hidden_layers=5, num_attention_heads=3,
             num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=12,
             linear_num_key_heads=1, linear_num_value_heads=3, initializer_range=0.2, rms_norm_eps=1e-5,
-            layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
+                         "linear_attention"],
             eos_token_id=None, bos_token_id=None, pad_token_id=None)
 FLIPS: list = []
 

@@ -87,7 +87,8 @@ class RecurrentStep:
 
     def delta(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, scale: float) -> torch.Tensor:
-        """Gated delta rule of this step's tokens (q/k L2-normalised) from layer ``layer``'s state; stores the new one."""
+        """Gated delta rule of this step's tokens (q/k L2-normalised) from layer ``layer``'s state; stores the
+        new one."""
         if self.decode:
             o, self._state[layer] = gd.gated_delta_step(q, k, v, g, beta, self._state[layer], scale=scale)
         else:

@@ -66,7 +66,9 @@ import torch.nn.functional as F
 from cpattn.engine.family import KVLayout
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.checks import bad, check_at_most, check_choices, check_divides, check_fields, check_rope
-from cpattn.models.common import Attention, config_dict, lm_head, mlp_dense, rope_cos_sin, rope_inv_freq, rope_parameters
+from cpattn.models.common import (
+    Attention, config_dict, lm_head, mlp_dense, rope_cos_sin, rope_inv_freq, rope_parameters,
+)
 from cpattn.models.moe import MOE_IMPLS, moe_experts, softmax_route
 from cpattn.ops.norm_rope import rope_half
 
@@ -435,7 +437,8 @@ def init_params(cfg: Qwen3NextConfig, *, seed: int = 0, std: float = 0.02, dtype
         else:
             a = pre + "linear_attn."
             if cfg.split_projections:
-                p.update({a + "in_proj_qkv.weight": rnd(cfg.conv_channels, hs), a + "in_proj_z.weight": rnd(hv * dv, hs),
+                p.update({a + "in_proj_qkv.weight": rnd(cfg.conv_channels, hs),
+                          a + "in_proj_z.weight": rnd(hv * dv, hs),
                           a + "in_proj_b.weight": rnd(hv, hs), a + "in_proj_a.weight": rnd(hv, hs)})
             else:
                 p.update({a + "in_proj_qkvz.weight": rnd(2 * hk * dk + 2 * hv * dv, hs),
