@@ -6,7 +6,8 @@ linear layers :class:`cpattn.linear.pcp_step.PCPLinearStep` on the very same loc
 
 - prompt logits (restored to request order) within 1e-4 relative of HF, and close to one device;
 - every rank ends with the same conv / recurrent states, equal to one device's to fp32 rounding;
-- the prefill's KV rows and states handed to a one-device decode give HF ``generate``'s greedy tokens.
+- the prefill's KV rows and states handed to a one-device decode give HF ``generate``'s greedy tokens;
+- a chunked prefill continued under PCP (cached KV as a replicated prefix, cached linear states) matches HF.
 """
 
 from __future__ import annotations
@@ -89,3 +90,42 @@ def test_pcp_prefill_matches_hf_and_one_device(size, method):
         check_tokens(torch.tensor(toks[b]), torch.stack(logs[b]), ref_tokens[b], ref_gen[b], f"P={size} req {b}",
                      FLIPS)
     assert len(FLIPS) <= 1, FLIPS
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_pcp_continues_a_chunked_prefill(size):
+    """The first 8 / 5 tokens on one device, the rest under PCP: the attention layers read the cached KV as a
+    replicated :class:`Prefix`, the linear layers start from the cached conv / recurrent states."""
+    from cpattn.engine.kv_rows import pack_rows
+    from cpattn.engine.prefill_steps import Prefix
+
+    hf, cfg, params, prompts, ref_logits, _, _ = reference("moe")
+    ctx = [8, 5]
+    kv, rec = caches(cfg, 2, 40)
+    with torch.no_grad():
+        _, kv, rec = step(params, cfg, kv, rec, [p[:c] for p, c in zip(prompts, ctx)])
+    layouts = qn.kv_layouts(cfg)
+    cached = [torch.cat([kv.k[j][b, :c] for b, c in enumerate(ctx)]) for j in range(len(layouts))]
+    cached_v = [torch.cat([kv.v[j][b, :c] for b, c in enumerate(ctx)]) for j in range(len(layouts))]
+    prefix = Prefix(pack_rows(layouts, cached, cached_v, [None] * len(layouts)), tuple(ctx))
+    rest = [p[c:] for p, c in zip(prompts, ctx)]
+    lens = [r.numel() for r in rest]
+    plan = cpattn.pcp_plan([0, lens[0], sum(lens)], size, context_lens=ctx)
+    layout, tokens = ScanLayout.head_tail(size), torch.cat(rest)
+
+    def rank(group):
+        r = group.rank
+        attn = PCPStep(group, plan, layouts, prefix=prefix)
+        lin = PCPLinearStep(group, layout, [plan.cu_a[r], plan.cu_b[r]], rec)
+        with torch.no_grad():
+            return qn.forward(params, cfg, tokens[plan.token_index[r]], attn, lin), lin.finish()
+
+    res = cpattn.simulate(size, rank)
+    logits = torch.cat([x[0] for x in res])[plan.restore_index]
+    for b, got in enumerate(logits.split(lens)):
+        assert rel_err(got, ref_logits[b][ctx[b]:]) <= 1e-4, f"P={size} request {b}"
+    kv1, rec1 = caches(cfg, 2, 40)
+    with torch.no_grad():
+        _, _, rec1 = step(params, cfg, kv1, rec1, prompts)
+    for a, b in zip(res[-1][1].state + res[-1][1].conv, rec1.state + rec1.conv):
+        assert rel_err(a, b) <= 1e-5
