@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpattn.config import SchedulerConfig
+from cpattn.engine.drafters import NgramDrafter
 from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.reference import reference_generate
@@ -62,8 +63,9 @@ def check_run(family: str, engine: LLMEngine, schedule: list[dict], heads: int |
             assert engine.scheduler.requests[rid].finish_reason == ("stop" if stopped else "length")
     for out, replayed in steps:
         assert not (replayed and not out.uniform_decode), f"a step with {out.eager_reason} replayed"
-        if engine.runners[0].graph is not None and out.uniform_decode and out.num_scheduled_tokens <= \
-                engine.runners[0].graph.sizes[-1]:
+        graph = engine.runners[0].graph
+        if graph is not None and out.uniform_decode and out.query_lens[0] == graph.q_len and \
+                out.num_scheduled_tokens <= graph.sizes[-1]:
             assert replayed, f"a uniform decode step of {out.num_scheduled_tokens} tokens ran eagerly"
     s = engine.stats
     assert (s.blocks_used, s.running, s.waiting) == (0, 0, 0), s
@@ -186,7 +188,7 @@ def draw_schedule(vocab: int, reqs: list[dict], seed: int) -> list[dict]:
     return out
 
 
-def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed):
+def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed):
     cfg, params = model("qwen3")
     sched = draw_schedule(cfg.vocab_size, reqs, seed)
     span = block * dcp
@@ -195,7 +197,8 @@ def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed):
     if not chunked:
         budget = max(budget, longest)
     engine = LLMEngine("qwen3", params, cfg, dcp_size=dcp, block_size=block, num_blocks=num_blocks, poison=True,
-                       graph_mode="FULL_DECODE_ONLY" if graph else "NONE",
+                       graph_mode="FULL_DECODE_ONLY" if graph else "NONE", graph_backend="eager",
+                       drafter=NgramDrafter() if k else None, num_speculative_tokens=k,
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                                  enable_chunked_prefill=chunked))
     check_run("qwen3", engine, sched)
@@ -203,21 +206,21 @@ def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed):
 
 schedules = dict(reqs=requests, dcp=st.sampled_from([1, 2]), block=st.sampled_from([2, 4]),
                  budget=st.integers(1, 48), seqs=st.integers(1, 4), spare=st.integers(0, 12), chunked=st.booleans(),
-                 graph=st.booleans(), seed=st.integers(0, 2**16))
+                 graph=st.booleans(), k=st.sampled_from([0, 0, 2]), seed=st.integers(0, 2**16))
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(**schedules)
-def test_any_schedule_gives_one_device_greedy_tokens(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed):
-    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed)
+def test_any_schedule_gives_one_device_greedy_tokens(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed):
+    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed)
 
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**schedules)
 def test_any_schedule_gives_one_device_greedy_tokens_more(reqs, dcp, block, budget, seqs, spare, chunked, graph,
-                                                          seed):
-    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, seed)
+                                                          k, seed):
+    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed)
 
 
 @pytest.mark.slow
@@ -232,3 +235,27 @@ def test_gloo_ranks_give_the_simulated_tokens():
     per_rank = spawn(2, gloo_rank, "qwen3", cfg, 1, sched, kwargs)
     assert per_rank[0] == per_rank[1]
     assert per_rank[0] == {i: expected("qwen3", r) for i, r in enumerate(sched)}
+
+
+@pytest.mark.parametrize("method,dcp,graph", [("ngram", 2, True), pytest.param("draft_model", 1, False,
+                                                                                marks=pytest.mark.slow)])
+def test_speculative_steps_stay_lossless(method, dcp, graph):
+    """k drafts per running request verified in the same steps as prefill chunks; accepted ones committed,
+    rejected KV rolled back; tokens still one-device greedy (repetitive prompts so drafts get accepted)."""
+    from cpattn.engine.drafters import truncated
+
+    cfg, params = model("qwen3")
+    drafter = NgramDrafter() if method == "ngram" else truncated("qwen3", params, cfg, num_layers=1)
+    g = torch.Generator().manual_seed(11)
+    unit = torch.randint(0, cfg.vocab_size, (5,), generator=g).tolist()
+    sched = [dict(prompt=unit * 4, max_tokens=6, arrive=0), dict(prompt=unit[:3] * 3, max_tokens=5, arrive=1),
+             dict(prompt=torch.randint(0, cfg.vocab_size, (17,), generator=g).tolist(), max_tokens=6, arrive=2)]
+    engine = LLMEngine("qwen3", params, cfg, dcp_size=dcp, block_size=4, num_blocks=24, poison=True,
+                       graph_mode="FULL_DECODE_ONLY" if graph else "NONE", graph_backend="eager",
+                       drafter=drafter, num_speculative_tokens=3,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=3))
+    steps = check_run("qwen3", engine, sched)
+    s = engine.stats
+    assert s.drafted_tokens > 0 and 0 < s.accepted_tokens <= s.drafted_tokens, s
+    assert any(max(o.query_lens) == 4 and not any(o.is_prefill) for o, _ in steps if o.req_ids)
+    assert not engine.proposer.slots  # every slot given back

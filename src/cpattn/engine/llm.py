@@ -45,10 +45,12 @@ from cpattn.comm.sim import SimMesh
 from cpattn.config import EngineConfig, SchedulerConfig
 from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
+from cpattn.engine.drafters import check_drafter
 from cpattn.engine.driver import engine_configs
 from cpattn.engine.family import ModelFamily, get_family
 from cpattn.engine.runner import StepResult, StepRunner
-from cpattn.engine.scheduler import Scheduler
+from cpattn.engine.proposer import Proposer
+from cpattn.engine.scheduler import ModelOutput, Scheduler
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class EngineStats:
     steps: steps run (``replayed_steps`` from a captured program, ``eager_steps`` eagerly);
     prefix_hit_tokens / prefix_query_tokens: prompt tokens found cached / looked up;
     preemptions; blocks_used / blocks_free (KV blocks per rank); running / waiting requests;
-    bytes_sent: what DCP rank 0 sent in all steps; last_step_bytes: in the last one.
+    bytes_sent: what DCP rank 0 sent in all steps; last_step_bytes: in the last one;
+    drafted_tokens / accepted_tokens: draft tokens verified / accepted (speculative decoding).
     """
 
     steps: int = 0
@@ -93,6 +96,8 @@ class EngineStats:
     waiting: int = 0
     bytes_sent: int = 0
     last_step_bytes: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def _default_blocks(sched: SchedulerConfig, span: int) -> int:
@@ -114,6 +119,8 @@ class LLMEngine:
     world: this rank's group under torchrun (every rank builds the engine and calls the same methods
         in the same order); None: a simulated mesh of ``dcp_size`` threads in this process.
     num_blocks: KV blocks per rank (default: ``max_num_seqs`` sequences of ``max_model_len``).
+    drafter: a token-only drafter (:class:`~cpattn.engine.drafters.NgramDrafter`, a draft model)
+        with ``num_speculative_tokens`` = k >= 1 (or the config's); None: plain decode.
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
 
     ``engine.last_step`` is ``(SchedulerOutput, replayed)`` of the latest step (what ran, and whether
@@ -124,16 +131,18 @@ class LLMEngine:
                  scheduler: SchedulerConfig | None = None, world: Group | None = None, dcp_size: int = 1,
                  block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
                  graph_backend: str = "auto", num_blocks: int | None = None, merge: str = "local_ag",
-                 poison: bool = False) -> None:
+                 drafter=None, num_speculative_tokens: int = 0, poison: bool = False) -> None:
         family = get_family(model)
         if config is None:
             config = engine_configs(family, cfg, dcp_size=dcp_size, block_size=block_size,
                                     interleave_size=interleave_size, graph_mode=graph_mode,
-                                    graph_backend=graph_backend)[1]
+                                    graph_backend=graph_backend, num_speculative_tokens=num_speculative_tokens,
+                                    speculative_method=getattr(drafter, "method", None))[1]
         sched = scheduler or SchedulerConfig()
-        if config.speculative.num_speculative_tokens:
-            raise ValueError("LLMEngine: speculative decoding in the step loop is not built yet; pass a config "
-                             "with num_speculative_tokens=0 (cpattn.engine.generate runs drafters)")
+        k = config.speculative.num_speculative_tokens
+        if drafter is None and k:
+            raise ValueError(f"num_speculative_tokens={k} needs a drafter: pass drafter= (e.g. NgramDrafter()) or k=0")
+        check_drafter(drafter, k)
         n = config.parallel.dcp_size
         if world is not None and world.size != n:
             raise ValueError(f"world: a group of {world.size} ranks, but the config's dcp_size is {n}; "
@@ -144,8 +153,11 @@ class LLMEngine:
         self.blocks = BlockManager(nb, block, dcp_size=n, interleave_size=inter,
                                    enable_caching=sched.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens=sched.max_num_batched_tokens,
-                                   max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill)
+                                   max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill,
+                                   num_speculative_tokens=k)
         self.max_model_len = sched.max_model_len or nb * block * n
+        self.proposer = Proposer(drafter, k, max_num_seqs=sched.max_num_seqs, max_len=self.max_model_len + k + 1) \
+            if drafter is not None else None
         self._mesh = None if world is not None else SimMesh(n)
         groups = [world] if world is not None else self._mesh.groups()
         capture = pick_backend(config, family, groups[0]) if config.compilation.captures else None
@@ -155,12 +167,13 @@ class LLMEngine:
             return StepRunner(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,
                               max_model_len=self.max_model_len, merge=merge, capture=capture,
                               capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
-                              poison=poison)
+                              num_speculative_tokens=k, poison=poison)
 
         self.runners = _on_every_rank(self._mesh, [lambda g=g: runner(g) for g in groups]) \
             if len(groups) > 1 else [runner(groups[0])]
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
-        self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0}
+        self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
+                        "drafted_tokens": 0, "accepted_tokens": 0}
         self.last_step: tuple | None = None  # (SchedulerOutput, replayed) of the latest step
 
     # -- requests -------------------------------------------------------------------------------
@@ -193,7 +206,11 @@ class LLMEngine:
         """Schedule, run and commit one step; the :class:`RequestOutput` of every row it ran."""
         out = self.scheduler.schedule()
         results = self._execute(out)
-        done = set(self.scheduler.update(results[0].outputs))
+        outputs = self._with_drafts(out, results[0].outputs)
+        done = set(self.scheduler.update(outputs))
+        if self.proposer is not None:
+            self.proposer.release([r for r in list(self.proposer.slots)
+                                   if self.scheduler.requests[r].status != "running"])
         if out.req_ids:
             self._counts["replayed_steps" if results[0].replayed else "eager_steps"] += 1
         self._counts["last_step_bytes"] = results[0].bytes_sent
@@ -202,6 +219,22 @@ class LLMEngine:
         reqs = self.scheduler.requests
         return [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
                               reqs[rid].status == "finished", reqs[rid].finish_reason) for rid in out.req_ids]
+
+    def _with_drafts(self, out, outputs: dict) -> dict:
+        """Count verified drafts; with a drafter, attach each sampled request's next drafts."""
+        for b, rid in enumerate(out.req_ids):
+            d = len(out.draft_tokens[b])
+            if d and outputs[rid].sampled:
+                self._counts["drafted_tokens"] += d
+                self._counts["accepted_tokens"] += len(outputs[rid].sampled) - 1
+        if self.proposer is None:
+            return outputs
+        reqs = self.scheduler.requests
+        self.proposer.release([r for r in list(self.proposer.slots) if reqs[r].status != "running"])  # preempted
+        hist = {rid: [*reqs[rid].tokens, *o.sampled] for rid, o in outputs.items()
+                if o.sampled and reqs[rid].status == "running"}
+        drafts = self.proposer.propose(hist) if hist else {}
+        return {rid: ModelOutput(o.sampled, tuple(drafts.get(rid, ()))) for rid, o in outputs.items()}
 
     def _execute(self, out) -> list[StepResult]:
         if self._mesh is None or len(self.runners) == 1:

@@ -13,9 +13,10 @@ NaN), cu_seqlens_q [B+1] -- and runs that one step function:
   shard of the keys, partials merged by LSE), so a chunk never recomputes
   the context before it;
 - a decode is a query of ``1 + d`` rows (the last token and d drafts);
-- a step whose rows are all decodes of one length (``uniform_decode``)
-  replays a captured program when the runner has one (FULL_DECODE_ONLY);
-  any other step runs the same function eagerly.
+- a step whose rows are all decodes of ``1 + k`` tokens (``uniform_decode``,
+  every request with its k drafts) replays a captured program when the
+  runner has one (FULL_DECODE_ONLY); any other step -- a prefill chunk,
+  a mix, drafts cut short by ``max_tokens`` -- runs the same function eagerly.
 
 Sampling is greedy (ties to the lowest token id). A sampled row emits the
 accepted drafts then the bonus token (:func:`~cpattn.engine.decode.accept_drafts`).
@@ -90,7 +91,7 @@ class StepRunner:
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, poison: bool = False) -> None:
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
-        if self.family.stages is not None:
+        if not self.family.backend.per_token_kv:
             raise ValueError(f"the step loop runs paged-cache families; {self.family.name} keeps its own cache "
                              "(window + compressed entries): use cpattn.engine.generate for it")
         span = block_size * group.size
@@ -134,7 +135,7 @@ class StepRunner:
         sent = self.group.stats.total_sent()
         batch = self.batch(out)
         replayed = False
-        if self.graph is not None and out.uniform_decode:
+        if self.graph is not None and out.uniform_decode and out.query_lens[0] == self.graph.q_len:
             logits, greedy = self.graph(batch, list(out.query_lens))[:2]
             replayed = self.graph.stats.last.startswith("graph")
         else:
