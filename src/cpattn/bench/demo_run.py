@@ -47,9 +47,9 @@ __all__ = ["EMBEDDED_STD", "POOL_NEW_TOKENS", "Spec", "demo_rank", "engine_confi
 def one_device(family: ModelFamily, params: dict, cfg: Any, ps, max_new_tokens: int) -> Reference:
     """The one-device greedy run: the engine's dense-cache reference
     (:func:`~cpattn.engine.reference.reference_generate`), or, for a family whose cache is not per-token rows
-    (its own ``stages``: DeepSeek-V4's rings and compressed entries), its own stages on one rank, eager
+    (its cache backend keeps DeepSeek-V4's rings and compressed entries), its own stages on one rank, eager
     (:func:`cpattn.engine.driver.generate`, checked against Hugging Face in tests/test_v4_engine.py)."""
-    if family.stages is None:
+    if family.backend.per_token_kv:
         return reference_generate(family, params, cfg, ps, max_new_tokens)
     pre, dec = driver.engine_configs(family, cfg)
     gen = driver.generate(family, params, cfg, [list(map(int, p)) for p in ps], max_new_tokens, prefill=pre,

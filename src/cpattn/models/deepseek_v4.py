@@ -244,5 +244,6 @@ def kv_layouts(cfg: DeepseekV4Config) -> tuple[KVLayout, ...]:
 
 
 FAMILY = ModelFamily(name="deepseek_v4", config_class=DeepseekV4Config, attention="v4", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=True, stages=V4Stages(forward),
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True, cache="v4",
+                     stages=V4Stages(forward),
                      rename=param_name, load_dtype=load_dtype)
