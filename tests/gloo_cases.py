@@ -75,3 +75,11 @@ def hang_rank1(group):
     if group.rank == 0:
         group.all_reduce(torch.ones(2))
     return group.rank
+
+
+def demo_cases(group, specs):
+    """``cpattn demo``'s rank function (:func:`cpattn.bench.demo.run_rank`) for each spec in turn on the same
+    ranks; each run seeds itself and resets the byte counters per phase, so the runs do not see each other."""
+    from cpattn.bench import demo
+
+    return [demo.run_rank(group, spec) for spec in specs]

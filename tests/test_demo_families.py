@@ -9,7 +9,14 @@ also compared here with the checkpoint's own HF ``generate(do_sample=False)``
 on the demo's prompts, so the checkpoint path (config.json parsing, weight
 names) is checked against the model that wrote it. GLM-5's decode step is
 compiled (aot_eager, FULL_DECODE_ONLY) and must replay every step; the others
-decode eagerly (one gloo spawn each keeps the file quick).
+decode eagerly.
+
+GLM-5 runs through ``cpattn demo`` itself (``demo.main``: flags, checks, the
+reference, one gloo spawn, the report, the JSON file, the exit status). The
+other families run the very stages ``demo.main`` runs, from the same flags,
+but their ranks share one gloo spawn (each family's run in turn on the same two
+processes) instead of one spawn each: a spawn's start (two processes importing
+torch) was most of each family's time.
 """
 
 from __future__ import annotations
@@ -56,9 +63,10 @@ FAMILIES = {  # model_type: (HF class, config, demo flags)
         **{**COMMON, "num_hidden_layers": 3}, **MLA, **DSA, num_key_value_heads=4, index_topk_pattern="FSF"),
         ["--pcp", "2", "--dcp", "2", "--backend", "aot_eager", "--no-eager-row"]),
 }
+THROUGH_MAIN = "glm_moe_dsa"  # the compiled one runs through cpattn demo itself
 
 
-def hf_tokens(hf, spec: demo.Spec) -> list[list[int]]:
+def hf_tokens(hf, spec) -> list[list[int]]:
     """HF greedy tokens for the demo's prompts (the first token comes from the prefill, as in the demo)."""
     tokens, cu = demo.prompts(spec, VOCAB)
     out = []
@@ -71,18 +79,70 @@ def hf_tokens(hf, spec: demo.Spec) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_demo_runs_a_saved_checkpoint(tmp_path, name):
-    cls, config, flags = FAMILIES[name]
+def _save(root, name):
+    """The family's tiny seeded HF model, saved as a checkpoint directory: (model, config, directory)."""
+    cls, config, _ = FAMILIES[name]
     torch.manual_seed(0)
     config = config()
     config._attn_implementation = "eager"
     hf = getattr(transformers, cls)(config).eval()
-    ckpt = tmp_path / name
-    hf.save_pretrained(ckpt)
-    path = tmp_path / "demo.json"
-    code = demo.main(["--model", str(ckpt), *TINY, *flags, "--json", str(path)])
-    out = json.loads(path.read_text())
+    hf.save_pretrained(root / name)
+    return hf, config, root / name
+
+
+def _argv(name, ckpt, path):
+    return ["--model", str(ckpt), *TINY, *FAMILIES[name][2], "--json", str(path)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> (exit status, the demo's JSON, HF model, HF config, checkpoint directory). ``THROUGH_MAIN`` by
+    ``demo.main``; the others by main's own steps (parse the flags, check, the one-device reference in this
+    process, the ranks, summarize, report, write the JSON), their two-rank runs sharing one gloo spawn."""
+    from cpattn.bench.common import write_json
+    from cpattn.bench.demo_report import report, summarize
+    from cpattn.bench.demo_run import reference
+    from cpattn.comm.launch import spawn
+    from cpattn.comm.sim import simulate
+    from gloo_cases import demo_cases
+
+    root = tmp_path_factory.mktemp("families")
+    saved = {name: _save(root, name) for name in FAMILIES}
+    out = {}
+    path = root / f"{THROUGH_MAIN}.json"
+    code = demo.main(_argv(THROUGH_MAIN, saved[THROUGH_MAIN][2], path))
+    out[THROUGH_MAIN] = (code, json.loads(path.read_text()))
+
+    names = [n for n in FAMILIES if n != THROUGH_MAIN]
+    args = {n: demo.parser().parse_args(_argv(n, saved[n][2], root / f"{n}.json")) for n in names}
+    specs = {n: demo._spec(a, None) for n, a in args.items()}
+    engines = {n: demo.check(s) for n, s in specs.items()}
+    before = torch.get_num_threads()
+    try:
+        refs = {}
+        for n in names:
+            torch.set_num_threads(args[n].threads)  # as main: the reference gets what one rank gets
+            refs[n] = reference(specs[n])
+        two = [n for n in names if specs[n].world_size == 2]
+        ranks = dict(zip(two, spawn(2, demo_cases, [specs[n] for n in two], threads=1, timeout_s=900)[0]))
+        for n in names:
+            if n not in ranks:  # one rank (Qwen3 at PCP 1 / DCP 1): no collective, so no process of its own
+                assert specs[n].world_size == 1
+                ranks[n] = simulate(1, demo.run_rank, specs[n], args[n].threads)[0]
+    finally:
+        torch.set_num_threads(before)
+    for n in names:
+        s = summarize(ranks[n], refs[n], specs[n], engines[n])
+        assert f"cpattn demo: {n} (" in report(s)
+        write_json(args[n].json, s)
+        out[n] = (0 if s["ok"] else 1, json.loads(open(args[n].json).read()))
+    return {n: (*out[n], *saved[n]) for n in FAMILIES}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_demo_runs_a_saved_checkpoint(runs, name):
+    code, out, hf, config, ckpt = runs[name]
+    flags = FAMILIES[name][2]
     assert code == 0 and out["tokens_match"] is True, out["checks"]
     assert out["model"] == name and out["config"]["num_hidden_layers"] == config.num_hidden_layers
     assert all(c["equal_tokens"] == c["total_tokens"] == 8 for c in out["checks"].values())
