@@ -113,3 +113,16 @@ def test_cli_objective_usage_errors_are_one_line(argv, flag, capsys):
         main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and flag in err and len(err.splitlines()) == 1
+
+
+def test_help_shows_objectives_refusals_and_an_example_per_objective(capsys):
+    from cpattn.plan.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for objective in ("ttft", "tpot", "throughput", "goodput"):
+        assert f"--objective {objective}" in out  # an example each
+    assert "--ttft-slo" in out and "--tpot-slo" in out and "tie" in out
+    assert "refused" in out and "rule and fix" in out and "--layout tp=8,dcp=4" in out

@@ -56,9 +56,9 @@ def _plan_parser():
 
     p = cli.parser("cpattn plan", __doc__)
     p.add_argument("--model", default="deepseek-v3.2", help="built-in model name or a Hugging Face config.json")
-    p.add_argument("--input-len", "--context", dest="context", type=cli.positive_int, default=65536,
+    p.add_argument("--input-len", "--context", dest="context", type=cli.positive_int, default=65536, metavar="N",
                    help="prompt tokens per request (the decode's cached context)")
-    p.add_argument("--concurrency", "--batch", dest="batch", type=cli.positive_int, default=1,
+    p.add_argument("--concurrency", "--batch", dest="batch", type=cli.positive_int, default=1, metavar="C",
                    help="requests in flight (arriving together: prefilled first come first served, decoded together)")
     p.add_argument("--devices", type=cli.positive_int, default=8, help="devices of one engine (tp * pcp)")
     p.add_argument("--profile", default="h200", help="h200, b200, ascend-910c, cpu or a profile JSON")
