@@ -116,7 +116,7 @@ def _validate(argv) -> int:
     detail["pcp"] = pr
     with _reading(ap.prog, "--pcp-json", a.pcp_json):
         pairs.append((f"bench pcp: ring / one rank ({seq} tokens, {heads}/{kvh} heads, P={p}), {a.clock}",
-                      pr["ratio"], None if pcp is None else v.measured_pcp(pcp, a.clock)))
+                      pr["ratio"], None if pcp is None else v.measured_pcp(pcp, a.clock), 1 / p))
     ctx = a.dcp_context
     if dcp is not None:
         with _reading(ap.prog, "--dcp-json", a.dcp_json):
@@ -130,7 +130,8 @@ def _validate(argv) -> int:
         dr, meas = v.predict_dcp(prof, context=ctx, clock=a.clock), {}
     detail["dcp"] = dr
     for k, val in dr["ratio"].items():
-        pairs.append((f"bench dcp: whole step {k} / one rank ({ctx} context), {a.clock}", val, meas.get(k)))
+        pairs.append((f"bench dcp: whole step {k} / one rank ({ctx} context), {a.clock}", val, meas.get(k),
+                      1 / (dcp["dcp"] if dcp is not None else 2)))
     if graph is not None:
         with _reading(ap.prog, "--graph-json", a.graph_json):
             c = graph["config"]
@@ -146,12 +147,19 @@ def _validate(argv) -> int:
     rows, gaps = v.table(pairs), v.profile_gaps(prof)
     with cli.report_to(a.json):
         print(f"profile: {prof.device}")
-        shown = [{**r, "error": "-" if r["error"] is None else f"{r['error']:.1%}",
-                  "measured": "-" if r["measured"] is None else r["measured"]} for r in rows]
-        print(table(shown, ["what", "predicted", "measured", "error"]))
+        pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
+        shown = [{**r, "error": pct(r["error"]), "naive_error": pct(r["naive_error"]),
+                  "measured": "-" if r["measured"] is None else r["measured"],
+                  "naive": "-" if r["naive"] is None else r["naive"]} for r in rows]
+        print(table(shown, ["what", "predicted", "measured", "error", "naive", "naive_error"]))
         worst = max((r["error"] for r in rows if r["error"] is not None), default=math.nan)
         print(f"\nlargest error {worst:.1%} (target: within 15%)" if not math.isnan(worst) else
               "\n(no measured values given: pass the benchmarks' --json outputs)")
+        judged = [r for r in rows if r["naive_error"] is not None]
+        if judged:
+            print(f"naive 1/P guess (PCP and DCP rows): within 15% on "
+                  f"{sum(r['naive_within_15%'] for r in judged)} of {len(judged)}; the model on "
+                  f"{sum(r['within_15%'] for r in judged)} of {len(judged)}")
         one = detail["pcp"]["one_rank_s"]
         print(f"\nwhere a PCP rank's time goes (predicted, of one rank's {one:.3g} s; before the share of the "
               f"shared cores, {detail['pcp']['share']:.0%}): " +

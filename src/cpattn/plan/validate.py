@@ -275,11 +275,19 @@ def measured_graph(result: dict) -> dict:
     return {r["batch"]: r["speedup"] for r in rows}
 
 
-def table(pairs: list[tuple[str, float, float | None]]) -> list[dict]:
-    """Rows of (what, predicted, measured) with the relative error |p - m| / m (None when not measured)."""
+def table(pairs: list[tuple]) -> list[dict]:
+    """Rows of (what, predicted, measured[, naive]) with the relative error |p - m| / m (None when not
+    measured); ``naive``: what the naive guess (1/P of one rank's time) says, and its error the same way.
+
+    >>> table([("pcp", 0.55, 0.5, 0.5)])[0]["naive_error"], table([("graph", 2.0, None)])[0]["naive"]
+    (0.0, None)
+    """
     rows = []
-    for what, pred, meas in pairs:
+    for what, pred, meas, *rest in pairs:
+        naive = rest[0] if rest else None
         err = None if meas is None or meas <= 0 else abs(pred - meas) / meas
+        nerr = None if err is None or naive is None else abs(naive - meas) / meas
         rows.append({"what": what, "predicted": pred, "measured": meas, "error": err,
-                     "within_15%": None if err is None else err <= 0.15})
+                     "within_15%": None if err is None else err <= 0.15, "naive": naive, "naive_error": nerr,
+                     "naive_within_15%": None if nerr is None else nerr <= 0.15})
     return rows
