@@ -98,7 +98,7 @@ PARALLEL = {
 # graph backends a command line can name (cpattn.graphs.backends.backends(); a test keeps the two equal)
 GRAPH_BACKENDS = ("aot_eager", "auto", "cpu", "cuda", "eager", "inductor", "npu", "torchair")
 
-# model types of the embedded tiny models (cpattn.engine.family.FAMILY_MODULES; a test keeps the two equal)
+# model types of the embedded tiny models (cpattn.models.family.FAMILY_MODULES; a test keeps the two equal)
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "qwen3", "qwen3_moe")
 
 # config field -> the flag a user types, for problems reported by cpattn.config

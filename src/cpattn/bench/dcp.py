@@ -143,7 +143,7 @@ def model_step_rank(group, cfg):
     from cpattn.comm.sim import SimMesh
     from cpattn.bench.demo_run import EMBEDDED_STD
     from cpattn.engine.decode import decode_step, make_runner
-    from cpattn.engine.family import get_family
+    from cpattn.models.family import get_family
 
     fam = get_family("qwen3")
     mcfg = fam.config_class.tiny()  # the demo's embedded model

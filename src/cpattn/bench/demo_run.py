@@ -30,7 +30,7 @@ from cpattn.bench.demo_setup import (EMBEDDED_STD, Spec, engine_configs, flat, g
 from cpattn.comm.group import Group
 from cpattn.engine import decode_stage, driver
 from cpattn.engine.batch import Prompts
-from cpattn.engine.family import ModelFamily
+from cpattn.models.family import ModelFamily
 from cpattn.engine.options import Algorithms
 from cpattn.engine.reference import Reference, reference_generate
 from cpattn.graphs import capture_sizes, pick_size

@@ -18,7 +18,7 @@ import torch
 from cpattn.bench.common import DTYPES
 from cpattn.config import EngineConfig
 from cpattn.engine import checks, driver
-from cpattn.engine.family import ModelFamily, get_family
+from cpattn.models.family import ModelFamily, get_family
 from cpattn.models import load_checkpoint
 from cpattn.models.common import config_dict
 

@@ -12,7 +12,7 @@ def model_rank(group, prompt_len: int, reps: int, method: str):
     from cpattn.bench.demo_run import EMBEDDED_STD
     from cpattn.comm.sim import SimMesh
     from cpattn.engine.batch import Prompts
-    from cpattn.engine.family import get_family
+    from cpattn.models.family import get_family
     from cpattn.engine.options import Algorithms
     from cpattn.engine.prefill import prefill
 

@@ -13,7 +13,7 @@ import torch
 
 from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.drafters import DraftSettings, TargetHidden
-from cpattn.engine.family import ModelFamily, get_family, param_dtype
+from cpattn.models.family import ModelFamily, get_family, param_dtype
 from cpattn.engine.logits import as_logits
 
 
@@ -21,7 +21,7 @@ from cpattn.engine.logits import as_logits
 class ModelDrafter:
     """A small model of the target's family, greedy, on one device (logical PCP size 1).
 
-    ``model``: a :class:`~cpattn.engine.family.ModelFamily` or family name;
+    ``model``: a :class:`~cpattn.models.family.ModelFamily` or family name;
     ``params`` / ``cfg`` its weights and config (same vocabulary as the
     target). :func:`truncated` builds one from the target's first layers.
     """

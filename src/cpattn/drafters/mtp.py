@@ -44,7 +44,7 @@ from cpattn.drafters import cache as kv
 from cpattn.drafters import checkpoint
 from cpattn.drafters.chain import ChainState
 from cpattn.engine.drafters import DraftSettings
-from cpattn.engine.family import get_family
+from cpattn.models.family import get_family
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models.common import rms_norm, rope_cos_sin, rope_inv_freq
 

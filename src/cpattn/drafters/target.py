@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from cpattn.drafters import checkpoint
 from cpattn.drafters.corpus import Corpus
-from cpattn.engine.family import KVLayout, get_family
+from cpattn.models.family import KVLayout, get_family
 from cpattn.models import deepseek_v3, deepseek_v4, qwen3
 
 
@@ -274,7 +274,7 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tupl
     """(family name, family config, params) of a checkpoint directory (see :func:`save`).
 
     A DeepSeek-V3 checkpoint's router weights stay float32 whatever ``dtype`` is; the engine keeps its caches
-    in the dtype most weights have (:func:`~cpattn.engine.family.param_dtype`).
+    in the dtype most weights have (:func:`~cpattn.models.family.param_dtype`).
     """
     from cpattn.models import load_checkpoint
 

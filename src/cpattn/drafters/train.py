@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from cpattn.drafters.checkpoint import read_config
-    from cpattn.engine.family import get_family
+    from cpattn.models.family import get_family
 
     model = get_family(read_config(args.model)).name  # the family first: a usage error before any loading
     if METHODS[args.method] is not None and model not in METHODS[args.method]:

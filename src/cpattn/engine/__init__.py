@@ -26,7 +26,7 @@ starts (the guide's rules, then :mod:`cpattn.engine.checks`), and returns a
 
 Protocols
 ---------
-**Model family** (:mod:`cpattn.engine.family`): a family is one file in
+**Model family** (:mod:`cpattn.models.family`): a family is one file in
 :mod:`cpattn.models` ending with ``FAMILY = ModelFamily(name, config_class,
 attention, forward, init_params, kv_layouts, capturable)``; its forward
 calls an attention *step* -- ``step(layer, q, k, v, scale)`` (GQA, MLA) or
@@ -35,7 +35,7 @@ and the engine supplies the step of each layout. Add the ``model_type`` to
 ``FAMILY_MODULES`` and the engine runs it:
 
 >>> import torch
->>> from cpattn.engine.family import KVLayout, ModelFamily
+>>> from cpattn.models.family import KVLayout, ModelFamily
 >>> from cpattn.engine.reference import reference_generate
 >>> def forward(params, cfg, tokens, attn, *, logits_index=None):
 ...     x = params["emb"][tokens]                                   # [T, 8]
@@ -91,9 +91,10 @@ its cached prefix. A minimal in-memory pool:
 (2, 1)
 """
 
+import cpattn.engine.backend  # noqa: F401 - registers the cache backends with cpattn.models.family
 from cpattn.engine.batch import Prompts
 from cpattn.engine.driver import engine_configs, generate, generate_on_rank
-from cpattn.engine.family import KVLayout, ModelFamily, get_family
+from cpattn.models.family import KVLayout, ModelFamily, get_family
 from cpattn.engine.options import Algorithms
 from cpattn.engine.reference import reference_generate
 from cpattn.engine.result import Generation, RunFacts

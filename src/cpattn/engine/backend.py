@@ -6,7 +6,7 @@ as a vLLM layer declares its KV cache spec; the driver looks the backend up
 kind it is. Two kinds:
 
 - ``"paged"`` (:class:`cpattn.engine.backends.paged.PagedBackend`): per-token
-  KV rows (:class:`~cpattn.engine.family.KVLayout`) in a DCP-sharded paged
+  KV rows (:class:`~cpattn.models.family.KVLayout`) in a DCP-sharded paged
   cache (:class:`~cpattn.engine.paged_cache.PagedShard`), PCP / DSA-CP
   prefill, rows or whole blocks handed off;
 - ``"v4"`` (:class:`cpattn.engine.backends.v4.V4Backend`): DeepSeek-V4's
@@ -17,7 +17,7 @@ What moves between ranks goes through a :class:`~cpattn.comm.group.Group`
 
 Example
 -------
->>> from cpattn.engine.family import get_family
+>>> from cpattn.models.family import get_family
 >>> backend_for(get_family("qwen3")).name, backend_for(get_family("deepseek_v4")).name
 ('paged', 'v4')
 >>> backend_for(get_family("deepseek_v4")).per_token_kv
@@ -31,8 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from cpattn.comm.group import Group
+from cpattn.models.family import CACHE_KINDS, register_backends
 
-CACHE_KINDS = ("paged", "v4")
 
 
 @runtime_checkable
@@ -110,3 +110,6 @@ def backend_for(family) -> CacheBackend:
 
         return V4Backend.of(family)
     raise ValueError(f"family {family.name!r}: cache={kind!r} is not a cache kind; expected one of {CACHE_KINDS}")
+
+
+register_backends(backend_for)  # ModelFamily.backend looks kinds up here without importing the engine

@@ -20,7 +20,7 @@ engine has its own limits, each reported as
 Example
 -------
 >>> from cpattn.config import EngineConfig
->>> from cpattn.engine.family import get_family
+>>> from cpattn.models.family import get_family
 >>> from cpattn.models import qwen3
 >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
 ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
@@ -35,7 +35,7 @@ from typing import Any
 
 from cpattn.config import EngineConfig
 from cpattn.config.problems import problem, raise_if
-from cpattn.engine.family import ModelFamily
+from cpattn.models.family import ModelFamily
 
 
 def topology(prefill: EngineConfig, decode: EngineConfig, world_size: int) -> str:
@@ -75,7 +75,7 @@ def passing_layouts(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode
     guide's and the engine's; the decode engine keeps ``tp_size = dcp_size``): colocated engines run
     ``max(pcp, dcp)`` ranks, P/D ``pcp + dcp``, simulated meshes any.
 
-    >>> from cpattn.engine.family import get_family
+    >>> from cpattn.models.family import get_family
     >>> from cpattn.models import qwen3
     >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
     ...                         num_attention_heads=4, num_key_value_heads=1, head_dim=8)

@@ -31,7 +31,7 @@ request; capture sizes are multiples of 1 + k).
 Example
 -------
 >>> import torch, cpattn
->>> from cpattn.engine.family import get_family
+>>> from cpattn.models.family import get_family
 >>> from cpattn.engine.paged_cache import PagedShard
 >>> from cpattn.models import qwen3
 >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -55,7 +55,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, plan_tensors
 from cpattn.engine.drafters import TargetHidden
-from cpattn.engine.family import ModelFamily
+from cpattn.models.family import ModelFamily
 from cpattn.engine.logits import as_logits
 from cpattn.engine.paged_cache import DCPStep, PagedShard
 from cpattn.graphs.runner import DecodeRunner, Field

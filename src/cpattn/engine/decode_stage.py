@@ -11,7 +11,7 @@ from cpattn.config import EngineConfig
 from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import DecodeOut, cache_capacity, decode, make_runner  # noqa: F401 - cache_capacity kept
 from cpattn.engine.drafters import TargetHidden
-from cpattn.engine.family import ModelFamily, param_dtype  # noqa: F401 - param_dtype kept importable
+from cpattn.models.family import ModelFamily, param_dtype  # noqa: F401 - param_dtype kept importable
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut

@@ -11,7 +11,7 @@ may live in the keys (``KVLayout.values_in_keys``: the MLA latent row).
 Example
 -------
 >>> import torch
->>> from cpattn.engine.family import KVLayout, nan_caches
+>>> from cpattn.models.family import KVLayout, nan_caches
 >>> cache = DenseKVCache.empty((KVLayout(2, 4, 4),), batch=1, max_len=8)
 >>> step = cache.step([3])
 >>> out = step(0, torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), 0.5)
@@ -27,7 +27,7 @@ import torch
 
 from cpattn.dsa import dsa_attention
 from cpattn.ops.dsa import causal_key_ranges, sparse_mla_attention_with_lse
-from cpattn.engine.family import KVLayout, nan_caches
+from cpattn.models.family import KVLayout, nan_caches
 from cpattn.ops import attention_with_lse
 
 

@@ -51,7 +51,7 @@ from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import DecodeOut
 from cpattn.engine.decode_stage import drafter_hidden, hidden_layers, new_shard, run_decode
 from cpattn.engine.drafters import TargetHidden, check_drafter
-from cpattn.engine.family import ModelFamily, get_family, param_dtype
+from cpattn.models.family import ModelFamily, get_family, param_dtype
 from cpattn.engine.backends.paged import handoff, request_order  # noqa: F401 - public here, they lived here
 from cpattn.engine.handoff import (  # noqa: F401 - re-exported: they were importable from here
     HandoffFacts, deal_blocks, exchange, place_blocks, place_rows, recv_blocks, recv_hidden, request_blocks,

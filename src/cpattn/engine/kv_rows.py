@@ -9,7 +9,7 @@ transfer, the PCP -> DCP all-to-all, a pooled block ``[block_size, F]``).
 Example
 -------
 >>> import torch
->>> from cpattn.engine.family import KVLayout
+>>> from cpattn.models.family import KVLayout
 >>> lay = (KVLayout(2, 4, 4),)
 >>> k, v = [torch.randn(3, 2, 4)], [torch.randn(3, 2, 4)]
 >>> rows = pack_rows(lay, k, v, [None])
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from cpattn.engine.family import KVLayout
+from cpattn.models.family import KVLayout
 
 
 def row_width(layouts: tuple[KVLayout, ...]) -> int:

@@ -47,7 +47,7 @@ from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
 from cpattn.engine.drafters import check_drafter
 from cpattn.engine.driver import engine_configs
-from cpattn.engine.family import ModelFamily, get_family
+from cpattn.models.family import ModelFamily, get_family
 from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.proposer import Proposer
 from cpattn.engine.scheduler import ModelOutput, Scheduler

@@ -14,7 +14,7 @@ heads. One rank (N = 1) is plain paged decode.
 Example
 -------
 >>> import torch, cpattn
->>> from cpattn.engine.family import KVLayout
+>>> from cpattn.models.family import KVLayout
 >>> shard = PagedShard.empty((KVLayout(1, 8, 8),), capacity=[10], dcp_size=1, block_size=4, interleave_size=1)
 >>> shard.block_table.tolist(), shard.k[0].shape
 ([[0, 1, 2]], torch.Size([4, 4, 1, 8]))
@@ -28,7 +28,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode
-from cpattn.engine.family import KVLayout, nan_caches
+from cpattn.models.family import KVLayout, nan_caches
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.engine.paged_dsa import dsa_topk, sparse_partials_merged
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping

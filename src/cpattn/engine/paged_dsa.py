@@ -26,7 +26,7 @@ Example
 -------
 >>> import torch, cpattn
 >>> from cpattn.dcp import dcp_plan
->>> from cpattn.engine.family import KVLayout
+>>> from cpattn.models.family import KVLayout
 >>> from cpattn.engine.paged_cache import PagedShard
 >>> lay = (KVLayout(1, 12, 8, values_in_keys=True, index_head_dim=4),)
 >>> def rank(g):

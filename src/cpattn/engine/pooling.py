@@ -67,7 +67,7 @@ class PoolFacts:
 
 def pool_identity(family, cfg, params: dict, block_size: int, *, label: str = ""):
     """The :class:`~cpattn.pool.PoolIdentity` of a model's blocks: its weights and config digest, KV layout,
-    cache dtype (the params' :func:`~cpattn.engine.family.param_dtype`) and ``block_size``; ``label`` is an
+    cache dtype (the params' :func:`~cpattn.models.family.param_dtype`) and ``block_size``; ``label`` is an
     extra namespace (a changed label is a cold pool too, a shared one shares nothing across weights).
 
     >>> import torch
@@ -80,7 +80,7 @@ def pool_identity(family, cfg, params: dict, block_size: int, *, label: str = ""
     >>> a == pool_identity(qwen3.FAMILY, cfg, qwen3.init_params(cfg, seed=1), 4)   # other weights
     False
     """
-    from cpattn.engine.family import param_dtype
+    from cpattn.models.family import param_dtype
     from cpattn.engine.kv_rows import row_width
     from cpattn.pool import PoolIdentity
     from cpattn.pool.fingerprint import model_digest

@@ -16,7 +16,7 @@ Example
 -------
 >>> import torch, cpattn
 >>> from cpattn.engine.batch import Prompts
->>> from cpattn.engine.family import get_family
+>>> from cpattn.models.family import get_family
 >>> from cpattn.models import qwen3
 >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
 ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
@@ -37,7 +37,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.dsa import DSACPPlan, dsa_cp_plan
 from cpattn.engine.batch import Prompts
-from cpattn.engine.family import ModelFamily
+from cpattn.models.family import ModelFamily
 from cpattn.engine.kv_rows import pack_rows
 from cpattn.engine.logits import as_logits
 from cpattn.engine.options import Algorithms
@@ -69,7 +69,7 @@ def split_plan(family: ModelFamily, cu_seqlens: list[int], size: int, *, algorit
                context_lens: tuple[int, ...] | None = None) -> PCPPlan | DSACPPlan:
     """How a batch's new tokens (``cu_seqlens`` [B+1]) are split over ``size`` ranks (host-side, the same on every rank).
 
-    >>> from cpattn.engine.family import get_family
+    >>> from cpattn.models.family import get_family
     >>> [t.tolist() for t in split_plan(get_family("qwen3"), [0, 8], 2).token_index]
     [[0, 1, 6, 7], [2, 3, 4, 5]]
     """

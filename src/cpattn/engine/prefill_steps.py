@@ -18,7 +18,7 @@ attends all of its request's cached tokens.
 Example
 -------
 >>> import torch, cpattn
->>> from cpattn.engine.family import KVLayout
+>>> from cpattn.models.family import KVLayout
 >>> plan = cpattn.pcp_plan([0, 6], 1)
 >>> step = PCPStep(cpattn.comm.SimMesh(1).groups()[0], plan, (KVLayout(1, 8, 8),))
 >>> step(0, torch.randn(6, 2, 8), torch.randn(6, 1, 8), torch.randn(6, 1, 8), 0.3).shape
@@ -34,7 +34,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dsa import DSACache, DSACPPlan, dsa_cp_attention, dsa_cp_sparse_attention
-from cpattn.engine.family import KVLayout
+from cpattn.models.family import KVLayout
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.layout.pcp import PCPPlan
 from cpattn.pcp import Context, pcp_prefill

@@ -7,7 +7,7 @@ phase so benchmarks can report single-device TTFT and TPOT beside it.
 
 Example
 -------
->>> from cpattn.engine.family import get_family
+>>> from cpattn.models.family import get_family
 >>> from cpattn.models import qwen3
 >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
 ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
@@ -26,7 +26,7 @@ import torch
 
 from cpattn.engine.batch import Prompts
 from cpattn.engine.dense_cache import DenseKVCache
-from cpattn.engine.family import ModelFamily, get_family, param_dtype
+from cpattn.models.family import ModelFamily, get_family, param_dtype
 from cpattn.engine.logits import as_logits
 
 

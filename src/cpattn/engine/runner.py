@@ -53,7 +53,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.engine.decode import accept_drafts, decode_step, step_fields
-from cpattn.engine.family import ModelFamily, get_family, nan_caches, param_dtype
+from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner

@@ -4,7 +4,7 @@ Parameters are plain ``dict[str, Tensor]`` keyed by the Hugging Face names;
 a forward pass is a pure function of (params, config, tokens, an attention
 step of an explicit KV cache). Each family file ends with ``FAMILY =
 ModelFamily(...)``, its declaration to the engine
-(:mod:`cpattn.engine.family`: forward, init_params, config class, per-layer
+(:mod:`cpattn.models.family`: forward, init_params, config class, per-layer
 KV layout, attention kind, whether the decode step is capturable). Running
 them -- one device, PCP prefill, DCP decode, speculative decoding, P/D --
 is the engine's job (:mod:`cpattn.engine`; classic entry points in
@@ -13,7 +13,7 @@ is the engine's job (:mod:`cpattn.engine`; classic entry points in
 Families: :mod:`cpattn.models.qwen3` (GQA with q/k RMSNorm),
 :mod:`cpattn.models.deepseek_v3` (absorbed MLA, exact MoE, YaRN),
 :mod:`cpattn.models.deepseek_v32` (MLA + DSA lightning indexer); see
-``cpattn.engine.family.FAMILY_MODULES`` for every supported ``model_type``.
+``cpattn.models.family.FAMILY_MODULES`` for every supported ``model_type``.
 
 Supported everywhere: RoPE ``default`` and ``yarn``; tied embeddings;
 float32 / float64 / bfloat16 parameters; weights from a Hugging Face state

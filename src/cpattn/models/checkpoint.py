@@ -118,7 +118,7 @@ def check_checkpoint(path: str | os.PathLike) -> None:
 
 def inspect_checkpoint(path: str | os.PathLike) -> Checked:
     """:func:`check_checkpoint`, returning what it found (:class:`Checked`)."""
-    from cpattn.engine.family import FAMILY_MODULES, get_family
+    from cpattn.models.family import FAMILY_MODULES, get_family
 
     path = os.fspath(path)
     if not os.path.isdir(path):

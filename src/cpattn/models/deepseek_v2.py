@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from cpattn.engine.family import ModelFamily
+from cpattn.models.family import ModelFamily
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models.checks import bad, check_fields
 from cpattn.models.common import Attention, config_dict, mlp_dense

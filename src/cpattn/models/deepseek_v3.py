@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from cpattn.engine.family import KVLayout, ModelFamily
+from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.common import (
     Attention,
     config_dict,

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.models import deepseek_v3 as v3
-from cpattn.engine.family import KVLayout, ModelFamily
+from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.checks import check_fields
 from cpattn.models.common import config_dict, rope_half
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cpattn.engine.family import KVLayout, ModelFamily
+from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.common import load_checkpoint, normalize_params, rope_cos_sin, rope_inv_freq
 from cpattn.models.deepseek_v4_config import CONFIG_RULES, HF_KINDS, DeepseekV4Config, check_config  # noqa: F401
 from cpattn.v4 import blocks

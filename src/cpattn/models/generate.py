@@ -10,7 +10,7 @@
   with PCP and DCP on the same ranks (opt-in beyond the guide).
 
 ``model`` is a family name ("qwen3", "deepseek_v3", "deepseek_v32"), its
-:class:`~cpattn.engine.family.ModelFamily`, or its module. Every function
+:class:`~cpattn.models.family.ModelFamily`, or its module. Every function
 checks the layout before any rank starts and returns a
 :class:`~cpattn.engine.result.Generation` (tokens [B, N], the logits they
 came from [B, N, V], prompt logits when the prefill gathered them, speculative
@@ -35,7 +35,7 @@ from cpattn.comm.group import Group
 from cpattn.config import EngineConfig
 from cpattn.engine import driver
 from cpattn.engine.drafters import check_drafter, speculative_fields
-from cpattn.engine.family import ModelFamily
+from cpattn.models.family import ModelFamily
 from cpattn.engine.options import Algorithms
 from cpattn.engine.result import Generation
 

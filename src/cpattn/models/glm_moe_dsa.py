@@ -26,7 +26,7 @@ transformers' ``glm_moe_dsa`` does differently:
 A full layer calls ``attn.dsa(..., return_selection=True)`` and keeps the
 opaque selection it returns; a shared layer calls ``attn.dsa_shared(layer,
 q, kv, selection, scale)``: no indexer, no indexer-key cache (its
-:class:`~cpattn.engine.family.KVLayout` has ``index_head_dim = 0``), and
+:class:`~cpattn.models.family.KVLayout` has ``index_head_dim = 0``), and
 under DCP no top-k exchange (each rank keeps the part of the selection in
 its own shard).
 
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from cpattn.engine.family import KVLayout, ModelFamily
+from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models import deepseek_v32 as v32
 from cpattn.models.checks import check_choices, check_fields

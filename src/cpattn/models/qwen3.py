@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cpattn.engine.family import KVLayout, ModelFamily
+from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.common import (
     Attention,
     config_dict,

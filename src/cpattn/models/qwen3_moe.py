@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cpattn.engine.family import ModelFamily
+from cpattn.models.family import ModelFamily
 from cpattn.models import qwen3
 from cpattn.models.checks import bad, check_at_most, check_fields
 from cpattn.models.common import Attention, config_dict, mlp_dense, pre_norm_decoder

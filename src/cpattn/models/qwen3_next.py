@@ -63,7 +63,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cpattn.engine.family import KVLayout
+from cpattn.models.family import KVLayout
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.checks import bad, check_at_most, check_choices, check_divides, check_fields, check_rope
 from cpattn.models.common import (

@@ -1,7 +1,7 @@
 """DeepSeek-V4 on the engine: the family's own cache, prefill, hand-off and decode program.
 
 The engine's paged KV cache describes a layer by what one token leaves in
-it (:class:`~cpattn.engine.family.KVLayout`); V4's state is rings plus one
+it (:class:`~cpattn.models.family.KVLayout`); V4's state is rings plus one
 entry per m tokens, so the family declares its own cache kind
 (``ModelFamily(..., cache="v4")``) and the engine serves it through the V4
 cache backend (:class:`cpattn.engine.backends.v4.V4Backend`), which runs
@@ -46,7 +46,7 @@ from cpattn.comm.group import Group
 from cpattn.config import EngineConfig
 from cpattn.engine.batch import Prompts
 from cpattn.engine.handoff import HandoffFacts
-from cpattn.engine.family import param_dtype
+from cpattn.models.family import param_dtype
 from cpattn.engine.logits import as_logits
 from cpattn.engine.options import Algorithms
 from cpattn.graphs.runner import Field

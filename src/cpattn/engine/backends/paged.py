@@ -12,7 +12,7 @@ Example
 -------
 >>> import torch, cpattn
 >>> from cpattn.engine.batch import Prompts
->>> from cpattn.engine.family import get_family
+>>> from cpattn.models.family import get_family
 >>> from cpattn.models import qwen3
 >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
 ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
@@ -35,7 +35,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.engine.decode import cache_capacity, decode_step, step_fields
-from cpattn.engine.family import param_dtype
+from cpattn.models.family import param_dtype
 from cpattn.engine.handoff import (
     HandoffFacts, exchange, place_blocks, place_rows, recv_blocks, request_blocks, send_blocks,
 )

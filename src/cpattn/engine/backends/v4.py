@@ -8,7 +8,7 @@ the decode program are the family's stages, put behind the
 
 Example
 -------
->>> from cpattn.engine.family import get_family
+>>> from cpattn.models.family import get_family
 >>> b = V4Backend.of(get_family("deepseek_v4"))
 >>> b.name, b.per_token_kv, type(b.stages).__name__
 ('v4', False, 'V4Stages')
