@@ -82,6 +82,12 @@ def _plan_parser():
                         "is reported with its rule and fix); default: every tp * pcp = --devices, dcp a divisor")
     p.add_argument("--allow-pcp-with-dcp", action="store_true",
                    help="the engine's opt-in to PCP and DCP in one engine (refused without it)")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="also price data-parallel attention: dp replicas of tp * pcp devices sharing one expert "
+                        "group (vLLM's --data-parallel-size with --enable-expert-parallel)")
+    p.add_argument("--compute-dtype", default="bf16",
+                   help="the peak FLOP/s every op runs at: a dtype of the profile (h200: bf16, fp8; ascend-910c: "
+                        "bf16, int8)")
     cli.add_json(p)
     return p
 
@@ -105,8 +111,12 @@ def _plan(argv) -> int:
         cli.usage_error(ap.prog, f"argument --model: saw {a.model!r}; rule: a Hugging Face config.json with the "
                                  f"model's shapes (it lacks or mistypes {e}); fix: pass the model's own config.json")
     prof = _profile(ap.prog, a.profile)
+    if a.compute_dtype not in prof.flops:
+        cli.bad_value(ap.prog, "--compute-dtype", repr(a.compute_dtype), f"a dtype {prof.name} has a peak for",
+                      f"use one of {', '.join(prof.flops)}")
     opts = Options(pcp_method=a.pcp_method, dcp_merge=a.dcp_merge, output=a.output_len,
-                   allow_pcp_with_dcp=a.allow_pcp_with_dcp, max_batched_tokens=a.max_batched_tokens)
+                   compute_dtype=a.compute_dtype, allow_pcp_with_dcp=a.allow_pcp_with_dcp,
+                   max_batched_tokens=a.max_batched_tokens)
     slo = SLO(a.ttft_slo, a.tpot_slo)
     if a.objective == "goodput" and not slo:
         cli.bad_value(ap.prog, "--objective", "'goodput' without an SLO", "goodput counts what meets an SLO",
@@ -132,7 +142,7 @@ def _plan(argv) -> int:
               f"{spec.kv_dtype} KV) on {devices} x {prof.device}; input {a.context}, output {a.output_len} tokens, "
               f"concurrency {a.batch}; objective {a.objective}"
               + (f", SLO TTFT p99 <= {_slo(slo.ttft_s)}, TPOT <= {_slo(slo.tpot_s)}" if slo else "")
-              + f"; PCP {a.pcp_method}, DCP {a.dcp_merge}")
+              + f"; {a.compute_dtype} compute; PCP {a.pcp_method}, DCP {a.dcp_merge}")
         print(table(rows, list(rows[0])))
         if a.batch > 1:
             print(f"\nTTFT p50 / p99: per request, {a.batch} arriving together, prefilled first come first served "
@@ -241,7 +251,7 @@ def _layouts(prog, spec, a, opts):
             cli.usage_error(prog, "argument --layout: " + " -- also ".join(
                 f"{r.layout} for {spec.name}: {'; '.join(r.problems)}" for r in refused))
         return ok, refused
-    ok, refused = layout_space(spec, a.devices, opts.allow_pcp_with_dcp)
+    ok, refused = layout_space(spec, a.devices, opts.allow_pcp_with_dcp, a.dp_attention)
     if not ok:
         cli.bad_value(prog, "--devices", a.devices, f"a device count some (tp, pcp, dcp) of {spec.name} accepts "
                       f"({spec.heads} heads must split over tp)", "use a divisor or multiple of the head count")

@@ -86,21 +86,30 @@ def fix_of(line: str) -> str:
     return line.rpartition("; fix: ")[2]
 
 
-def candidates(devices: int, allow_pcp_with_dcp: bool = False) -> list:
+def candidates(devices: int, allow_pcp_with_dcp: bool = False, dp_attention: bool = False) -> list:
     """Every ``Layout(tp, devices // tp, dcp)`` with ``tp`` and ``dcp`` divisors of ``devices`` (``dcp == 1``
-    only when ``pcp > 1``, unless ``allow_pcp_with_dcp``).
+    only when ``pcp > 1``, unless ``allow_pcp_with_dcp``); with ``dp_attention`` also every ``dp > 1`` dividing
+    ``devices``, each replica of ``devices // dp`` devices laid out the same way (DP attention, one expert group).
 
     >>> [str(x) for x in candidates(2)]
     ['tp=1 pcp=2 dcp=1', 'tp=2 pcp=1 dcp=1', 'tp=2 pcp=1 dcp=2']
+    >>> [str(x) for x in candidates(2, dp_attention=True)][3:]
+    ['tp=1 pcp=1 dcp=1 dp=2']
     """
     from cpattn.plan.model import Layout
 
-    return [Layout(tp, devices // tp, dcp) for tp in divisors(devices) for dcp in divisors(devices)
-            if dcp == 1 or tp == devices or allow_pcp_with_dcp]
+    out = []
+    for dp in divisors(devices) if dp_attention else [1]:
+        per = devices // dp
+        out += [Layout(tp, per // tp, dcp, dp) for tp in divisors(per) for dcp in divisors(per)
+                if dcp == 1 or tp == per or allow_pcp_with_dcp]
+    return out
 
 
-def layout_space(spec, devices: int, allow_pcp_with_dcp: bool = False) -> tuple[list, list[Refusal]]:
-    """(accepted layouts, refusals) among :func:`candidates` of ``devices`` for ``spec``.
+def layout_space(spec, devices: int, allow_pcp_with_dcp: bool = False,
+                 dp_attention: bool = False) -> tuple[list, list[Refusal]]:
+    """(accepted layouts, refusals) among :func:`candidates` of ``devices`` for ``spec`` (the engine's check
+    applies to each replica: ``EngineConfig`` has no DP size).
 
     >>> from cpattn.plan.specs import get_model
     >>> ok, refused = layout_space(get_model("qwen3-235b-a22b"), 8)
@@ -110,7 +119,7 @@ def layout_space(spec, devices: int, allow_pcp_with_dcp: bool = False) -> tuple[
     True
     """
     ok, refused = [], []
-    for lay in candidates(devices, allow_pcp_with_dcp):
+    for lay in candidates(devices, allow_pcp_with_dcp, dp_attention):
         found = layout_problems(spec, lay, allow_pcp_with_dcp)
         (refused.append(Refusal(lay, tuple(found))) if found else ok.append(lay))
     return ok, refused
