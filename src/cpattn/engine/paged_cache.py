@@ -30,7 +30,7 @@ from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode
 from cpattn.models.family import KVLayout, nan_caches
 from cpattn.engine.kv_rows import unpack_rows
-from cpattn.engine.paged_dsa import dsa_topk, sparse_partials_merged
+from cpattn.dsa.paged import dsa_topk, sparse_partials_merged
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.ops.rows import scatter_rows, write_kv, write_kv_mla
 
@@ -164,7 +164,7 @@ class DCPStep:
 
     def dsa(self, layer: int, q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, w_index: torch.Tensor,
             k_index: torch.Tensor, topk: int, scale: float, *, return_selection: bool = False):
-        """DSA over the key-sharded cache with the exact global top-k (:mod:`cpattn.engine.paged_dsa`).
+        """DSA over the key-sharded cache with the exact global top-k (:mod:`cpattn.dsa.paged`).
 
         q: [T, H, Dqk] (all heads, the same on every rank); kv: [T, 1, Dqk];
         q_index: [T, H_I, D_I]; w_index: [T, H_I]; k_index: [T, D_I]. Returns

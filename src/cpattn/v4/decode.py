@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.engine.paged_dsa import sharded_topk
+from cpattn.dsa.paged import sharded_topk
 from cpattn.graphs.runner import Field
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.layout.pcp import chunk_bounds
