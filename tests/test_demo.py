@@ -67,9 +67,25 @@ def test_demo_graph_mode_matches_single_device(tmp_path, capsys, expected_tokens
 
 
 @pytest.mark.slow
-def test_demo_mismatch_fails(tmp_path, capsys):
-    """A reference token changed on purpose: the demo must say so and exit non-zero (eager decode, DCP only)."""
-    code, out = _run(tmp_path, "--graph-mode", "none", "--pcp", "1", "--perturb-reference")
+def test_demo_mismatch_fails(tmp_path, capsys, monkeypatch):
+    """A reference token changed on purpose: the demo must say so and exit non-zero (eager decode, DCP only).
+
+    The whole of ``demo.main`` runs (flags, checks, reference, ranks, the check, report, JSON, exit status), its
+    two ranks on the simulated mesh instead of a second gloo spawn: the mismatch is found after the ranks return
+    (the perturbed reference lives in the report step), and the demo on gloo ranks is the test above's run.
+    """
+    from cpattn.comm import launch
+    from cpattn.comm.sim import simulate
+
+    def on_threads(world_size, fn, *args, threads=1, timeout_s=None):
+        return simulate(world_size, fn, *args)
+
+    monkeypatch.setattr(launch, "spawn", on_threads)
+    before = torch.get_num_threads()  # the rank function sets this process's threads
+    try:
+        code, out = _run(tmp_path, "--graph-mode", "none", "--pcp", "1", "--perturb-reference")
+    finally:
+        torch.set_num_threads(before)
     assert code == 1
     assert out["tokens_match"] is False
     chk = out["checks"]["eager"]
