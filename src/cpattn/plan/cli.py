@@ -9,6 +9,7 @@ Usage::
     cpattn plan --model deepseek-r1 --input-len 32768 --concurrency 16   # per-request TTFT p50 / p99, makespan
     cpattn plan --model qwen3-235b-a22b --layout tp=8,dcp=4              # refused: rule and fix, exit 2
     cpattn plan --model glm-5 --input-len 131072 --devices 8             # fits False: the term and the fix
+    cpattn plan --model deepseek-r1 --pd tp=1,pcp=8/tp=8,dcp=8 --compute-dtype fp8 --dp-attention
     cpattn plan calibrate [--quick] [--out PATH] [--force]    # fit the CPU profile on this machine
     cpattn plan validate --pcp-json p.json --dcp-json d.json --graph-json g.json
     cpattn plan anchors                                       # the published anchors, predicted
@@ -32,7 +33,7 @@ calibrate`` saved it), or a profile JSON. Every assumption is printed.
 
 from __future__ import annotations
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import table, write_json
 from cpattn.plan.rules import fix_of, rule_of
 
@@ -82,6 +83,9 @@ def _plan_parser():
                         "is reported with its rule and fix); default: every tp * pcp = --devices, dcp a divisor")
     p.add_argument("--allow-pcp-with-dcp", action="store_true",
                    help="the engine's opt-in to PCP and DCP in one engine (refused without it)")
+    p.add_argument("--pd", action="append", type=pd_arg, default=None, metavar="PREFILL/DECODE",
+                   help="also price a P/D split, e.g. tp=1,pcp=8/tp=8,dcp=8: a prefill engine, a decode engine "
+                        "and the KV moved between them (repeatable; both sides through the engine's P/D rules)")
     p.add_argument("--dp-attention", action="store_true",
                    help="also price data-parallel attention: dp replicas of tp * pcp devices sharing one expert "
                         "group (vLLM's --data-parallel-size with --enable-expert-parallel)")
@@ -122,6 +126,7 @@ def _plan(argv) -> int:
         cli.bad_value(ap.prog, "--objective", "'goodput' without an SLO", "goodput counts what meets an SLO",
                       "add --ttft-slo T and/or --tpot-slo T (e.g. --ttft-slo 2s --tpot-slo 50ms)")
     lays, refused = _layouts(ap.prog, spec, a, opts)
+    pd, pd_refused = _pd(ap.prog, spec, prof, a, opts)
     preds = [predict(spec, prof, lay, context=a.context, batch=a.batch, opts=opts) for lay in lays]
     if a.objective == "goodput":
         preds = with_goodput(preds, spec, prof, context=a.context, slo=slo, opts=opts)
@@ -144,6 +149,18 @@ def _plan(argv) -> int:
               + (f", SLO TTFT p99 <= {_slo(slo.ttft_s)}, TPOT <= {_slo(slo.tpot_s)}" if slo else "")
               + f"; {a.compute_dtype} compute; PCP {a.pcp_method}, DCP {a.dcp_merge}")
         print(table(rows, list(rows[0])))
+        if pd or pd_refused:
+            print("\nP/D splits (TTFT: the prefill engine's plus moving the request's KV between nodes; TPOT and "
+                  "tok/s: the decode engine's, per device of both):")
+        if pd:
+            print(table([{"prefill / decode": f"{r['prefill']} / {r['decode']}", "devices": r["devices"],
+                          "TTFT_p50_ms": 1e3 * r["ttft_p50_s"], "TTFT_p99_ms": 1e3 * r["ttft_p99_s"],
+                          "KV_transfer_ms": 1e3 * r["transfer_s"], "TPOT_ms": 1e3 * r["tpot_s"], "fits": r["fits"],
+                          "tok_s_per_device": r["tokens_per_s_per_device"]} for r in pd],
+                        ["prefill / decode", "devices", "TTFT_p50_ms", "TTFT_p99_ms", "KV_transfer_ms", "TPOT_ms",
+                         "fits", "tok_s_per_device"]))
+        for r in pd_refused:
+            print(f"  - refused: {r['prefill']} / {r['decode']}: " + " -- also ".join(r["problems"]))
         if a.batch > 1:
             print(f"\nTTFT p50 / p99: per request, {a.batch} arriving together, prefilled first come first served "
                   f"({a.max_batched_tokens} tokens a step); makespan: the whole batch's prefill")
@@ -172,7 +189,7 @@ def _plan(argv) -> int:
                         "recommendation": None if best is None else str(best.layout), "reason": why,
                         "ties": [str(p.layout) for p in ranked["ties"]],
                         "per_objective": {o: str(p.layout) for o, p in ranked["per_objective"].items()},
-                        "fit_changes": changes, "pcp_break_even": even,
+                        "fit_changes": changes, "pcp_break_even": even, "pd": pd, "pd_refused": pd_refused,
                         "assumptions": _assumptions(spec, prof)})
     return 0
 
@@ -219,6 +236,37 @@ def fraction(text: str) -> float:
     if not 0 <= v < 1:
         raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a fraction in [0, 1); fix: e.g. 0.02 (2%)")
     return v
+
+
+def pd_arg(text: str):
+    """``--pd tp=1,pcp=8/tp=8,dcp=8`` -> (prefill Layout, decode Layout)."""
+    import argparse
+
+    sides = text.split("/")
+    if len(sides) != 2:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: PREFILL/DECODE, two layouts; "
+                                         "fix: e.g. --pd tp=1,pcp=8/tp=8,dcp=8")
+    return layout_arg(sides[0]), layout_arg(sides[1])
+
+
+def _pd(prog, spec, prof, a, opts) -> tuple[list[dict], list[dict]]:
+    """(priced P/D splits, refused ones) of ``--pd``; a usage error when every one is refused."""
+    from cpattn.plan.pd import pd_problems, predict_pd
+
+    done, refused = [], []
+    for pre, dec in dict.fromkeys(a.pd or []):
+        found = pd_problems(spec, pre, dec, opts.allow_pcp_with_dcp)
+        if found:
+            refused.append({"prefill": str(pre), "decode": str(dec), "problems": found})
+            continue
+        r = predict_pd(spec, prof, pre, dec, context=a.context, batch=a.batch, opts=opts)
+        done.append({"prefill": str(pre), "decode": str(dec), "devices": r["devices"],
+                     "ttft_p50_s": r["ttft_p50_s"], "ttft_p99_s": r["ttft_p99_s"], "transfer_s": r["transfer_s"],
+                     "tpot_s": r["tpot_s"], "fits": r["fits"], "tokens_per_s_per_device": r["tokens_per_s_per_device"]})
+    if a.pd and not done:
+        cli.usage_error(prog, "argument --pd: " + " -- also ".join(
+            f"{r['prefill']} / {r['decode']} for {spec.name}: {'; '.join(r['problems'])}" for r in refused))
+    return done, refused
 
 
 def layout_arg(text: str):

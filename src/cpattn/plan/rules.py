@@ -58,12 +58,13 @@ def engine_fields(spec, lay, allow_pcp_with_dcp: bool = False) -> dict:
                 allow_pcp_with_dcp=allow_pcp_with_dcp)
 
 
-def layout_problems(spec, lay, allow_pcp_with_dcp: bool = False) -> list[str]:
-    """The problems ``EngineConfig.create`` reports for ``spec`` with layout ``lay``; empty when accepted."""
+def layout_problems(spec, lay, allow_pcp_with_dcp: bool = False, **fields) -> list[str]:
+    """The problems ``EngineConfig.create`` reports for ``spec`` with layout ``lay`` (and any other engine
+    ``fields``, e.g. ``kv_transfer="pd", kv_role="kv_consumer"``); empty when accepted."""
     try:
         with warnings.catch_warnings():  # an opted-in PCP + DCP engine's compatibility note is not a refusal
             warnings.simplefilter("ignore")
-            EngineConfig.create(**engine_fields(spec, lay, allow_pcp_with_dcp))
+            EngineConfig.create(**engine_fields(spec, lay, allow_pcp_with_dcp), **fields)
     except ConfigError as e:
         return list(e.problems)
     return []
