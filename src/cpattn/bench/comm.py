@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import measure, ratio, table, write_json
 
 SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 8 << 20)  # bytes per rank's input (float32)

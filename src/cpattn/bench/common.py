@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # torch is imported where a function needs it, so a command line parses (and refuses a typo) without it;
-# DTYPES (canonical dtype name -> torch dtype, the names of cpattn.bench.args.DTYPE_ALIASES) is made on first use
+# DTYPES (canonical dtype name -> torch dtype, the names of cpattn.config.cli_args.DTYPE_ALIASES) is made on first use
 _DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 

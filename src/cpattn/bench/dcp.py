@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import Samples, measure, ratio, write_json
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -57,7 +57,7 @@ import dataclasses
 import os
 import sys
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.pool.spec import pool_spec_problem
 
 # torch and the engine are imported once the command line is known good (a typo costs no `import torch`);

@@ -35,7 +35,7 @@ from __future__ import annotations
 import statistics
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import Samples, measure, ratio, safe_div, write_json
 
 D_QK, D_V, H_I, D_I = 576, 512, 64, 128

@@ -37,7 +37,7 @@ import sys
 import time
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import measure, ratio, table, write_json
 
 

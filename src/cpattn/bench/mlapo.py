@@ -33,7 +33,7 @@ import dataclasses
 import time
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import Samples, measure, ratio, write_json
 
 VARIANTS = ("eager_unfused", "eager_fused", "graph_unfused", "graph_fused")

@@ -28,7 +28,7 @@ import itertools
 import time
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import measure, safe_div, table, write_json
 
 # (kv heads, head dim, query heads per kv head, block size): GQA 8 x 128, small GQA, MQA, MLA latent

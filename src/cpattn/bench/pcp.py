@@ -28,7 +28,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import Progress, Samples, measure, ratio, table, write_json
 from cpattn.bench.pcp_breakdown import breakdown
 from cpattn.bench.pcp_model import model_rank, model_report

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import safe_div, table, write_json
 
 BLOCK = 16

@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import Samples, Spread, measure, ratio, write_json
 
 # per-layer sizes of DeepseekV4Config() (transformers 5.24 defaults)

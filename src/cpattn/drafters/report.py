@@ -33,7 +33,7 @@ import statistics
 import sys
 
 
-from cpattn.bench.args import add_json, add_quick, bad_value, check_backend, parser, positive_int, report_to
+from cpattn.config.cli_args import add_json, add_quick, bad_value, check_backend, parser, positive_int, report_to
 from cpattn.bench.common import Samples, ratio, table, write_json
 
 DEFAULT_DATA = pathlib.Path(__file__).resolve().parents[3] / "tests" / "data" / "speculative"

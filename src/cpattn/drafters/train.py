@@ -27,7 +27,7 @@ import json
 import os
 import time
 
-from cpattn.bench.args import (add_dtype, add_json, add_progress, bad_value, output_dir, parser, positive_float,
+from cpattn.config.cli_args import (add_dtype, add_json, add_progress, bad_value, output_dir, parser, positive_float,
                                positive_int, usage_error)
 
 # the targets each head can train for (None: any): MTP needs a DeepSeek-format target; Eagle3 fuses [T, H]

@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import table, write_json
 from cpattn.plan.cli import _profile
 

@@ -43,7 +43,7 @@ import socket
 import sys
 import threading
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
