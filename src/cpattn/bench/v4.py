@@ -4,7 +4,7 @@ Part 1 -- KV bytes per token of context (exact counts, no timing): what one
 request keeps between decode steps in DeepSeek-V4 (window ring, CSA / HCA
 entries, CSA indexer keys, compressor state), DeepSeek-V3.2 (latent row and
 indexer key per token per layer) and dense MLA (DeepSeek-V3), at 64K and 1M
-tokens, bf16 (:mod:`cpattn.v4.kv_bytes`). Every size is a transformers 5.24
+tokens, bf16 (:mod:`cpattn.bench.v4_kv_bytes`). Every size is a transformers 5.24
 config default -- ``DeepseekV4Config()``, ``DeepseekV32Config()``,
 ``DeepseekV3Config()`` -- and is re-read from the installed transformers
 when it is there. Also the bytes per DCP rank at DCP = 2 (V4's entries
@@ -60,7 +60,7 @@ PREFILL_TOPK = 64  # the prefill part's CSA top-k: its CPU kernel gathers T x k 
 # ----------------------------------------------------------------------------- part 1: KV bytes
 def sources() -> dict[str, str]:
     """Where every size comes from (and whether the installed transformers agrees)."""
-    from cpattn.v4.kv_bytes import V3, V32, V4
+    from cpattn.bench.v4_kv_bytes import V3, V32, V4
 
     out = {
         "v4": f"DeepseekV4Config() defaults: {len(V4.layer_kinds)} layers ({V4.layer_kinds.count('csa')} CSA m="
@@ -74,7 +74,7 @@ def sources() -> dict[str, str]:
     try:
         import transformers
     except ImportError:
-        out["checked"] = "transformers not installed: sizes as recorded in cpattn.v4.kv_bytes (from 5.24)"
+        out["checked"] = "transformers not installed: sizes as recorded in cpattn.bench.v4_kv_bytes (from 5.24)"
         return out
     c4, c32, c3 = transformers.DeepseekV4Config(), transformers.DeepseekV32Config(), transformers.DeepseekV3Config()
     kinds = {"compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca",
@@ -92,7 +92,7 @@ def sources() -> dict[str, str]:
 
 def kv_rows(contexts, dcp: int = 2) -> list[dict]:
     """Exact bytes per request (bf16) and per token, plus per DCP rank at ``dcp`` ranks."""
-    from cpattn.v4.kv_bytes import kv_bytes_table, v4_kv_elements
+    from cpattn.bench.v4_kv_bytes import kv_bytes_table, v4_kv_elements
 
     rows = []
     for row in kv_bytes_table(contexts):

@@ -10,7 +10,8 @@
 - :mod:`cpattn.v4.decode` -- the capturable decode step, its host plan in static per-token buffers;
 - :mod:`cpattn.v4.prefill`, :mod:`cpattn.v4.handoff`, :mod:`cpattn.v4.engine` -- the model on the
   engine: the prefill stage, the hand-off that seeds a decode cache, the family's stages;
-- :mod:`cpattn.v4.kv_bytes` -- exact KV bytes per token, V4 vs V3.2 vs dense MLA;
+- :mod:`cpattn.bench.v4_kv_bytes` (a benchmark helper, moved out of v4; old path still imports)
+  -- exact KV bytes per token, V4 vs V3.2 vs dense MLA;
 - :mod:`cpattn.v4.blocks` -- the model's non-attention blocks (mHC, MoE);
 - :mod:`cpattn.v4.checkpoint` -- DeepSeek checkpoint names to Hugging Face names.
 
