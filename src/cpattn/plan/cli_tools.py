@@ -195,6 +195,8 @@ def _anchors(argv) -> int:
     pcp = anchors.pcp_anchor()
     terms = anchors.pcp_terms(pcp)
     dcp = anchors.dcp_anchor()
+    no_hit = anchors.dcp_anchor(prefix_hit=0.0)
+    llama = anchors.llama_anchor()
     with cli.report_to(a.json):
         lo, hi = anchors.PCP_RANGE
         print(f"PCP = 2 TTFT reduction, prefill instances of 16 Ascend 910C (A3), DP2 TP8 -> PCP2 TP8, EP16 "
@@ -205,6 +207,13 @@ def _anchors(argv) -> int:
                      for r in pcp],
                     ["model", "context", "published_base_s", "published_reduction", "ttft_reduction", "error",
                      "in_range", "fitted_base_s", "fitted_reduction", "fitted_error", "fitted_in_range"]))
+        print("\nabsolute (predicted / published TTFT, no fitting):")
+        print(table([{"model": r["model"], "context": r["context"], "published_base_s": r["published_base_s"],
+                      "predicted_base_s": r["ttft_base_s"], "base": f"x{r['abs_base']:.2f}",
+                      "published_pcp_s": r["published_pcp_s"], "predicted_pcp_s": r["ttft_pcp2_s"],
+                      "pcp": f"x{r['abs_pcp']:.2f}"} for r in pcp],
+                    ["model", "context", "published_base_s", "predicted_base_s", "base", "published_pcp_s",
+                     "predicted_pcp_s", "pcp"]))
         print("\nEach column solved exactly through its three cells as constant + per-token * x + attention * x^2 "
               "(x = context / 32K; s at 32K), and what PCP did to each term; [low, high]: over every rounding of "
               f"the published cells (+-{anchors.PUBLISHED_HALF_UNIT} s):")
@@ -217,8 +226,17 @@ def _anchors(argv) -> int:
               f"range {lo}-{hi}x): predicted {dcp['ratio']:.2f}x (concurrency {dcp['tp8']['concurrency']} -> "
               f"{dcp['tp8_dcp8']['concurrency']}, TPOT {dcp['tp8']['tpot_s'] * 1e3:.1f} -> "
               f"{dcp['tp8_dcp8']['tpot_s'] * 1e3:.1f} ms); in range: {dcp['in_range']}")
+        pub = dcp["published"]
+        print(f"  absolute tokens/s per GPU: TP8 {dcp['tp8']['tokens_per_s_per_gpu']:.0f} (published {pub['tp8']}, "
+              f"x{dcp['abs']['tp8']:.1f}), TP8+DCP8 {dcp['tp8_dcp8']['tokens_per_s_per_gpu']:.0f} (published "
+              f"{pub['tp8_dcp8']}, x{dcp['abs']['tp8_dcp8']:.1f}); without the assumed {dcp['prefix_hit']:.0%} "
+              f"prefix-cache hits the ratio is {no_hit['ratio']:.2f}x")
+        print(f"\nLlama3-405B, one {llama['context']:,}-token prompt on 128 H100 (TP8 x CP16 ring; arXiv "
+              f"2411.01783): predicted {llama['ttft_s']:.1f} s, published {llama['published_s']:.0f} s "
+              f"(x{llama['abs']:.2f})")
         print("\nassumptions:")
         for line in anchors.ASSUMPTIONS:
             print(f"  - {line}")
-    write_json(a.json, {"pcp": pcp, "pcp_terms": terms, "dcp": dcp, "assumptions": anchors.ASSUMPTIONS})
+    write_json(a.json, {"pcp": pcp, "pcp_terms": terms, "dcp": dcp, "dcp_no_prefix_hit": no_hit, "llama": llama,
+                        "assumptions": anchors.ASSUMPTIONS})
     return 0

@@ -234,6 +234,24 @@ H200 = Profile(
     collectives={"intra": VLLM_CUSTOM_AR + NCCL_NVLINK, "inter": NCCL_NET},
 )
 
+H100 = Profile(
+    name="h100", device="NVIDIA H100 SXM 80 GB (HGX H100, 8 GPUs, NVLink 4 + NVSwitch)",
+    flops={"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "fp32": 67e12},
+    mem_bw=3.35 * TB, mem_bytes=80 * GB, devices_per_node=8,
+    links={"intra": Link(alpha=8e-6, beta=450 * GB), "inter": Link(alpha=15e-6, beta=50 * GB)},
+    efficiency=dict(H200.efficiency), launch=dict(H200.launch),
+    sources={
+        "flops": "NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1,979 / FP8 3,958 TFLOPS with sparsity -> "
+                 "989 / 1,979 dense; FP32 67 TFLOPS",
+        "mem_bw": "NVIDIA H100 datasheet (SXM): 3.35 TB/s HBM3", "mem_bytes": "NVIDIA H100 datasheet (SXM): 80 GB",
+        "links.intra": "NVIDIA H100 datasheet: NVLink 900 GB/s per GPU (both directions) -> 450 GB/s each way",
+        "links.inter": "assumption: one 400 Gb/s RDMA NIC per GPU (50 GB/s), as the Llama3-405B CP anchor's hosts",
+        "efficiency": "assumption: as for the H200", "launch": "assumption: as for the H200",
+        "collectives": "as for the H200",
+    },
+    collectives={"intra": VLLM_CUSTOM_AR + NCCL_NVLINK, "inter": NCCL_NET},
+)
+
 B200 = Profile(
     name="b200", device="NVIDIA B200 (HGX B200, 8 GPUs, NVLink 5 + NVSwitch)",
     flops={"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "fp32": 75e12},
@@ -294,7 +312,7 @@ CPU_DEFAULT = Profile(
     sources={"all": "defaults; run `cpattn plan calibrate` to fit them on this machine"},
 )
 
-PROFILES = {p.name: p for p in (H200, B200, ASCEND_910C, CPU_DEFAULT)}
+PROFILES = {p.name: p for p in (H200, H100, B200, ASCEND_910C, CPU_DEFAULT)}
 CPU_PROFILE_PATH = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "cpattn",
                                 "cpu_profile.json")
 

@@ -9,7 +9,7 @@ element. Parameter counts, FLOPs and bytes are derived from these
 
 Built-ins (numbers from each release's ``config.json``; pass ``--model
 path/config.json`` to use the file itself): DeepSeek-V3.2 and DeepSeek-R1
-(the V3 architecture), GLM-5, Qwen3-235B-A22B, Kimi-K2.
+(the V3 architecture), GLM-5, Qwen3-235B-A22B, Kimi-K2, Llama3-405B (dense, for an anchor).
 
 Example
 -------
@@ -129,6 +129,9 @@ BUILTINS = {
     "qwen3-235b-a22b": ModelSpec(name="Qwen3-235B-A22B", attention="gqa", layers=94, hidden=4096, vocab=151936,
                                  heads=64, kv_heads=4, head_dim=128, moe_intermediate=1536, experts=128,
                                  experts_per_token=8, weights="bf16", source="Qwen/Qwen3-235B-A22B config.json"),
+    "llama3-405b": ModelSpec(name="Llama3-405B", attention="gqa", layers=126, hidden=16384, vocab=128256, heads=128,
+                             kv_heads=8, head_dim=128, intermediate=53248, weights="bf16",
+                             source="meta-llama/Llama-3.1-405B config.json"),
     "kimi-k2": ModelSpec(name="Kimi-K2", attention="mla", layers=61, hidden=7168, vocab=163840, heads=64,
                          q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                          intermediate=18432, moe_intermediate=2048, experts=384, experts_per_token=8, shared_experts=1,
