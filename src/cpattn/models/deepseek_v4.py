@@ -50,10 +50,10 @@ import torch.nn.functional as F
 from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.common import load_checkpoint, normalize_params, rope_cos_sin, rope_inv_freq
 from cpattn.models.deepseek_v4_config import CONFIG_RULES, HF_KINDS, DeepseekV4Config, check_config  # noqa: F401
-from cpattn.v4 import blocks
+from cpattn.models import deepseek_v4_blocks as blocks
 from cpattn.v4.attention import Compression, LayerInput
 from cpattn.v4.cache import V4Cache
-from cpattn.v4.checkpoint import param_name
+from cpattn.models.deepseek_v4_checkpoint import param_name
 from cpattn.v4.engine import V4Stages
 
 # the config's names (DeepseekV4Config, check_config, CONFIG_RULES, HF_KINDS) live in deepseek_v4_config and are
@@ -175,7 +175,7 @@ def load_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def params_from_state(state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Params from a state dict in Hugging Face or DeepSeek naming (:mod:`cpattn.v4.checkpoint`):
+    """Params from a state dict in Hugging Face or DeepSeek naming (:mod:`cpattn.models.deepseek_v4_checkpoint`):
     MTP weights dropped, per-expert weights stacked, the reference's float32 tensors kept float32."""
     named = {param_name(k): v for k, v in state.items() if param_name(k) is not None}
     return normalize_params(named, dtype=dtype, load_dtype=load_dtype)

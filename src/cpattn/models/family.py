@@ -29,7 +29,7 @@ this declaration: it never sniffs module names or config attributes.
 - ``rename`` (optional): how the family's checkpoints name tensors, one
   checkpoint name -> its params name, or None for a tensor the model does
   not read (DeepSeek-V4's original names and MTP layers:
-  :func:`cpattn.v4.checkpoint.param_name`); None: checkpoint names are params
+  :func:`cpattn.models.deepseek_v4_checkpoint.param_name`); None: checkpoint names are params
   names. :func:`cpattn.models.load_checkpoint` applies it before checking
   names and shapes against ``init_params``, so the CLI and the API load alike.
 - ``load_dtype`` (optional): ``load_dtype(params name, dtype)`` -> the dtype

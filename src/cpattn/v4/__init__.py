@@ -12,8 +12,8 @@
   engine: the prefill stage, the hand-off that seeds a decode cache, the family's stages;
 - :mod:`cpattn.bench.v4_kv_bytes` (a benchmark helper, moved out of v4; old path still imports)
   -- exact KV bytes per token, V4 vs V3.2 vs dense MLA;
-- :mod:`cpattn.v4.blocks` -- the model's non-attention blocks (mHC, MoE);
-- :mod:`cpattn.v4.checkpoint` -- DeepSeek checkpoint names to Hugging Face names.
+- the model's non-attention blocks (mHC, MoE) and its checkpoint names moved beside the model:
+  :mod:`cpattn.models.deepseek_v4_blocks`, :mod:`cpattn.models.deepseek_v4_checkpoint` (old paths warn).
 
 The model is :mod:`cpattn.models.deepseek_v4`; the design and the measured
 tables are in docs/deepseek_v4.md.
