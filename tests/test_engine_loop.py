@@ -259,3 +259,28 @@ def test_speculative_steps_stay_lossless(method, dcp, graph):
     assert s.drafted_tokens > 0 and 0 < s.accepted_tokens <= s.drafted_tokens, s
     assert any(max(o.query_lens) == 4 and not any(o.is_prefill) for o, _ in steps if o.req_ids)
     assert not engine.proposer.slots  # every slot given back
+
+
+@pytest.mark.slow
+def test_bench_engine_quick_reports_every_scenario(tmp_path):
+    import json
+
+    from cpattn.bench import engine as bench
+
+    out = tmp_path / "engine.json"
+    assert bench.main(["--quick", "--batches", "2", "--steps", "3", "--prompt", "256", "--chunk", "64",
+                       "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["float32"]
+    modes = {(r["scenario"], r["mode"]): r for r in rows["rows"]}
+    assert modes[("decode b=2", "captured")]["replayed"] == 3 and modes[("decode b=2", "eager")]["replayed"] == 0
+    assert modes[("8 decodes + 64-token chunk", "eager")]["tokens"] == 64 + 8
+    assert all(0 < r["host_frac"]["median"] < 1 for r in rows["rows"] if isinstance(r["host_frac"], dict))
+    assert rows["ttft"]["ratio"]["median"] > 0
+
+
+def test_bench_engine_refuses_a_chunk_longer_than_the_prompt(capsys):
+    from cpattn.bench import engine as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--prompt", "100", "--chunk", "200"])
+    assert e.value.code == 2 and "--chunk" in capsys.readouterr().err

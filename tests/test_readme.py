@@ -20,6 +20,9 @@ def test_readme_python_example_runs_and_is_exact(capsys):
     assert torch.allclose(scope["dec"], scope["want"], atol=1e-5)  # the DCP example
     assert torch.equal(scope["gen"].tokens, scope["one"].tokens)  # the engine example: PCP 2 + DCP 2 = one device
     assert scope["gen"].tokens.shape == (2, 8)
+    stats = scope["engine"].stats  # the step-loop example: a prefix hit, replays, no leak, the same tokens
+    assert (stats.prefix_hit_tokens, stats.blocks_used) == (8, 0) and stats.replayed_steps > 0
+    assert scope["engine"].scheduler.output_tokens(scope["first"]) == scope["one"].tokens[0].tolist()
 
 
 def test_readme_engine_example_runs_alone():

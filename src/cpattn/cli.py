@@ -42,6 +42,8 @@ BENCHMARKS = {
     "dsa": ("cpattn.bench.dsa:main", "DSA decode vs dense MLA at 32K/64K, FP8 selection, DSA-CP prefill on TP ranks"),
     "pool": ("cpattn.bench.pool:main", "KV pool: store / load per block; TTFT cold vs warm (pooled prefix), 1 and 2 ranks"),
     "v4": ("cpattn.bench.v4:main", "DeepSeek-V4: KV bytes per token vs V3.2/MLA; 64K decode 1 rank vs DCP; 16K prefill 1 rank vs PCP"),
+    "engine": ("cpattn.bench.engine:main", "step loop: scheduling + input preparation as a fraction of a step, "
+               "decode batch 1/8/32 eager vs captured; chunked-prefill TTFT"),
     "mlapo": ("cpattn.bench.mlapo:main", "DeepSeek decode step with / without the fused MLA preprocessing op, DCP 1 and 2"),
     "drafts": ("cpattn.drafters.report:main",
                "MTP / Eagle3 / DSpark on tiny trained targets: acceptance per position; decode tok/s vs plain, DCP 1 and 2"),

@@ -36,6 +36,7 @@ Example
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,7 +114,8 @@ class LLMEngine:
     model, params, cfg: a family (or its name), its weights, its config.
     config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, block and interleave
         sizes, graph mode); None: built from ``dcp_size`` / ``block_size`` / ``interleave_size`` /
-        ``graph_mode`` / ``graph_backend`` ("auto": a compiler where the group can be traced) by
+        ``graph_mode`` / ``graph_backend`` ("auto": a compiler where the group can be traced) /
+        ``capture_sizes`` by
         :func:`cpattn.engine.driver.engine_configs`.
     scheduler: the :class:`~cpattn.config.SchedulerConfig` (budget, request cap, chunking, prefix caching).
     world: this rank's group under torchrun (every rank builds the engine and calls the same methods
@@ -130,13 +132,14 @@ class LLMEngine:
     def __init__(self, model: ModelFamily | str, params: dict, cfg: Any, *, config: EngineConfig | None = None,
                  scheduler: SchedulerConfig | None = None, world: Group | None = None, dcp_size: int = 1,
                  block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
-                 graph_backend: str = "auto", num_blocks: int | None = None, merge: str = "local_ag",
+                 graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None, merge: str = "local_ag",
                  drafter=None, num_speculative_tokens: int = 0, poison: bool = False) -> None:
         family = get_family(model)
         if config is None:
             config = engine_configs(family, cfg, dcp_size=dcp_size, block_size=block_size,
                                     interleave_size=interleave_size, graph_mode=graph_mode,
-                                    graph_backend=graph_backend, num_speculative_tokens=num_speculative_tokens,
+                                    graph_backend=graph_backend, capture_sizes=capture_sizes,
+                                    num_speculative_tokens=num_speculative_tokens,
                                     speculative_method=getattr(drafter, "method", None))[1]
         sched = scheduler or SchedulerConfig()
         k = config.speculative.num_speculative_tokens
@@ -175,6 +178,7 @@ class LLMEngine:
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
                         "drafted_tokens": 0, "accepted_tokens": 0}
         self.last_step: tuple | None = None  # (SchedulerOutput, replayed) of the latest step
+        self.step_times: dict[str, float] = {}
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
@@ -203,11 +207,21 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and commit one step; the :class:`RequestOutput` of every row it ran."""
+        """Schedule, run and commit one step; the :class:`RequestOutput` of every row it ran.
+
+        ``engine.step_times`` then holds the step's host seconds by phase: schedule, prepare (the
+        input tensors), forward (the model step, eager or replayed), sample, update (commit, drafts)."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         results = self._execute(out)
+        t2 = time.perf_counter()
         outputs = self._with_drafts(out, results[0].outputs)
         done = set(self.scheduler.update(outputs))
+        r = results[0]
+        self.step_times = {"schedule": t1 - t0, "prepare": r.prepare_s, "forward": r.forward_s,
+                           "sample": r.sample_s, "update": time.perf_counter() - t2,
+                           "total": time.perf_counter() - t0}
         if self.proposer is not None:
             self.proposer.release([r for r in list(self.proposer.slots)
                                    if self.scheduler.requests[r].status != "running"])

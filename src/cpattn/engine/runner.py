@@ -46,6 +46,7 @@ Example
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +64,16 @@ from cpattn.graphs.runner import DecodeRunner
 class StepResult:
     """One executed step: ``outputs[req_id]`` for the scheduler's update; ``logits[req_id]`` [n, V]
     the rows each sampled token came from (float32, float64 in a float64 run); ``replayed``: the step
-    ran a captured program; ``bytes_sent``: what this rank sent during the step."""
+    ran a captured program; ``bytes_sent``: what this rank sent during the step; ``prepare_s`` /
+    ``forward_s`` / ``sample_s``: host seconds building the inputs, running the step, picking tokens."""
 
     outputs: dict
     logits: dict
     replayed: bool
     bytes_sent: int
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 class StepRunner:
@@ -112,9 +117,10 @@ class StepRunner:
                                       capture_sizes=list(capture_sizes) if capture_sizes else None,
                                       max_size=max(q, max_num_seqs * q), backend=capture).capture()
 
-    def batch(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """The step's inputs: tokens [T], seq_lens [B], block_table [B, max_blocks] (spare-padded)."""
-        table = torch.full((len(out.req_ids), self.max_blocks), self.spare, dtype=torch.int64)
+    def batch(self, out: SchedulerOutput, width: int | None = None) -> dict[str, torch.Tensor]:
+        """The step's inputs: tokens [T], seq_lens [B], block_table [B, width] (spare-padded; default
+        ``max_blocks``, the captured programs' width; an eager step passes its own longest table)."""
+        table = torch.full((len(out.req_ids), width or self.max_blocks), self.spare, dtype=torch.int64)
         for b, ids in enumerate(out.block_tables):
             if len(ids) > self.max_blocks:
                 raise ValueError(f"request {out.req_ids[b]!r} holds {len(ids)} blocks; the runner was built for "
@@ -132,15 +138,19 @@ class StepRunner:
                     t[ids] = float("nan")
         if not out.req_ids:
             return StepResult({}, {}, False, 0)
-        sent = self.group.stats.total_sent()
-        batch = self.batch(out)
+        sent, t0 = self.group.stats.total_sent(), time.perf_counter()
         replayed = False
         if self.graph is not None and out.uniform_decode and out.query_lens[0] == self.graph.q_len:
+            batch = self.batch(out)
+            t1 = time.perf_counter()
             logits, greedy = self.graph(batch, list(out.query_lens))[:2]
             replayed = self.graph.stats.last.startswith("graph")
-        else:
+        else:  # eager: the table only as wide as this step's longest, so attention reads no unused block
+            batch = self.batch(out, max(1, max(len(ids) for ids in out.block_tables)))
+            t1 = time.perf_counter()
             cu = torch.tensor([0, *out.query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
             logits, greedy = self._step(self._state, {**batch, "cu_seqlens_q": cu})[:2]
+        t2 = time.perf_counter()
         outputs, rows = {}, {}
         end = 0
         for b, rid in enumerate(out.req_ids):
@@ -153,4 +163,5 @@ class StepRunner:
             a = int(accept_drafts(torch.tensor([out.draft_tokens[b]], dtype=torch.int64).view(1, d), g[None])[0])
             outputs[rid] = ModelOutput(tuple(g[: a + 1].tolist()))
             rows[rid] = logits[end - 1 - d:end - d + a]
-        return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent)
+        return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent, t1 - t0, t2 - t1,
+                          time.perf_counter() - t2)

@@ -1,0 +1,194 @@
+"""Benchmark: the step loop's host time -- scheduling and input preparation as a fraction of a step.
+
+On the demo model (the tiny Qwen3 of ``cpattn demo``, random weights), one
+process (a one-rank gloo group, so a captured step can be compiled), the
+:class:`~cpattn.engine.llm.LLMEngine` runs:
+
+- **decode** at batch 1 / 8 / 32: every request prefilled, then uniform
+  decode steps, eager and captured (FULL_DECODE_ONLY, ``--graph-backend``);
+- **mixed**: 8 decoding requests and one ``--chunk``-token prompt chunk in
+  one step (always eager, as FULL_DECODE_ONLY asks);
+- **chunked TTFT**: one ``--prompt``-token prompt prefilled in ``--chunk``
+  chunks vs in one step (budget = the prompt), the first token's wall time,
+  interleaved rounds, median [low-high] of the per-round ratios.
+
+Per step the engine records host seconds by phase (``engine.step_times``):
+schedule, prepare (the input tensors), forward (the model step), sample,
+update. ``host %`` = (schedule + prepare + sample + update) / step, the
+median over the timed steps with [low-high] -- the part of a step that is
+not the model. On a model this small the forward is short, so the fraction
+is an upper bound of what a real model sees.
+
+Usage::
+
+    cpattn bench engine              # float32 and bfloat16, 2K chunks of an 8K prompt
+    cpattn bench engine --quick      # float32, eager graph runner, 512-token chunks of 2K, < 60 s
+    cpattn bench engine --json -     # only JSON on stdout
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from cpattn.bench import args as cli
+from cpattn.bench.common import write_json
+
+PHASES = ("schedule", "prepare", "forward", "sample", "update")
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "low": min(xs), "high": max(xs)}
+
+
+def _engine(group, params, cfg, *, batch: int, budget: int, graph: str | None, num_blocks: int):
+    from cpattn.config import SchedulerConfig
+    from cpattn.engine.llm import LLMEngine
+
+    return LLMEngine("qwen3", params, cfg, world=group, block_size=16, num_blocks=num_blocks,
+                     graph_mode="FULL_DECODE_ONLY" if graph else "NONE", graph_backend=graph or "eager",
+                     capture_sizes=[batch] if graph else None, scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max(batch, 9),
+                                                            enable_prefix_caching=False))
+
+
+def _decode_rows(group, params, cfg, batch: int, steps: int, graph: str | None) -> dict:
+    """Host fraction of ``steps`` uniform decode steps at ``batch`` requests (after their prefill)."""
+    from cpattn.engine.llm import SamplingParams
+
+    eng = _engine(group, params, cfg, batch=batch, budget=64 * batch, graph=graph, num_blocks=batch * 8)
+    for i in range(batch):
+        eng.add_request([(7 * i + j) % cfg.vocab_size for j in range(64)], SamplingParams(max_tokens=steps + 3))
+    while eng.stats.steps < 1 or eng.last_step[0].is_prefill[0]:
+        eng.step()
+    eng.step()  # warm-up decode
+    fracs, totals, phases, replayed = [], [], {p: [] for p in PHASES}, 0
+    for _ in range(steps):
+        eng.step()
+        t = eng.step_times
+        fracs.append((t["total"] - t["forward"]) / t["total"])
+        totals.append(t["total"])
+        for p in PHASES:
+            phases[p].append(t[p])
+        replayed += eng.last_step[1]
+    return {"host_frac": _spread(fracs), "step_s": _spread(totals), "replayed": replayed, "steps": steps,
+            "phases_s": {p: statistics.median(v) for p, v in phases.items()}}
+
+
+def _mixed_row(group, params, cfg, chunk: int) -> dict:
+    """One step holding 8 decodes and a ``chunk``-token prompt chunk (eager)."""
+    from cpattn.engine.llm import SamplingParams
+
+    eng = _engine(group, params, cfg, batch=8, budget=chunk + 8, graph=None, num_blocks=8 * 8 + chunk // 16 + 4)
+    for i in range(8):
+        eng.add_request([(3 * i + j) % cfg.vocab_size for j in range(64)], SamplingParams(max_tokens=8))
+    eng.step()
+    eng.step()  # decodes running
+    eng.add_request([j % cfg.vocab_size for j in range(chunk + 1)], SamplingParams(max_tokens=1))
+    eng.step()
+    t, out = eng.step_times, eng.last_step[0]
+    return {"host_frac": (t["total"] - t["forward"]) / t["total"], "step_s": t["total"],
+            "rows": len(out.req_ids), "tokens": out.num_scheduled_tokens, "phases_s": {p: t[p] for p in PHASES}}
+
+
+def _ttft(group, params, cfg, prompt: int, chunk: int, rounds: int) -> dict:
+    """First-token wall time of one prompt in chunks vs whole, interleaved rounds."""
+    from cpattn.engine.llm import SamplingParams
+
+    toks = [j * 5 % cfg.vocab_size for j in range(prompt)]
+    times = {"chunked": [], "whole": []}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in (("chunked", "whole") if r % 2 else ("whole", "chunked")):
+            eng = _engine(group, params, cfg, batch=1, budget=chunk if name == "chunked" else prompt, graph=None,
+                          num_blocks=prompt // 16 + 2)
+            eng.add_request(toks, SamplingParams(max_tokens=1))
+            t0 = time.perf_counter()
+            while eng.has_unfinished():
+                eng.step()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    ratios = [c / w for c, w in zip(times["chunked"], times["whole"]) if w > 0]
+    return {"chunked_s": _spread(times["chunked"]), "whole_s": _spread(times["whole"]), "ratio": _spread(ratios)}
+
+
+def engine_rank(group, cfg: dict) -> dict:
+    """Every scenario on this rank (a one-rank group), for each dtype."""
+    import torch
+
+    from cpattn.bench.common import DTYPES
+    from cpattn.models import qwen3
+
+    mcfg = qwen3.Qwen3Config.tiny()
+    torch.manual_seed(0)
+    out = {}
+    for dt in cfg["dtypes"]:
+        params = qwen3.init_params(mcfg, dtype=DTYPES[dt])
+        rows = []
+        for b in cfg["batches"]:
+            for graph in (None, cfg["graph_backend"]):
+                r = _decode_rows(group, params, mcfg, b, cfg["steps"], graph)
+                rows.append({"scenario": f"decode b={b}", "mode": "captured" if graph else "eager", **r})
+        rows.append({"scenario": f"8 decodes + {cfg['chunk']}-token chunk", "mode": "eager",
+                     **_mixed_row(group, params, mcfg, cfg["chunk"])})
+        out[dt] = {"rows": rows, "ttft": _ttft(group, params, mcfg, cfg["prompt"], cfg["chunk"], cfg["rounds"])}
+    return out
+
+
+def _parser():
+    p = cli.parser("cpattn bench engine", __doc__)
+    cli.add_quick(p, "float32 only, eager graph runner, batches 1,8, 2K prompt in 512-token chunks, < 60 s "
+                     "(flags given beside it win)")
+    p.add_argument("--batches", type=cli.int_list, default="1,8,32", metavar="B,...", help="decode batch sizes")
+    p.add_argument("--steps", type=cli.positive_int, default=20, help="timed decode steps per batch size")
+    p.add_argument("--prompt", type=cli.positive_int, default=8192, help="prompt tokens of the chunked-TTFT run")
+    p.add_argument("--chunk", type=cli.positive_int, default=2048, help="prefill chunk (the step's token budget)")
+    p.add_argument("--rounds", type=cli.positive_int, default=3, help="interleaved TTFT rounds")
+    p.add_argument("--dtypes", default="float32,bfloat16", metavar="D,...", help="model dtypes")
+    p.add_argument("--graph-backend", default="cpu", metavar="NAME",
+                   help="graph backend of the captured decode steps (cpu compiles with inductor; eager: no compiler)")
+    cli.add_json(p)
+    cli.add_timeout(p, default=1800.0)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the engine benchmark and print host fractions and the chunked-prefill TTFT ratio."""
+    p = _parser()
+    args = p.parse_args(argv)
+    dtypes = [cli.dtype_name(d) for d in args.dtypes.split(",") if d]
+    if args.quick:  # its sizes, except those given on the command line
+        quick = dict(batches=(1, 8), steps=8, prompt=2048, chunk=512, rounds=2, graph_backend="eager",
+                     dtypes="float32")
+        defaults = vars(p.parse_args([]))
+        for name, value in quick.items():
+            if getattr(args, name) == defaults[name]:
+                setattr(args, name, value)
+        dtypes = [cli.dtype_name(d) for d in args.dtypes.split(",") if d]
+    if args.chunk > args.prompt:
+        cli.bad_value(p.prog, "--chunk", args.chunk, "a chunk no longer than --prompt", f"pass --chunk <= {args.prompt}")
+    cli.check_backend(p.prog, "--graph-backend", args.graph_backend)
+    cfg = dict(batches=list(args.batches), steps=args.steps, prompt=args.prompt, chunk=args.chunk,
+               rounds=args.rounds, dtypes=dtypes, graph_backend=args.graph_backend)
+    from cpattn.comm.launch import spawn
+
+    with cli.report_to(args.json):
+        print(f"engine step loop on the demo model (tiny Qwen3), one gloo rank; graph backend {args.graph_backend}; "
+              f"host % = (schedule + prepare + sample + update) / step, median [low-high] over {args.steps} steps")
+        t0 = time.time()
+        res = spawn(1, engine_rank, cfg, threads=2, timeout_s=args.timeout)[0]
+        for dt, r in res.items():
+            print(f"\n{dt}")
+            print(f"{'scenario':<28} {'mode':<9} {'step ms':>8} {'host %':>22} {'replayed':>8}")
+            for row in r["rows"]:
+                h = row["host_frac"]
+                hs = (f"{100 * h['median']:.1f} [{100 * h['low']:.1f}-{100 * h['high']:.1f}]"
+                      if isinstance(h, dict) else f"{100 * h:.1f}")
+                st = row["step_s"]["median"] if isinstance(row["step_s"], dict) else row["step_s"]
+                print(f"{row['scenario']:<28} {row['mode']:<9} {1e3 * st:>8.2f} {hs:>22} "
+                      f"{str(row.get('replayed', '-')):>8}")
+            t = r["ttft"]
+            print(f"TTFT {args.prompt}-token prompt: {args.chunk}-token chunks {t['chunked_s']['median']:.3f} s vs one "
+                  f"step {t['whole_s']['median']:.3f} s; chunked / whole {t['ratio']['median']:.2f} "
+                  f"[{t['ratio']['low']:.2f}-{t['ratio']['high']:.2f}]")
+        print(f"\n({time.time() - t0:.0f} s)")
+    write_json(args.json, {"benchmark": "engine", "config": cfg, "results": res})
+    return 0
