@@ -13,10 +13,10 @@ together until the decode side holds the prompt's KV in its DCP layout and
 knows the first token:
 
 - ``pcp+dcp a2a``: PCP prefill over P ranks writing the DCP layout of the
-  same ranks with one owner all-to-all (:func:`cpattn.models.generate.pcp_dcp_generate_on_rank`);
+  same ranks with one owner all-to-all (:func:`cpattn.engine.classic.pcp_dcp_generate_on_rank`);
 - ``pcp+dcp allgather``: the same with an all-gather of the KV instead;
 - ``pcp -> p/d``: PCP prefill on P ranks, then whole blocks sent point to
-  point to N = P separate decode ranks (:func:`cpattn.models.generate.pd_generate_on_rank`).
+  point to N = P separate decode ranks (:func:`cpattn.engine.classic.pd_generate_on_rank`).
 
 Run: ``cpattn bench spec --quick`` (under a minute) or with
 ``--json out.json`` (``--json -``: only JSON on stdout).
@@ -52,7 +52,7 @@ def acceptance_rows(new_tokens: int, ks: list[int]) -> list[dict]:
     import torch
     from cpattn.engine.drafters import ModelDrafter, NgramDrafter, truncated
     from cpattn.models import qwen3
-    from cpattn.models.generate import generate, speculative_generate
+    from cpattn.engine.classic import generate, speculative_generate
 
     torch.set_num_threads(1)
     cfg, params = spec_model()
@@ -102,7 +102,7 @@ def _median_ready(times: list[float]) -> float:
 def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
     """Per exchange: median over reps of this rank's start -> ready time, and its exchange bytes."""
     import torch
-    from cpattn.models.generate import pcp_dcp_config, pcp_dcp_generate_on_rank
+    from cpattn.engine.classic import pcp_dcp_config, pcp_dcp_generate_on_rank
 
     out = {}
     config = pcp_dcp_config("qwen3", cfg, group.size, block_size=block_size, interleave_size=block_size)
@@ -121,7 +121,7 @@ def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
 
 def pd_rank(world, params, cfg, prompts, block_size, reps, prefill_size):
     """Median ready time of this rank over reps (decode ranks: KV placed; prefill ranks: prefill done)."""
-    from cpattn.models.generate import pd_generate_on_rank
+    from cpattn.engine.classic import pd_generate_on_rank
 
     times, last = [], None
     for rep in range(reps + 1):

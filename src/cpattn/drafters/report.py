@@ -66,7 +66,7 @@ def bench_prompts(data, target: str, n: int, length: int = 16) -> list[list[int]
 def acceptance_rows(data, new_tokens: int, n_prompts: int, ks: list[int]) -> list[dict]:
     """Part 1: one row per (target, method, k)."""
     import torch
-    from cpattn.models.generate import generate, speculative_generate
+    from cpattn.engine.classic import generate, speculative_generate
 
     torch.set_num_threads(1)  # tiny steps: more threads only add overhead
     rows = []
@@ -105,7 +105,7 @@ def speed_rank(group, data, target: str, methods: dict, prompts, new_tokens: int
     run i); per run the slowest rank's steady-state seconds per token (see :func:`seconds_per_token`).
     Returns {name: [seconds per token]}."""
     import torch
-    from cpattn.models.generate import generate_on_rank, speculative_generate_on_rank
+    from cpattn.engine.classic import generate_on_rank, speculative_generate_on_rank
 
     model, cfg, params, heads = load(data, target)
     torch.set_num_threads(1)

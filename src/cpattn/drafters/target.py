@@ -349,7 +349,7 @@ def _greedy_chunk(model: str, params: dict, cfg: Any, prompts: torch.Tensor, len
 def engine_greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor, length: int,
                        hidden_layers: tuple) -> GreedyData:
     """:func:`greedy_data` through the engine, for any family (DeepSeek-V4's own cache included): the
-    continuation from one-device greedy generation (:func:`cpattn.models.generate.generate`), then the
+    continuation from one-device greedy generation (:func:`cpattn.engine.classic.generate`), then the
     family's one-device prefill over the whole sequences [N, length] with ``hidden_layers``, its hidden
     states ``{name: [N, length, F]}`` (trailing dims flattened: a DeepSeek-V4 layer's n_hc streams are
     ``n_hc * H`` features) and every position's argmax.
@@ -366,7 +366,7 @@ def engine_greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor
     from cpattn.engine.batch import Prompts
     from cpattn.engine.driver import prefill_fn
     from cpattn.engine.options import Algorithms
-    from cpattn.models.generate import generate
+    from cpattn.engine.classic import generate
 
     n, p = prompts.shape
     x = prompts

@@ -8,7 +8,7 @@ ModelFamily(...)``, its declaration to the engine
 KV layout, attention kind, whether the decode step is capturable). Running
 them -- one device, PCP prefill, DCP decode, speculative decoding, P/D --
 is the engine's job (:mod:`cpattn.engine`; classic entry points in
-:mod:`cpattn.models.generate`).
+:mod:`cpattn.engine.classic`).
 
 Families: :mod:`cpattn.models.qwen3` (GQA with q/k RMSNorm),
 :mod:`cpattn.models.deepseek_v3` (absorbed MLA, exact MoE, YaRN),
