@@ -45,6 +45,12 @@ def algorithms(group):
     return out
 
 
+def collectives_and_algorithms(group):
+    """:func:`collectives` (its byte counters first), then :func:`algorithms` (groups of their own): one spawn
+    serves both gloo tests of a world size."""
+    return {"collectives": collectives(group), "algorithms": algorithms(group)}
+
+
 def inputs(rank, n):
     """Seeded per-rank tensors for :func:`algorithms` (the test rebuilds every rank's)."""
     from cpattn.comm.dist import SMALL_BYTES
