@@ -23,7 +23,8 @@ from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.reference import reference_generate
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]  # PCP + DCP in one engine
 MAX_TOKENS = 6  # the reference is computed once per prompt at this length; shorter requests take a prefix
 
 
@@ -87,19 +88,21 @@ def shared_schedule(vocab: int, seed: int = 0) -> list[dict]:
             dict(prompt=list(first), max_tokens=6, arrive=9)]
 
 
-@pytest.mark.parametrize("family,dcp,interleave,heads", [
-    ("qwen3", 2, 1, None),
-    ("qwen3", 3, 2, 6),  # DCP 3: uneven shares of every span
-    pytest.param("qwen3_moe", 3, 1, None, marks=pytest.mark.slow),
-    pytest.param("deepseek_v2", 2, 2, None, marks=pytest.mark.slow),  # MLA: values in the keys
-    pytest.param("deepseek_v3", 2, 4, None, marks=pytest.mark.slow),
-    pytest.param("deepseek_v32", 2, 1, None, marks=pytest.mark.slow),  # DSA: indexer keys in the paged cache
-    pytest.param("glm_moe_dsa", 2, 2, None, marks=pytest.mark.slow),
+@pytest.mark.parametrize("family,dcp,interleave,heads,pcp", [
+    ("qwen3", 2, 1, None, False),
+    ("qwen3", 3, 2, 6, True),  # DCP 3: uneven shares of every span; chunks under PCP 3
+    pytest.param("qwen3_moe", 3, 1, None, False, marks=pytest.mark.slow),
+    pytest.param("deepseek_v2", 2, 2, None, True, marks=pytest.mark.slow),  # MLA: values in the keys
+    pytest.param("deepseek_v3", 2, 4, None, False, marks=pytest.mark.slow),
+    pytest.param("deepseek_v32", 2, 1, None, True, marks=pytest.mark.slow),  # DSA-CP chunks, indexer keys paged
+    pytest.param("glm_moe_dsa", 2, 2, None, False, marks=pytest.mark.slow),
 ])
-def test_every_family_serves_a_mixed_schedule_exactly(family, dcp, interleave, heads):
-    """Chunked prefill beside decodes, prefix hits, captured uniform decode steps, DCP-sharded blocks."""
+def test_every_family_serves_a_mixed_schedule_exactly(family, dcp, interleave, heads, pcp):
+    """Chunked prefill beside decodes (chunks under DCP attention, or PCP with their cached context),
+    prefix hits, captured uniform decode steps, DCP-sharded blocks."""
     cfg, params = model(family, heads)
-    engine = LLMEngine(family, params, cfg, dcp_size=dcp, block_size=4, interleave_size=interleave,
+    engine = LLMEngine(family, params, cfg, dcp_size=dcp, pcp_size=dcp if pcp else 1, block_size=4,
+                       interleave_size=interleave,
                        graph_mode="FULL_DECODE_ONLY", num_blocks=24, poison=True,
                        scheduler=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3))
     steps = check_run(family, engine, shared_schedule(cfg.vocab_size), heads)
@@ -108,6 +111,7 @@ def test_every_family_serves_a_mixed_schedule_exactly(family, dcp, interleave, h
     assert s.replayed_steps > 0 and s.eager_steps > 0, s
     assert any(o.is_prefill and not o.samples[0] for o, _ in steps if o.req_ids), "no partial chunk ran"
     assert s.bytes_sent > 0  # DCP merges moved partials
+    assert (s.pcp_steps > 0) == pcp, s
 
 
 def test_preemption_recomputes_exactly():
@@ -188,7 +192,7 @@ def draw_schedule(vocab: int, reqs: list[dict], seed: int) -> list[dict]:
     return out
 
 
-def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed):
+def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed):
     cfg, params = model("qwen3")
     sched = draw_schedule(cfg.vocab_size, reqs, seed)
     span = block * dcp
@@ -196,7 +200,8 @@ def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed)
     num_blocks = -(-longest // span) + spare  # small spare: preemptions
     if not chunked:
         budget = max(budget, longest)
-    engine = LLMEngine("qwen3", params, cfg, dcp_size=dcp, block_size=block, num_blocks=num_blocks, poison=True,
+    engine = LLMEngine("qwen3", params, cfg, dcp_size=dcp, pcp_size=dcp if pcp else 1, block_size=block,
+                       num_blocks=num_blocks, poison=True,
                        graph_mode="FULL_DECODE_ONLY" if graph else "NONE", graph_backend="eager",
                        drafter=NgramDrafter() if k else None, num_speculative_tokens=k,
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
@@ -206,21 +211,22 @@ def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed)
 
 schedules = dict(reqs=requests, dcp=st.sampled_from([1, 2]), block=st.sampled_from([2, 4]),
                  budget=st.integers(1, 48), seqs=st.integers(1, 4), spare=st.integers(0, 12), chunked=st.booleans(),
-                 graph=st.booleans(), k=st.sampled_from([0, 0, 2]), seed=st.integers(0, 2**16))
+                 graph=st.booleans(), k=st.sampled_from([0, 0, 2]), pcp=st.booleans(), seed=st.integers(0, 2**16))
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(**schedules)
-def test_any_schedule_gives_one_device_greedy_tokens(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed):
-    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed)
+def test_any_schedule_gives_one_device_greedy_tokens(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp,
+                                                     seed):
+    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed)
 
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**schedules)
 def test_any_schedule_gives_one_device_greedy_tokens_more(reqs, dcp, block, budget, seqs, spare, chunked, graph,
-                                                          k, seed):
-    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, seed)
+                                                          k, pcp, seed):
+    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed)
 
 
 @pytest.mark.slow
@@ -284,3 +290,17 @@ def test_bench_engine_refuses_a_chunk_longer_than_the_prompt(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--prompt", "100", "--chunk", "200"])
     assert e.value.code == 2 and "--chunk" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_long_prompt_in_many_chunks_under_pcp():
+    """A 2000-token prompt in 300-token chunks (each under PCP 2 with its DCP-sharded cached context) beside
+    a short request's decodes: both one-device greedy."""
+    cfg, params = model("qwen3")
+    g = torch.Generator().manual_seed(13)
+    sched = [dict(prompt=torch.randint(0, cfg.vocab_size, (2000,), generator=g).tolist(), max_tokens=4, arrive=0),
+             dict(prompt=torch.randint(0, cfg.vocab_size, (9,), generator=g).tolist(), max_tokens=6, arrive=1)]
+    engine = LLMEngine("qwen3", params, cfg, dcp_size=2, pcp_size=2, block_size=16, num_blocks=72, poison=True,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=300, max_num_seqs=2))
+    check_run("qwen3", engine, sched)
+    assert engine.stats.pcp_steps >= 7

@@ -82,7 +82,8 @@ class EngineStats:
     prefix_hit_tokens / prefix_query_tokens: prompt tokens found cached / looked up;
     preemptions; blocks_used / blocks_free (KV blocks per rank); running / waiting requests;
     bytes_sent: what DCP rank 0 sent in all steps; last_step_bytes: in the last one;
-    drafted_tokens / accepted_tokens: draft tokens verified / accepted (speculative decoding).
+    drafted_tokens / accepted_tokens: draft tokens verified / accepted (speculative decoding);
+    pcp_steps: steps whose prefill chunks ran PCP.
     """
 
     steps: int = 0
@@ -99,6 +100,7 @@ class EngineStats:
     last_step_bytes: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    pcp_steps: int = 0
 
 
 def _default_blocks(sched: SchedulerConfig, span: int) -> int:
@@ -112,8 +114,9 @@ class LLMEngine:
     Arguments
     ---------
     model, params, cfg: a family (or its name), its weights, its config.
-    config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, block and interleave
-        sizes, graph mode); None: built from ``dcp_size`` / ``block_size`` / ``interleave_size`` /
+    config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, PCP size 1 or the DCP size,
+        block and interleave sizes, graph mode); None: built from ``dcp_size`` / ``pcp_size`` (> 1: one
+        engine with PCP + DCP, a step's prefill chunks run PCP) / ``block_size`` / ``interleave_size`` /
         ``graph_mode`` / ``graph_backend`` ("auto": a compiler where the group can be traced) /
         ``capture_sizes`` by
         :func:`cpattn.engine.driver.engine_configs`.
@@ -131,12 +134,14 @@ class LLMEngine:
 
     def __init__(self, model: ModelFamily | str, params: dict, cfg: Any, *, config: EngineConfig | None = None,
                  scheduler: SchedulerConfig | None = None, world: Group | None = None, dcp_size: int = 1,
-                 block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
-                 graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None, merge: str = "local_ag",
-                 drafter=None, num_speculative_tokens: int = 0, poison: bool = False) -> None:
+                 pcp_size: int = 1, block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
+                 graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
+                 merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0,
+                 poison: bool = False) -> None:
         family = get_family(model)
         if config is None:
-            config = engine_configs(family, cfg, dcp_size=dcp_size, block_size=block_size,
+            config = engine_configs(family, cfg, dcp_size=dcp_size, pcp_size=pcp_size, one_engine=pcp_size > 1,
+                                    block_size=block_size,
                                     interleave_size=interleave_size, graph_mode=graph_mode,
                                     graph_backend=graph_backend, capture_sizes=capture_sizes,
                                     num_speculative_tokens=num_speculative_tokens,
@@ -146,7 +151,10 @@ class LLMEngine:
         if drafter is None and k:
             raise ValueError(f"num_speculative_tokens={k} needs a drafter: pass drafter= (e.g. NgramDrafter()) or k=0")
         check_drafter(drafter, k)
-        n = config.parallel.dcp_size
+        n, pcp = config.parallel.dcp_size, config.parallel.pcp_size
+        if pcp > 1 and pcp != n:
+            raise ValueError(f"pcp_size={pcp} with dcp_size={n}: the step loop runs PCP over its DCP group (one "
+                             f"engine, pcp_size = dcp_size); pass pcp_size={n} or 1")
         if world is not None and world.size != n:
             raise ValueError(f"world: a group of {world.size} ranks, but the config's dcp_size is {n}; "
                              "start dcp_size ranks or pass their config")
@@ -170,13 +178,13 @@ class LLMEngine:
             return StepRunner(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,
                               max_model_len=self.max_model_len, merge=merge, capture=capture,
                               capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
-                              num_speculative_tokens=k, poison=poison)
+                              num_speculative_tokens=k, pcp=pcp > 1, poison=poison)
 
         self.runners = _on_every_rank(self._mesh, [lambda g=g: runner(g) for g in groups]) \
             if len(groups) > 1 else [runner(groups[0])]
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
-                        "drafted_tokens": 0, "accepted_tokens": 0}
+                        "drafted_tokens": 0, "accepted_tokens": 0, "pcp_steps": 0}
         self.last_step: tuple | None = None  # (SchedulerOutput, replayed) of the latest step
         self.step_times: dict[str, float] = {}
 
@@ -230,6 +238,7 @@ class LLMEngine:
         self._counts["last_step_bytes"] = results[0].bytes_sent
         self._counts["bytes_sent"] += results[0].bytes_sent
         self.last_step = (out, results[0].replayed)
+        self._counts["pcp_steps"] += results[0].pcp_rows > 0
         reqs = self.scheduler.requests
         return [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
                               reqs[rid].status == "finished", reqs[rid].finish_reason) for rid in out.req_ids]

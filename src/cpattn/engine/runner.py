@@ -54,10 +54,12 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.engine.decode import accept_drafts, decode_step, step_fields
-from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
+from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
+from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner
+from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class StepResult:
     """One executed step: ``outputs[req_id]`` for the scheduler's update; ``logits[req_id]`` [n, V]
     the rows each sampled token came from (float32, float64 in a float64 run); ``replayed``: the step
     ran a captured program; ``bytes_sent``: what this rank sent during the step; ``prepare_s`` /
-    ``forward_s`` / ``sample_s``: host seconds building the inputs, running the step, picking tokens."""
+    ``forward_s`` / ``sample_s``: host seconds building the inputs, running the step, picking tokens;
+    ``pcp_rows``: prefill rows that ran PCP (0 when the chunks ran DCP attention)."""
 
     outputs: dict
     logits: dict
@@ -74,6 +77,7 @@ class StepResult:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    pcp_rows: int = 0
 
 
 class StepRunner:
@@ -88,14 +92,18 @@ class StepRunner:
     merge: the DCP merge (:data:`cpattn.engine.paged_cache.STEP_MERGES`).
     capture: graph backend for uniform decode steps ("eager", "aot_eager", "inductor", "auto"),
         or None (every step eager); capture_sizes / max_num_seqs / num_speculative_tokens size it.
+    pcp: the group is also the PCP group: a step's prefill chunks run PCP (``pcp_method`` "ring" or
+        "allgather"; DSA-CP for a DSA model) over it (:mod:`cpattn.engine.runner_pcp`), its decodes DCP.
     poison: NaN-fill each freshly handed-out block before the step (tests; costs a write per block).
     """
 
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
-                 num_speculative_tokens: int = 0, poison: bool = False) -> None:
+                 num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
+                 poison: bool = False) -> None:
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
+        self.pcp, self.algorithms = pcp and group.size > 1, Algorithms(pcp_method=pcp_method)
         if not self.family.backend.per_token_kv:
             raise ValueError(f"the step loop runs paged-cache families; {self.family.name} keeps its own cache "
                              "(window + compressed entries): use cpattn.engine.generate for it")
@@ -139,8 +147,27 @@ class StepRunner:
         if not out.req_ids:
             return StepResult({}, {}, False, 0)
         sent, t0 = self.group.stats.total_sent(), time.perf_counter()
-        replayed = False
-        if self.graph is not None and out.uniform_decode and out.query_lens[0] == self.graph.q_len:
+        if self.pcp and any(out.is_prefill):  # chunks under PCP, then the decodes (a mixed step: eager)
+            pre = [b for b, p in enumerate(out.is_prefill) if p]
+            dec = [b for b, p in enumerate(out.is_prefill) if not p]
+            chunks = rows_of(out, pre)
+            table = self.batch(chunks, max(len(ids) for ids in chunks.block_tables))["block_table"]
+            t1 = time.perf_counter()
+            outputs, rows = run_prefill_rows(self, chunks, table, self.algorithms)
+            times = [t1 - t0, time.perf_counter() - t1, 0.0]
+            if dec:
+                o, r, _, more = self._forward(rows_of(out, dec), graph=False)
+                outputs, rows = {**outputs, **o}, {**rows, **r}
+                times = [a + b for a, b in zip(times, more)]
+            return StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre))
+        outputs, rows, replayed, times = self._forward(out, graph=True)
+        return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent, *times)
+
+    def _forward(self, out: SchedulerOutput, *, graph: bool):
+        """Every row through the DCP step (replayed when ``graph`` allows and the step is a uniform 1+k
+        decode): (outputs, logits rows, replayed, [prepare_s, forward_s, sample_s])."""
+        t0, replayed = time.perf_counter(), False
+        if graph and self.graph is not None and out.uniform_decode and out.query_lens[0] == self.graph.q_len:
             batch = self.batch(out)
             t1 = time.perf_counter()
             logits, greedy = self.graph(batch, list(out.query_lens))[:2]
@@ -163,5 +190,4 @@ class StepRunner:
             a = int(accept_drafts(torch.tensor([out.draft_tokens[b]], dtype=torch.int64).view(1, d), g[None])[0])
             outputs[rid] = ModelOutput(tuple(g[: a + 1].tolist()))
             rows[rid] = logits[end - 1 - d:end - d + a]
-        return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent, t1 - t0, t2 - t1,
-                          time.perf_counter() - t2)
+        return outputs, rows, replayed, [t1 - t0, t2 - t1, time.perf_counter() - t2]

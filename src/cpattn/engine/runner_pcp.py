@@ -1,0 +1,78 @@
+"""A step's prefill chunks under PCP: the chunk rows split head-tail over the group, the cached context
+gathered from the DCP-sharded cache, the new rows sent straight to the DCP ranks that own them.
+
+With ``pcp=True`` the :class:`~cpattn.engine.runner.StepRunner`'s group is both the PCP and the DCP
+group (one engine with ``pcp_size = dcp_size``, the guide's PCP + DCP layout). A step then runs
+twice: its prefill rows through :func:`cpattn.engine.prefill.prefill` (PCP ring attention, or DSA-CP
+for a DSA model, over the chunk with its cached context as a
+:class:`~cpattn.engine.prefill_steps.Prefix`), the rows placed by the paged hand-off; its decode rows
+through the ordinary DCP step. Each request's context rows are read where this rank owns them and
+summed over the group (each row has one owner), so every rank holds the prefix the chunk attends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cpattn.engine.backends.paged import handoff
+from cpattn.engine.batch import Prompts
+from cpattn.engine.kv_rows import pack_rows, row_width
+from cpattn.engine.options import Algorithms
+from cpattn.engine.prefill import prefill
+from cpattn.engine.prefill_steps import Prefix
+from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
+
+
+def rows_of(out: SchedulerOutput, keep: list[int]) -> SchedulerOutput:
+    """The step restricted to rows ``keep`` (request-level tuples filtered; preempted/finished kept)."""
+    pick = {f.name: tuple(getattr(out, f.name)[b] for b in keep) for f in dataclasses.fields(out)
+            if f.name not in ("preempted", "finished", "fresh_blocks")}
+    return dataclasses.replace(out, **pick)
+
+
+def cached_rows(group, shard, context_lens: tuple[int, ...]) -> torch.Tensor:
+    """Rows [sum(context_lens), F] of each request's first ``context_lens[b]`` tokens, on every rank.
+
+    ``shard.block_table`` holds the requests' tables; a rank contributes the rows it owns (zeros elsewhere)
+    and an all-reduce puts them together."""
+    total = sum(context_lens)
+    width = row_width(shard.layouts)
+    dtype = shard.k[0].dtype
+    if total == 0:
+        return torch.zeros(0, width, dtype=dtype)
+    req = torch.repeat_interleave(torch.arange(len(context_lens)), torch.tensor(context_lens))
+    pos = torch.cat([torch.arange(c) for c in context_lens])
+    slots = shard.slots(pos, req, group.rank, group.size)  # [total], -1 where another rank owns it
+    mine = slots >= 0
+    safe = torch.where(mine, slots, torch.zeros_like(slots))
+
+    def flat(t):
+        return None if t is None else t.view(-1, *t.shape[2:])[safe]
+
+    rows = pack_rows(shard.layouts, [flat(k) for k in shard.k], [flat(v) for v in shard.v],
+                     [flat(ki) for ki in shard.k_index])  # [total, F]
+    rows = torch.where(mine[:, None], rows, torch.zeros_like(rows))
+    return group.all_reduce(rows)
+
+
+def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorithms: Algorithms):
+    """PCP prefill of the step's (all-prefill) rows; returns ({req_id: ModelOutput}, {req_id: logits [1, V]})."""
+    g = runner.group
+    view = dataclasses.replace(runner.shard, block_table=table)
+    ctx = tuple(out.context_lens)
+    prefix = Prefix(cached_rows(g, view, ctx), ctx)
+    vocab = runner.cfg.vocab_size
+    prompts = Prompts.of([[0] * c + list(ids) for c, ids in zip(ctx, out.input_ids)], vocab_size=vocab)
+    res = prefill(g, runner.family, runner.params, runner.cfg, prompts, algorithms=algorithms, prefix=prefix)
+    handoff(g, g, g, view, res, algorithms)
+    first = res.first_logits  # [B, V]
+    outputs, logits = {}, {}
+    for b, rid in enumerate(out.req_ids):
+        if out.samples[b]:
+            outputs[rid] = ModelOutput((int(first[b].argmax()),))
+            logits[rid] = first[b:b + 1]
+        else:
+            outputs[rid] = ModelOutput()
+    return outputs, logits
