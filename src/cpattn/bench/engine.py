@@ -10,7 +10,9 @@ process (a one-rank gloo group, so a captured step can be compiled), the
   one step (always eager, as FULL_DECODE_ONLY asks);
 - **chunked TTFT**: one ``--prompt``-token prompt prefilled in ``--chunk``
   chunks vs in one step (budget = the prompt), the first token's wall time,
-  interleaved rounds, median [low-high] of the per-round ratios.
+  interleaved rounds, median [low-high] of the per-round ratios; on one rank
+  and under PCP 2 + DCP 2 (two gloo ranks: each chunk's rows run PCP and
+  attend their cached context, gathered from the DCP shards).
 
 Per step the engine records host seconds by phase (``engine.step_times``):
 schedule, prepare (the input tensors), forward (the model step), sample,
@@ -45,10 +47,13 @@ def _engine(group, params, cfg, *, batch: int, budget: int, graph: str | None, n
     from cpattn.config import SchedulerConfig
     from cpattn.engine.llm import LLMEngine
 
-    return LLMEngine("qwen3", params, cfg, world=group, block_size=16, num_blocks=num_blocks,
+    n = group.size  # > 1: PCP + DCP over the group (one engine)
+    return LLMEngine("qwen3", params, cfg, world=group, dcp_size=n, pcp_size=n, block_size=16,
+                     num_blocks=num_blocks,
                      graph_mode="FULL_DECODE_ONLY" if graph else "NONE", graph_backend=graph or "eager",
-                     capture_sizes=[batch] if graph else None, scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max(batch, 9),
-                                                            enable_prefix_caching=False))
+                     capture_sizes=[batch] if graph else None,
+                     scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max(batch, 9),
+                                               enable_prefix_caching=False))
 
 
 def _decode_rows(group, params, cfg, batch: int, steps: int, graph: str | None) -> dict:
@@ -110,6 +115,16 @@ def _ttft(group, params, cfg, prompt: int, chunk: int, rounds: int) -> dict:
     return {"chunked_s": _spread(times["chunked"]), "whole_s": _spread(times["whole"]), "ratio": _spread(ratios)}
 
 
+def ttft_rank(group, cfg: dict) -> dict:
+    """The chunked-vs-whole TTFT on a PCP + DCP group, per dtype."""
+    from cpattn.bench.common import DTYPES
+    from cpattn.models import qwen3
+
+    mcfg = qwen3.Qwen3Config.tiny()
+    return {dt: _ttft(group, qwen3.init_params(mcfg, dtype=DTYPES[dt]), mcfg, cfg["prompt"], cfg["chunk"],
+                      cfg["rounds"]) for dt in cfg["dtypes"]}
+
+
 def engine_rank(group, cfg: dict) -> dict:
     """Every scenario on this rank (a one-rank group), for each dtype."""
     import torch
@@ -164,7 +179,8 @@ def main(argv=None) -> int:
                 setattr(args, name, value)
         dtypes = [cli.dtype_name(d) for d in args.dtypes.split(",") if d]
     if args.chunk > args.prompt:
-        cli.bad_value(p.prog, "--chunk", args.chunk, "a chunk no longer than --prompt", f"pass --chunk <= {args.prompt}")
+        cli.bad_value(p.prog, "--chunk", args.chunk, "a chunk no longer than --prompt",
+                      f"pass --chunk <= {args.prompt}")
     cli.check_backend(p.prog, "--graph-backend", args.graph_backend)
     cfg = dict(batches=list(args.batches), steps=args.steps, prompt=args.prompt, chunk=args.chunk,
                rounds=args.rounds, dtypes=dtypes, graph_backend=args.graph_backend)
@@ -175,6 +191,9 @@ def main(argv=None) -> int:
               f"host % = (schedule + prepare + sample + update) / step, median [low-high] over {args.steps} steps")
         t0 = time.time()
         res = spawn(1, engine_rank, cfg, threads=2, timeout_s=args.timeout)[0]
+        pcp = spawn(2, ttft_rank, cfg, threads=1, timeout_s=args.timeout)[0]
+        for dt in res:
+            res[dt]["ttft_pcp2"] = pcp[dt]
         for dt, r in res.items():
             print(f"\n{dt}")
             print(f"{'scenario':<28} {'mode':<9} {'step ms':>8} {'host %':>22} {'replayed':>8}")
@@ -185,10 +204,11 @@ def main(argv=None) -> int:
                 st = row["step_s"]["median"] if isinstance(row["step_s"], dict) else row["step_s"]
                 print(f"{row['scenario']:<28} {row['mode']:<9} {1e3 * st:>8.2f} {hs:>22} "
                       f"{str(row.get('replayed', '-')):>8}")
-            t = r["ttft"]
-            print(f"TTFT {args.prompt}-token prompt: {args.chunk}-token chunks {t['chunked_s']['median']:.3f} s vs one "
-                  f"step {t['whole_s']['median']:.3f} s; chunked / whole {t['ratio']['median']:.2f} "
-                  f"[{t['ratio']['low']:.2f}-{t['ratio']['high']:.2f}]")
+            for key, where in (("ttft", "one rank"), ("ttft_pcp2", "PCP 2 + DCP 2")):
+                t = r[key]
+                print(f"TTFT {args.prompt}-token prompt, {where}: {args.chunk}-token chunks "
+                      f"{t['chunked_s']['median']:.3f} s vs one step {t['whole_s']['median']:.3f} s; chunked / whole "
+                      f"{t['ratio']['median']:.2f} [{t['ratio']['low']:.2f}-{t['ratio']['high']:.2f}]")
         print(f"\n({time.time() - t0:.0f} s)")
     write_json(args.json, {"benchmark": "engine", "config": cfg, "results": res})
     return 0
