@@ -1,9 +1,12 @@
 """A typo costs no ``import torch``: every command parses its flags, and refuses a bad one, before torch loads.
 
-Each case runs ``cpattn.cli.main`` in a fresh interpreter with an import hook
+Each case runs ``cpattn.cli.main`` in a fresh process with an import hook
 that fails the run at the first attempt to import torch (so a command that
 imports it anywhere on the way to its usage error is caught, not just timed):
-an unknown flag, a bad value, ``--help``. The check looks at ``sys.modules``
+an unknown flag, a bad value, ``--help``. One interpreter installs the hook and
+imports ``cpattn.cli`` (which imports no torch), then forks one child per case:
+each child starts from exactly the state a fresh ``python -c`` would have reached
+there, at a millisecond instead of an interpreter start. The check looks at ``sys.modules``
 as well, and at the exit status (2 for a usage error, 0 for help). Rules that
 need the model (``cpattn demo --dcp 3`` against its heads, with the layouts
 that would pass offered as the fix) read its config and may import torch.
@@ -19,7 +22,7 @@ import sys
 import pytest
 
 PROBE = r"""
-import json, sys
+import json, os, sys, tempfile
 
 class NoTorch:
     def find_spec(self, name, path=None, target=None):
@@ -34,14 +37,28 @@ class NoTorch:
 sys.meta_path.insert(0, NoTorch())
 import io, contextlib
 import cpattn.cli as cli
-argv = json.loads(sys.argv[1])
-out, err = io.StringIO(), io.StringIO()
-with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-print(json.dumps({"torch": "torch" in sys.modules, "code": code, "stderr": err.getvalue(), "stdout": out.getvalue()}))
+assert "torch" not in sys.modules
+results = []
+for argv in json.loads(sys.stdin.read()):
+    with tempfile.TemporaryFile() as f:
+        pid = os.fork()
+        if pid == 0:  # the case: the hook and cpattn.cli as a fresh interpreter would have them, nothing more
+            os.dup2(f.fileno(), 1)
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = cli.main(argv)
+                except SystemExit as e:
+                    code = e.code
+            print(json.dumps({"torch": "torch" in sys.modules, "code": code, "stderr": err.getvalue(),
+                              "stdout": out.getvalue()}))
+            sys.stdout.flush()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        f.seek(0)
+        lines = f.read().decode().strip().splitlines()
+        results.append(json.loads(lines[-1]) if lines else {"torch": f"no result (wait status {status})"})
+sys.__stdout__.write(json.dumps(results) + "\n")
 """
 
 
@@ -63,24 +80,7 @@ def _commands() -> list[list[str]]:
             + [["plan", sub] for sub in SUBCOMMANDS])
 
 
-def _probe(argv: list[str]) -> dict:
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert proc.stdout.strip(), proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("cmd", _commands(), ids=" ".join)
-def test_an_unknown_flag_is_refused_before_torch_is_imported(cmd):
-    r = _probe([*cmd, "--no-such-flag"])
-    assert not r["torch"], f"cpattn {' '.join(cmd)} imported torch before refusing a bad flag: {r.get('where')}"
-    named = "--no-such-flag" in r["stderr"] or "arguments are required" in r["stderr"]  # argparse names those first
-    assert r["code"] == 2 and named and len(r["stderr"].strip().splitlines()) == 1, r
-
-
-@pytest.mark.parametrize("argv", [
+BAD_VALUES = [
     ["demo", "--pcp", "x"], ["demo", "--model-type", "llama"], ["demo", "--graph-mode", "full"],
     ["demo", "--kv-pool", "redis:x"], ["demo", "--backend", "gpu"],
     ["demo", "--json", "/nonexistent/dir/out.json"],
@@ -89,23 +89,47 @@ def test_an_unknown_flag_is_refused_before_torch_is_imported(cmd):
     ["plan", "validate", "--pcp-json", "/nonexistent.json"], ["plan", "--devices", "0"],
     ["bench", "nonsense"], ["nonsense"],
     *([["demo", "--backend", "cuda"], ["bench", "graph", "--backend", "cuda"]] if CPU_TORCH else []),
-], ids=" ".join)
-def test_bad_values_are_refused_before_torch_is_imported(argv):
-    r = _probe(argv)
+]
+HELP = [["--help"], ["bench", "--help"], ["pool", "--help"], ["demo", "--help"], ["bench", "pcp", "--help"],
+        ["plan", "--help"]]
+
+
+@pytest.fixture(scope="module")
+def probed() -> dict:
+    """Every case's result, by argv: one interpreter, one fork per case."""
+    argvs = [[*cmd, "--no-such-flag"] for cmd in _commands()] + BAD_VALUES + HELP
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", PROBE], input=json.dumps(argvs), capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.stdout.strip(), proc.stderr
+    return {tuple(a): r for a, r in zip(argvs, json.loads(proc.stdout.strip().splitlines()[-1]))}
+
+
+@pytest.mark.parametrize("cmd", _commands(), ids=" ".join)
+def test_an_unknown_flag_is_refused_before_torch_is_imported(cmd, probed):
+    r = probed[(*cmd, "--no-such-flag")]
+    assert not r["torch"], f"cpattn {' '.join(cmd)} imported torch before refusing a bad flag: {r.get('where')}"
+    named = "--no-such-flag" in r["stderr"] or "arguments are required" in r["stderr"]  # argparse names those first
+    assert r["code"] == 2 and named and len(r["stderr"].strip().splitlines()) == 1, r
+
+
+@pytest.mark.parametrize("argv", BAD_VALUES, ids=" ".join)
+def test_bad_values_are_refused_before_torch_is_imported(argv, probed):
+    r = probed[tuple(argv)]
     assert not r["torch"], f"cpattn {' '.join(argv)} imported torch before refusing it: {r.get('where')}"
     assert r["code"] == 2 and len(r["stderr"].strip().splitlines()) == 1 and "error" in r["stderr"], r
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["pool", "--help"], ["demo", "--help"],
-                                  ["bench", "pcp", "--help"], ["plan", "--help"]], ids=" ".join)
-def test_help_needs_no_torch(argv):
-    r = _probe(argv)
+@pytest.mark.parametrize("argv", HELP, ids=" ".join)
+def test_help_needs_no_torch(argv, probed):
+    r = probed[tuple(argv)]
     assert not r["torch"] and r["code"] == 0 and "usage:" in r["stdout"], r
 
 
-def test_pool_help_is_the_pool_groups_own():
+def test_pool_help_is_the_pool_groups_own(probed):
     """``cpattn pool --help`` lists the pool commands, not every command."""
-    r = _probe(["pool", "--help"])
+    r = probed[("pool", "--help")]
     assert r["code"] == 0 and "cpattn pool NAME" in r["stdout"] and "serve" in r["stdout"]
     assert "demo" not in r["stdout"] and "bench" not in r["stdout"], r["stdout"]
 
