@@ -304,3 +304,19 @@ def test_a_long_prompt_in_many_chunks_under_pcp():
                        scheduler=SchedulerConfig(max_num_batched_tokens=300, max_num_seqs=2))
     check_run("qwen3", engine, sched)
     assert engine.stats.pcp_steps >= 7
+
+
+def test_generate_drains_a_fixed_batch_like_the_driver():
+    """engine.generate = every prompt at step 0, stepped to the end: the fixed-batch driver's tokens
+    (PCP 2 + DCP 2 in both)."""
+    from cpattn.engine.driver import engine_configs, generate
+
+    cfg, params = model("qwen3")
+    prompts = [list(range(1, 12)), [5, 6, 7], list(range(40, 70))]
+    p_cfg, d_cfg = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=2)
+    fixed = generate("qwen3", params, cfg, prompts, 5, prefill=p_cfg, decode=d_cfg)
+    engine = LLMEngine("qwen3", params, cfg, dcp_size=2, pcp_size=2, block_size=4, num_blocks=24,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5))
+    assert [list(o.token_ids) for o in outs] == fixed.tokens.tolist()
+    assert [o.finish_reason for o in outs] == ["length"] * 3 and engine.stats.blocks_used == 0

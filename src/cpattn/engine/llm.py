@@ -213,6 +213,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Submit every prompt now and step until all finish (vLLM's ``LLM.generate``): the final
+        :class:`RequestOutput` of each, in prompt order. The fixed-batch run of
+        :func:`cpattn.engine.generate` as a schedule: the same greedy tokens."""
+        ids = [self.add_request(p, params) for p in prompts]
+        final = {}
+        while self.has_unfinished():
+            final.update({o.request_id: o for o in self.step() if o.finished})
+        return [final[i] for i in ids]
+
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and commit one step; the :class:`RequestOutput` of every row it ran.
