@@ -33,7 +33,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from cpattn.bench import args as cli
+from cpattn.config import cli_args as cli
 from cpattn.bench.common import write_json
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update")
