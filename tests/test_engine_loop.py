@@ -320,3 +320,34 @@ def test_generate_drains_a_fixed_batch_like_the_driver():
     outs = engine.generate(prompts, SamplingParams(max_tokens=5))
     assert [list(o.token_ids) for o in outs] == fixed.tokens.tolist()
     assert [o.finish_reason for o in outs] == ["length"] * 3 and engine.stats.blocks_used == 0
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_the_kv_pool_is_the_prefix_caches_second_tier(tmp_path, dcp):
+    """A second engine (a cold device cache) over the same LMDB pool fetches the first engine's spans instead of
+    computing them (NaN-poisoned fresh blocks, so a span fetched wrong or not at all shows); tokens stay one-device
+    greedy."""
+    from cpattn.engine.pooling import PoolSpec
+
+    cfg, params = model("qwen3")
+    g = torch.Generator().manual_seed(17)
+    shared = torch.randint(0, cfg.vocab_size, (20,), generator=g).tolist()
+    sched = [dict(prompt=shared + torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), max_tokens=4,
+                  arrive=i) for i, n in enumerate((3, 7, 1))]
+    spec = PoolSpec(f"lmdb:{tmp_path / 'pool'}")
+
+    def engine():
+        return LLMEngine("qwen3", params, cfg, dcp_size=dcp, block_size=4, interleave_size=4, num_blocks=12,
+                         poison=True, kv_pool=spec,
+                         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1))
+
+    first = engine()
+    check_run("qwen3", first, sched)
+    stored = first.stats.pool_blocks_stored
+    assert stored > 0
+    first.close()
+    second = engine()  # a fresh device cache: every full span of the shared prefix comes from the pool
+    check_run("qwen3", second, sched)
+    span = 4 * dcp
+    assert second.stats.pool_hit_tokens >= (20 // span) * span, second.stats
+    second.close()

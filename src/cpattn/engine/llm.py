@@ -50,6 +50,8 @@ from cpattn.engine.drafters import check_drafter
 from cpattn.engine.driver import engine_configs
 from cpattn.models.family import ModelFamily, get_family
 from cpattn.engine.runner import StepResult, StepRunner
+from cpattn.engine.pool_tier import PoolTier
+from cpattn.engine.pooling import open_for_run, release
 from cpattn.engine.proposer import Proposer
 from cpattn.engine.scheduler import ModelOutput, Scheduler
 
@@ -83,7 +85,8 @@ class EngineStats:
     preemptions; blocks_used / blocks_free (KV blocks per rank); running / waiting requests;
     bytes_sent: what DCP rank 0 sent in all steps; last_step_bytes: in the last one;
     drafted_tokens / accepted_tokens: draft tokens verified / accepted (speculative decoding);
-    pcp_steps: steps whose prefill chunks ran PCP.
+    pcp_steps: steps whose prefill chunks ran PCP; pool_hit_tokens: prompt tokens fetched from the KV
+    pool (the second tier); pool_blocks_stored: pool blocks written.
     """
 
     steps: int = 0
@@ -101,6 +104,8 @@ class EngineStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     pcp_steps: int = 0
+    pool_hit_tokens: int = 0
+    pool_blocks_stored: int = 0
 
 
 def _default_blocks(sched: SchedulerConfig, span: int) -> int:
@@ -124,6 +129,10 @@ class LLMEngine:
     world: this rank's group under torchrun (every rank builds the engine and calls the same methods
         in the same order); None: a simulated mesh of ``dcp_size`` threads in this process.
     num_blocks: KV blocks per rank (default: ``max_num_seqs`` sequences of ``max_model_len``).
+    kv_pool: a KV pool (a :class:`~cpattn.engine.pooling.PoolSpec` or an open pool) as the prefix
+        cache's second tier (:mod:`cpattn.engine.pool_tier`): spans not on the device are fetched from
+        it at admission, computed spans are stored after each step (simulated mesh; DCP needs
+        ``interleave_size = block_size``). ``engine.close()`` releases a pool the engine opened.
     drafter: a token-only drafter (:class:`~cpattn.engine.drafters.NgramDrafter`, a draft model)
         with ``num_speculative_tokens`` = k >= 1 (or the config's); None: plain decode.
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
@@ -136,7 +145,7 @@ class LLMEngine:
                  scheduler: SchedulerConfig | None = None, world: Group | None = None, dcp_size: int = 1,
                  pcp_size: int = 1, block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
-                 merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0,
+                 merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
                  poison: bool = False) -> None:
         family = get_family(model)
         if config is None:
@@ -161,11 +170,26 @@ class LLMEngine:
         block, inter = config.cache.block_size, config.cache.cp_kv_cache_interleave_size
         nb = num_blocks if num_blocks is not None else _default_blocks(sched, block * n)
         self.family, self.config, self.scheduler_config = family, config, sched
+        self.pool, self._opened_pool, tier = None, False, None
+        if kv_pool is not None:
+            if world is not None:
+                raise ValueError("kv_pool: the step loop uses a KV pool on the simulated mesh only so far (one "
+                                 "scheduler asks it); under torchrun pass kv_pool=None")
+            if not sched.enable_prefix_caching:
+                raise ValueError("kv_pool: the pool is the prefix cache's second tier; enable_prefix_caching=True")
+            if n > 1 and inter != block:
+                raise ValueError(f"kv_pool with dcp_size={n} needs whole blocks per rank: interleave_size = "
+                                 f"block_size ({block}); got {inter}")
+            self.pool, self._opened_pool = open_for_run(kv_pool, family, cfg, params, block)
+            tier = PoolTier(self.pool, n)
+        self.tier2 = tier
         self.blocks = BlockManager(nb, block, dcp_size=n, interleave_size=inter,
+                                   identity=None if self.pool is None else self.pool.identity,
                                    enable_caching=sched.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens=sched.max_num_batched_tokens,
                                    max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill,
-                                   num_speculative_tokens=k)
+                                   num_speculative_tokens=k, tier2=tier)
+        self._stored: dict[Hashable, int] = {}  # spans of each request already in the pool
         self.max_model_len = sched.max_model_len or nb * block * n
         self.proposer = Proposer(drafter, k, max_num_seqs=sched.max_num_seqs, max_len=self.max_model_len + k + 1) \
             if drafter is not None else None
@@ -249,9 +273,28 @@ class LLMEngine:
         self._counts["bytes_sent"] += results[0].bytes_sent
         self.last_step = (out, results[0].replayed)
         self._counts["pcp_steps"] += results[0].pcp_rows > 0
+        if self.tier2 is not None:
+            self._store(out)
         reqs = self.scheduler.requests
         return [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
                               reqs[rid].status == "finished", reqs[rid].finish_reason) for rid in out.req_ids]
+
+    def _store(self, out) -> None:
+        """Put every span that became computed this step into the pool (each rank its own block)."""
+        span = self.blocks.span
+        for b, rid in enumerate(out.req_ids):
+            req = self.scheduler.requests[rid]
+            lo, hi = self._stored.get(rid, 0), req.num_computed // span
+            if hi > lo:
+                self.tier2.store(req.tokens, range(lo, hi), out.block_tables[b],
+                                 lambda r, bid: self.runners[r].shard.read_block(bid))
+                self._stored[rid] = hi
+
+    def close(self) -> None:
+        """Release the KV pool if this engine opened it (idempotent)."""
+        if self._opened_pool and self.pool is not None:
+            release(self.pool)
+            self._opened_pool = False
 
     def _with_drafts(self, out, outputs: dict) -> dict:
         """Count verified drafts; with a drafter, attach each sampled request's next drafts."""
@@ -282,7 +325,9 @@ class LLMEngine:
     @property
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
-        return EngineStats(steps=s.steps, prefix_hit_tokens=s.prefix_hit_tokens,
+        pool = {} if self.tier2 is None else {"pool_hit_tokens": self.scheduler.tier2_hit_tokens,
+                                              "pool_blocks_stored": self.tier2.stored_blocks}
+        return EngineStats(steps=s.steps, prefix_hit_tokens=s.prefix_hit_tokens, **pool,
                            prefix_query_tokens=s.prefix_query_tokens, preemptions=s.preemptions,
                            blocks_used=s.blocks_used, blocks_free=s.blocks_free, running=s.running,
                            waiting=s.waiting, **self._counts)

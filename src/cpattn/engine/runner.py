@@ -144,6 +144,9 @@ class StepRunner:
             for t in (*self.shard.k, *self.shard.v, *self.shard.k_index):
                 if t is not None:
                     t[ids] = float("nan")
+        for row in out.loads:  # spans fetched from the second tier, into their fresh blocks
+            for block_id, payloads in row:
+                self.shard.write_block(block_id, payloads[self.group.rank])
         if not out.req_ids:
             return StepResult({}, {}, False, 0)
         sent, t0 = self.group.stats.total_sent(), time.perf_counter()

@@ -24,7 +24,9 @@ Policies (vLLM V1's ``Scheduler.schedule``; facts carried over, code ours):
   (its own freed blocks may still be prefix-cache hits).
 - **Prefix caching** (:mod:`cpattn.engine.blocks`): a request admitted with
   nothing computed starts from its longest cached prefix of full blocks,
-  always leaving at least one token to compute. Full blocks are cached when
+  always leaving at least one token to compute; with a second tier (``tier2``,
+  the KV pool: :class:`cpattn.engine.pool_tier.PoolTier`) the spans after
+  the cached ones are fetched from it into fresh blocks (``loads``). Full blocks are cached when
   the update commits them (their KV is written and, for drafts, accepted).
 - **Speculative decoding.** A decode schedules ``1 + k`` tokens, k = the
   drafts the runner proposed in the last update, capped by
@@ -80,7 +82,9 @@ class SchedulerOutput:
     ``is_prefill[b]`` (a prompt chunk or a recompute, else a decode); ``samples[b]`` whether the
     row's last position is sampled (False for a partial chunk); requests ``preempted`` this step
     and ``finished`` (or aborted) since the previous one; ``fresh_blocks``: block ids handed out as
-    new blocks since the previous step (stale rows: never read before this step writes them)."""
+    new blocks since the previous step (stale rows: never read before this step writes them);
+    ``loads[b]``: ``(block_id, payloads)`` pairs the runner writes before the step -- spans found in
+    the second tier (the KV pool), one payload [block_size, F] per DCP rank."""
 
     req_ids: tuple = ()
     query_lens: tuple[int, ...] = ()
@@ -94,6 +98,7 @@ class SchedulerOutput:
     preempted: tuple = ()
     finished: tuple = ()
     fresh_blocks: tuple[int, ...] = ()
+    loads: tuple = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -148,6 +153,7 @@ class Request:
     status: str = "waiting"  # waiting | running | finished
     finish_reason: str | None = None  # stop | length | abort
     num_preemptions: int = 0
+    loads: tuple = ()  # second-tier spans to write before its next step
 
     @property
     def output(self) -> list[int]:
@@ -161,7 +167,7 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_chunked_prefill: bool = True, num_speculative_tokens: int = 0) -> None:
+                 enable_chunked_prefill: bool = True, num_speculative_tokens: int = 0, tier2=None) -> None:
         for name, v, lo in (("max_num_batched_tokens", max_num_batched_tokens, 1),
                             ("max_num_seqs", max_num_seqs, 1), ("num_speculative_tokens", num_speculative_tokens, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -169,6 +175,8 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.enable_chunked_prefill, self.num_speculative_tokens = enable_chunked_prefill, num_speculative_tokens
+        self.tier2 = tier2  # .fetch(tokens, start_span, stop_span) -> [per-rank payloads] of the next spans
+        self.tier2_hit_tokens = 0
         self.requests: dict[Hashable, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -261,16 +269,22 @@ class Scheduler:
                 req = self.waiting[0]
                 self.blocks.extend_keys(req.keys, req.tokens)
                 hit = self.blocks.lookup(req.keys, len(req.tokens))
-                todo = len(req.tokens) - hit.num_tokens
+                span, start = self.blocks.span, len(hit.block_ids)
+                fetched = [] if self.tier2 is None else self.tier2.fetch(req.tokens, start, (len(req.tokens) - 1) // span)
+                computed = hit.num_tokens + len(fetched) * span
+                todo = len(req.tokens) - computed
                 if not self.enable_chunked_prefill and todo > budget:
                     break
                 num_new = min(todo, budget)
-                if not self.blocks.allocate(req.req_id, hit.num_tokens + num_new, prefix=hit):
+                if not self.blocks.allocate(req.req_id, computed + num_new, prefix=hit):
                     break
                 self.waiting.popleft()
-                req.status, req.num_computed, req.drafts = "running", hit.num_tokens, []
+                req.status, req.num_computed, req.drafts = "running", computed, []
+                table = self.blocks.block_table(req.req_id)
+                req.loads = tuple((table[start + i], f) for i, f in enumerate(fetched))
+                self.tier2_hit_tokens += len(fetched) * span
                 self.running.append(req)
-                rows.append((req, hit.num_tokens, num_new, []))
+                rows.append((req, computed, num_new, []))
                 budget -= num_new
         out = self._output(rows, preempted)
         self._pending = out
@@ -367,4 +381,10 @@ class Scheduler:
             preempted=tuple(preempted),
             finished=finished,
             fresh_blocks=tuple(self.blocks.take_fresh()),
+            loads=tuple(self._take_loads(r) for r, *_ in rows),
         )
+
+    @staticmethod
+    def _take_loads(req: Request) -> tuple:
+        loads, req.loads = req.loads, ()
+        return loads
