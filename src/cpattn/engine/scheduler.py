@@ -270,7 +270,8 @@ class Scheduler:
                 self.blocks.extend_keys(req.keys, req.tokens)
                 hit = self.blocks.lookup(req.keys, len(req.tokens))
                 span, start = self.blocks.span, len(hit.block_ids)
-                fetched = [] if self.tier2 is None else self.tier2.fetch(req.tokens, start, (len(req.tokens) - 1) // span)
+                last = (len(req.tokens) - 1) // span  # a span past it would leave no token to compute
+                fetched = [] if self.tier2 is None else self.tier2.fetch(req.tokens, start, last)
                 computed = hit.num_tokens + len(fetched) * span
                 todo = len(req.tokens) - computed
                 if not self.enable_chunked_prefill and todo > budget:
