@@ -67,9 +67,9 @@ def _plan_parser():
                    help="generated tokens per request (KV sizing, goodput)")
     p.add_argument("--objective", choices=OBJECTIVES, default="ttft", help="what the recommendation optimises")
     p.add_argument("--ttft-slo", type=duration, default=None, metavar="T",
-                   help="p99 TTFT bound, e.g. 2s or 500ms (goodput; filters every objective)")
+                   help="p99 TTFT bound, e.g. 2s or 500ms, for goodput and as a filter on every objective; default: none")
     p.add_argument("--tpot-slo", type=duration, default=None, metavar="T",
-                   help="TPOT bound, e.g. 50ms (goodput; filters every objective)")
+                   help="TPOT bound, e.g. 50ms, for goodput and as a filter on every objective; default: none")
     p.add_argument("--tie-tolerance", type=fraction, default=0.02,
                    help="layouts this close (relative) to the best are a tie, broken by the next metric")
     p.add_argument("--weights", default=None, help="weight dtype override: bf16, fp8, w8a8, int4, nvfp4")
@@ -85,7 +85,8 @@ def _plan_parser():
                    help="the engine's opt-in to PCP and DCP in one engine (refused without it)")
     p.add_argument("--pd", action="append", type=pd_arg, default=None, metavar="PREFILL/DECODE",
                    help="also price a P/D split, e.g. tp=1,pcp=8/tp=8,dcp=8: a prefill engine, a decode engine "
-                        "and the KV moved between them (repeatable; both sides through the engine's P/D rules)")
+                        "and the KV moved between them, repeatable, both sides through the engine's P/D rules; "
+                        "default: none")
     p.add_argument("--dp-attention", action="store_true",
                    help="also price data-parallel attention: dp replicas of tp * pcp devices sharing one expert "
                         "group (vLLM's --data-parallel-size with --enable-expert-parallel)")
