@@ -17,6 +17,11 @@ Layers below it: ops -> layout / comm -> pcp / dcp / dsa -> graphs -> models
   :mod:`cpattn.engine.decode_stage` builds the cache, the runner and the run
   as a decode engine config asks.
 
+The step loop (:class:`~cpattn.engine.llm.LLMEngine`): requests arrive, each step a scheduler
+(:mod:`cpattn.engine.scheduler`, :mod:`cpattn.engine.blocks`) picks decode tokens and prefill chunks
+under a token budget and a runner (:mod:`cpattn.engine.runner`) executes them; prefix caching, the KV
+pool as its second tier, preemption by recompute, speculative decoding, PCP chunks (docs/engine.md).
+
 The driver (:mod:`cpattn.engine.driver`) takes a prefill and a decode
 :class:`~cpattn.config.EngineConfig`, checks them once before any rank
 starts (the guide's rules, then :mod:`cpattn.engine.checks`), and returns a
@@ -94,10 +99,12 @@ its cached prefix. A minimal in-memory pool:
 import cpattn.engine.backend  # noqa: F401 - registers the cache backends with cpattn.models.family
 from cpattn.engine.batch import Prompts
 from cpattn.engine.driver import engine_configs, generate, generate_on_rank
-from cpattn.models.family import KVLayout, ModelFamily, get_family
+from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from cpattn.engine.options import Algorithms
 from cpattn.engine.reference import reference_generate
 from cpattn.engine.result import Generation, RunFacts
+from cpattn.models.family import KVLayout, ModelFamily, get_family
 
 __all__ = ["Prompts", "Algorithms", "KVLayout", "ModelFamily", "get_family", "engine_configs", "generate",
-           "generate_on_rank", "reference_generate", "Generation", "RunFacts"]
+           "generate_on_rank", "reference_generate", "Generation", "RunFacts", "LLMEngine", "SamplingParams",
+           "RequestOutput", "EngineStats"]
