@@ -25,6 +25,7 @@ SKIP_SNIPPETS: dict[tuple[str, int], str] = {
     ("mlapo.md", 0): "a fragment: weights and inputs of a DeepSeek layer come from the text "
                      "(tests/test_mla_preprocess.py runs the op)",
     ("models.md", 0): "needs a real checkpoint directory (path/to/checkpoint); tests/test_models_hf.py loads one",
+    ("serve.md", 0): "talks to a running cpattn serve on 127.0.0.1:8000; tests/test_serve.py runs the same calls",
 }
 # cpattn commands (first words) that run for minutes: only --help is checked
 LONG = ("demo", "bench", "train-target", "train-draft", "prefill", "plan", "pool serve")

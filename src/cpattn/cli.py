@@ -31,6 +31,8 @@ COMMANDS = {
                      "a tiny Qwen3 / DeepSeek-V3 target trained on the synthetic corpus (CPU, minutes), saved as a checkpoint"),
     "train-draft": ("cpattn.drafters.train:main",
                     "an MTP / Eagle3 / DSpark head trained by self-distillation on a target's greedy continuations"),
+    "serve": ("cpattn.serve.cli:main",
+              "OpenAI-compatible HTTP server (/v1/completions, token ids, greedy) on the step loop, 127.0.0.1"),
 }
 BENCHMARKS = {
     "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),

@@ -1,0 +1,179 @@
+"""``cpattn serve``: an OpenAI-compatible HTTP server on the step loop (``cpattn.engine.llm.LLMEngine``).
+
+Serves an embedded tiny random model (``--model-type``, built as ``cpattn demo`` builds it: seeded
+weights, nothing downloaded) on ``--decode-context-parallel-size`` simulated DCP ranks in this process,
+greedy decoding only. Listens on 127.0.0.1:8000 unless ``--host`` / ``--port`` say otherwise; Ctrl-C or
+SIGTERM stops it (exit 0). Prompts are token ids (the embedded models have no tokenizer); see
+docs/serve.md for the endpoints and what is not done yet.
+
+Usage::
+
+    cpattn serve --model-type qwen3 --decode-context-parallel-size 2 --port 8000
+    curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "cpattn-qwen3", "prompt": [1, 2, 3, 4], "max_tokens": 8}'
+
+Exit status: 0 stopped by a signal; 1 the port is taken or the server failed; 2 a usage error
+(a bad flag, or fastapi / uvicorn not installed: ``pip install 'cpattn[serve]'``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from cpattn.config import cli_args as cli
+
+PROG = "cpattn serve"
+NEEDS = ("fastapi", "uvicorn")
+SCHEDULER_FLAGS = {"max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
+                   "enable_chunked_prefill": "--enable-chunked-prefill", "max_model_len": "--max-model-len"}
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 1..65535.
+
+    >>> port("8000")
+    8000
+    """
+    import argparse
+
+    value = cli.positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a TCP port in 1..65535")
+    return value
+
+
+def parser():
+    """The server's flags (vLLM's names)."""
+    import argparse
+
+    p = cli.parser(PROG, __doc__)
+    p.add_argument("--model-type", choices=cli.MODEL_TYPES, default="qwen3",
+                   help="family of the embedded tiny random-init model")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send and /v1/models lists (default: cpattn-MODEL_TYPE)")
+    cli.add_parallel(p, dcp=1, block_size=16, helps={
+        "dcp": "decode context-parallel ranks, simulated as threads in this process (the KV cache sharded "
+               "over them; tokens equal one device)"})
+    p.add_argument("--max-num-batched-tokens", type=cli.positive_int, default=2048, metavar="N",
+                   help="token budget of one step (prefill chunks + decodes)")
+    p.add_argument("--max-num-seqs", type=cli.positive_int, default=16, metavar="N",
+                   help="requests running at once")
+    p.add_argument("--max-model-len", type=cli.positive_int, default=4096, metavar="N",
+                   help="prompt + generated tokens of one request")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over steps (default: on)")
+    cli.add_dtype(p, help="parameter and KV-cache data type")
+    p.add_argument("--seed", type=cli.nonnegative_int, default=0, help="seed of the random weights")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=port, default=8000, help="TCP port")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning",
+                   help="uvicorn's log level")
+    return p
+
+
+def missing_packages(names=NEEDS) -> list[str]:
+    """The packages of ``names`` that cannot be imported here (found without importing them).
+
+    >>> missing_packages(("json", "no_such_package_xyz"))
+    ['no_such_package_xyz']
+    """
+    out = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ValueError, ImportError, AttributeError):  # sys.modules[name] is None: import blocked
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def check_args(a):
+    """The SchedulerConfig of the flags, or a one-line usage error (exit 2); no torch imported."""
+    from cpattn.config import ConfigError, SchedulerConfig
+
+    try:
+        return SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                               enable_chunked_prefill=a.enable_chunked_prefill, max_model_len=a.max_model_len)
+    except ConfigError as e:
+        cli.speak_problems(PROG, e.problems, SCHEDULER_FLAGS)
+
+
+def main(argv=None) -> int:
+    """``cpattn serve``: parse, check, build the engine, serve until a signal (module docstring)."""
+    a = parser().parse_args(argv)
+    missing = missing_packages()
+    if missing:
+        cli.usage_error(PROG, f"needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+                              "installed; fix: pip install 'cpattn[serve]' (or pip install fastapi uvicorn)")
+    sched = check_args(a)
+    from cpattn.pool.server import port_in_use
+
+    try:
+        taken = port_in_use(a.host, a.port)
+    except OSError as e:  # an address this machine does not have, a name that does not resolve
+        cli.usage_error(PROG, f"argument --host: saw {a.host!r}, which cannot be bound here ({e.strerror or e}); "
+                              "fix: pass an address of this machine, e.g. 127.0.0.1")
+    if taken:
+        print(f"{PROG}: error: {a.host}:{a.port} is already in use; pick another --port", file=sys.stderr)
+        return 1
+
+    import uvicorn
+
+    from cpattn.config import ConfigError
+    from cpattn.serve.app import build_app
+    from cpattn.serve.engine_loop import EngineLoop
+
+    try:
+        engine = build_engine(a, sched)
+    except ConfigError as e:
+        cli.speak_problems(PROG, e.problems)
+    except (ValueError, RuntimeError) as e:  # a family the step loop cannot run (raised on a DCP rank: wrapped)
+        cause = e if isinstance(e, ValueError) else e.__cause__
+        if not isinstance(cause, ValueError):
+            raise
+        cli.usage_error(PROG, f"argument --model-type: saw {a.model_type!r}: {cause}")
+    name = a.served_model_name or f"cpattn-{a.model_type}"
+    loop = EngineLoop(engine)
+    try:
+        app = build_app(loop, name, max_model_len=engine.max_model_len)
+        print(f"{PROG}: {name} ({a.model_type}, embedded, DCP {a.decode_context_parallel_size}) on "
+              f"http://{a.host}:{a.port}/v1 ; Ctrl-C stops it", file=sys.stderr, flush=True)
+        server = _Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False))
+        server.run()
+    finally:
+        loop.stop()
+    if not server.started:
+        print(f"{PROG}: the HTTP server did not start (see uvicorn's message above)", file=sys.stderr)
+        return 1
+    if loop.error is not None:
+        print(f"{PROG}: the engine loop failed: {type(loop.error).__name__}: {loop.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _Server(config):
+    """A ``uvicorn.Server`` that stops on SIGINT / SIGTERM and lets the command exit 0 (uvicorn itself
+    re-raises the signal once it has shut down, so the process would die of it)."""
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
+            self.should_exit = True
+
+    return Server(config)
+
+
+def build_engine(a, sched):
+    """The LLMEngine of the flags: the embedded model of ``--model-type`` (seeded, as the demo builds it)."""
+    from cpattn.bench.demo_setup import Spec, load_model
+    from cpattn.engine.llm import LLMEngine
+
+    family, cfg, params = load_model(Spec(model_type=a.model_type, dtype=a.dtype, seed=a.seed))
+    return LLMEngine(family, params, cfg, scheduler=sched, dcp_size=a.decode_context_parallel_size,
+                     block_size=a.block_size)

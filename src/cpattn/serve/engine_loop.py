@@ -1,0 +1,158 @@
+"""One thread owns the :class:`~cpattn.engine.llm.LLMEngine` and steps it while requests are pending.
+
+The engine (its scheduler, block manager, runners) is not thread-safe, so
+nothing but this thread touches it. The HTTP side talks to it through one
+thread-safe inbox:
+
+- ``submit(prompt, params)`` puts an *add* on the inbox and returns a
+  :class:`Submission`: a future that resolves to the request id once the
+  engine thread has called ``add_request`` (or to its ``ValueError`` for a
+  bad prompt), and an ``asyncio.Queue`` on the caller's event loop that
+  receives every :class:`~cpattn.engine.llm.RequestOutput` of the request
+  as the steps produce them (the last one has ``finished`` set);
+- ``abort(request_id)`` puts an *abort* (a client went away);
+- the thread drains the inbox, runs one ``engine.step()`` if anything is
+  unfinished, hands each output to its request's queue
+  (``loop.call_soon_threadsafe``), and sleeps on the inbox when idle.
+
+If a step raises, every pending request receives the exception, the loop
+stops, and :attr:`EngineLoop.error` says why (``/health`` then answers 503).
+
+Example
+-------
+>>> import asyncio
+>>> from cpattn.engine.llm import LLMEngine, SamplingParams
+>>> from cpattn.models import qwen3
+>>> cfg = qwen3.Qwen3Config.tiny()
+>>> loop = EngineLoop(LLMEngine("qwen3", qwen3.init_params(cfg), cfg, block_size=4, num_blocks=16))
+>>> async def one():
+...     sub = loop.submit([1, 2, 3], SamplingParams(max_tokens=3), asyncio.get_running_loop())
+...     await asyncio.wrap_future(sub.request_id)
+...     while not (out := await sub.outputs.get()).finished:
+...         pass
+...     return len(out.token_ids), out.finish_reason
+>>> asyncio.run(one())
+(3, 'length')
+>>> loop.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Submission:
+    """What :meth:`EngineLoop.submit` returns: ``request_id`` resolves once the engine has the request
+    (or raises its ValueError); ``outputs`` receives its RequestOutputs (or an exception) on ``loop``."""
+
+    request_id: Future
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class EngineLoop:
+    """The engine's own thread (module docstring). ``stop()`` ends it; pending requests then get a
+    RuntimeError."""
+
+    def __init__(self, engine: Any, *, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.error: BaseException | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._subs: dict[Any, Submission] = {}  # engine thread only
+        self._ids = itertools.count()
+        self._idle_wait_s = idle_wait_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpattn-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, prompt: list[int], params: Any, loop: asyncio.AbstractEventLoop) -> Submission:
+        """Hand a request to the engine thread (thread-safe; call from the event loop ``loop``)."""
+        sub = Submission(Future(), asyncio.Queue(), loop)
+        if not self.alive:
+            sub.request_id.set_exception(RuntimeError(f"the engine loop has stopped ({self.error or 'stopped'})"))
+            return sub
+        self._inbox.put(("add", f"req-{next(self._ids)}", list(prompt), params, sub))
+        return sub
+
+    def abort(self, request_id: Any) -> None:
+        """Stop a request (its blocks freed); nothing happens if it already finished."""
+        self._inbox.put(("abort", request_id))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("stop",))
+        self._thread.join(timeout_s)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                busy = self.engine.has_unfinished()
+                self._drain(block=not busy)
+                if self._stopping.is_set() or not self.engine.has_unfinished():
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - every waiting request hears it
+            self.error = e
+        finally:
+            why = self.error or RuntimeError("the server is shutting down")
+            for rid in list(self._subs):
+                self._deliver(rid, why)
+            while True:  # requests that never reached the engine
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] == "add":
+                    item[4].request_id.set_exception(RuntimeError(f"the engine loop has stopped ({why})"))
+
+    def _drain(self, block: bool) -> None:
+        """Apply every pending add / abort; wait for one first if the engine is idle."""
+        try:
+            item = self._inbox.get(timeout=self._idle_wait_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, item: tuple) -> None:
+        if item[0] == "add":
+            _, rid, prompt, params, sub = item
+            try:
+                self.engine.add_request(prompt, params, request_id=rid)
+            except ValueError as e:
+                sub.request_id.set_exception(e)
+                return
+            self._subs[rid] = sub
+            sub.request_id.set_result(rid)
+        elif item[0] == "abort":
+            if item[1] in self._subs:
+                self.engine.abort_request(item[1])
+                self._subs.pop(item[1])
+
+    def _deliver(self, rid: Any, item: Any) -> None:
+        sub = self._subs.get(rid)
+        if sub is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            self._subs.pop(rid)
+        try:
+            sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, item)
+        except RuntimeError:  # the caller's event loop has closed
+            pass

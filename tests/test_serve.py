@@ -1,0 +1,216 @@
+"""``cpattn serve``: the real server in a subprocess, talked to by the real ``openai`` client.
+
+One server (embedded tiny Qwen3, DCP 2 on the simulated mesh, an 8-token step budget so prompts are
+chunked and concurrent requests share steps) serves the module; every generated token is compared with
+one-device greedy generation (``reference_generate``) of the same seeded model. The server's start
+(torch, the engine) takes seconds on shared cores, so the file is marked slow; its CLI checks are not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([os.path.abspath(SRC), os.environ.get("PYTHONPATH", "")])}
+NAME = "tiny-qwen3-served"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()  # picked here (bound, then released): uvicorn's --port takes a number
+    proc = subprocess.Popen([sys.executable, "-m", "cpattn", "serve", "--model-type", "qwen3", "--dcp", "2",
+                             "--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--max-model-len", "256",
+                             "--block-size", "4", "--port", str(port), "--served-model-name", NAME],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"cpattn serve exited {proc.returncode}: {proc.stderr.read()}")
+            try:
+                if _get(base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("cpattn serve did not answer /health within 180 s")
+            time.sleep(0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError("cpattn serve did not exit within 30 s of SIGTERM") from None
+            assert code == 0, f"cpattn serve exited {code} on SIGTERM: {proc.stderr.read()}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """greedy(prompt, n): one-device greedy tokens of the model the server builds (same seed, same init)."""
+    from cpattn.bench.demo_setup import Spec, load_model
+    from cpattn.engine.reference import reference_generate
+
+    family, cfg, params = load_model(Spec(model_type="qwen3"))
+    return lambda prompt, n: reference_generate(family, params, cfg, [prompt], n).tokens[0].tolist()
+
+
+P1 = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: two chunks of the 8-token budget
+P2 = [2, 71, 82, 81, 82, 84, 59, 4, 5, 23, 53, 60, 28, 74, 71, 35, 26, 62]
+
+
+def _ids(choice) -> list[int]:
+    return list(choice.model_extra["token_ids"])
+
+
+
+@pytest.mark.slow
+def test_completion_tokens_equal_one_device_greedy(client, reference):
+    r = client.completions.create(model=NAME, prompt=[P1, P2], max_tokens=6)
+    want = [reference(P1, 6), reference(P2, 6)]
+    assert [_ids(c) for c in sorted(r.choices, key=lambda c: c.index)] == want
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [" ".join(map(str, w)) for w in want]
+    assert {c.finish_reason for c in r.choices} == {"length"}
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (31, 12, 43)
+    assert r.model == NAME
+
+
+@pytest.mark.slow
+def test_stop_token_ids_end_the_completion(client, reference):
+    want = reference(P1, 6)
+    r = client.completions.create(model=NAME, prompt=P1, max_tokens=6, extra_body={"stop_token_ids": [want[2]]})
+    assert _ids(r.choices[0]) == want[:want.index(want[2]) + 1] and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_streaming_sends_token_by_token(client, reference):
+    chunks = list(client.completions.create(model=NAME, prompt=P2, max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    with_tokens = [c for c in chunks if c.choices]
+    assert len(with_tokens) == 5, [c.choices[0].text for c in with_tokens]  # one chunk per decoded token
+    assert sum((_ids(c.choices[0]) for c in with_tokens), []) == reference(P2, 5)
+    assert "".join(c.choices[0].text for c in with_tokens) == " ".join(map(str, reference(P2, 5)))
+    assert with_tokens[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(P2)
+
+
+@pytest.mark.slow
+def test_concurrent_clients_each_get_their_own_tokens(client, reference):
+    jobs = {"a": (P1, 7, False), "b": (P2[:11], 9, True), "c": (P1[3:], 4, False)}
+    got, errors = {}, []
+
+    def ask(key, prompt, n, stream):
+        try:
+            if stream:
+                got[key] = sum((_ids(c.choices[0]) for c in client.completions.create(
+                    model=NAME, prompt=prompt, max_tokens=n, stream=True) if c.choices), [])
+            else:
+                got[key] = _ids(client.completions.create(model=NAME, prompt=prompt, max_tokens=n).choices[0])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(k, *v)) for k, v in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got == {k: reference(p, n) for k, (p, n, _) in jobs.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs, words", [
+    ({"prompt": [1, 2, 512]}, "outside the vocabulary"),
+    ({"prompt": [1, 2, 3], "max_tokens": 300}, "max_model_len is 256"),
+    ({"prompt": "hello"}, "no tokenizer"),
+    ({"prompt": [1, 2, 3], "temperature": 0.7}, "greedy only"),
+], ids=["vocab", "max_tokens", "text", "temperature"])
+def test_bad_requests_are_400_in_openai_shape(client, server, kwargs, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, **{"max_tokens": 3, **kwargs})
+    assert e.value.status_code == 400 and words in e.value.body["message"], e.value.body
+    assert e.value.body["type"] == "invalid_request_error"
+    assert _get(server[1] + "/health") == (200, {"status": "ok"})  # still serving
+
+
+@pytest.mark.slow
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+@pytest.mark.slow
+def test_listens_only_on_loopback_by_default(server):
+    from cpattn.comm.listeners import listening
+
+    proc, base = server
+    port = int(base.rsplit(":", 1)[1])
+    mine = listening([proc.pid])
+    assert any(x.port == port for x in mine), mine
+    assert all(x.loopback for x in mine), f"cpattn serve listens beyond loopback: {mine}"
+
+
+# -- the command line (no server started) ------------------------------------------------------
+def _cli(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "70000"], "--port"), (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"], "--max-num-batched-tokens"),
+    (["--host", "10.255.255.254"], "--host"),
+])
+def test_bad_flags_one_line_exit_2_before_torch(argv, words):
+    r = _cli(f"import sys\nfrom cpattn.cli import main\ntry:\n    code = main(['serve', *{argv!r}])\n"
+             "except SystemExit as e:\n    code = e.code\nprint('torch' in sys.modules)\nsys.exit(code)")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r
+    assert r.stdout.strip() == "False", "cpattn serve imported torch before refusing a bad flag"
+
+
+def test_missing_uvicorn_is_one_line_exit_2():
+    r = _cli("import sys\nsys.modules['uvicorn'] = None\nfrom cpattn.cli import main\nsys.exit(main(['serve']))")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "uvicorn" in r.stderr and "pip install" in r.stderr, r
+
+
+@pytest.mark.slow
+def test_a_family_the_step_loop_cannot_run_is_one_line_exit_2():
+    argv = ["serve", "--model-type", "deepseek_v4", "--port", str(_free_port())]  # refused once the engine builds
+    r = _cli(f"import sys\nfrom cpattn.cli import main\nsys.exit(main({argv!r}))")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--model-type" in r.stderr, r
