@@ -156,6 +156,28 @@ def test_concurrent_clients_each_get_their_own_tokens(client, reference):
     assert got == {k: reference(p, n) for k, (p, n, _) in jobs.items()}
 
 
+def _metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
+
+
+@pytest.mark.slow
+def test_a_stream_closed_by_its_client_is_aborted_and_frees_its_blocks(client, server):
+    before = _metrics(server[1])
+    stream = client.completions.create(model=NAME, prompt=P1, max_tokens=240, stream=True)  # ~240 steps: seconds
+    got = [next(iter(stream)) for _ in range(2)]
+    assert all(c.choices for c in got)
+    stream.close()  # the client goes away mid-generation
+    deadline = time.monotonic() + 30
+    while (m := _metrics(server[1]))["cpattn_aborted_requests_total"] < before["cpattn_aborted_requests_total"] + 1:
+        assert time.monotonic() < deadline, f"the closed stream's request was not aborted: {m}"
+        time.sleep(0.1)
+    assert m["cpattn_running_requests"] == 0 and m["cpattn_waiting_requests"] == 0, m
+    assert m["cpattn_kv_blocks_used"] == 0, m  # P1's blocks freed (the prefix cache keeps them only as free)
+    assert m["cpattn_steps_total"] - before["cpattn_steps_total"] < 200, m  # stopped, not run to max_tokens
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs, words", [
     ({"prompt": [1, 2, 512]}, "outside the vocabulary"),

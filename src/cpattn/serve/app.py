@@ -4,6 +4,8 @@ Endpoints:
 
 - ``GET /health``: 200 ``{"status": "ok"}`` while the engine loop runs, 503 once it has failed;
 - ``GET /v1/models``: the served model name;
+- ``GET /metrics``: Prometheus text: running / waiting requests, KV blocks used / free per rank, steps
+  (replayed / eager), prefix-cache hit and query tokens, preemptions, aborted requests;
 - ``POST /v1/completions``: ``prompt`` as a list of token ids, or a list of such lists (one choice
   each); ``max_tokens`` (default 16), ``stop_token_ids`` (vLLM's extra field), ``stream``
   (server-sent events: ``data: {...}`` chunks, then ``data: [DONE]``), ``stream_options.include_usage``.
@@ -33,7 +35,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cpattn.engine.llm import SamplingParams
@@ -141,6 +143,36 @@ def ids_text(ids: tuple[int, ...] | list[int], lead: bool = False) -> str:
     return " " + text if lead and text else text
 
 
+_METRICS = (  # (name, Prometheus type, help, EngineStats field)
+    ("cpattn_running_requests", "gauge", "requests running (scheduled into steps)", "running"),
+    ("cpattn_waiting_requests", "gauge", "requests waiting for their first step", "waiting"),
+    ("cpattn_kv_blocks_used", "gauge", "KV-cache blocks in use, per DCP rank", "blocks_used"),
+    ("cpattn_kv_blocks_free", "gauge", "KV-cache blocks free, per DCP rank", "blocks_free"),
+    ("cpattn_steps_total", "counter", "engine steps run", "steps"),
+    ("cpattn_replayed_steps_total", "counter", "steps replayed from a captured program", "replayed_steps"),
+    ("cpattn_eager_steps_total", "counter", "steps run eagerly", "eager_steps"),
+    ("cpattn_prefix_hit_tokens_total", "counter", "prompt tokens found in the prefix cache", "prefix_hit_tokens"),
+    ("cpattn_prefix_query_tokens_total", "counter", "prompt tokens looked up in the prefix cache",
+     "prefix_query_tokens"),
+    ("cpattn_preemptions_total", "counter", "requests preempted (blocks reclaimed, recomputed later)", "preemptions"),
+)
+
+
+def metrics_text(stats: Any, aborted: int) -> str:
+    """The engine's counters in Prometheus' text format.
+
+    >>> from cpattn.engine.llm import EngineStats
+    >>> print(metrics_text(EngineStats(running=2, blocks_used=5), 1).splitlines()[2])
+    cpattn_running_requests 2
+    """
+    lines = []
+    for name, kind, text, field in _METRICS:
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {getattr(stats, field)}"]
+    lines += ["# HELP cpattn_aborted_requests_total requests aborted because their client went away",
+              "# TYPE cpattn_aborted_requests_total counter", f"cpattn_aborted_requests_total {aborted}"]
+    return "\n".join(lines) + "\n"
+
+
 def build_app(loop: EngineLoop, served_model_name: str, max_model_len: int | None = None) -> FastAPI:
     """The FastAPI app serving ``loop``'s engine as ``served_model_name`` (module docstring)."""
     app = FastAPI(title="cpattn serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -158,6 +190,10 @@ def build_app(loop: EngineLoop, served_model_name: str, max_model_len: int | Non
             return JSONResponse(error_body(f"the engine loop has stopped: {loop.error}", "server_error", code=503),
                                 status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics_text(loop.stats, loop.aborted), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

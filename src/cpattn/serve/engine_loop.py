@@ -10,12 +10,13 @@ thread-safe inbox:
   bad prompt), and an ``asyncio.Queue`` on the caller's event loop that
   receives every :class:`~cpattn.engine.llm.RequestOutput` of the request
   as the steps produce them (the last one has ``finished`` set);
-- ``abort(request_id)`` puts an *abort* (a client went away);
+- ``abort(request_id)`` puts an *abort* (a client went away; counted in ``aborted``);
 - the thread drains the inbox, runs one ``engine.step()`` if anything is
   unfinished, hands each output to its request's queue
   (``loop.call_soon_threadsafe``), and sleeps on the inbox when idle.
 
-If a step raises, every pending request receives the exception, the loop
+``stats`` is the engine's :class:`~cpattn.engine.llm.EngineStats` as of the latest step (a frozen
+snapshot the engine thread replaces, so other threads read it safely). If a step raises, every pending request receives the exception, the loop
 stops, and :attr:`EngineLoop.error` says why (``/health`` then answers 503).
 
 Example
@@ -64,6 +65,8 @@ class EngineLoop:
     def __init__(self, engine: Any, *, idle_wait_s: float = 0.5) -> None:
         self.engine = engine
         self.error: BaseException | None = None
+        self.stats = engine.stats  # the engine's counters after the latest step (set by the engine thread)
+        self.aborted = 0  # requests aborted because their client went away
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[Any, Submission] = {}  # engine thread only
         self._ids = itertools.count()
@@ -104,6 +107,7 @@ class EngineLoop:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                self.stats = self.engine.stats
         except BaseException as e:  # noqa: BLE001 - every waiting request hears it
             self.error = e
         finally:
@@ -140,11 +144,14 @@ class EngineLoop:
                 sub.request_id.set_exception(e)
                 return
             self._subs[rid] = sub
+            self.stats = self.engine.stats
             sub.request_id.set_result(rid)
         elif item[0] == "abort":
             if item[1] in self._subs:
                 self.engine.abort_request(item[1])
                 self._subs.pop(item[1])
+                self.aborted += 1
+                self.stats = self.engine.stats
 
     def _deliver(self, rid: Any, item: Any) -> None:
         sub = self._subs.get(rid)
