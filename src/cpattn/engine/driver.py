@@ -62,7 +62,7 @@ from cpattn.engine.logits import acc_dtype
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard  # noqa: F401 - kept importable from here
 from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill  # noqa: F401 - kept importable from here
-from cpattn.engine.pooling import PoolFacts, load_prefix, open_for_run, release, store_blocks
+from cpattn.engine.pooling import PoolFacts, load_owned, load_prefix, open_for_run, release, store_blocks
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.result import Generation, RunFacts
 
@@ -145,21 +145,21 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     pool: a KV pool (:class:`~cpattn.engine.pooling.PoolSpec`, opened on
     every rank, or an open :class:`~cpattn.pool.KVPool`): each prompt's
     cached whole blocks become the prefix, and after the hand-off every
-    decode rank stores the new whole blocks it owns (engines on the same ranks).
+    decode rank stores the new whole blocks it owns. On P/D the prefill ranks
+    start from the prefix (the pool's, or ``prefix`` in whole blocks), the
+    decode ranks take their own blocks of it from the pool (or ``prefix``)
+    and receive only the blocks after it (:func:`_disaggregated`).
     Picklable arguments only (``model`` may be the family name), so it
     serves :func:`cpattn.comm.launch.spawn` and torchrun.
     """
     topology = checks.topology(prefill, decode, world.size)
     family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size, topology,
                          pool)
-    if topology == "disaggregated":
-        if prefix is not None or pool is not None:
-            raise ValueError("a cached prefix or KV pool is supported with both engines on the same ranks, not "
-                             "across P/D")
-        return _disaggregated(world, family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
-                              on_step)
     if prefix is not None and pool is not None:
         raise ValueError("pass a cached prefix or a KV pool, not both")
+    if topology == "disaggregated":
+        return _disaggregated(world, family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
+                              on_step, prefix=prefix, pool=pool)
     steps = max_new_tokens - 1
     psize, nsize = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pg, dg = stage_group(world, psize), stage_group(world, nsize)
@@ -212,51 +212,95 @@ def handoff_stage(world: Group, family: ModelFamily, pg: Group, dg: Group, shard
     return family.backend.handoff(world, pg, dg, shard, out, algorithms, prefix)
 
 
+def _pd_prefix(family, prefix: Prefix | None, block_size: int) -> None:
+    if prefix is None:
+        return
+    if not family.backend.per_token_kv:
+        raise ValueError(f"prefix: a cached prefix across P/D needs per-token KV rows; {family.name} keeps its own "
+                         f"cache (ModelFamily.cache={family.cache!r}); run without a prefix")
+    if any(c % block_size for c in prefix.context_lens):
+        raise ValueError(f"prefix.context_lens={prefix.context_lens}: P/D moves whole blocks, so a cached prefix "
+                         f"across P/D is whole blocks of block_size={block_size}; cut it to a multiple of {block_size}")
+
+
 def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefill_cfg, decode_cfg, algorithms,
-                   drafter, on_step, prompt_logits: bool = False) -> Generation:
+                   drafter, on_step, prompt_logits: bool = False, prefix: Prefix | None = None,
+                   pool=None) -> Generation:
     """P/D: world ranks [0, P) prefill and send whole blocks point to point, [P, P + N) receive and decode.
+
+    With a KV pool (or a whole-block ``prefix``, on every rank): the prefill ranks load every cached whole
+    block of each prompt (:func:`~cpattn.engine.pooling.load_prefix`) and prefill only the rest; each decode
+    rank loads the cached blocks it owns from the pool itself (:func:`~cpattn.engine.pooling.load_owned`;
+    the world agrees on the counts) and receives only the blocks after them -- the prefix never crosses the
+    P/D link -- then stores the new whole blocks it owns, as the colocated path does.
 
     Every rank returns decode rank 0's tokens and logits; prompt logits (``prompt_logits``) stay on the
     prefill ranks (None on decode ranks). A decode rank whose own tokens differ from rank 0's raises."""
     psize, nsize = prefill_cfg.parallel.pcp_size, decode_cfg.parallel.dcp_size
+    bs = decode_cfg.cache.block_size
+    _pd_prefix(family, prefix, bs)
     decode_ranks = list(range(psize, psize + nsize))
     pg = world.split(list(range(psize)))  # every world rank splits both groups, in the same order
     dg = world.split(decode_ranks)
     steps, vocab, backend = max_new_tokens - 1, cfg.vocab_size, family.backend
     world.all_reduce(torch.zeros(1))
     t0 = time.perf_counter()
+    pool, opened = _open_pool(pool, family, cfg, params, decode_cfg)
+    pfacts = PoolFacts()
     if world.rank < psize:
-        out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, None, hidden_layers(drafter))
+        if pool is not None:
+            prefix, pfacts = load_prefix(world, p, pool)
+        if opened:
+            release(pool)
+        out = prefill_fn(pg, family, params, cfg, p, algorithms, prompt_logits, prefix, hidden_layers(drafter))
         prefill_s, sent0 = time.perf_counter() - t0, world.stats.total_sent()
-        facts = backend.send(world, pg, out, decode_ranks, decode_cfg.cache.block_size)  # with the first logits
+        facts = backend.send(world, pg, out, decode_ranks, bs)  # with the first logits; only blocks past the prefix
         if out.hidden is not None and pg.rank == 0:  # the drafter's prompt hidden states go with the KV
             send_hidden(out.hidden, decode_ranks, world)
         tokens = torch.zeros(p.num_requests, max_new_tokens, dtype=torch.int64)
         # in the decode ranks' logits dtype (float64 in a float64 run): the all_reduce below pairs them
         logits = torch.zeros(p.num_requests, max_new_tokens, vocab, dtype=acc_dtype(param_dtype(params)))
-        run = RunFacts(prefill_s=prefill_s, handoff=facts, role="prefill",
+        run = RunFacts(prefill_s=prefill_s, handoff=facts, role="prefill", pool=pfacts,
                        bytes_sent={"prefill": pg.stats.total_sent(), "handoff": world.stats.total_sent() - sent0})
         dec_stats, mine, plogits = None, None, out.prompt_logits
     else:
         dtype = param_dtype(params)
         shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter, dg)
+        held = None  # whole blocks per request this rank's cache holds before the hand-off
+        if pool is not None:
+            placed, held, pfacts = load_owned(world, p, pool, rank=dg.rank, dcp_size=nsize)
+            place_blocks(shard, placed)
+        elif prefix is not None:
+            ctx = prefix.context_lens
+            req = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(ctx, dtype=torch.int64))
+            pos = torch.cat([torch.arange(c) for c in ctx])
+            place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=nsize)
+            held = [c // bs for c in ctx]
+        extra = {} if held is None else {"start": held}
         first_logits, facts = backend.recv(world, shard, p, cfg, prefill_ranks=list(range(psize)), decode_group=dg,
-                                           dtype=dtype)
+                                           dtype=dtype, **extra)
+        ctx = tuple(n * bs for n in held) if held is not None else (0,) * p.num_requests
         layers = hidden_layers(drafter)
         hidden = None
         if layers is not None:
             names = [*sorted(layers), "norm"]
-            hidden = recv_hidden(names, p.cu_seqlens[-1], dtype, 0, world)
+            hidden = recv_hidden(names, p.cu_seqlens[-1] - sum(ctx), dtype, 0, world)
         ttft = time.perf_counter() - t0
+        if pool is not None:  # decode rank d owns global blocks j % N == d: each block stored once
+            stored = store_blocks(shard, p, pool, rank=dg.rank, dcp_size=nsize, skip=tuple(held))
+            pfacts = dataclasses.replace(pfacts, blocks_stored=stored.blocks_stored,
+                                         bytes_stored=stored.bytes_stored, store_s=stored.store_s)
+            if opened:
+                release(pool)
         dec = run_decode(dg, family, params, cfg, shard, p, first_logits.argmax(-1), steps, decode_cfg, algorithms,
                          drafter, on_step,
-                         prompt_hidden=None if hidden is None else TargetHidden.packed(hidden, p.cu_seqlens,
-                                                                                       [0] * p.num_requests))
+                         prompt_hidden=None if hidden is None else TargetHidden.packed(hidden, p.suffix(ctx).cu_seqlens,
+                                                                                       list(ctx)))
         gen = _generation(first_logits, dec, None, None)
         tokens = gen.tokens if dg.rank == 0 else torch.zeros_like(gen.tokens)
         logits = gen.logits if dg.rank == 0 else torch.zeros_like(gen.logits)
         run = RunFacts(ttft_s=ttft, step_s=tuple(dec.step_s), kv_bytes=shard.kv_bytes(), handoff=facts,
-                       runner=dec.runner, role="decode", bytes_sent={"decode": dg.stats.total_sent()})
+                       runner=dec.runner, role="decode", pool=pfacts, bytes_sent={"decode": dg.stats.total_sent()})
         dec_stats, mine, plogits = dec.stats, gen.tokens, None
     tokens, logits = world.all_reduce(tokens), world.all_reduce(logits)  # decode rank 0's, on every rank
     if mine is not None and not torch.equal(mine, tokens):

@@ -156,30 +156,38 @@ def _world(world: Group | None) -> Group:
     return DistGroup()
 
 
-def _pair_blocks(lens_blocks: list[int], p: int, prefill_size: int, d: int, decode_size: int) -> list[tuple[int, int]]:
-    """(request, block) pairs prefill rank p sends decode rank d, in request then block order."""
-    return [(b, j) for b, nb in enumerate(lens_blocks) for j in range(d, nb, decode_size) if j % prefill_size == p]
+def _pair_blocks(lens_blocks: list[int], p: int, prefill_size: int, d: int, decode_size: int,
+                 start: list[int] | None = None) -> list[tuple[int, int]]:
+    """(request, global block) pairs prefill rank p sends decode rank d, in request then block order: blocks
+    ``[start[b], lens_blocks[b])`` of request b (``start``: blocks the decode ranks already hold, default none)."""
+    start = start or [0] * len(lens_blocks)
+    return [(b, j) for b, nb in enumerate(lens_blocks) for j in range(start[b], nb) if j % decode_size == d
+            and j % prefill_size == p]
 
 
 def send_blocks(blocks: list[torch.Tensor], first_logits: torch.Tensor | None, *, prefill_rank: int,
-                prefill_size: int, decode_ranks: list[int], world: Group | None = None) -> HandoffFacts:
+                prefill_size: int, decode_ranks: list[int], world: Group | None = None,
+                start: list[int] | None = None) -> HandoffFacts:
     """Send this prefill rank's share of the blocks (block j of every request when j % P == rank) to the
     decode ranks (ranks ``decode_ranks`` of ``world``) point to point (:meth:`~cpattn.comm.group.Group.send`);
     prefill rank 0 also sends every decode rank the first-token logits [B, V].
 
     One message per decode rank (its blocks stacked, [n, block_size, F], after the logits), decode ranks
     in order; :func:`recv_blocks` takes them prefill ranks in order, so the sends and receives form no
-    cycle. world: the group ``decode_ranks`` index (default: torch.distributed's world).
+    cycle. world: the group ``decode_ranks`` index (default: torch.distributed's world). start: per request,
+    the global index of its first block in ``blocks`` (the whole blocks of a cached prefix, which the decode
+    ranks hold already: a prefill that started from it computed only the blocks after it); default 0.
     """
     world = _world(world)
     sent, nbytes = 0, 0
-    nb = [int(blk.shape[0]) for blk in blocks]
+    start = list(start) if start else [0] * len(blocks)
+    nb = [s + int(blk.shape[0]) for s, blk in zip(start, blocks)]
     for d, dst in enumerate(decode_ranks):
         if first_logits is not None:
             world.send(first_logits, dst)
-        mine = _pair_blocks(nb, prefill_rank, prefill_size, d, len(decode_ranks))
+        mine = _pair_blocks(nb, prefill_rank, prefill_size, d, len(decode_ranks), start)
         if mine:
-            payload = torch.stack([blocks[b][j] for b, j in mine])  # [n, block_size, F]
+            payload = torch.stack([blocks[b][j - start[b]] for b, j in mine])  # [n, block_size, F]
             world.send(payload, dst)
             sent += len(mine)
             nbytes += payload.nbytes
@@ -187,9 +195,11 @@ def send_blocks(blocks: list[torch.Tensor], first_logits: torch.Tensor | None, *
 
 
 def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, prefill_ranks: list[int],
-                block_size: int, width: int, dtype: torch.dtype, vocab_size: int, world: Group | None = None):
+                block_size: int, width: int, dtype: torch.dtype, vocab_size: int, world: Group | None = None,
+                start: list[int] | None = None):
     """Receive this decode rank's blocks (and the first-token logits from prefill rank 0) over ``world``
-    (what :func:`send_blocks` sent; ``prefill_ranks``: ranks of ``world``, default torch.distributed's world).
+    (what :func:`send_blocks` sent; ``prefill_ranks``: ranks of ``world``, default torch.distributed's world;
+    ``start``: per request, the blocks before it are not sent, as :func:`send_blocks` took it).
 
     Returns (received ``[(request, local block, payload [block_size, F])]`` in request then block order,
     first_logits [B, V] float32 (float64 in a float64 run), :class:`HandoffFacts`).
@@ -197,14 +207,16 @@ def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, p
     world = _world(world)
     first_logits = world.recv((len(prompt_lens), vocab_size), acc_dtype(dtype), prefill_ranks[0])  # as the prefill's
     nb = [-(-m // block_size) for m in prompt_lens]
+    start = list(start) if start else [0] * len(nb)
     got: dict[tuple[int, int], torch.Tensor] = {}
     p = len(prefill_ranks)
     for i, src in enumerate(prefill_ranks):
-        mine = _pair_blocks(nb, i, p, decode_rank, decode_size)
+        mine = _pair_blocks(nb, i, p, decode_rank, decode_size, start)
         if mine:
             payload = world.recv((len(mine), block_size, width), dtype, src)
             got.update(zip(mine, payload.unbind(0)))
-    received = [(b, j // decode_size, got[(b, j)]) for b in range(len(nb)) for j in range(decode_rank, nb[b], decode_size)]
+    received = [(b, j // decode_size, got[(b, j)]) for b in range(len(nb)) for j in range(start[b], nb[b])
+                if j % decode_size == decode_rank]
     nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in received)
     return received, first_logits, HandoffFacts(blocks_received=len(received), bytes_received=nbytes)
 

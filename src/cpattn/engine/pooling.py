@@ -171,24 +171,51 @@ def hits(prompts: list[list[int]], pool) -> list[int]:
     return [min(pool.lookup(pool.keys(p)), (len(p) - 1) // bs) for p in prompts]
 
 
-def load_prefix(world: Group, prompts: Prompts, pool) -> tuple[Prefix | None, PoolFacts]:
-    """The cached prefix of every prompt (the same on every rank), or None when nothing is cached."""
+def _agreed(world: Group, counts: list[int]) -> list[int]:
+    """The per-request minimum of ``counts`` over every rank of ``world`` (one small all-gather)."""
+    t = torch.tensor(counts, dtype=torch.int64)
+    return (world.all_gather(t[None], dim=0).min(0).values if world.size > 1 else t).tolist()
+
+
+def _load(world: Group, prompts: Prompts, pool, rank: int | None = None, dcp_size: int = 1):
+    """(blocks per request agreed by every rank of ``world``, {(request, global block): payload [B, F]} this
+    rank loaded below them, seconds): every block (``rank`` None) or those with j % dcp_size == rank."""
     t0 = time.perf_counter()
     lists = prompts.lists()
-    found = torch.tensor(hits(lists, pool), dtype=torch.int64)
-    if world.size > 1:  # every rank must prefill from the same prefix: the minimum over the world
-        found = world.all_gather(found[None], dim=0).min(0).values
+    found = _agreed(world, hits(lists, pool))  # every rank must start from the same prefix
+    bs, counts, got = pool.identity.block_size, [], {}
+    for b, (p, n) in enumerate(zip(lists, found)):
+        js = list(range(n)) if rank is None else list(range(rank, n, dcp_size))
+        keys = pool.keys(p)
+        loaded = pool.load([keys[j] for j in js]) if js else []
+        got.update({(b, j): t.reshape(bs, -1) for j, t in zip(js, loaded)})
+        counts.append(n if len(loaded) == len(js) else js[len(loaded)])  # an entry lost since lookup is a miss
+    counts = _agreed(world, counts)  # ... on every rank alike
+    return counts, {k: v for k, v in got.items() if k[1] < counts[k[0]]}, time.perf_counter() - t0
+
+
+def _load_facts(counts, got, seconds) -> PoolFacts:
+    return PoolFacts(hit_blocks=tuple(counts), blocks_loaded=len(got),
+                     bytes_loaded=sum(t.numel() * t.element_size() for t in got.values()), load_s=seconds)
+
+
+def load_prefix(world: Group, prompts: Prompts, pool) -> tuple[Prefix | None, PoolFacts]:
+    """The cached prefix of every prompt (the same on every rank of ``world``), or None when nothing is cached."""
+    counts, got, seconds = _load(world, prompts, pool)
     bs = pool.identity.block_size
-    got = [pool.load(pool.keys(p)[:n]) if n else [] for p, n in zip(lists, found.tolist())]
-    counts = torch.tensor([len(g) for g in got], dtype=torch.int64)  # an entry lost since lookup is a miss
-    if world.size > 1:  # ... on every rank alike
-        counts = world.all_gather(counts[None], dim=0).min(0).values
-    counts = counts.tolist()
-    blocks = [t.reshape(bs, -1) for g, n in zip(got, counts) for t in g[:n]]
+    blocks = [got[b, j] for b, n in enumerate(counts) for j in range(n)]
     prefix = Prefix(torch.cat(blocks), tuple(n * bs for n in counts)) if blocks else None
-    facts = PoolFacts(hit_blocks=tuple(counts), blocks_loaded=len(blocks),
-                      bytes_loaded=sum(t.numel() * t.element_size() for t in blocks), load_s=time.perf_counter() - t0)
-    return prefix, facts
+    return prefix, _load_facts(counts, got, seconds)
+
+
+def load_owned(world: Group, prompts: Prompts, pool, *, rank: int, dcp_size: int):
+    """P/D: a decode rank's share of the cached prefix, while the prefill ranks :func:`load_prefix` over the
+    same ``world`` (every rank agrees on the counts). Returns (``[(request, local block j // N, payload
+    [block_size, F])]`` for the cached global blocks j with j % N == ``rank``, as
+    :func:`~cpattn.engine.handoff.place_blocks` takes them; blocks cached per request; :class:`PoolFacts`)."""
+    counts, got, seconds = _load(world, prompts, pool, rank, dcp_size)
+    placed = [(b, j // dcp_size, t) for (b, j), t in sorted(got.items(), key=lambda kv: kv[0])]
+    return placed, counts, _load_facts(counts, got, seconds)
 
 
 def store_blocks(shard: PagedShard, prompts: Prompts, pool, *, rank: int, dcp_size: int,

@@ -154,19 +154,22 @@ class PagedBackend:
     def send(self, world: Group, prefill_group: Group, out: PrefillOut, decode_ranks: list[int],
              block_size: int) -> HandoffFacts:
         """Every prefill rank: whole blocks of the request-order rows (any prefill rank sends any block),
-        block j of a request to decode rank j % N; prefill rank 0 with the first-token logits."""
+        block j of a request to decode rank j % N; prefill rank 0 with the first-token logits. A prefill
+        from a cached prefix (whole blocks, which the decode ranks hold) sends only the blocks after it."""
         rows = gather_unshard(prefill_group, out.rows, out.plan)
         blocks = request_blocks(rows, out.plan.cu_seqlens.tolist(), block_size)
+        start = [c // block_size for c in out.plan.context_lens] if out.plan.context_lens else None
         return send_blocks(blocks, out.first_logits if prefill_group.rank == 0 else None,
                            prefill_rank=prefill_group.rank, prefill_size=prefill_group.size,
-                           decode_ranks=decode_ranks, world=world)
+                           decode_ranks=decode_ranks, world=world, start=start)
 
     def recv(self, world: Group, cache: PagedShard, prompts, cfg: Any, *, prefill_ranks: list[int],
-             decode_group: Group, dtype: torch.dtype):
+             decode_group: Group, dtype: torch.dtype, start: list[int] | None = None):
+        """``start``: per request, the whole blocks this rank holds already (a cached prefix): not sent."""
         received, first, facts = recv_blocks(list(prompts.query_lens), decode_rank=decode_group.rank,
                                              decode_size=decode_group.size, prefill_ranks=prefill_ranks,
                                              block_size=cache.block_size, width=row_width(cache.layouts),
-                                             dtype=dtype, vocab_size=cfg.vocab_size, world=world)
+                                             dtype=dtype, vocab_size=cfg.vocab_size, world=world, start=start)
         place_blocks(cache, received)
         return first, facts
 
