@@ -351,3 +351,31 @@ def test_the_kv_pool_is_the_prefix_caches_second_tier(tmp_path, dcp):
     span = 4 * dcp
     assert second.stats.pool_hit_tokens >= (20 // span) * span, second.stats
     second.close()
+
+
+@pytest.mark.parametrize("method,pcp", [("mtp", False), pytest.param("eagle3", True, marks=pytest.mark.slow),
+                                        pytest.param("dspark", False, marks=pytest.mark.slow)])
+def test_drafters_that_read_hidden_states_stay_lossless(method, pcp):
+    """MTP (DeepSeek-V3 target), Eagle3 and DSpark (Qwen3) heads, trained checkpoints: the drafter gets the
+    target's final hidden rows of every chunk and accepted decode row. Every proposal equals the head's drafts
+    recomputed from scratch (no cache, the hidden states of one dense prefill of the history); tokens are
+    one-device greedy; drafts get accepted."""
+    from spec_methods_cases import TARGET_OF, Recorder, head, prompts, reference_drafts, target
+
+    name, cfg, params = target(TARGET_OF[method])
+    drafter = Recorder(head(method))
+    ps = prompts(name)
+    sched = [dict(prompt=p, max_tokens=6, arrive=i) for i, p in enumerate(ps)]
+    engine = LLMEngine(name, params, cfg, dcp_size=2, pcp_size=2 if pcp else 1, block_size=4, num_blocks=24,
+                       poison=True, drafter=drafter, num_speculative_tokens=2,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3))
+    ids, _ = run_schedule(engine, sched)
+    for i, rid in ids.items():
+        ref = reference_generate(name, params, cfg, [sched[i]["prompt"]], 6).tokens[0].tolist()
+        assert list(engine.scheduler.requests[rid].output) == ref, (method, i)
+    s = engine.stats
+    assert s.drafted_tokens > 0 and s.accepted_tokens > 0 and s.blocks_used == 0, s
+    assert drafter.log
+    for histories, drafts in drafter.log:
+        for h, d in zip(histories, drafts):
+            assert d == reference_drafts(drafter.drafter, name, params, cfg, h, 2), (method, len(h))

@@ -41,6 +41,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from cpattn.comm.group import Group
 from cpattn.comm.sim import SimMesh
 from cpattn.config import EngineConfig, SchedulerConfig
@@ -48,12 +50,12 @@ from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
 from cpattn.engine.drafters import check_drafter
 from cpattn.engine.driver import engine_configs
-from cpattn.models.family import ModelFamily, get_family
-from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.pool_tier import PoolTier
 from cpattn.engine.pooling import open_for_run, release
 from cpattn.engine.proposer import Proposer
+from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.scheduler import ModelOutput, Scheduler
+from cpattn.models.family import ModelFamily, get_family
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,7 @@ class LLMEngine:
                                    max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill,
                                    num_speculative_tokens=k, tier2=tier)
         self._stored: dict[Hashable, int] = {}  # spans of each request already in the pool
+        self._hidden: dict[Hashable, tuple[int, dict]] = {}  # target hidden rows not yet given to the drafter
         self.max_model_len = sched.max_model_len or nb * block * n
         self.proposer = Proposer(drafter, k, max_num_seqs=sched.max_num_seqs, max_len=self.max_model_len + k + 1) \
             if drafter is not None else None
@@ -202,7 +205,8 @@ class LLMEngine:
             return StepRunner(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,
                               max_model_len=self.max_model_len, merge=merge, capture=capture,
                               capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
-                              num_speculative_tokens=k, pcp=pcp > 1, poison=poison)
+                              num_speculative_tokens=k, pcp=pcp > 1, poison=poison,
+                              hidden_layers=None if drafter is None else drafter.hidden_layers)
 
         self.runners = _on_every_rank(self._mesh, [lambda g=g: runner(g) for g in groups]) \
             if len(groups) > 1 else [runner(groups[0])]
@@ -258,6 +262,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         results = self._execute(out)
         t2 = time.perf_counter()
+        self._keep_hidden(out, results[0].hidden)
         outputs = self._with_drafts(out, results[0].outputs)
         done = set(self.scheduler.update(outputs))
         r = results[0]
@@ -265,8 +270,10 @@ class LLMEngine:
                            "sample": r.sample_s, "update": time.perf_counter() - t2,
                            "total": time.perf_counter() - t0}
         if self.proposer is not None:
-            self.proposer.release([r for r in list(self.proposer.slots)
-                                   if self.scheduler.requests[r].status != "running"])
+            gone = [r for r in list(self.proposer.slots) if self.scheduler.requests[r].status != "running"]
+            self.proposer.release(gone)
+            for r in [r for r in self._hidden if self.scheduler.requests[r].status == "finished"]:
+                del self._hidden[r]
         if out.req_ids:
             self._counts["replayed_steps" if results[0].replayed else "eager_steps"] += 1
         self._counts["last_step_bytes"] = results[0].bytes_sent
@@ -296,6 +303,22 @@ class LLMEngine:
             release(self.pool)
             self._opened_pool = False
 
+    def _keep_hidden(self, out, hidden: dict | None) -> None:
+        """Gather each request's final hidden rows (position order) until its next proposal; a row
+        that does not continue them (a recompute after preemption) starts over."""
+        if hidden is None:
+            return
+        for b, rid in enumerate(out.req_ids):
+            rows = hidden.get(rid)
+            if rows is None:
+                continue
+            start, held = self._hidden.get(rid, (out.context_lens[b], None))
+            n = 0 if held is None else next(iter(held.values())).shape[0]
+            if held is None or start + n != out.context_lens[b]:
+                self._hidden[rid] = (out.context_lens[b], rows)
+            else:
+                self._hidden[rid] = (start, {k: torch.cat([held[k], rows[k]]) for k in held})
+
     def _with_drafts(self, out, outputs: dict) -> dict:
         """Count verified drafts; with a drafter, attach each sampled request's next drafts."""
         for b, rid in enumerate(out.req_ids):
@@ -309,7 +332,10 @@ class LLMEngine:
         self.proposer.release([r for r in list(self.proposer.slots) if reqs[r].status != "running"])  # preempted
         hist = {rid: [*reqs[rid].tokens, *o.sampled] for rid, o in outputs.items()
                 if o.sampled and reqs[rid].status == "running"}
-        drafts = self.proposer.propose(hist) if hist else {}
+        hidden = None
+        if self.proposer.hidden_layers is not None:
+            hidden = {rid: self._hidden.pop(rid) for rid in hist}
+        drafts = self.proposer.propose(hist, hidden) if hist else {}
         return {rid: ModelOutput(o.sampled, tuple(drafts.get(rid, ()))) for rid, o in outputs.items()}
 
     def _execute(self, out) -> list[StepResult]:

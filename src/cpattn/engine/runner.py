@@ -68,7 +68,9 @@ class StepResult:
     the rows each sampled token came from (float32, float64 in a float64 run); ``replayed``: the step
     ran a captured program; ``bytes_sent``: what this rank sent during the step; ``prepare_s`` /
     ``forward_s`` / ``sample_s``: host seconds building the inputs, running the step, picking tokens;
-    ``pcp_rows``: prefill rows that ran PCP (0 when the chunks ran DCP attention)."""
+    ``pcp_rows``: prefill rows that ran PCP (0 when the chunks ran DCP attention); ``hidden[req_id]``:
+    with ``hidden_layers``, ``{name: [n, F]}`` the target's hidden states of the row's final positions
+    (a chunk's every row; a decode's last token and accepted drafts), what a drafter reads next."""
 
     outputs: dict
     logits: dict
@@ -78,6 +80,7 @@ class StepResult:
     forward_s: float = 0.0
     sample_s: float = 0.0
     pcp_rows: int = 0
+    hidden: dict | None = None
 
 
 class StepRunner:
@@ -101,7 +104,7 @@ class StepRunner:
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
-                 poison: bool = False) -> None:
+                 hidden_layers: tuple | None = None, poison: bool = False) -> None:
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
         self.pcp, self.algorithms = pcp and group.size > 1, Algorithms(pcp_method=pcp_method)
         if not self.family.backend.per_token_kv:
@@ -115,7 +118,9 @@ class StepRunner:
         self.shard = PagedShard(layouts, k, v, ki, torch.zeros(0, self.max_blocks, dtype=torch.int64), block_size,
                                 interleave_size)
         self.poison = poison
-        self._step = functools.partial(decode_step, family=self.family, cfg=cfg, group=group, merge=merge)
+        self.hidden_layers = hidden_layers
+        self._step = functools.partial(decode_step, family=self.family, cfg=cfg, group=group, merge=merge,
+                                       hidden_layers=hidden_layers)
         self._state = {"params": params, "shard": self.shard}
         self.graph: DecodeRunner | None = None
         if capture is not None:
@@ -156,41 +161,48 @@ class StepRunner:
             chunks = rows_of(out, pre)
             table = self.batch(chunks, max(len(ids) for ids in chunks.block_tables))["block_table"]
             t1 = time.perf_counter()
-            outputs, rows = run_prefill_rows(self, chunks, table, self.algorithms)
+            outputs, rows, hidden = run_prefill_rows(self, chunks, table, self.algorithms)
             times = [t1 - t0, time.perf_counter() - t1, 0.0]
             if dec:
-                o, r, _, more = self._forward(rows_of(out, dec), graph=False)
+                o, r, _, more, h = self._forward(rows_of(out, dec), graph=False)
                 outputs, rows = {**outputs, **o}, {**rows, **r}
+                hidden = None if hidden is None else {**hidden, **h}
                 times = [a + b for a, b in zip(times, more)]
-            return StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre))
-        outputs, rows, replayed, times = self._forward(out, graph=True)
-        return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent, *times)
+            return StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), hidden)
+        outputs, rows, replayed, times, hidden = self._forward(out, graph=True)
+        return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent, *times, 0, hidden)
 
     def _forward(self, out: SchedulerOutput, *, graph: bool):
         """Every row through the DCP step (replayed when ``graph`` allows and the step is a uniform 1+k
-        decode): (outputs, logits rows, replayed, [prepare_s, forward_s, sample_s])."""
+        decode): (outputs, logits rows, replayed, [prepare_s, forward_s, sample_s], hidden or None)."""
         t0, replayed = time.perf_counter(), False
         if graph and self.graph is not None and out.uniform_decode and out.query_lens[0] == self.graph.q_len:
             batch = self.batch(out)
             t1 = time.perf_counter()
-            logits, greedy = self.graph(batch, list(out.query_lens))[:2]
+            res = self.graph(batch, list(out.query_lens))
             replayed = self.graph.stats.last.startswith("graph")
         else:  # eager: the table only as wide as this step's longest, so attention reads no unused block
             batch = self.batch(out, max(1, max(len(ids) for ids in out.block_tables)))
             t1 = time.perf_counter()
             cu = torch.tensor([0, *out.query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            logits, greedy = self._step(self._state, {**batch, "cu_seqlens_q": cu})[:2]
+            res = self._step(self._state, {**batch, "cu_seqlens_q": cu})
+        logits, greedy = res[0], res[1]
+        full = res[2] if self.hidden_layers is not None else None  # {name: [T, ...]}
         t2 = time.perf_counter()
-        outputs, rows = {}, {}
+        outputs, rows, hidden = {}, {}, ({} if full is not None else None)
         end = 0
         for b, rid in enumerate(out.req_ids):
-            end += out.query_lens[b]
+            begin, end = end, end + out.query_lens[b]
             if not out.samples[b]:
                 outputs[rid] = ModelOutput()
+                if full is not None:
+                    hidden[rid] = {n: h[begin:end] for n, h in full.items()}
                 continue
             d = len(out.draft_tokens[b])
             g = greedy[end - 1 - d:end]  # [1 + d]: the target's choice after the last token and each draft
             a = int(accept_drafts(torch.tensor([out.draft_tokens[b]], dtype=torch.int64).view(1, d), g[None])[0])
             outputs[rid] = ModelOutput(tuple(g[: a + 1].tolist()))
             rows[rid] = logits[end - 1 - d:end - d + a]
-        return outputs, rows, replayed, [t1 - t0, t2 - t1, time.perf_counter() - t2]
+            if full is not None:  # rejected drafts' rows are not final
+                hidden[rid] = {n: h[begin:end - d + a] for n, h in full.items()}
+        return outputs, rows, replayed, [t1 - t0, t2 - t1, time.perf_counter() - t2], hidden

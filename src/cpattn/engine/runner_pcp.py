@@ -58,21 +58,29 @@ def cached_rows(group, shard, context_lens: tuple[int, ...]) -> torch.Tensor:
 
 
 def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorithms: Algorithms):
-    """PCP prefill of the step's (all-prefill) rows; returns ({req_id: ModelOutput}, {req_id: logits [1, V]})."""
+    """PCP prefill of the step's (all-prefill) rows; returns ({req_id: ModelOutput}, {req_id: logits [1, V]},
+    {req_id: {name: [q, F]}} hidden states of every row, or None without ``runner.hidden_layers``)."""
     g = runner.group
     view = dataclasses.replace(runner.shard, block_table=table)
     ctx = tuple(out.context_lens)
     prefix = Prefix(cached_rows(g, view, ctx), ctx)
     vocab = runner.cfg.vocab_size
     prompts = Prompts.of([[0] * c + list(ids) for c, ids in zip(ctx, out.input_ids)], vocab_size=vocab)
-    res = prefill(g, runner.family, runner.params, runner.cfg, prompts, algorithms=algorithms, prefix=prefix)
+    res = prefill(g, runner.family, runner.params, runner.cfg, prompts, algorithms=algorithms, prefix=prefix,
+                  hidden_layers=runner.hidden_layers)
     handoff(g, g, g, view, res, algorithms)
     first = res.first_logits  # [B, V]
     outputs, logits = {}, {}
+    hidden = None if res.hidden is None else {}
+    cu = [0]
+    for q in out.query_lens:
+        cu.append(cu[-1] + q)
     for b, rid in enumerate(out.req_ids):
+        if hidden is not None:  # request order, the new rows only
+            hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
         if out.samples[b]:
             outputs[rid] = ModelOutput((int(first[b].argmax()),))
             logits[rid] = first[b:b + 1]
         else:
             outputs[rid] = ModelOutput()
-    return outputs, logits
+    return outputs, logits, hidden
