@@ -18,6 +18,7 @@ import torch
 from cpattn.bench.common import DTYPES
 from cpattn.config import EngineConfig
 from cpattn.engine import checks, driver
+from cpattn.layout.rows import cu_seqlens
 from cpattn.models.family import ModelFamily, get_family
 from cpattn.models import load_checkpoint
 from cpattn.models.common import config_dict
@@ -128,9 +129,7 @@ def load_model(spec: Spec) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
 def prompts(spec: Spec, vocab: int) -> tuple[torch.Tensor, list[int]]:
     """Seeded random prompts, packed: tokens [T] int64 and cu_seqlens [B+1] (host ints)."""
     g = torch.Generator().manual_seed(spec.seed + 1)
-    cu = [0]
-    for n in spec.prompt_lens:
-        cu.append(cu[-1] + n)
+    cu = cu_seqlens(spec.prompt_lens)
     return torch.randint(0, vocab, (cu[-1],), generator=g), cu
 
 

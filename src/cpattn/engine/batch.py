@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpattn.layout.rows import cu_seqlens
+
 
 @dataclass(frozen=True)
 class Prompts:
@@ -57,10 +59,7 @@ class Prompts:
     @property
     def cu_seqlens(self) -> list[int]:
         """[B+1] host ints."""
-        out = [0]
-        for n in self.query_lens:
-            out.append(out[-1] + n)
-        return out
+        return cu_seqlens(self.query_lens)
 
     def lists(self) -> list[list[int]]:
         """The prompts as B lists of ints."""

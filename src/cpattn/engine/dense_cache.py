@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cpattn.dsa import dsa_attention
+from cpattn.layout.rows import cu_seqlens
 from cpattn.ops.dsa import causal_key_ranges, sparse_mla_attention_with_lse
 from cpattn.models.family import KVLayout, nan_caches
 from cpattn.ops import attention_with_lse
@@ -37,10 +38,7 @@ def cumsum(lens) -> torch.Tensor:
     >>> cumsum([3, 0, 2]).tolist()
     [0, 3, 3, 5]
     """
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + int(n))
-    return torch.tensor(out, dtype=torch.int32)
+    return torch.tensor(cu_seqlens(lens), dtype=torch.int32)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpattn.layout import rows as packed
 from cpattn.ops import checks
 
 
@@ -85,13 +86,6 @@ def _ranges(spans: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _cumsum(lens: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
-
-
 def pcp_plan(
     cu_seqlens: torch.Tensor | list[int], pcp_size: int, *, context_lens: torch.Tensor | list[int] | None = None
 ) -> PCPPlan:
@@ -135,8 +129,8 @@ def pcp_plan(
         spans = [(i, s, e) for part in (ab, bb) for i, (s, e) in enumerate(part)]
         token_index.append(_ranges([(cu[i] + s, cu[i] + e) for i, s, e in spans]))
         positions.append(_ranges([(ctx[i] + s, ctx[i] + e) for i, s, e in spans]))
-        cu_a.append(_cumsum([e - s for s, e in ab]))
-        cu_b.append(_cumsum([e - s for s, e in bb]))
+        cu_a.append(torch.tensor(packed.cu_seqlens([e - s for s, e in ab]), dtype=torch.int32))
+        cu_b.append(torch.tensor(packed.cu_seqlens([e - s for s, e in bb]), dtype=torch.int32))
         a_bounds.append(tuple(ab))
         b_bounds.append(tuple(bb))
     order = torch.cat(token_index)
@@ -170,7 +164,7 @@ def _prefix(where: torch.Tensor, cu: list[int], bounds) -> tuple[torch.Tensor, t
     """Gathered-buffer rows of keys 0 .. chunk end per request (none for an empty chunk)."""
     lens = [e if e > s else 0 for s, e in bounds]
     idx = _ranges([(cu[i], cu[i] + n) for i, n in enumerate(lens)])
-    return where[idx], _cumsum(lens)
+    return where[idx], torch.tensor(packed.cu_seqlens(lens), dtype=torch.int32)
 
 
 def pcp_shard(x: torch.Tensor, plan: PCPPlan, rank: int) -> torch.Tensor:

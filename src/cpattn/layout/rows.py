@@ -1,20 +1,46 @@
-"""Rows of a packed batch -> the request each belongs to."""
+"""Packed batches: per-request lengths -> ``cu_seqlens``, and rows -> the request each belongs to."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 import torch
 
 
-def request_of(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def cu_seqlens(lens: Iterable[int]) -> list[int]:
+    """``cu_seqlens`` of per-request lengths: [B] ints -> [B+1] host ints, ``0`` then the running sum.
+
+    Wrap it in ``torch.tensor(..., dtype=...)`` where a tensor is wanted.
+
+    Example
+    -------
+    >>> cu_seqlens([3, 0, 2])
+    [0, 3, 3, 5]
+    """
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + int(n))
+    return out
+
+
+def request_of(cu_seqlens: torch.Tensor | Sequence[int], rows: torch.Tensor | None = None) -> torch.Tensor:
     """Request of each packed row: ``b`` with ``cu[b] <= row < cu[b + 1]``; ``B`` for rows at or past ``cu[-1]``.
 
-    cu_seqlens: [B+1] int (non-decreasing, as the public entry points check);
-    rows: [N] int -> [N] int64 (same device as ``rows``).
+    cu_seqlens: [B+1] int (non-decreasing, as the public entry points check), a tensor or host ints;
+    rows: [N] int -> [N] int64 (same device as ``rows``); default every row, ``arange(cu[-1])``, which
+    gives ``repeat_interleave(arange(B), lens)``.
 
     Example
     -------
     >>> import torch
     >>> request_of(torch.tensor([0, 2, 2, 5]), torch.arange(6)).tolist()
     [0, 0, 2, 2, 2, 3]
+    >>> request_of([0, 2, 2, 5]).tolist()
+    [0, 0, 2, 2, 2]
     """
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True)
+    cu = cu_seqlens
+    if not isinstance(cu, torch.Tensor):
+        cu = torch.tensor(list(cu), dtype=torch.int64, device=None if rows is None else rows.device)
+    if rows is None:
+        rows = torch.arange(int(cu[-1]), device=cu.device)
+    return torch.searchsorted(cu[1:].contiguous(), rows, right=True)

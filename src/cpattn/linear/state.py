@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cpattn.layout.rows import cu_seqlens
 from cpattn.ops import gated_delta as gd
 from cpattn.ops.ref import acc_dtype
 
@@ -73,10 +74,7 @@ class RecurrentStep:
     def __init__(self, cache: RecurrentCache, new_lens: tuple[int, ...]):
         self.cache, self.new_lens = cache, new_lens
         device = cache.conv[0].device if cache.conv else "cpu"
-        cu = [0]
-        for n in new_lens:
-            cu.append(cu[-1] + n)
-        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+        self.cu_seqlens = torch.tensor(cu_seqlens(new_lens), dtype=torch.int32, device=device)
         self.decode = len(new_lens) > 0 and all(n == 1 for n in new_lens)
         self._conv, self._state = list(cache.conv), list(cache.state)
 

@@ -40,6 +40,7 @@ from cpattn.comm.group import Group
 from cpattn.dsa import ShardedKeys, dsa_dcp_topk
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.layout.pcp import chunk_bounds
+from cpattn.layout.rows import cu_seqlens
 from cpattn.ops.paged import paged_attention_with_lse
 from cpattn.ops.ref import acc_dtype
 from cpattn.ops.rows import write_rows
@@ -106,9 +107,7 @@ class V4Step:
         self.positions = torch.cat(
             [torch.arange(l, l + n) for l, n in zip(self.context_lens, self.query_lens)] or [torch.zeros(0)]
         ).long().to(dev)
-        self.cu_q = [0]
-        for n in self.query_lens:
-            self.cu_q.append(self.cu_q[-1] + n)
+        self.cu_q = cu_seqlens(self.query_lens)
         lay = cache.layout
         self.window_plan = ring_plan(cache.tables["window"], lay.block_size, lay.back("window"),
                                      self.context_lens, self.query_lens)
@@ -153,10 +152,8 @@ class V4Step:
         n_i, size = c.interleave_size, c.dcp_size
         ids = torch.div(li, n_i, rounding_mode="floor") * (n_i * size) + c.dcp_rank * n_i + li % n_i  # entry id
         key_slots = table[k_req, torch.div(li, bs, rounding_mode="floor")].long() * bs + li % bs
-        cu = [0]
-        for n in n_local:
-            cu.append(cu[-1] + n)
-        return replace(plan, key_slots=key_slots, key_ids=ids, key_cu=torch.tensor(cu, dtype=torch.int64, device=dev),
+        key_cu = torch.tensor(cu_seqlens(n_local), dtype=torch.int64, device=dev)
+        return replace(plan, key_slots=key_slots, key_ids=ids, key_cu=key_cu,
                        entry_visible=visible)
 
     # ------------------------------------------------------------------ run
