@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import cpattn
+from spec_methods_cases import head, prompts, target
+
 from cpattn.comm.launch import spawn
 from cpattn.engine import driver
+from cpattn.engine.drafters import speculative_fields
 from cpattn.engine.pooling import PoolSpec
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.reference import reference_generate
@@ -148,3 +151,23 @@ def test_gloo_pd_with_a_pool(tmp_path):
         assert all(g.facts.pool.hit_blocks == ((0, 0) if run_ == 0 else (4, 2)) for g in gens)
         assert sum(g.facts.pool.blocks_stored for g in gens[1:]) == (5 if run_ == 0 else 1)
         assert sum(g.facts.handoff.blocks_received for g in gens[1:]) == (8 if run_ == 0 else 3)  # WARM: 6 - 4 and 3 - 2
+
+
+def test_a_hidden_state_drafter_across_pd_with_a_pool(tmp_path):
+    """EAGLE-3 reads the prefill's hidden states: with a warm pool they cover only the prefilled suffix, sent
+    to the decode ranks with the blocks past the prefix; tokens stay the one-device reference's."""
+    model, cfg, params = target("qwen3")
+    d = head("eagle3")
+    ps = prompts("qwen3")
+    ps = [ps[0] + ps[1], ps[0][:9] + [5]]
+    ref = reference_generate(model, params, cfg, ps, 8).tokens
+    pool = PoolSpec(f"lmdb:{tmp_path}", model="e")
+    pre, dec = driver.engine_configs(model, cfg, pcp_size=2, dcp_size=2, block_size=BLOCK, interleave_size=BLOCK,
+                                     pd=True, num_speculative_tokens=2)
+    dec = dec.replace(**speculative_fields(d))
+    for hits in ((0, 0), (4, 2)):
+        gens = cpattn.simulate(4, driver.generate_on_rank, model, params, cfg, ps, 8, prefill=pre, decode=dec,
+                               drafter=d, pool=pool)
+        assert all(torch.equal(g.tokens, ref) for g in gens)
+        assert all(g.facts.pool.hit_blocks == hits for g in gens)
+        assert gens[2].stats.drafted > 0

@@ -15,7 +15,9 @@ Topologies:
 - **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks): world
   ranks ``[0, P)`` prefill, ``[P, P + N)`` decode (two ``world.split``
   sub-groups), whole KV blocks move point to point (``world.send`` /
-  ``world.recv``), on torch.distributed or a simulated mesh alike;
+  ``world.recv``), on torch.distributed or a simulated mesh alike; with a
+  KV pool the prefill ranks start from its whole blocks and only the blocks
+  past them cross the P/D link (each decode rank loads its own from the pool);
 - **simulated** (:func:`generate`): a mesh of P simulated ranks prefills, the
   KV travels in memory (rows, or whole blocks for a P/D consumer), a mesh of
   N simulated ranks decodes; any P and N.

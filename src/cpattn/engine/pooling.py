@@ -212,7 +212,22 @@ def load_owned(world: Group, prompts: Prompts, pool, *, rank: int, dcp_size: int
     """P/D: a decode rank's share of the cached prefix, while the prefill ranks :func:`load_prefix` over the
     same ``world`` (every rank agrees on the counts). Returns (``[(request, local block j // N, payload
     [block_size, F])]`` for the cached global blocks j with j % N == ``rank``, as
-    :func:`~cpattn.engine.handoff.place_blocks` takes them; blocks cached per request; :class:`PoolFacts`)."""
+    :func:`~cpattn.engine.handoff.place_blocks` takes them; blocks cached per request; :class:`PoolFacts`).
+
+    >>> import torch, cpattn
+    >>> from cpattn.pool import DictStore, KVPool, PoolIdentity
+    >>> pool = KVPool(DictStore(), PoolIdentity("toy", torch.float32, num_layers=1, block_size=2, row_width=3))
+    >>> p = Prompts.of([[1, 2, 3, 4, 5]])
+    >>> pool.store(pool.keys([1, 2, 3, 4, 5]), [torch.full((1, 2, 3), float(j)) for j in range(2)])
+    2
+    >>> def rank(g):  # rank 0 prefills from the whole prefix; ranks 1, 2 decode (N = 2), each its own block
+    ...     if g.rank == 0:
+    ...         return load_prefix(g, p, pool)[0].context_lens
+    ...     placed, counts, _ = load_owned(g, p, pool, rank=g.rank - 1, dcp_size=2)
+    ...     return [(b, i, float(t[0, 0])) for b, i, t in placed], counts
+    >>> cpattn.simulate(3, rank)
+    [(4,), ([(0, 0, 0.0)], [2]), ([(0, 0, 1.0)], [2])]
+    """
     counts, got, seconds = _load(world, prompts, pool, rank, dcp_size)
     placed = [(b, j // dcp_size, t) for (b, j), t in sorted(got.items(), key=lambda kv: kv[0])]
     return placed, counts, _load_facts(counts, got, seconds)
