@@ -78,7 +78,7 @@ class DCPContext:
         local = dcp_local_lens(ctx, g.size, self.interleave_size)[:, g.rank]  # [B] keys every new token sees here
         self._check_fits(ctx, local, g.rank)
         if self.shard == "heads":
-            req = _rows_to_requests(cu, q.shape[0])
+            req = request_of(cu, torch.arange(q.shape[0], device=cu.device), past=-1)
             kv_lens = torch.where(req >= 0, local[req.clamp(min=0)], 0)
             return dcp_attend_heads(q, self.k_cache, self.v_cache, self.block_table, req, kv_lens,
                                     group=g, merge=self.merge, softmax_scale=scale)
@@ -106,7 +106,8 @@ class DCPContext:
             return q.new_zeros(t, q.shape[1], dv, dtype=acc), torch.full((t, q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         q_pad = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, t_max - t))  # [t_max, Hq, Dk]
         q_all = g.all_gather(q_pad, dim=0)  # [N*t_max, Hq, Dk]
-        req = torch.cat([_rows_to_requests(cus[j], t_max) for j in range(n)])  # [N*t_max]
+        rows = torch.arange(t_max, device=cus.device)
+        req = torch.cat([request_of(cus[j], rows, past=-1) for j in range(n)])  # [N*t_max]
         kv_lens = torch.where(req >= 0, local[req.clamp(min=0)], 0)
         o, l = paged_attention_with_lse(q_all, self.k_cache, self.v_cache, self.block_table, req, kv_lens,
                                         softmax_scale=scale)  # [N*t_max, Hq, Dv], [N*t_max, Hq]
@@ -114,11 +115,3 @@ class DCPContext:
         got = g.all_to_all(buf, dim=0).view(n, t_max, q.shape[1], dv + 1)  # partials of my tokens from each rank
         out, lse = merge_attn_states(got[..., :dv], got[..., dv])
         return out[:t], lse[:t]
-
-
-def _rows_to_requests(cu: torch.Tensor, t: int) -> torch.Tensor:
-    """Request of each of t rows given cu [B+1]; -1 for rows past cu[-1]. -> [t] int64."""
-    b = cu.shape[0] - 1
-    rows = torch.arange(t, device=cu.device)
-    req = request_of(cu, rows)
-    return torch.where(req < b, req, -1)

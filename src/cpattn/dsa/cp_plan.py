@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from cpattn.layout.pcp import pcp_plan
+from cpattn.layout.rows import request_of
 from cpattn.ops import checks
 
 SPLITS = ("contiguous", "balanced")
@@ -98,7 +99,7 @@ def dsa_cp_plan(
     checks.nonnegative("cache_starts", cache_starts, len(seq), "one per request")
     _check_disjoint(cache_starts, [c + n for c, n in zip(ctx, seq)])
     n_tok = cu[-1]
-    req_of = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(seq, dtype=torch.int64))  # [T]
+    req_of = request_of(cu)  # [T]
     pos_of = torch.arange(n_tok) - torch.tensor(cu[:-1], dtype=torch.int64)[req_of] + torch.tensor(
         ctx, dtype=torch.int64)[req_of] if n_tok else torch.zeros(0, dtype=torch.int64)  # [T]
     if split == "balanced":

@@ -23,12 +23,14 @@ def cu_seqlens(lens: Iterable[int]) -> list[int]:
     return out
 
 
-def request_of(cu_seqlens: torch.Tensor | Sequence[int], rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Request of each packed row: ``b`` with ``cu[b] <= row < cu[b + 1]``; ``B`` for rows at or past ``cu[-1]``.
+def request_of(cu_seqlens: torch.Tensor | Sequence[int], rows: torch.Tensor | None = None, *,
+               past: int | None = None) -> torch.Tensor:
+    """Request of each packed row: ``b`` with ``cu[b] <= row < cu[b + 1]``; ``B`` (or ``past``) for rows at or past ``cu[-1]``.
 
     cu_seqlens: [B+1] int (non-decreasing, as the public entry points check), a tensor or host ints;
     rows: [N] int -> [N] int64 (same device as ``rows``); default every row, ``arange(cu[-1])``, which
-    gives ``repeat_interleave(arange(B), lens)``.
+    gives ``repeat_interleave(arange(B), lens)``; past: the request given rows at or past ``cu[-1]``
+    (e.g. -1 for padding rows), default ``B``.
 
     Example
     -------
@@ -37,10 +39,15 @@ def request_of(cu_seqlens: torch.Tensor | Sequence[int], rows: torch.Tensor | No
     [0, 0, 2, 2, 2, 3]
     >>> request_of([0, 2, 2, 5]).tolist()
     [0, 0, 2, 2, 2]
+    >>> request_of(torch.tensor([0, 2, 2, 5]), torch.arange(6), past=-1).tolist()
+    [0, 0, 2, 2, 2, -1]
     """
     cu = cu_seqlens
     if not isinstance(cu, torch.Tensor):
         cu = torch.tensor(list(cu), dtype=torch.int64, device=None if rows is None else rows.device)
     if rows is None:
         rows = torch.arange(int(cu[-1]), device=cu.device)
-    return torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    req = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    if past is not None:
+        req = torch.where(req < cu.shape[0] - 1, req, past)
+    return req

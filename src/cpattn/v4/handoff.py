@@ -44,6 +44,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.engine.logits import acc_dtype, as_logits
 from cpattn.layout.dcp import dcp_slot_mapping
+from cpattn.layout.rows import cu_seqlens, request_of
 from cpattn.ops.rows import write_rows
 from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.prefill import GatheredEntries, TailRows, V4PrefillOut
@@ -123,7 +124,7 @@ def seed_cache(cache: V4Cache, h: V4Handoff) -> V4Cache:
         if kind == "sliding":
             continue
         m = lay.ratio(kind)
-        b_idx = torch.repeat_interleave(torch.arange(len(h.lens)), lens // m)
+        b_idx = request_of(cu_seqlens(n // m for n in h.lens))
         e_idx = torch.cat([torch.arange(n // m) for n in h.lens]).long()
         src = (h.entries.offsets[kind][b_idx] + e_idx).to(dev)
         slots = dcp_slot_mapping(e_idx.to(dev), b_idx.to(dev), cache.tables[f"ent_{kind}"], dcp_rank=cache.dcp_rank,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpattn.layout.rows import cu_seqlens, request_of
 from cpattn.ops.rows import write_rows
 
 
@@ -96,7 +97,7 @@ def ring_plan(
     dev = block_table.device
     b_n, width = block_table.shape
     ring = width * block_size
-    req = torch.repeat_interleave(torch.arange(b_n), torch.tensor(query_lens, dtype=torch.int64))
+    req = request_of(cu_seqlens(query_lens))
     pos = torch.cat([torch.arange(l, l + n) for l, n in zip(context_lens, query_lens)] or [torch.zeros(0)]).long()
     req, pos = req.to(dev), pos.to(dev)
     if max(query_lens, default=0) <= ring - back:

@@ -40,7 +40,7 @@ from cpattn.comm.group import Group
 from cpattn.dsa import ShardedKeys, dsa_dcp_topk
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.layout.pcp import chunk_bounds
-from cpattn.layout.rows import cu_seqlens
+from cpattn.layout.rows import cu_seqlens, request_of
 from cpattn.ops.paged import paged_attention_with_lse
 from cpattn.ops.ref import acc_dtype
 from cpattn.ops.rows import write_rows
@@ -103,11 +103,11 @@ class V4Step:
                     f"most max_len={cache.max_len} per request. Build the cache with a larger max_len"
                 )
         dev = cache.tables["window"].device
-        self.req = torch.repeat_interleave(torch.arange(cache.batch), torch.tensor(self.query_lens)).to(dev)
+        self.cu_q = cu_seqlens(self.query_lens)
+        self.req = request_of(self.cu_q).to(dev)
         self.positions = torch.cat(
             [torch.arange(l, l + n) for l, n in zip(self.context_lens, self.query_lens)] or [torch.zeros(0)]
         ).long().to(dev)
-        self.cu_q = cu_seqlens(self.query_lens)
         lay = cache.layout
         self.window_plan = ring_plan(cache.tables["window"], lay.block_size, lay.back("window"),
                                      self.context_lens, self.query_lens)
@@ -147,12 +147,13 @@ class V4Step:
         # every local CSA entry after this step, packed per request (the indexer's keys)
         n_after = torch.tensor([(l + n) // m for l, n in zip(self.context_lens, self.query_lens)], dtype=torch.int64)
         n_local = dcp_local_lens(n_after, c.dcp_size, c.interleave_size)[:, c.dcp_rank].tolist()
-        k_req = torch.repeat_interleave(torch.arange(c.batch), torch.tensor(n_local, dtype=torch.int64)).to(dev)
+        cu_k = cu_seqlens(n_local)
+        k_req = request_of(cu_k).to(dev)
         li = torch.cat([torch.arange(n) for n in n_local] or [torch.zeros(0)]).long().to(dev)  # local index
         n_i, size = c.interleave_size, c.dcp_size
         ids = torch.div(li, n_i, rounding_mode="floor") * (n_i * size) + c.dcp_rank * n_i + li % n_i  # entry id
         key_slots = table[k_req, torch.div(li, bs, rounding_mode="floor")].long() * bs + li % bs
-        key_cu = torch.tensor(cu_seqlens(n_local), dtype=torch.int64, device=dev)
+        key_cu = torch.tensor(cu_k, dtype=torch.int64, device=dev)
         return replace(plan, key_slots=key_slots, key_ids=ids, key_cu=key_cu,
                        entry_visible=visible)
 

@@ -44,6 +44,7 @@ from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill
 from cpattn.engine.prefill_steps import Prefix
+from cpattn.layout.rows import cu_seqlens, request_of
 
 
 def request_order(plan, total: int, context_lens: tuple[int, ...]):
@@ -54,7 +55,7 @@ def request_order(plan, total: int, context_lens: tuple[int, ...]):
     [[0, 0, 1], [4, 5, 0]]
     """
     cu = plan.cu_seqlens.tolist()
-    req = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor([b - a for a, b in zip(cu, cu[1:])]))
+    req = request_of(cu)
     pos = torch.arange(total) - torch.tensor(cu[:-1])[req] + torch.tensor(context_lens or [0] * (len(cu) - 1))[req]
     return req, pos
 
@@ -80,7 +81,7 @@ def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillO
     psize, nsize = pg.size, dg.size
     if prefix is not None:
         ctx = prefix.context_lens
-        req = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(ctx, dtype=torch.int64))
+        req = request_of(cu_seqlens(ctx))
         pos = torch.cat([torch.arange(c) for c in ctx]) if sum(ctx) else torch.zeros(0, dtype=torch.int64)
         place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=nsize)
     if psize > 1 and nsize > 1:  # both over the world: rows go straight to their owners
