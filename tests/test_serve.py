@@ -132,8 +132,14 @@ def test_streaming_sends_token_by_token(client, reference):
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(P2)
 
 
+def _metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
+
+
 @pytest.mark.slow
-def test_concurrent_clients_each_get_their_own_tokens(client, reference):
+def test_concurrent_clients_each_get_their_own_tokens(client, server, reference):
     jobs = {"a": (P1, 7, False), "b": (P2[:11], 9, True), "c": (P1[3:], 4, False)}
     got, errors = {}, []
 
@@ -147,6 +153,7 @@ def test_concurrent_clients_each_get_their_own_tokens(client, reference):
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
+    steps = _metrics(server[1])["cpattn_steps_total"]
     threads = [threading.Thread(target=ask, args=(k, *v)) for k, v in jobs.items()]
     for t in threads:
         t.start()
@@ -154,12 +161,8 @@ def test_concurrent_clients_each_get_their_own_tokens(client, reference):
         t.join(120)
     assert not errors, errors
     assert got == {k: reference(p, n) for k, (p, n, _) in jobs.items()}
-
-
-def _metrics(base: str) -> dict[str, float]:
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
+    # one after another they need >= 20 steps (each a prefill step, then n - 1 decodes): fewer means shared steps
+    assert _metrics(server[1])["cpattn_steps_total"] - steps < sum(n for _, n, _ in jobs.values())
 
 
 @pytest.mark.slow
@@ -236,3 +239,30 @@ def test_a_family_the_step_loop_cannot_run_is_one_line_exit_2():
     argv = ["serve", "--model-type", "deepseek_v4", "--port", str(_free_port())]  # refused once the engine builds
     r = _cli(f"import sys\nfrom cpattn.cli import main\nsys.exit(main({argv!r}))")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--model-type" in r.stderr, r
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_requests_in_flight_then_exits_0(server, client, reference):
+    """Runs last (file order): it stops the module's server."""
+    proc, _ = server
+    got, errors = [], []
+
+    def ask():
+        try:
+            for c in client.completions.create(model=NAME, prompt=P2, max_tokens=40, stream=True):
+                got.extend(_ids(c.choices[0]) if c.choices else [])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not got:
+        assert time.monotonic() < deadline and not errors, errors
+        time.sleep(0.02)
+    assert len(got) < 40
+    proc.send_signal(signal.SIGTERM)  # mid-generation
+    t.join(120)
+    assert not errors, errors
+    assert got == reference(P2, 40)  # the whole answer, not cut off
+    assert proc.wait(60) == 0, proc.stderr.read()
