@@ -162,6 +162,26 @@ def _check_positions(name: str, t: torch.Tensor) -> None:
     checks.within(name, t, 0, None, expected="a position / length >= 0")
 
 
+def owned_blocks(num_blocks: int, rank: int, dcp_size: int, *, start: int = 0) -> range:
+    """Global blocks ``j`` in ``[start, num_blocks)`` that DCP rank ``rank`` owns when I == B (§4.5).
+
+    Whole blocks are dealt round-robin: block ``j`` lives on rank ``j % N`` as its local block
+    ``j // N``. Returns ``range(first, num_blocks, N)`` with ``first`` the least ``j >= start`` of the
+    rank; the local ids are ``j // N`` of it. Host ints, no checks (callers check their sizes).
+
+    Example
+    -------
+    >>> list(owned_blocks(7, 1, 2)), list(owned_blocks(7, 0, 2, start=3)), [j // 2 for j in owned_blocks(7, 1, 2)]
+    ([1, 3, 5], [4, 6], [0, 1, 2])
+    """
+    return range(start + (rank - start) % dcp_size, num_blocks, dcp_size)
+
+
+def _rows(ids: range) -> slice:
+    """A range of block ids as the slice that views those blocks of a [num_blocks, ...] tensor."""
+    return slice(ids.start, ids.stop, ids.step)
+
+
 def reshard_kv_blocks(
     blocks: torch.Tensor, *, dcp_size: int, interleave_size: int, block_size: int
 ) -> list[torch.Tensor]:
@@ -193,7 +213,8 @@ def reshard_kv_blocks(
         raise ValueError(
             f"blocks must be [num_blocks, block_size={block_size}, ...]; got shape {tuple(blocks.shape)}"
         )
-    return [blocks[r::dcp_size] for r in range(dcp_size)]
+    n = blocks.shape[0]
+    return [blocks[_rows(owned_blocks(n, r, dcp_size))] for r in range(dcp_size)]
 
 
 def unshard_kv_blocks(
@@ -217,7 +238,7 @@ def unshard_kv_blocks(
         raise ValueError(f"parts must hold one tensor per rank ({dcp_size}); got {len(parts)}")
     total = sum(p.shape[0] for p in parts)
     for r, p in enumerate(parts):
-        want = (total - r + dcp_size - 1) // dcp_size
+        want = len(owned_blocks(total, r, dcp_size))
         if p.shape[0] != want or p.shape[1:] != parts[0].shape[1:]:
             raise ValueError(
                 f"parts[{r}] has shape {tuple(p.shape)}; with {total} blocks over {dcp_size} ranks it "
@@ -225,7 +246,7 @@ def unshard_kv_blocks(
             )
     out = parts[0].new_empty(total, *parts[0].shape[1:])  # [num_blocks, block_size, ...]
     for r, p in enumerate(parts):
-        out[r::dcp_size] = p
+        out[_rows(owned_blocks(total, r, dcp_size))] = p
     return out
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cpattn.layout.dcp import owned_blocks
+
 
 @dataclass(frozen=True)
 class RankBlocks:
@@ -76,6 +78,5 @@ def rank_blocks(keys: Sequence[str], rank: int, dcp_size: int, *, start: int = 0
         raise ValueError(f"need 0 <= rank < dcp_size with dcp_size >= 1; got rank={rank}, dcp_size={dcp_size}")
     if start < 0:
         raise ValueError(f"start must be >= 0; got {start}")
-    first = start + (rank - start) % dcp_size
-    ids = tuple(range(first, len(keys), dcp_size))
+    ids = tuple(owned_blocks(len(keys), rank, dcp_size, start=start))
     return RankBlocks(ids, tuple(j // dcp_size for j in ids), tuple(keys[j] for j in ids))
