@@ -171,3 +171,21 @@ def test_a_hidden_state_drafter_across_pd_with_a_pool(tmp_path):
         assert all(torch.equal(g.tokens, ref) for g in gens)
         assert all(g.facts.pool.hit_blocks == hits for g in gens)
         assert gens[2].stats.drafted > 0
+
+
+def test_a_dsa_cp_prefill_from_the_pool_across_pd(tmp_path):
+    """DeepSeek-V3.2 (DSA-CP prefill, its indexer keys among the block's columns): the warm P 2 / N 2 run
+    starts from the pool and sends only the blocks past the prefix."""
+    from cpattn.models import deepseek_v32
+
+    fam, cfg = deepseek_v32.FAMILY, deepseek_v32.DeepseekV32Config.tiny()
+    params = fam.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
+    pool = PoolSpec(f"lmdb:{tmp_path}", model="dsa")
+    cold = run(fam, cfg, params, COLD, 2, 2, pool)
+    warm = run(fam, cfg, params, WARM, 2, 2, pool)
+    for prompts, gens, hits, stored, blocks in ((COLD, cold, (0, 0), 5, 8), (WARM, warm, (4, 2), 1, 3)):
+        want = reference_generate(fam, params, cfg, prompts, NEW).tokens
+        assert all(torch.equal(g.tokens, want) for g in gens)
+        assert all(g.facts.pool.hit_blocks == hits for g in gens)
+        assert sum(g.facts.pool.blocks_stored for g in gens[2:]) == stored
+        assert sum(g.facts.handoff.blocks_received for g in gens[2:]) == blocks
