@@ -133,8 +133,8 @@ PREFILL = [([13, 0, 7, 2], None), ([9, 4], [6, 11]), ([3], [0])]
 
 
 # ----------------------------------------------------------------------------- simulated mesh
-@pytest.mark.parametrize("n", range(1, 9))
-def test_dsa_cp_matches_oracle(n):
+@pytest.mark.parametrize("n", [1, 2, 3, 4, *(pytest.param(n, marks=pytest.mark.slow) for n in (5, 6, 7, 8))])
+def test_dsa_cp_matches_oracle(n):  # fast lane 1-4: one rank, even, uneven, ranks > a prompt's tokens; 5-8 slow
     h = 2 * n  # head-sharded output needs H % N == 0
     cases = [case(lens, ctx, h=h, seed=s) for s, (lens, ctx) in enumerate(PREFILL)]
     for split, output in (("contiguous", "token"), ("balanced", "token"), ("contiguous", "head"),
