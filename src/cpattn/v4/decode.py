@@ -60,7 +60,7 @@ from cpattn.ops.window_attention import window_attention_with_lse
 from cpattn.v4.attention import Compression, LayerInput, compress, head_slice, merge, sparse_partial
 from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.ring import ring_slots
-from cpattn.v4.step import dcp_merge
+from cpattn.v4.step import merge_all
 
 
 def compressed_kinds(layout: V4Layout) -> tuple[str, ...]:
@@ -236,7 +236,7 @@ class V4DecodeStep:
                 parts.append(sparse_partial(inp.q, st["entries"][layer], slots, inp.scale))
         out, lse = merge(parts)
         if g.size > 1:
-            out, lse = dcp_merge(out, lse, g)
+            out, lse = merge_all(out, lse, g)
         return out.to(inp.q.dtype)
 
     def _write_entries(self, kind: str, raw: torch.Tensor, entries: torch.Tensor, comp: Compression) -> None:

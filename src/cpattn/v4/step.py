@@ -32,11 +32,13 @@ Example
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
 from cpattn.comm.group import Group
+from cpattn.dcp import dcp_merge as merge_partials
 from cpattn.dsa import ShardedKeys, dsa_dcp_topk
 from cpattn.layout.dcp import dcp_local_lens, dcp_slot_mapping
 from cpattn.layout.pcp import chunk_bounds
@@ -186,7 +188,7 @@ class V4Step:
                 parts.append(self._csa_partial(layer, inp, plan))
         out, lse = merge(parts)
         if n > 1:
-            out, lse = dcp_merge(out, lse, self.group)
+            out, lse = merge_all(out, lse, self.group)
         return out.to(inp.q.dtype)
 
     def _write_entries(self, raw_cache, entry_cache, plan: KindPlan, comp) -> None:
@@ -225,10 +227,25 @@ class V4Step:
         return replace(self.cache, seq_lens=lens, high_water=high)
 
 
-def dcp_merge(out: torch.Tensor, lse: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge every rank's partial (out [T, H, D], lse [T, H]): one all-gather, then an N-way merge."""
-    n = group.size
+def merge_all(out: torch.Tensor, lse: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge every rank's partial (out [T, H, D], lse [T, H]) of every head, in ``acc_dtype(out)``:
+    :func:`cpattn.dcp.dcp_merge` with ``merge="ag"`` (one all-gather, then an N-way merge; N > 1).
+
+    Returns out [T, H, D] and lse [T, H], the same on every rank.
+
+    >>> import torch, cpattn
+    >>> from cpattn.ops import merge_attn_states
+    >>> o, l = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1)  # rank r's partial is o[r], l[r]
+    >>> outs = cpattn.simulate(2, lambda g: merge_all(o[g.rank], l[g.rank], g)[0])
+    >>> bool(torch.allclose(outs[0], merge_attn_states(o, l)[0])) and bool(torch.equal(outs[0], outs[1]))
+    True
+    """
     wide = acc_dtype(out)
-    msg = torch.cat([out.to(wide), lse.to(wide)[..., None]], dim=-1)  # [T, H, D + 1]
-    got = group.all_gather(msg[None], dim=0)  # [N, T, H, D + 1]
-    return merge([(got[i, ..., :-1], got[i, ..., -1]) for i in range(n)])
+    return merge_partials(out.to(wide), lse.to(wide), group=group, merge="ag")
+
+
+def dcp_merge(out: torch.Tensor, lse: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deprecated: :func:`merge_all` (``cpattn.dcp.dcp_merge(..., merge="ag")`` in ``acc_dtype(out)``)."""
+    warnings.warn("cpattn.v4.step.dcp_merge is deprecated; use cpattn.v4.step.merge_all "
+                  "(cpattn.dcp.dcp_merge(out, lse, group=g, merge='ag'))", DeprecationWarning, stacklevel=2)
+    return merge_all(out, lse, group)
