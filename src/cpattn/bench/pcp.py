@@ -32,6 +32,7 @@ from cpattn.config import cli_args as cli
 from cpattn.bench.common import Progress, Samples, measure, ratio, table, write_json
 from cpattn.bench.pcp_breakdown import breakdown
 from cpattn.bench.pcp_model import model_rank, model_report
+from cpattn.layout.rows import cu_seqlens
 
 # the default run, and the run the ring targets are stated for (8K tokens, MHA 16 x 128, fp32, P = 2)
 FULL_SIZE = dict(pcp=2, seq_lens=(16384,), heads=32, kv_heads=8, head_dim=128)
@@ -60,7 +61,7 @@ class Spec:
         q = torch.randn(t, self.heads, self.head_dim, generator=g).to(dt)
         k = torch.randn(t, self.kv_heads, self.head_dim, generator=g).to(dt)
         v = torch.randn(t, self.kv_heads, self.v_head_dim, generator=g).to(dt)
-        cu = torch.tensor((0, *self.seq_lens)).cumsum(0).to(torch.int32)
+        cu = torch.tensor(cu_seqlens(self.seq_lens), dtype=torch.int32)
         return q, k, v, cu
 
 

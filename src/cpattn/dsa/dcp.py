@@ -10,7 +10,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.comm.pack import pack_bytes, unpack_bytes
 from cpattn.layout.dcp import dcp_owner
-from cpattn.layout.rows import request_of
+from cpattn.layout.rows import cu_seqlens, request_of
 from cpattn.ops import checks, merge_attn_states
 from cpattn.ops.dsa import indexer_scores, sparse_mla_attention_with_lse, topk_indices
 
@@ -67,16 +67,15 @@ def dcp_shard_keys(
     checks.cumulative("cu_seqlens_k", cu, total=latent.shape[0], of=f"latent has {latent.shape[0]} rows")
     if k_index.shape[0] != latent.shape[0]:
         raise ValueError(f"k_index has {k_index.shape[0]} rows but latent {latent.shape[0]}; one of each per key token")
-    ids, rows, cu_local = [], [], [0]
+    ids, rows = [], []
     for b in range(len(cu) - 1):
         own = _dcp_owned(cu[b + 1] - cu[b], rank, size, interleave_size)
         ids.append(own)
         rows.append(own + cu[b])
-        cu_local.append(cu_local[-1] + own.numel())
     ids_t = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
     rows_t = (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)).to(latent.device)
     return ShardedKeys(latent[rows_t], k_index[rows_t], ids_t.to(latent.device),
-                       torch.tensor(cu_local, dtype=torch.int64, device=latent.device))
+                       torch.tensor(cu_seqlens(o.numel() for o in ids), dtype=torch.int64, device=latent.device))
 
 
 def select_topk_candidates(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

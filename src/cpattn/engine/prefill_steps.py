@@ -37,6 +37,7 @@ from cpattn.dsa import DSACache, DSACPPlan, dsa_cp_attention, dsa_cp_sparse_atte
 from cpattn.models.family import KVLayout
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.layout.pcp import PCPPlan
+from cpattn.layout.rows import cu_seqlens
 from cpattn.pcp import Context, pcp_prefill
 
 
@@ -160,6 +161,6 @@ def _split_prefix(prefix: Prefix | None, layouts: tuple[KVLayout, ...]):
     """Per layer (k, v, k_index, cu [B+1]) of a prefix, or None."""
     if prefix is None:
         return None
-    cu = torch.tensor([0, *prefix.context_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+    cu = torch.tensor(cu_seqlens(prefix.context_lens), dtype=torch.int32)
     k, v, ki = unpack_rows(layouts, prefix.rows)
     return [(k[l], v[l], ki[l], cu) for l in range(len(layouts))]

@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from cpattn.graphs import buckets
 from cpattn.graphs.backends import Backend, get_backend
+from cpattn.layout.rows import cu_seqlens
 
 ROWS = ("token", "request")
 CU_SEQLENS = "cu_seqlens_q"
@@ -271,7 +272,7 @@ class DecodeRunner:
 
     def _eager(self, batch, query_lens, reason):
         full = {k: v.to(self.device) for k, v in batch.items()}  # no-op when already there
-        cu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu = torch.tensor(cu_seqlens(query_lens), dtype=torch.int32)
         full[CU_SEQLENS] = cu.to(self.device)
         out = self.step(self.state, full)
         self.stats.eager += 1
