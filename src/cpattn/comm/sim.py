@@ -220,31 +220,43 @@ def simulate(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: flo
     [tensor([3., 3.]), tensor([3., 3.]), tensor([3., 3.])]
     """
     mesh = SimMesh(world_size, timeout_s)
-    groups = mesh.groups()
-    results: list[Any] = [None] * world_size
-    errors: list[BaseException | None] = [None] * world_size
+    return run_ranks(mesh, mesh.groups(), lambda g: fn(g, *args, **kwargs), what="simulate")
+
+
+def run_ranks(mesh: SimMesh, groups: list[SimGroup], fn: Callable[[SimGroup], Any], *, what: str = "simulate") -> list:
+    """Run ``fn(groups[r])`` on a thread per rank of ``mesh`` (groups kept across calls, e.g. an engine's
+    step after step); the per-rank results, or the first error re-raised as ``RuntimeError`` naming ``what``
+    and the rank (the mesh's failure flag stops the other ranks' waits).
+
+    >>> mesh = SimMesh(2); groups = mesh.groups()
+    >>> [run_ranks(mesh, groups, lambda g: int(g.all_reduce(torch.ones(1)))) for _ in range(2)]
+    [[2, 2], [2, 2]]
+    """
+    n = len(groups)
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
 
     def run(r: int) -> None:
         try:
-            results[r] = fn(groups[r], *args, **kwargs)
+            results[r] = fn(groups[r])
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors[r] = e
             if not mesh.failed.is_set() and not isinstance(e, PeerFailed):
                 mesh.failure = (r, e)
                 mesh.failed.set()
 
-    if world_size == 1:
+    if n == 1:
         run(0)
     else:
-        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     if mesh.failure is not None:
         r, e = mesh.failure
-        raise RuntimeError(f"simulate: rank {r} of {world_size} raised {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"{what}: rank {r} of {n} raised {type(e).__name__}: {e}") from e
     for r, e in enumerate(errors):
         if e is not None:
-            raise RuntimeError(f"simulate: rank {r} of {world_size} raised {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"{what}: rank {r} of {n} raised {type(e).__name__}: {e}") from e
     return results

@@ -35,7 +35,6 @@ Example
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.comm.sim import SimMesh
+from cpattn.comm.sim import SimMesh, run_ranks
 from cpattn.config import EngineConfig, SchedulerConfig
 from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
@@ -208,8 +207,9 @@ class LLMEngine:
                               num_speculative_tokens=k, pcp=pcp > 1, poison=poison,
                               hidden_layers=None if drafter is None else drafter.hidden_layers)
 
-        self.runners = _on_every_rank(self._mesh, [lambda g=g: runner(g) for g in groups]) \
-            if len(groups) > 1 else [runner(groups[0])]
+        self._groups = groups
+        self.runners = run_ranks(self._mesh, groups, runner, what="LLMEngine") if len(groups) > 1 \
+            else [runner(groups[0])]  # one rank: its errors as raised
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
                         "drafted_tokens": 0, "accepted_tokens": 0, "pcp_steps": 0}
@@ -342,7 +342,8 @@ class LLMEngine:
         if self._mesh is None or len(self.runners) == 1:
             results = [r.execute(out) for r in self.runners]
         else:
-            results = _on_every_rank(self._mesh, [lambda r=r: r.execute(out) for r in self.runners])
+            results = run_ranks(self._mesh, self._groups, lambda g: self.runners[g.rank].execute(out),
+                                what="LLMEngine")
         for r, res in enumerate(results[1:], 1):
             if {k: v.sampled for k, v in res.outputs.items()} != {k: v.sampled for k, v in results[0].outputs.items()}:
                 raise RuntimeError(f"DCP rank {r} sampled different tokens than rank 0; the ranks diverged")
@@ -357,26 +358,3 @@ class LLMEngine:
                            prefix_query_tokens=s.prefix_query_tokens, preemptions=s.preemptions,
                            blocks_used=s.blocks_used, blocks_free=s.blocks_free, running=s.running,
                            waiting=s.waiting, **self._counts)
-
-
-def _on_every_rank(mesh: SimMesh, calls: list) -> list:
-    """Run ``calls[r]()`` on a thread per simulated rank of ``mesh`` (they meet in collectives)."""
-    results: list = [None] * len(calls)
-
-    def run(r: int) -> None:
-        try:
-            results[r] = calls[r]()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            if mesh.failure is None:
-                mesh.failure = (r, e)
-            mesh.failed.set()
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if mesh.failure is not None:
-        r, e = mesh.failure
-        raise RuntimeError(f"LLMEngine: DCP rank {r} raised {type(e).__name__}: {e}") from e
-    return results

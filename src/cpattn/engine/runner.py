@@ -59,6 +59,7 @@ from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner
+from cpattn.layout.rows import cu_seqlens
 from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
 
 
@@ -184,7 +185,7 @@ class StepRunner:
         else:  # eager: the table only as wide as this step's longest, so attention reads no unused block
             batch = self.batch(out, max(1, max(len(ids) for ids in out.block_tables)))
             t1 = time.perf_counter()
-            cu = torch.tensor([0, *out.query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            cu = torch.tensor(cu_seqlens(out.query_lens), dtype=torch.int32)
             res = self._step(self._state, {**batch, "cu_seqlens_q": cu})
         logits, greedy = res[0], res[1]
         full = res[2] if self.hidden_layers is not None else None  # {name: [T, ...]}

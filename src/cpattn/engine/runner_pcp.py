@@ -23,6 +23,7 @@ from cpattn.engine.options import Algorithms
 from cpattn.engine.prefill import prefill
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
+from cpattn.layout.rows import cu_seqlens, request_of
 
 
 def rows_of(out: SchedulerOutput, keep: list[int]) -> SchedulerOutput:
@@ -42,8 +43,9 @@ def cached_rows(group, shard, context_lens: tuple[int, ...]) -> torch.Tensor:
     dtype = shard.k[0].dtype
     if total == 0:
         return torch.zeros(0, width, dtype=dtype)
-    req = torch.repeat_interleave(torch.arange(len(context_lens)), torch.tensor(context_lens))
-    pos = torch.cat([torch.arange(c) for c in context_lens])
+    cu = cu_seqlens(context_lens)
+    req = request_of(cu)  # [total]
+    pos = torch.arange(total) - torch.tensor(cu[:-1])[req]
     slots = shard.slots(pos, req, group.rank, group.size)  # [total], -1 where another rank owns it
     mine = slots >= 0
     safe = torch.where(mine, slots, torch.zeros_like(slots))
@@ -72,9 +74,7 @@ def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorith
     first = res.first_logits  # [B, V]
     outputs, logits = {}, {}
     hidden = None if res.hidden is None else {}
-    cu = [0]
-    for q in out.query_lens:
-        cu.append(cu[-1] + q)
+    cu = cu_seqlens(out.query_lens)
     for b, rid in enumerate(out.req_ids):
         if hidden is not None:  # request order, the new rows only
             hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
