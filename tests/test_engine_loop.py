@@ -162,6 +162,8 @@ def test_bad_requests_are_refused_before_a_step():
                        scheduler=SchedulerConfig(max_num_batched_tokens=8, max_model_len=16))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, cfg.vocab_size])
+    with pytest.raises(ValueError, match="int token ids"):
+        engine.add_request([1, 2.5])  # refused, never truncated
     with pytest.raises(ValueError, match="max_model_len is 16"):
         engine.add_request([1] * 10, SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match="keeps its own cache"):

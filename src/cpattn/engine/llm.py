@@ -134,8 +134,9 @@ class LLMEngine:
         cache's second tier (:mod:`cpattn.engine.pool_tier`): spans not on the device are fetched from
         it at admission, computed spans are stored after each step (simulated mesh; DCP needs
         ``interleave_size = block_size``). ``engine.close()`` releases a pool the engine opened.
-    drafter: a token-only drafter (:class:`~cpattn.engine.drafters.NgramDrafter`, a draft model)
-        with ``num_speculative_tokens`` = k >= 1 (or the config's); None: plain decode.
+    drafter: a drafter (:class:`~cpattn.engine.drafters.NgramDrafter`, a draft model, or an MTP /
+        Eagle3 / DSpark head, which gets the target's hidden states) with ``num_speculative_tokens`` =
+        k >= 1 (or the config's); None: plain decode.
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
 
     ``engine.last_step`` is ``(SchedulerOutput, replayed)`` of the latest step (what ran, and whether
@@ -221,7 +222,10 @@ class LLMEngine:
                     request_id: Hashable | None = None) -> Hashable:
         """Queue a request; returns its id (0, 1, ... unless given). Checked now, not at its first step."""
         p = params or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
+        ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
+        prompt = list(ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt_token_ids must be int token ids; got {prompt[:4]!r}...")
         vocab = getattr(self.runners[0].cfg, "vocab_size", None)
         bad = [t for t in prompt if vocab is not None and not 0 <= t < vocab]
         if bad:
