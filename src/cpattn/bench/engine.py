@@ -43,7 +43,8 @@ def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "low": min(xs), "high": max(xs)}
 
 
-def _engine(group, params, cfg, *, batch: int, budget: int, graph: str | None, num_blocks: int):
+def _engine(group, params, cfg, *, batch: int, budget: int, graph: str | None, num_blocks: int,
+            max_model_len: int | None = None):
     from cpattn.config import SchedulerConfig
     from cpattn.engine.llm import LLMEngine
 
@@ -53,14 +54,15 @@ def _engine(group, params, cfg, *, batch: int, budget: int, graph: str | None, n
                      graph_mode="FULL_DECODE_ONLY" if graph else "NONE", graph_backend=graph or "eager",
                      capture_sizes=[batch] if graph else None,
                      scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max(batch, 9),
-                                               enable_prefix_caching=False))
+                                               enable_prefix_caching=False, max_model_len=max_model_len))
 
 
 def _decode_rows(group, params, cfg, batch: int, steps: int, graph: str | None) -> dict:
     """Host fraction of ``steps`` uniform decode steps at ``batch`` requests (after their prefill)."""
     from cpattn.engine.llm import SamplingParams
 
-    eng = _engine(group, params, cfg, batch=batch, budget=64 * batch, graph=graph, num_blocks=batch * 8)
+    eng = _engine(group, params, cfg, batch=batch, budget=64 * batch, graph=graph, num_blocks=batch * 8,
+                  max_model_len=64 + steps + 8)  # block tables (and a captured step) as wide as the requests need
     for i in range(batch):
         eng.add_request([(7 * i + j) % cfg.vocab_size for j in range(64)], SamplingParams(max_tokens=steps + 3))
     while eng.stats.steps < 1 or eng.last_step[0].is_prefill[0]:

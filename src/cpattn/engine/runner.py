@@ -19,7 +19,7 @@ NaN), cu_seqlens_q [B+1] -- and runs that one step function:
   a mix, drafts cut short by ``max_tokens`` -- runs the same function eagerly.
 
 Sampling is greedy (ties to the lowest token id). A sampled row emits the
-accepted drafts then the bonus token (:func:`~cpattn.engine.decode.accept_drafts`).
+accepted drafts then the bonus token (the rule of :func:`~cpattn.engine.decode.accept_drafts`).
 With ``poison=True`` every block the block manager hands out anew is
 filled with NaN before the step writes it, so a read of stale rows shows.
 
@@ -53,13 +53,13 @@ from typing import Any
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.engine.decode import accept_drafts, decode_step, step_fields
+from cpattn.engine.decode import decode_step, step_fields
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner
-from cpattn.layout.rows import cu_seqlens
+from cpattn.layout.rows import cu_seqlens, request_of
 from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
 
 
@@ -134,12 +134,18 @@ class StepRunner:
     def batch(self, out: SchedulerOutput, width: int | None = None) -> dict[str, torch.Tensor]:
         """The step's inputs: tokens [T], seq_lens [B], block_table [B, width] (spare-padded; default
         ``max_blocks``, the captured programs' width; an eager step passes its own longest table)."""
-        table = torch.full((len(out.req_ids), width or self.max_blocks), self.spare, dtype=torch.int64)
+        w = width or self.max_blocks
         for b, ids in enumerate(out.block_tables):
             if len(ids) > self.max_blocks:
                 raise ValueError(f"request {out.req_ids[b]!r} holds {len(ids)} blocks; the runner was built for "
                                  f"max_model_len covering {self.max_blocks}: raise max_model_len")
-            table[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        lens = [len(ids) for ids in out.block_tables]
+        table = torch.full((len(lens), w), self.spare, dtype=torch.int64)
+        if sum(lens):  # one scatter of every row's ids, not a copy per row
+            cu = cu_seqlens(lens)
+            req = request_of(cu)
+            col = torch.arange(cu[-1]) - torch.tensor(cu[:-1])[req]
+            table[req, col] = torch.tensor([i for ids in out.block_tables for i in ids], dtype=torch.int64)
         tokens = torch.tensor([t for ids in out.input_ids for t in ids], dtype=torch.int64)
         return {"tokens": tokens, "seq_lens": torch.tensor(out.seq_lens, dtype=torch.int64), "block_table": table}
 
@@ -191,6 +197,7 @@ class StepRunner:
         full = res[2] if self.hidden_layers is not None else None  # {name: [T, ...]}
         t2 = time.perf_counter()
         outputs, rows, hidden = {}, {}, ({} if full is not None else None)
+        chosen = greedy.tolist()  # one device->host copy; acceptance is plain list work
         end = 0
         for b, rid in enumerate(out.req_ids):
             begin, end = end, end + out.query_lens[b]
@@ -199,10 +206,13 @@ class StepRunner:
                 if full is not None:
                     hidden[rid] = {n: h[begin:end] for n, h in full.items()}
                 continue
-            d = len(out.draft_tokens[b])
-            g = greedy[end - 1 - d:end]  # [1 + d]: the target's choice after the last token and each draft
-            a = int(accept_drafts(torch.tensor([out.draft_tokens[b]], dtype=torch.int64).view(1, d), g[None])[0])
-            outputs[rid] = ModelOutput(tuple(g[: a + 1].tolist()))
+            drafts = out.draft_tokens[b]
+            d = len(drafts)
+            g = chosen[end - 1 - d:end]  # [1 + d]: the target's choice after the last token and each draft
+            a = 0
+            while a < d and drafts[a] == g[a]:  # accept_drafts, on host ints
+                a += 1
+            outputs[rid] = ModelOutput(tuple(g[: a + 1]))
             rows[rid] = logits[end - 1 - d:end - d + a]
             if full is not None:  # rejected drafts' rows are not final
                 hidden[rid] = {n: h[begin:end - d + a] for n, h in full.items()}
