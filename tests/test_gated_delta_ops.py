@@ -127,10 +127,13 @@ def test_nan_in_conv_input_reaches_the_next_k_minus_1_tokens_only():
 
 
 # ----------------------------------------------------------------------------- transformers' torch paths
-hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+def transformers_paths():
+    """transformers' qwen3_next module, imported by the two tests that use it (it costs seconds at collection)."""
+    return pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
 def test_chunk_and_step_match_transformers_torch_paths():
+    hf = transformers_paths()
     q, k, v, g, beta, cu, s0 = inputs([50], dtype=torch.float32, state=False)
     s0 = torch.randn_like(s0) * 0.1
     o, s = gd.gated_delta_chunk(q, k, v, g, beta, cu, s0, scale=8**-0.5)
@@ -149,6 +152,7 @@ def test_chunk_and_step_match_transformers_torch_paths():
 
 
 def test_conv_matches_transformers_conv_paths():
+    hf = transformers_paths()
     x, w = torch.randn(11, 6), torch.randn(6, 4)
     y, st = gd.causal_conv1d(x, w, None, torch.tensor([0, 11]), torch.zeros(1, 3, 6))
     hy = hf.causal_conv1d_fn(x.T[None], w, None, activation="silu")[0].T
