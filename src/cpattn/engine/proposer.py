@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-import torch
-
 from cpattn.engine.drafters import TargetHidden
 
 
