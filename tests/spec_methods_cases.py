@@ -20,9 +20,9 @@ import torch
 
 from cpattn.drafters import eagle3 as e3
 from cpattn.drafters import mtp as mt
-from cpattn.drafters import sequence as sq
-from cpattn.drafters import target as tg
-from cpattn.drafters.corpus import Corpus
+from cpattn.lab import sequence as sq
+from cpattn.lab import target as tg
+from cpattn.lab.corpus import Corpus
 from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.drafters import DRAFTERS
 from cpattn.engine.family import get_family
@@ -67,7 +67,7 @@ def v4_trained():
     """(float64 DSpark head, losses, per-slot accuracy): block 4, self-distilled on 32 greedy continuations
     of random 4-token prompts to 24 tokens (60 steps, ~1.5 s)."""
     from cpattn.drafters.dspark import DSparkDrafter
-    from cpattn.drafters.train import hidden_layers_of, train_drafter
+    from cpattn.lab.train import hidden_layers_of, train_drafter
 
     params = v4_target()
     ps = torch.randint(1, V4_CFG.vocab_size - 1, (32, 4), generator=torch.Generator().manual_seed(0))

@@ -88,7 +88,7 @@ def test_no_cache_reference_attends_in_float64():
     """The no-cache references' attention (sequence.masked_attention) keeps a float64 run in float64: its
     drafts are compared token for token with the cached drafter's, so a float32 softmax there would make that
     comparison a greedy choice after a cast (weights 1 float32 ulp apart; a near tie flips a draft)."""
-    from cpattn.drafters.sequence import masked_attention
+    from cpattn.lab.sequence import masked_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(5, n, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))

@@ -20,11 +20,11 @@ from cpattn.drafters import cache as kv
 from cpattn.drafters import dspark as dsp
 from cpattn.drafters import eagle3 as e3
 from cpattn.drafters import mtp as mt
-from cpattn.drafters import sequence as sq
-from cpattn.drafters import target as tg
-from cpattn.drafters.corpus import Corpus
-from cpattn.drafters.train import main as train_main
-from cpattn.drafters.train import target_main, train_drafter
+from cpattn.lab import sequence as sq
+from cpattn.lab import target as tg
+from cpattn.lab.corpus import Corpus
+from cpattn.lab.train import main as train_main
+from cpattn.lab.train import target_main, train_drafter
 from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.drafters import (DRAFTERS, DraftSettings, ModelDrafter, NgramDrafter, TargetHidden, check_drafter,
                                     speculative_fields)
@@ -407,7 +407,7 @@ def test_train_draft_command(tmp_path, capsys):
 def test_bench_drafts_acceptance_table():
     """``cpattn bench drafts``' acceptance part on the shipped checkpoints: a row per (target, method), lossless,
     tokens per verify step within 1 .. 1 + k, never more verify steps than plain decode steps."""
-    from cpattn.drafters import report
+    from cpattn.lab import report
 
     rows = report.acceptance_rows(report.DEFAULT_DATA, 6, 2, [2])
     assert {(r["target"], r["method"]) for r in rows} == {(t, m) for t, ms in report.PAIRS.items() for m in ms}

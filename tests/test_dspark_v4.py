@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from cpattn.comm.sim import simulate
-from cpattn.drafters import sequence as sq
-from cpattn.drafters import target as tg
+from cpattn.lab import sequence as sq
+from cpattn.lab import target as tg
 from cpattn.drafters.dspark import DSparkConfig, DSparkDrafter
 from cpattn.engine.drafters import TargetHidden
 from cpattn.models import deepseek_v4 as v4
@@ -129,7 +129,7 @@ def test_graph_mode():
 def test_train_draft_command_on_a_v4_checkpoint(tmp_path, capsys):
     """A random-init V4 target saved as a checkpoint (``target.save``) reads back equal; ``cpattn train-draft
     --method dspark`` trains a head for it that the registry loads; Eagle3 is refused with the rule."""
-    from cpattn.drafters.train import main as train_main
+    from cpattn.lab.train import main as train_main
     from cpattn.engine.drafters import DRAFTERS
 
     cfg = v4.DeepseekV4Config.tiny()

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cpattn.drafters import target as tg
+from cpattn.lab import target as tg
 from cpattn.drafters.mtp import MTPDrafter
-from cpattn.drafters.train import main as train_draft
-from cpattn.drafters.train import target_main
+from cpattn.lab.train import main as train_draft
+from cpattn.lab.train import target_main
 from cpattn.engine.drafters import DRAFTERS
 from cpattn.models.generate import generate, speculative_generate
 

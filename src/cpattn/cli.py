@@ -27,9 +27,9 @@ COMMANDS = {
     "prefill": ("cpattn.bench.pcp:prefill_main", "PCP prefill attention on P gloo ranks, checked against one rank"),
     "plan": ("cpattn.plan.cli:main",
              "predicted TTFT / TPOT / KV bytes per (tp, pcp, dcp) on H200, B200, Ascend 910C (plan calibrate|validate|anchors)"),
-    "train-target": ("cpattn.drafters.train:target_main",
+    "train-target": ("cpattn.lab.train:target_main",
                      "a tiny Qwen3 / DeepSeek-V3 target trained on the synthetic corpus (CPU, minutes), saved as a checkpoint"),
-    "train-draft": ("cpattn.drafters.train:main",
+    "train-draft": ("cpattn.lab.train:main",
                     "an MTP / Eagle3 / DSpark head trained by self-distillation on a target's greedy continuations"),
     "serve": ("cpattn.serve.cli:main",
               "OpenAI-compatible HTTP server (/v1/completions, token ids, greedy) on the step loop, 127.0.0.1"),
@@ -47,7 +47,7 @@ BENCHMARKS = {
     "engine": ("cpattn.bench.engine:main", "step loop: scheduling + input preparation as a fraction of a step, "
                "decode batch 1/8/32 eager vs captured; chunked-prefill TTFT"),
     "mlapo": ("cpattn.bench.mlapo:main", "DeepSeek decode step with / without the fused MLA preprocessing op, DCP 1 and 2"),
-    "drafts": ("cpattn.drafters.report:main",
+    "drafts": ("cpattn.lab.report:main",
                "MTP / Eagle3 / DSpark on tiny trained targets: acceptance per position; decode tok/s vs plain, DCP 1 and 2"),
 }
 POOL = {

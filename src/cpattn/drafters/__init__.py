@@ -12,9 +12,10 @@ logical PCP size 1 (:mod:`cpattn.engine.drafters` has the protocol):
   by an fc layer, one decoder layer, a reduced draft vocabulary (``d2t``);
 - :mod:`~cpattn.drafters.dspark` -- DSpark: a parallel draft block over the
   target's fused hidden states, a Markov head inside the block, a
-  confidence head estimating each draft's survival;
-- :mod:`~cpattn.drafters.train` -- ``cpattn train-draft``: self-distillation
-  of any of the three on a target's own greedy continuations.
+  confidence head estimating each draft's survival.
+
+Training them (``cpattn train-draft``: self-distillation on a target's own
+greedy continuations) is the lab's, :mod:`cpattn.lab`, which nothing here imports.
 
 Beside them the two drafters that read tokens only: :mod:`~cpattn.drafters.ngram`
 (prompt lookup, no weights) and :mod:`~cpattn.drafters.draft_model` (a small
