@@ -1,14 +1,18 @@
 """``cpattn serve``: an OpenAI-compatible HTTP server on the step loop (``cpattn.engine.llm.LLMEngine``).
 
 Serves an embedded tiny random model (``--model-type``, built as ``cpattn demo`` builds it: seeded
-weights, nothing downloaded) on ``--decode-context-parallel-size`` simulated DCP ranks in this process,
-greedy decoding only. Listens on 127.0.0.1:8000 unless ``--host`` / ``--port`` say otherwise; Ctrl-C or
-SIGTERM stops it (exit 0). Prompts are token ids (the embedded models have no tokenizer); see
-docs/serve.md for the endpoints and what is not done yet.
+weights, nothing downloaded) or a local checkpoint directory (``--model DIR``, as ``cpattn demo --model``
+reads it) on ``--decode-context-parallel-size`` simulated DCP ranks in this process; prefill chunks
+under PCP over the same ranks with ``--prefill-context-parallel-size`` equal to the DCP size (one
+engine); captured decode steps with ``--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'``;
+n-gram speculative decoding with ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'``.
+Listens on 127.0.0.1:8000 unless ``--host`` / ``--port`` say otherwise; Ctrl-C or SIGTERM stops it
+(exit 0). Prompts are token ids; see docs/serve.md for the endpoints and what is not done yet.
 
 Usage::
 
     cpattn serve --model-type qwen3 --decode-context-parallel-size 2 --port 8000
+    cpattn serve --pcp 2 --dcp 2 --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "cpattn-qwen3", "prompt": [1, 2, 3, 4], "max_tokens": 8}'
 
@@ -22,11 +26,16 @@ import importlib.util
 import sys
 
 from cpattn.config import cli_args as cli
+from cpattn.serve import flags
 
 PROG = "cpattn serve"
 NEEDS = ("fastapi", "uvicorn")
 SCHEDULER_FLAGS = {"max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
                    "enable_chunked_prefill": "--enable-chunked-prefill", "max_model_len": "--max-model-len"}
+CONFIG_FLAGS = {"capture_sizes": "--compilation-config cudagraph_capture_sizes",
+                "graph_mode": "--compilation-config cudagraph_mode", "graph_backend": "--compilation-config backend",
+                "num_speculative_tokens": "--speculative-config num_speculative_tokens",
+                "speculative_method": "--speculative-config method"}
 
 
 def port(text: str) -> int:
@@ -48,13 +57,25 @@ def parser():
     import argparse
 
     p = cli.parser(PROG, __doc__)
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="local Hugging Face checkpoint (config.json + *.safetensors) instead of an embedded model")
     p.add_argument("--model-type", choices=cli.MODEL_TYPES, default="qwen3",
-                   help="family of the embedded tiny random-init model")
+                   help="family of the embedded tiny random-init model (ignored with --model)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model name clients send and /v1/models lists (default: cpattn-MODEL_TYPE)")
-    cli.add_parallel(p, dcp=1, block_size=16, helps={
+                   help="the model name clients send and /v1/models lists (default: --model DIR as given, or "
+                        "cpattn-MODEL_TYPE)")
+    cli.add_parallel(p, pcp=1, dcp=1, block_size=16, helps={
+        "pcp": "prefill context-parallel ranks: 1, or the DCP size (one engine: every step's prefill chunks "
+               "run PCP over the DCP ranks)",
         "dcp": "decode context-parallel ranks, simulated as threads in this process (the KV cache sharded "
                "over them; tokens equal one device)"})
+    p.add_argument("--compilation-config", type=flags.compilation_config, default=None, metavar="JSON",
+                   help='graph mode, vLLM\'s spelling: \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\' replays captured '
+                        'uniform decode steps (keys: cudagraph_mode NONE|FULL_DECODE_ONLY, cudagraph_capture_sizes, '
+                        'backend; default: eager)')
+    p.add_argument("--speculative-config", type=flags.speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding: \'{"method": "ngram", "num_speculative_tokens": K}\' (also '
+                        'prompt_lookup_max / prompt_lookup_min; default: none)')
     p.add_argument("--max-num-batched-tokens", type=cli.positive_int, default=2048, metavar="N",
                    help="token budget of one step (prefill chunks + decodes)")
     p.add_argument("--max-num-seqs", type=cli.positive_int, default=16, metavar="N",
@@ -93,6 +114,14 @@ def check_args(a):
     """The SchedulerConfig of the flags, or a one-line usage error (exit 2); no torch imported."""
     from cpattn.config import ConfigError, SchedulerConfig
 
+    pcp, dcp = a.prefill_context_parallel_size, a.decode_context_parallel_size
+    if pcp not in (1, dcp):
+        fix = f"use --pcp {dcp} (or 1)" if dcp > 1 else f"use --pcp {pcp} --dcp {pcp}, or --pcp 1"
+        cli.bad_value(PROG, "--prefill-context-parallel-size/--pcp", f"--pcp={pcp} with --dcp={dcp}",
+                      "the server runs one engine whose PCP ranks are its DCP ranks: --pcp is 1 or equals --dcp "
+                      "(a separate PCP prefill engine, P/D, is not served yet)", fix)
+    if a.compilation_config is not None and a.compilation_config["graph_backend"] != "auto":
+        cli.check_backend(PROG, "--compilation-config backend", a.compilation_config["graph_backend"])
     try:
         return SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                                enable_chunked_prefill=a.enable_chunked_prefill, max_model_len=a.max_model_len)
@@ -108,6 +137,8 @@ def main(argv=None) -> int:
         cli.usage_error(PROG, f"needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
                               "installed; fix: pip install 'cpattn[serve]' (or pip install fastapi uvicorn)")
     sched = check_args(a)
+    if a.model is not None:
+        check_model(a.model)
     from cpattn.pool.server import port_in_use
 
     try:
@@ -128,18 +159,19 @@ def main(argv=None) -> int:
     try:
         engine = build_engine(a, sched)
     except ConfigError as e:
-        cli.speak_problems(PROG, e.problems)
+        cli.speak_problems(PROG, e.problems, CONFIG_FLAGS)
     except (ValueError, RuntimeError) as e:  # a family the step loop cannot run (raised on a DCP rank: wrapped)
         cause = e if isinstance(e, ValueError) else e.__cause__
         if not isinstance(cause, ValueError):
             raise
-        cli.usage_error(PROG, f"argument --model-type: saw {a.model_type!r}: {cause}")
-    name = a.served_model_name or f"cpattn-{a.model_type}"
+        flag = "--model" if a.model else "--model-type"
+        cli.usage_error(PROG, f"argument {flag}: saw {a.model or a.model_type!r}: {cause}")
+    name = a.served_model_name or a.model or f"cpattn-{a.model_type}"
     loop = EngineLoop(engine)
     try:
         app = build_app(loop, name, max_model_len=engine.max_model_len)
-        print(f"{PROG}: {name} ({a.model_type}, embedded, DCP {a.decode_context_parallel_size}) on "
-              f"http://{a.host}:{a.port}/v1 ; Ctrl-C stops it", file=sys.stderr, flush=True)
+        print(f"{PROG}: {name} ({describe(a, engine)}) on http://{a.host}:{a.port}/v1 ; Ctrl-C stops it",
+              file=sys.stderr, flush=True)
         server = _Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False))
         server.run()
     finally:
@@ -169,11 +201,54 @@ def _Server(config):
     return Server(config)
 
 
+def check_model(model_dir: str) -> None:
+    """``--model DIR``: config.json and the safetensors headers checked (no weights read), or exit 2."""
+    from cpattn.bench.demo_setup import Spec, model_config
+
+    try:
+        model_config(Spec(model_dir=model_dir))
+    except ValueError as e:
+        cli.usage_error(PROG, f"argument --model: {e}")
+
+
+def describe(a, engine) -> str:
+    """The start line's summary of what is served.
+
+    >>> from types import SimpleNamespace as NS
+    >>> a = NS(model=None, model_type="qwen3", prefill_context_parallel_size=2, decode_context_parallel_size=2,
+    ...        compilation_config={"graph_mode": "FULL_DECODE_ONLY"}, speculative_config=None)
+    >>> describe(a, None)
+    'qwen3, embedded, PCP 2 + DCP 2, FULL_DECODE_ONLY'
+    """
+    parts = [a.model_type if a.model is None else "checkpoint", "embedded" if a.model is None else a.model]
+    pcp, dcp = a.prefill_context_parallel_size, a.decode_context_parallel_size
+    parts.append(f"PCP {pcp} + DCP {dcp}" if pcp > 1 else f"DCP {dcp}")
+    if a.compilation_config is not None and a.compilation_config["graph_mode"] != "NONE":
+        parts.append(a.compilation_config["graph_mode"])
+    if a.speculative_config is not None:
+        parts.append(f"{a.speculative_config['method']} k={a.speculative_config['num_speculative_tokens']}")
+    return ", ".join(parts)
+
+
 def build_engine(a, sched):
-    """The LLMEngine of the flags: the embedded model of ``--model-type`` (seeded, as the demo builds it)."""
+    """The LLMEngine of the flags: the embedded model of ``--model-type`` (seeded, as the demo builds it) or
+    the checkpoint of ``--model``, with the layout, graph mode and drafter of the flags."""
+    import warnings
+
     from cpattn.bench.demo_setup import Spec, load_model
+    from cpattn.config import GuideCompatWarning
     from cpattn.engine.llm import LLMEngine
 
-    family, cfg, params = load_model(Spec(model_type=a.model_type, dtype=a.dtype, seed=a.seed))
-    return LLMEngine(family, params, cfg, scheduler=sched, dcp_size=a.decode_context_parallel_size,
-                     block_size=a.block_size)
+    family, cfg, params = load_model(Spec(model_dir=a.model, model_type=a.model_type, dtype=a.dtype, seed=a.seed))
+    graph = a.compilation_config or {"graph_mode": "NONE", "capture_sizes": None, "graph_backend": "auto"}
+    spec, drafter, k = a.speculative_config, None, 0
+    if spec is not None:
+        from cpattn.drafters.ngram import NgramDrafter
+
+        drafter, k = NgramDrafter(max_ngram=spec["max_ngram"], min_ngram=spec["min_ngram"]), spec["num_speculative_tokens"]
+    with warnings.catch_warnings():  # PCP + DCP in one engine is exact here; vLLM-Ascend's refusal is a note
+        warnings.simplefilter("ignore", GuideCompatWarning)
+        return LLMEngine(family, params, cfg, scheduler=sched, dcp_size=a.decode_context_parallel_size,
+                         pcp_size=a.prefill_context_parallel_size, block_size=a.block_size,
+                         graph_mode=graph["graph_mode"], capture_sizes=graph["capture_sizes"],
+                         graph_backend=graph["graph_backend"], drafter=drafter, num_speculative_tokens=k)
