@@ -109,8 +109,10 @@ class StepRunner:
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
         self.pcp, self.algorithms = pcp and group.size > 1, Algorithms(pcp_method=pcp_method)
         if not self.family.backend.per_token_kv:
+            what = {"hybrid": "paged KV plus per-request linear-attention states, which it cannot snapshot for "
+                              "prefix caching or preemption"}.get(self.family.cache, "window + compressed entries")
             raise ValueError(f"the step loop runs paged-cache families; {self.family.name} keeps its own cache "
-                             "(window + compressed entries): use cpattn.engine.generate for it")
+                             f"(ModelFamily.cache={self.family.cache!r}: {what}): use cpattn.engine.generate for it")
         span = block_size * group.size
         self.max_blocks = -(-max_model_len // span)
         layouts = self.family.kv_layouts(cfg)
