@@ -54,6 +54,11 @@ HF = {
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, sliding_window=4,
         o_groups=2, o_lora_rank=8, index_n_heads=16, index_head_dim=12, index_topk=2, hc_mult=2,
         max_position_embeddings=64)),
+    "qwen3_next": ("Qwen3NextForCausalLM", lambda: transformers.Qwen3NextConfig(
+        **BASE, hidden_size=32, intermediate_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=1, linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16)),
 }
 
 
@@ -68,6 +73,12 @@ def hf_model(model_type: str, seed: int = 0):
 def our_logits(model_type: str, params: dict, cfg, tokens: torch.Tensor) -> torch.Tensor:
     """Prompt logits [T, V] of one request on one device."""
     family = get_family(model_type)
+    if model_type == "qwen3_next":  # a hybrid forward also takes the linear layers' step
+        from cpattn.engine.dense_cache import DenseKVCache
+
+        n = tokens.numel()
+        attn = DenseKVCache.empty(family.kv_layouts(cfg), batch=1, max_len=n).step([n])
+        return family.forward(params, cfg, tokens, attn, family.recurrent_cache(cfg, batch=1).step([n]))
     if model_type != "deepseek_v4":
         import importlib
 

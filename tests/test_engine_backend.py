@@ -26,7 +26,8 @@ def test_every_family_declares_a_kind_with_a_backend(name):
 
 def test_an_unknown_kind_is_refused_in_one_line():
     fam = get_family("qwen3")
-    with pytest.raises(ValueError, match=r"cache='dense' is not a cache kind; expected one of \('paged', 'v4'\)"):
+    with pytest.raises(ValueError,
+                       match=r"cache='dense' is not a cache kind; expected one of \('paged', 'v4', 'hybrid'\)"):
         dataclasses.replace(fam, cache="dense")
 
 

@@ -1,16 +1,19 @@
 """The cache-backend seam: what the engine asks of a KV kind, declared by a family by name.
 
-A family declares its cache kind (``ModelFamily(..., cache="paged" | "v4")``),
+A family declares its cache kind (``ModelFamily(..., cache="paged" | "v4" | "hybrid")``),
 as a vLLM layer declares its KV cache spec; the driver looks the backend up
 (:func:`backend_for`, or ``family.backend``) and calls it, never asking which
-kind it is. Two kinds:
+kind it is. Three kinds:
 
 - ``"paged"`` (:class:`cpattn.engine.backends.paged.PagedBackend`): per-token
   KV rows (:class:`~cpattn.models.family.KVLayout`) in a DCP-sharded paged
   cache (:class:`~cpattn.engine.paged_cache.PagedShard`), PCP / DSA-CP
   prefill, rows or whole blocks handed off;
 - ``"v4"`` (:class:`cpattn.engine.backends.v4.V4Backend`): DeepSeek-V4's
-  rings and compressed entries (:class:`~cpattn.v4.engine.V4Stages`).
+  rings and compressed entries (:class:`~cpattn.v4.engine.V4Stages`);
+- ``"hybrid"`` (:class:`cpattn.engine.backends.hybrid.HybridBackend`): paged
+  KV for a hybrid model's full-attention layers plus a per-request recurrent
+  state for its linear-attention layers (Qwen3-Next), replicated on every DCP rank.
 
 What moves between ranks goes through a :class:`~cpattn.comm.group.Group`
 (collectives inside a stage group, ``send`` / ``recv`` across P/D).
@@ -109,6 +112,10 @@ def backend_for(family) -> CacheBackend:
         from cpattn.engine.backends.v4 import V4Backend
 
         return V4Backend.of(family)
+    if kind == "hybrid":
+        from cpattn.engine.backends.hybrid import HYBRID
+
+        return HYBRID
     raise ValueError(f"family {family.name!r}: cache={kind!r} is not a cache kind; expected one of {CACHE_KINDS}")
 
 

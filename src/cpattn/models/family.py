@@ -37,9 +37,16 @@ this declaration: it never sniffs module names or config attributes.
   stored); None: the default rule of :func:`cpattn.models.normalize_params`
   (routers, correction biases and DSA ``weights_proj`` as stored).
 - ``cache``: the family's KV cache kind, ``"paged"`` (default: per-token
-  ``KVLayout`` rows in the engine's paged cache) or ``"v4"`` (DeepSeek-V4's
-  rings and compressed entries); the engine serves it through that kind's
-  backend (``family.backend``, :mod:`cpattn.engine.backend`; kinds: :data:`CACHE_KINDS`).
+  ``KVLayout`` rows in the engine's paged cache), ``"v4"`` (DeepSeek-V4's
+  rings and compressed entries) or ``"hybrid"`` (paged KV for the full
+  attention layers plus a per-request recurrent state for the linear ones:
+  Qwen3-Next); the engine serves it through that kind's backend
+  (``family.backend``, :mod:`cpattn.engine.backend`; kinds: :data:`CACHE_KINDS`).
+- ``recurrent_cache`` (the ``"hybrid"`` kind only): ``recurrent_cache(cfg, *,
+  batch, dtype, device)`` -> the linear layers' zero states for ``batch``
+  requests (a :class:`cpattn.linear.state.RecurrentCache`); the hybrid
+  family's forward then takes the linear step as its fifth argument,
+  ``forward(params, cfg, tokens, attn, lin, *, logits_index=None)``.
 - ``stages`` (deprecated, optional): the old way to declare DeepSeek-V4's
   kind, a :class:`cpattn.v4.engine.V4Stages`; a family passing it is taken
   as ``cache="v4"`` and its V4 backend runs over those stages. Declare
@@ -74,10 +81,11 @@ FAMILY_MODULES = {
     "deepseek_v32": "cpattn.models.deepseek_v32",
     "glm_moe_dsa": "cpattn.models.glm_moe_dsa",
     "deepseek_v4": "cpattn.models.deepseek_v4",
+    "qwen3_next": "cpattn.models.qwen3_next",
 }
 
 # the KV cache kinds a family may declare (``ModelFamily.cache``); the engine serves each by a backend
-CACHE_KINDS = ("paged", "v4")
+CACHE_KINDS = ("paged", "v4", "hybrid")
 
 # kind lookup ``family -> CacheBackend``, registered by :mod:`cpattn.engine.backend` when the engine loads
 _backend_for: Callable[[Any], Any] | None = None
@@ -164,6 +172,7 @@ class ModelFamily:
     rename: Callable[[str], str | None] | None = None
     load_dtype: Callable[[str, torch.dtype], torch.dtype | None] | None = None
     cache: str = "paged"
+    recurrent_cache: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         legacy = self.stages  # the deprecated declaration of DeepSeek-V4's kind
@@ -172,6 +181,10 @@ class ModelFamily:
         if self.cache not in CACHE_KINDS:
             raise ValueError(f"ModelFamily {self.name!r}: cache={self.cache!r} is not a cache kind; expected one "
                              f"of {CACHE_KINDS}")
+        if (self.cache == "hybrid") != (self.recurrent_cache is not None):
+            raise ValueError(f"ModelFamily {self.name!r}: cache={self.cache!r} with recurrent_cache="
+                             f"{self.recurrent_cache!r}; a 'hybrid' family declares recurrent_cache (its linear "
+                             "layers' states) and no other kind does; pass both or neither")
 
     @property
     def backend(self):

@@ -36,11 +36,15 @@ Qwen3-Next's ``x_hat * (1 + weight)`` (weights stored centred at 0).
 Numerics follow transformers 5.24's torch paths: norms and the delta rule in
 float32 (float64 for float64 params), gates in float32.
 
+``FAMILY`` declares the ``"hybrid"`` cache kind
+(:mod:`cpattn.engine.backends.hybrid`: paged KV for the full-attention layers,
+a per-request recurrent state for the linear ones), so
+:func:`cpattn.engine.generate` runs it with PCP prefill and DCP decode.
+
 Not supported yet: MTP layers (``mtp.*`` are ignored), padding masks (the
-step carries each request's own tokens), the engine (this family is not in
-``FAMILY_MODULES``: the cache-backend seam that gives it paged KV for the
-attention layers plus recurrent states is being built); ``qwen3_5_moe``;
-image / video inputs.
+step carries each request's own tokens), the step loop (``LLMEngine``),
+prefix caching, the KV pool and speculative decoding (they need state
+snapshots); ``qwen3_5_moe``; image / video inputs.
 
 Example
 -------
@@ -62,14 +66,14 @@ import torch.nn.functional as F
 
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.common import Attention, lm_head, mlp_dense, rope_cos_sin, rope_inv_freq
-from cpattn.models.family import KVLayout
+from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.moe import moe_experts, softmax_route
 from cpattn.models.qwen3_next_config import CONFIG_RULES, LAYER_TYPES, MODEL_TYPES, Qwen3NextConfig
 from cpattn.ops.norm_rope import rope_half
 
 __all__ = ["Qwen3NextConfig", "CONFIG_RULES", "LAYER_TYPES", "MODEL_TYPES", "forward", "kv_layouts",
            "recurrent_cache", "load_params", "init_params", "rms_norm_1p", "gated_rms_norm", "rope_tables",
-           "attention_block", "linear_block", "mlp_block"]
+           "attention_block", "linear_block", "mlp_block", "param_name", "load_dtype", "FAMILY"]
 
 
 # -- blocks ----------------------------------------------------------------------------------
@@ -241,16 +245,25 @@ def load_params(state: dict[str, torch.Tensor], *, dtype: torch.dtype | None = N
     """
     from cpattn.models.common import normalize_params
 
-    keep = {}
-    for n, t in state.items():
-        if n.startswith(("mtp.", "model.visual.")):
-            continue
-        keep["model." + n[len("model.language_model."):] if n.startswith("model.language_model.") else n] = t
+    keep = {param_name(n): t for n, t in state.items() if param_name(n) is not None}
+    return normalize_params(keep, dtype=dtype, load_dtype=load_dtype)
 
-    def rule(name: str, dt: torch.dtype):
-        return None if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")) else dt
 
-    return normalize_params(keep, dtype=dtype, load_dtype=rule)
+def param_name(name: str) -> str | None:
+    """The params name of a checkpoint tensor: the composite Qwen3.5 form's ``model.language_model.*`` read as
+    ``model.*``; None (not loaded) for MTP layers and the vision tower.
+
+    >>> param_name("model.language_model.layers.0.mlp.gate.weight"), param_name("mtp.fc.weight")
+    ('model.layers.0.mlp.gate.weight', None)
+    """
+    if name.startswith(("mtp.", "model.visual.")):
+        return None
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+
+def load_dtype(name: str, dtype: torch.dtype) -> torch.dtype | None:
+    """``A_log``, ``dt_bias`` and the routers stay as stored (the reference reads them in float32)."""
+    return None if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")) else dtype
 
 
 def init_params(cfg: Qwen3NextConfig, *, seed: int = 0, std: float = 0.02, dtype=torch.float32) -> dict:
@@ -308,3 +321,8 @@ def init_params(cfg: Qwen3NextConfig, *, seed: int = 0, std: float = 0.02, dtype
                           m + "shared_expert.down_proj.weight": rnd(hs, si),
                           m + "shared_expert_gate.weight": rnd(1, hs)})
     return p
+
+
+FAMILY = ModelFamily(name="qwen3_next", config_class=Qwen3NextConfig, attention="gqa", forward=forward,
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=False, rename=param_name,
+                     load_dtype=load_dtype, cache="hybrid", recurrent_cache=recurrent_cache)

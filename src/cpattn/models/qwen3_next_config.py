@@ -95,9 +95,10 @@ class Qwen3NextConfig:
 
     @classmethod
     def tiny(cls, **over) -> Qwen3NextConfig:
-        """A tiny test/demo configuration: 4 layers (linear, full, linear, linear), 3 / 1 attention heads,
-        linear heads 1 key / 3 value, MoE (6 experts, top-2, a shared expert) except layer 2, vocab 64."""
-        base = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=3,
+        """A tiny test/demo configuration: 4 layers (linear, full, linear, linear), 4 / 1 attention heads (so
+        DCP 2 and 4 divide them), linear heads 1 key / 3 value, MoE (6 experts, top-2, a shared expert) except
+        layer 2, vocab 64."""
+        base = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=1, head_dim=16,
                     layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
                     linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=1,

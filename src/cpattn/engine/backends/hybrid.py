@@ -1,0 +1,340 @@
+"""The hybrid cache backend: paged KV for the full-attention layers, a recurrent state per request for the linear ones.
+
+A hybrid family (``ModelFamily(cache="hybrid", recurrent_cache=...)``:
+Qwen3-Next / Qwen3.5, DESIGN.md §4.13) has two kinds of token mixer. The
+backend gives each what it needs, behind the
+:class:`~cpattn.engine.backend.CacheBackend` seam:
+
+- **full-attention layers**: per-token KV rows (``family.kv_layouts(cfg)``,
+  one entry per such layer) in the engine's DCP-sharded
+  :class:`~cpattn.engine.paged_cache.PagedShard`, exactly as the paged kind:
+  head-tail PCP prefill (:class:`~cpattn.engine.prefill_steps.PCPStep`, ring
+  or all-gather), rows or whole blocks handed off, DCP decode;
+- **linear-attention layers**: a conv state [B, K-1, C] and a recurrent state
+  [B, Hv, Dk, Dv] per request and layer (a
+  :class:`~cpattn.linear.state.RecurrentCache`). Under PCP the layers see the
+  attention layers' head-tail tokens as two sequence-order parts and scan
+  the chunk summaries (:class:`~cpattn.linear.pcp_step.PCPLinearStep`: one
+  all-gather of summaries and conv tails per layer); every prefill rank ends
+  with every request's states. One prefill rank runs the plain chunked op in
+  request order.
+
+**What DCP means for a state that does not grow.** DCP shards what grows with
+the context, the attention layers' KV (rank r keeps token t iff ``(t // I) %
+N == r``). A linear layer's state is a fixed ``Hv * Dk * Dv`` floats per
+request whatever the context, so there is nothing to shard along the
+sequence: each DCP rank holds **every request's states, replicated**, and
+updates them identically (the model's hidden state is the same on every DCP
+rank: the engine splits only the attention's query heads, and only inside
+the attention). Splitting the state by value heads instead would need the
+linear layers' projections split the same way (tensor parallelism of the
+linear layers), which cpattn does not do; keeping it on one owner would add a
+broadcast of each linear layer's output every step. Replicated costs
+``state_bytes`` on every rank (:meth:`HybridCache.state_bytes`, counted in
+``kv_bytes`` beside the sharded attention KV) and no communication.
+
+Hand-offs carry the states with the KV: on the same ranks every decode rank
+takes them from its own prefill result (the same on every prefill rank);
+across P/D prefill rank 0 sends them point to point after the blocks.
+
+What the kind refuses, each in one line: a cached prefix (prefix caching) and
+the KV pool (their whole blocks carry no state snapshot at block boundaries),
+speculative decoding (verification needs the state at every draft position),
+hidden states for drafters, and compiler graph backends (the decode step
+gathers the active requests' states by index; the "eager" runner with
+persistent buffers and padding works). The step loop
+(:class:`~cpattn.engine.llm.LLMEngine`) runs paged-cache families only.
+
+Example
+-------
+>>> import torch, cpattn
+>>> from cpattn.engine.batch import Prompts
+>>> from cpattn.models.family import get_family
+>>> from cpattn.models import qwen3_next as qn
+>>> fam, cfg = get_family("qwen3_next"), qn.Qwen3NextConfig.tiny()
+>>> params = qn.init_params(cfg, seed=0)
+>>> def rank(g):
+...     out = HYBRID.prefill(g, fam, params, cfg, Prompts.of([[1, 2, 3, 4, 5]]), prompt_logits=False)
+...     return out.first_logits.argmax(-1).tolist(), out.states.state[0].shape
+>>> one, two = cpattn.simulate(1, rank)[0], cpattn.simulate(2, rank)[0]
+>>> one == two, one[1]
+(True, torch.Size([1, 3, 8, 12]))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.dcp import DCPMeta, plan_tensors
+from cpattn.engine.backends.paged import PAGED, Rows, handoff as paged_handoff
+from cpattn.engine.decode import step_fields
+from cpattn.engine.handoff import HandoffFacts
+from cpattn.engine.kv_rows import pack_rows
+from cpattn.engine.logits import as_logits
+from cpattn.engine.options import Algorithms
+from cpattn.engine.paged_cache import DCPStep, PagedShard
+from cpattn.engine.prefill import PrefillOut, gather_unshard
+from cpattn.engine.prefill_steps import PCPStep
+from cpattn.graphs.runner import Field
+from cpattn.layout.pcp import pcp_plan, pcp_shard
+from cpattn.linear.layout import ScanLayout
+from cpattn.linear.pcp_step import PCPLinearStep
+from cpattn.linear.state import RecurrentCache
+from cpattn.models.family import param_dtype
+from cpattn.ops import gated_delta as gd
+
+
+def _refuse(family, what: str, why: str, fix: str) -> None:
+    raise ValueError(f"{what} for {family.name}: {why} (ModelFamily.cache='hybrid'); {fix}")
+
+
+@dataclass(frozen=True)
+class HybridPrefillOut(PrefillOut):
+    """A :class:`~cpattn.engine.prefill.PrefillOut` (the attention layers' rows) plus ``states``: every
+    request's linear-layer states after its prompt, the same on every prefill rank."""
+
+    states: RecurrentCache | None = None
+
+
+@dataclass(frozen=True)
+class HybridCache:
+    """One decode rank's cache: ``shard`` (the full-attention layers' KV, DCP-sharded) and ``states`` (every
+    request's linear-layer states, replicated on every DCP rank; updated in place by the decode step)."""
+
+    shard: PagedShard
+    states: RecurrentCache
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.shard.block_table
+
+    def attention_kv_bytes(self) -> int:
+        """Bytes of this rank's attention KV (its DCP share: grows with the context)."""
+        return self.shard.kv_bytes()
+
+    def state_bytes(self) -> int:
+        """Bytes of the linear layers' states on this rank (every request's: fixed, whatever the context)."""
+        return self.states.state_bytes()
+
+    def kv_bytes(self) -> int:
+        """Both kinds: this rank's attention KV share plus the replicated states."""
+        return self.attention_kv_bytes() + self.state_bytes()
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The state tensors in a fixed order (conv of every linear layer, then recurrent)."""
+        return (*self.states.conv, *self.states.state)
+
+    def set_states(self, states: RecurrentCache) -> None:
+        """Copy ``states`` (every request's, in request order) into this cache's tensors, in place."""
+        for dst, src in zip(self.tensors(), (*states.conv, *states.state)):
+            dst.copy_(src)
+
+
+class _RequestOrder:
+    """The one-device linear step of a head-tail plan's local tokens: the plain chunked op in request order
+    (``restore_index`` in, ``token_index`` back out)."""
+
+    def __init__(self, step, plan):
+        self.step, self.to_req, self.back = step, plan.restore_index, plan.token_index[0]
+
+    def conv(self, layer, x, weight, bias=None):
+        return self.step.conv(layer, x[self.to_req], weight, bias)[self.back]
+
+    def delta(self, layer, q, k, v, g, beta, scale):
+        r = self.to_req
+        return self.step.delta(layer, q[r], k[r], v[r], g[r], beta[r], scale)[self.back]
+
+    def finish(self) -> RecurrentCache:
+        return self.step.finish()
+
+
+def hybrid_prefill(group: Group, family, params: dict, cfg: Any, prompts, *, algorithms: Algorithms = Algorithms(),
+                   prompt_logits: bool = False, prefix=None, hidden_layers=None) -> HybridPrefillOut:
+    """Prefill ``prompts`` split head-tail over ``group`` (run on every rank): the attention layers by PCP,
+    the linear layers by the scan over the same local tokens. Returns a :class:`HybridPrefillOut`."""
+    if prefix is not None:
+        _refuse(family, "a cached prefix (prefix caching)", "the cached whole blocks carry KV rows but no "
+                "snapshot of the linear layers' states at block boundaries", "run without a prefix")
+    if hidden_layers is not None:
+        _refuse(family, f"hidden_layers={tuple(hidden_layers)}", "the forward returns no hidden states for a "
+                "drafter", "run without a drafter that reads them")
+    layouts = family.kv_layouts(cfg)
+    cu = prompts.cu_seqlens
+    plan = pcp_plan(cu, group.size)
+    attn = PCPStep(group, plan, layouts, method=algorithms.pcp_method)
+    mine = pcp_shard(prompts.tokens, plan, group.rank)  # [T_r]
+    emb = params["model.embed_tokens.weight"]
+    states = family.recurrent_cache(cfg, batch=prompts.num_requests, dtype=param_dtype(params), device=emb.device)
+    if group.size == 1:
+        lin = _RequestOrder(states.step(list(prompts.query_lens)), plan)
+    else:
+        r = group.rank
+        lin = PCPLinearStep(group, ScanLayout.head_tail(group.size), [plan.cu_a[r], plan.cu_b[r]], states)
+    before = group.stats.total_sent()
+    idx = plan.token_index[group.rank]
+    last = torch.tensor(cu[1:]) - 1  # [B] each request's last prompt token
+    rows_end, reqs = (idx[:, None] == last[None, :]).nonzero(as_tuple=True)
+    logits = as_logits(family.forward(params, cfg, mine, attn, lin,
+                                      logits_index=None if prompt_logits else rows_end))
+    full = None
+    if prompt_logits:
+        full = gather_unshard(group, logits, plan)  # [T, V] request order
+        first = full[last]
+    else:
+        first = torch.zeros(prompts.num_requests, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        first = group.all_reduce(first.index_copy(0, reqs, logits))
+    kv = [attn.kv[j] for j in range(len(layouts))]
+    rows = pack_rows(layouts, [x.k for x in kv], [x.v for x in kv], [x.k_index for x in kv])  # [T_r, F]
+    return HybridPrefillOut(plan, rows, first, full, None, group.stats.total_sent() - before, states=lin.finish())
+
+
+class _RowStates:
+    """The linear step of one decode token per row: row i continues request ``rows[i]``'s states (-1: a
+    padding row, computed from zero states and never stored)."""
+
+    def __init__(self, states: RecurrentCache, rows: torch.Tensor):
+        self.states, self.live = states, rows >= 0
+        self.idx = rows.clamp(min=0)
+        self.cu = torch.arange(rows.shape[0] + 1, dtype=torch.int32, device=rows.device)
+
+    def _take(self, t: torch.Tensor) -> torch.Tensor:
+        x = t[self.idx]
+        return torch.where(self.live.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
+
+    def _put(self, t: torch.Tensor, new: torch.Tensor) -> None:
+        t[self.idx[self.live]] = new[self.live].to(t.dtype)
+
+    def conv(self, layer, x, weight, bias=None):
+        y, new = gd.causal_conv1d(x, weight, bias, self.cu, self._take(self.states.conv[layer]), silu=True)
+        self._put(self.states.conv[layer], new)
+        return y
+
+    def delta(self, layer, q, k, v, g, beta, scale):
+        o, new = gd.gated_delta_step(q, k, v, g, beta, self._take(self.states.state[layer]), scale=scale)
+        self._put(self.states.state[layer], new)
+        return o
+
+
+def hybrid_decode_step(state: dict, batch: dict[str, torch.Tensor], *, family, cfg: Any, group: Group, merge: str):
+    """One decode step (one token per request row): DCP attention over ``state["shard"]`` and the linear layers'
+    recurrent op on ``state["states"]`` rows ``batch["requests"]`` (both updated in place).
+    Returns (logits [T, V], argmax [T])."""
+    shard: PagedShard = state["shard"]
+    cu = batch["cu_seqlens_q"]
+    ql = cu[1:] - cu[:-1]
+    tokens, rows = batch["tokens"], batch["requests"]
+    if tokens.shape[0] != rows.shape[0]:
+        raise ValueError(f"batch: {tokens.shape[0]} tokens for {rows.shape[0]} request rows; the hybrid decode "
+                         "step takes one token per request (no drafts)")
+    tensors = plan_tensors(batch["seq_lens"], ql, batch["block_table"], num_tokens=tokens.shape[0],
+                           dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size)
+    meta = DCPMeta(dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size,
+                   block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
+    attn = DCPStep(group, shard, meta, merge)
+    logits = as_logits(family.forward(state["params"], cfg, tokens, attn, _RowStates(state["states"], rows)))
+    return logits, logits.argmax(-1)
+
+
+class HybridProgram:
+    """The hybrid decode program: :func:`hybrid_decode_step` over a :class:`HybridCache`; inputs ``tokens``,
+    ``seq_lens``, ``block_table`` (as the paged program) and ``requests`` (each row's request, pad -1)."""
+
+    def __init__(self, family, cfg: Any, group: Group, params: dict, cache: HybridCache, *, merge: str = "ag_rs"):
+        self.cache = cache
+        self.step = functools.partial(hybrid_decode_step, family=family, cfg=cfg, group=group, merge=merge)
+        self.state = {"params": params, "shard": cache.shard, "states": cache.states}
+        self.fields = {**step_fields(cache.block_table.shape[1]),
+                       "requests": Field("request", (), torch.int64, pad=-1)}
+        self.device = cache.block_table.device
+
+    def batch(self, requests: list[int], context_lens: list[int], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One token per request after ``context_lens`` cached tokens: seq_lens, block_table, requests."""
+        if tokens.numel() != len(requests):
+            raise ValueError(f"tokens: {tokens.numel()} for {len(requests)} requests; the hybrid decode step takes "
+                             "one token per request (speculative decoding is not supported for hybrid models)")
+        return {"tokens": tokens, "seq_lens": torch.tensor([c + 1 for c in context_lens]),
+                "block_table": self.cache.block_table[list(requests)], "requests": torch.tensor(list(requests))}
+
+    def commit(self, requests: list[int], seq_lens: list[int]) -> None:
+        """Nothing to do: one token per request, every step kept."""
+
+
+class HybridBackend:
+    """The ``"hybrid"`` cache kind (module doc)."""
+
+    name = "hybrid"
+    per_token_kv = False
+
+    def prefill(self, group: Group, family, params: dict, cfg: Any, prompts, *, algorithms: Algorithms = Algorithms(),
+                prompt_logits: bool = False, prefix=None, hidden_layers=None) -> HybridPrefillOut:
+        return hybrid_prefill(group, family, params, cfg, prompts, algorithms=algorithms,
+                              prompt_logits=prompt_logits, prefix=prefix, hidden_layers=hidden_layers)
+
+    def new_cache(self, family, cfg: Any, params: dict, prompts, steps: int, decode_cfg, num_speculative_tokens: int,
+                  group: Group | None = None) -> HybridCache:
+        if num_speculative_tokens:
+            _refuse(family, f"num_speculative_tokens={num_speculative_tokens}", "verifying drafts needs the linear "
+                    "layers' state at every draft position, which the cache does not keep", "run without a drafter")
+        shard = PAGED.new_cache(family, cfg, params, prompts, steps, decode_cfg, 0, group)
+        dev = params["model.embed_tokens.weight"].device
+        states = family.recurrent_cache(cfg, batch=prompts.num_requests, dtype=param_dtype(params), device=dev)
+        return HybridCache(shard, states)
+
+    def collect(self, prefill_group: Group, out: HybridPrefillOut) -> tuple[Rows, RecurrentCache]:
+        return PAGED.collect(prefill_group, out), out.states
+
+    def place(self, cache: HybridCache, collected: tuple[Rows, RecurrentCache], decode_group: Group) -> None:
+        rows, states = collected
+        PAGED.place(cache.shard, rows, decode_group)
+        cache.set_states(states)
+
+    def handoff(self, world: Group, prefill_group: Group, decode_group: Group, cache: HybridCache,
+                out: HybridPrefillOut, algorithms: Algorithms = Algorithms(), prefix=None) -> HandoffFacts:
+        """The rows as the paged kind moves them; the states from this rank's own prefill result (every prefill
+        rank holds them all), so they cost no communication."""
+        if prefix is not None:
+            raise ValueError("prefix: a cached prefix for a hybrid model (ModelFamily.cache='hybrid'): its whole "
+                             "blocks carry no snapshot of the linear layers' states; run without a prefix")
+        facts = paged_handoff(world, prefill_group, decode_group, cache.shard, out, algorithms)
+        cache.set_states(out.states)
+        return facts
+
+    def send(self, world: Group, prefill_group: Group, out: HybridPrefillOut, decode_ranks: list[int],
+             block_size: int) -> HandoffFacts:
+        """The whole blocks as the paged kind sends them; then prefill rank 0 sends every request's states to
+        every decode rank (conv then recurrent, per linear layer), counted in ``bytes_sent``."""
+        facts = PAGED.send(world, prefill_group, out, decode_ranks, block_size)
+        if prefill_group.rank != 0:
+            return facts
+        sent = 0
+        for r in decode_ranks:
+            for t in (*out.states.conv, *out.states.state):
+                world.send(t.contiguous(), r)
+                sent += t.numel() * t.element_size()
+        return dataclasses.replace(facts, bytes_sent=facts.bytes_sent + sent)
+
+    def recv(self, world: Group, cache: HybridCache, prompts, cfg: Any, *, prefill_ranks: list[int],
+             decode_group: Group, dtype: torch.dtype, start: list[int] | None = None):
+        first, facts = PAGED.recv(world, cache.shard, prompts, cfg, prefill_ranks=prefill_ranks,
+                                  decode_group=decode_group, dtype=dtype, start=start)
+        got = 0
+        for t in cache.tensors():
+            t.copy_(world.recv(tuple(t.shape), t.dtype, prefill_ranks[0]))
+            got += t.numel() * t.element_size()
+        return first, dataclasses.replace(facts, bytes_received=facts.bytes_received + got)
+
+    def program(self, group: Group, family, params: dict, cfg: Any, cache: HybridCache, *, merge: str = "ag_rs",
+                hidden_layers: tuple | None = None) -> HybridProgram:
+        if hidden_layers is not None:
+            _refuse(family, f"hidden_layers={tuple(hidden_layers)}", "the decode step returns no hidden states "
+                    "for a drafter", "run without a drafter that reads them")
+        return HybridProgram(family, cfg, group, params, cache, merge=merge)
+
+
+HYBRID = HybridBackend()
