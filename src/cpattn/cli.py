@@ -46,6 +46,8 @@ BENCHMARKS = {
     "v4": ("cpattn.bench.v4:main", "DeepSeek-V4: KV bytes per token vs V3.2/MLA; 64K decode 1 rank vs DCP; 16K prefill 1 rank vs PCP"),
     "engine": ("cpattn.bench.engine:main", "step loop: scheduling + input preparation as a fraction of a step, "
                "decode batch 1/8/32 eager vs captured; chunked-prefill TTFT"),
+    "serve": ("cpattn.bench.serve:main", "cpattn serve under Poisson load (openai client): TTFT / TPOT / ITL p50-p99, "
+              "goodput, prefix hits; data parallel vs DCP 2 vs PCP 2 + DCP 2 vs DCP 2 captured"),
     "mlapo": ("cpattn.bench.mlapo:main", "DeepSeek decode step with / without the fused MLA preprocessing op, DCP 1 and 2"),
     "drafts": ("cpattn.lab.report:main",
                "MTP / Eagle3 / DSpark on tiny trained targets: acceptance per position; decode tok/s vs plain, DCP 1 and 2"),

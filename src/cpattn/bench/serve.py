@@ -1,0 +1,470 @@
+"""Benchmark: ``cpattn serve`` under load -- TTFT / TPOT / ITL percentiles, throughput and goodput per layout.
+
+Starts real ``cpattn serve`` servers (subprocesses on 127.0.0.1, free ports, the embedded tiny Qwen3 of
+``cpattn demo``; all stopped at the end), one set per layout:
+
+- ``dp2``: data parallel, two independent one-rank servers, requests round-robin;
+- ``dcp2``: one server, DCP 2 (eager);
+- ``dcp2-graph``: DCP 2 with ``--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'`` (captured
+  uniform decode steps);
+- ``pcp2-dcp2``: one engine, PCP 2 + DCP 2 (prefill chunks under PCP, decode under DCP; eager).
+
+After a warm-up, the load generator (:mod:`cpattn.bench.serve_load`, the real ``openai.AsyncOpenAI``
+client, streaming, ``temperature=0``) sends each workload at each ``--request-rate`` (Poisson
+arrivals, ``--seed``), the layouts interleaved per rate (their order rotated from rate to rate), every
+layout getting the same requests at a rate. Workloads:
+
+- ``mixed``: most requests short (``--short-len``, default 64-256 tokens), ``--long-fraction`` (0.2) long
+  (``--long-len``, default 2048-4096 on this 2-core machine; ``--long-len 8192,16384`` for the issue's
+  8K-16K), outputs ``--output-len`` (16-48), a shared 64-token prefix (prefix-cache hits);
+- ``fixed``: ``--fixed-len`` (512 in, 32 out), random prompts.
+
+Per run: TTFT / TPOT / ITL / e2e p50 / p90 / p99, request throughput, output tokens/s, goodput under
+``--slo-ttft-ms`` / ``--slo-tpot-ms``, and from the servers' ``/metrics`` (deltas over the run) the
+prefix-cache hit rate and the steps replayed / eager.
+
+Usage::
+
+    cpattn bench serve                                   # 2 workloads x rates 1,2,4 x 4 layouts
+    cpattn bench serve --request-rate 0.5,1 --long-len 8192,16384
+    cpattn bench serve --quick --json -                  # seconds of load (server start dominates)
+    cpattn bench serve --plot serve.png                  # latency-vs-rate curves per layout
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from cpattn.config import cli_args as cli
+
+PROG = "cpattn bench serve"
+GRAPH = '{"cudagraph_mode": "FULL_DECODE_ONLY"}'
+# layout -> the extra flags of each of its servers (several servers: data parallel, round-robin)
+LAYOUTS = {
+    "dp2": (["--dcp", "1"], ["--dcp", "1"]),
+    "dcp2": (["--dcp", "2"],),
+    "dcp2-graph": (["--dcp", "2", "--compilation-config", GRAPH],),
+    "pcp2-dcp2": (["--pcp", "2", "--dcp", "2"],),
+}
+WORKLOADS = ("mixed", "fixed")
+NAME = "bench"
+METRICS = ("cpattn_prefix_hit_tokens_total", "cpattn_prefix_query_tokens_total", "cpattn_replayed_steps_total",
+           "cpattn_eager_steps_total", "cpattn_steps_total", "cpattn_preemptions_total")
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated request rates > 0 (``inf``: all at once).
+
+    >>> _rates("0.5,2,inf")
+    (0.5, 2.0, inf)
+    """
+    import argparse
+
+    out = []
+    for part in text.split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            v = float("nan")
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"saw {text!r}; rule: comma-separated request rates > 0 (or inf)")
+        out.append(v)
+    return tuple(out)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    """argparse type: ``A,B`` with 1 <= A <= B (a range or an in,out pair; one number: A = B).
+
+    >>> _pair("2048,4096"), _pair("16")
+    ((2048, 4096), (16, 16))
+    """
+    import argparse
+
+    try:
+        vals = cli.int_list(text)
+    except argparse.ArgumentTypeError:
+        vals = ()
+    if len(vals) == 1:
+        vals = vals * 2
+    if len(vals) != 2:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: two comma-separated integers >= 1, e.g. 2048,4096")
+    return vals[0], vals[1]
+
+
+def _range(text: str) -> tuple[int, int]:
+    import argparse
+
+    lo, hi = _pair(text)
+    if lo > hi:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: MIN,MAX with MIN <= MAX")
+    return lo, hi
+
+
+def _fraction(text: str) -> float:
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a fraction in [0, 1]")
+    return v
+
+
+def _layouts(text: str) -> tuple[str, ...]:
+    import argparse
+
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [n for n in names if n not in LAYOUTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: comma-separated layouts of {', '.join(LAYOUTS)}")
+    return names
+
+
+def _workloads(text: str) -> tuple[str, ...]:
+    import argparse
+
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not names or any(n not in WORKLOADS for n in names):
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: comma-separated workloads of {', '.join(WORKLOADS)}")
+    return names
+
+
+def parser():
+    p = cli.parser(PROG, __doc__)
+    p.add_argument("--request-rate", type=_rates, default=None, metavar="R,...",
+                   help="request rates (requests/s, Poisson arrivals; inf: all at once) (default 1,2,4; --quick 4)")
+    p.add_argument("--num-requests", type=cli.positive_int, default=None, metavar="N",
+                   help="requests per run (one workload, one rate, one layout) (default 24; --quick 3)")
+    p.add_argument("--workloads", type=_workloads, default=WORKLOADS, metavar="W,...", help="mixed, fixed")
+    p.add_argument("--layouts", type=_layouts, default=tuple(LAYOUTS), metavar="L,...",
+                   help=f"layouts compared side by side: {', '.join(LAYOUTS)}")
+    p.add_argument("--short-len", type=_range, default=(64, 256), metavar="MIN,MAX",
+                   help="mixed workload: prompt tokens of a short request")
+    p.add_argument("--long-len", type=_range, default=(2048, 4096), metavar="MIN,MAX",
+                   help="mixed workload: prompt tokens of a long request (8192,16384: the issue's 8K-16K)")
+    p.add_argument("--long-fraction", type=_fraction, default=0.2, metavar="F", help="mixed: share of long requests")
+    p.add_argument("--output-len", type=_range, default=(16, 48), metavar="MIN,MAX",
+                   help="mixed workload: tokens generated per request")
+    p.add_argument("--fixed-len", type=_pair, default=(512, 32), metavar="IN,OUT",
+                   help="fixed workload: prompt and output tokens of every request")
+    p.add_argument("--slo-ttft-ms", type=cli.positive_float, default=1000.0, metavar="MS",
+                   help="goodput: a request meets its SLOs with TTFT <= this")
+    p.add_argument("--slo-tpot-ms", type=cli.positive_float, default=50.0, metavar="MS",
+                   help="goodput: ... and TPOT <= this")
+    p.add_argument("--max-num-seqs", type=cli.positive_int, default=16, metavar="N", help="each server's request cap")
+    p.add_argument("--max-num-batched-tokens", type=cli.positive_int, default=2048, metavar="N",
+                   help="each server's step budget")
+    p.add_argument("--seed", type=cli.nonnegative_int, default=0, help="seed of the workloads and arrivals")
+    p.add_argument("--plot", type=cli.output_file, default=None, metavar="PATH.png",
+                   help="latency-vs-rate curves per layout (TTFT / TPOT p50 and p99; matplotlib)")
+    p.add_argument("--server-timeout", type=cli.positive_float, default=300.0, metavar="S",
+                   help="seconds a server may take to answer /health")
+    cli.add_quick(p, "3 requests per run, rate 4, short prompts (long 256-384), 4-8 output tokens")
+    cli.add_json(p)
+    return p
+
+
+# ----------------------------------------------------------------------------- servers
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One ``cpattn serve`` subprocess on 127.0.0.1 (its stderr in a temporary file)."""
+
+    def __init__(self, flags: list[str], common: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="cpattn-bench-serve-", suffix=".log", delete=False)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+        self.args = [*flags, *common]
+        self.proc = subprocess.Popen([sys.executable, "-m", "cpattn", "serve", *self.args, "--host", "127.0.0.1",
+                                      "--port", str(self.port), "--served-model-name", NAME],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+
+    def log_tail(self, n: int = 5) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return " | ".join(f.read().strip().splitlines()[-n:])
+
+    def wait_ready(self, deadline: float) -> None:
+        import urllib.request
+
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cpattn serve {' '.join(self.args)} exited {self.proc.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cpattn serve {' '.join(self.args)} did not answer /health in time: "
+                                   f"{self.log_tail()}")
+            time.sleep(0.25)
+
+    def metrics(self) -> dict[str, float]:
+        """The server's /metrics counters (label variants summed)."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return parse_metrics(r.read().decode())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value}, the values of one name's label sets summed.
+
+    >>> parse_metrics('# HELP x y\\nx 2\\nb{rank="0"} 1\\nb{rank="1"} 3\\n')
+    {'x': 2.0, 'b': 4.0}
+    """
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _delta(before: list[dict], after: list[dict]) -> dict:
+    d = {m: sum(a.get(m, 0.0) - b.get(m, 0.0) for a, b in zip(after, before)) for m in METRICS}
+    q = d["cpattn_prefix_query_tokens_total"]
+    return {"prefix_hit_rate": d["cpattn_prefix_hit_tokens_total"] / q if q > 0 else None,
+            "prefix_hit_tokens": int(d["cpattn_prefix_hit_tokens_total"]), "prefix_query_tokens": int(q),
+            "steps": int(d["cpattn_steps_total"]), "replayed_steps": int(d["cpattn_replayed_steps_total"]),
+            "eager_steps": int(d["cpattn_eager_steps_total"]), "preemptions": int(d["cpattn_preemptions_total"])}
+
+
+# ----------------------------------------------------------------------------- the run
+def settings(a) -> dict:
+    """The run's sizes from the flags (``--quick`` shrinks what was not given)."""
+    q = a.quick
+    long = a.long_len if not (q and a.long_len == (2048, 4096)) else (256, 384)
+    out = a.output_len if not (q and a.output_len == (16, 48)) else (4, 8)
+    fixed = a.fixed_len if not (q and a.fixed_len == (512, 32)) else (96, 6)
+    short = a.short_len if not (q and a.short_len == (64, 256)) else (40, 80)
+    return {"rates": list(a.request_rate or ((4.0,) if q else (1.0, 2.0, 4.0))),
+            "num_requests": a.num_requests or (3 if q else 24), "workloads": list(a.workloads),
+            "layouts": list(a.layouts), "short_len": list(short), "long_len": list(long),
+            "long_fraction": a.long_fraction if not q or a.long_fraction != 0.2 else 0.34,
+            "output_len": list(out), "fixed_len": list(fixed), "slo_ttft_ms": a.slo_ttft_ms,
+            "slo_tpot_ms": a.slo_tpot_ms, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
+            "max_num_batched_tokens": a.max_num_batched_tokens,
+            "max_model_len": max(long[1] + out[1], fixed[0] + fixed[1], short[1] + out[1]) + 64}
+
+
+def workload(name: str, s: dict, seed: int, vocab: int):
+    from cpattn.bench.serve_load import fixed_workload, mixed_workload
+
+    if name == "mixed":
+        return mixed_workload(s["num_requests"], seed, vocab, short=tuple(s["short_len"]), long=tuple(s["long_len"]),
+                              long_fraction=s["long_fraction"], output=tuple(s["output_len"]))
+    return fixed_workload(s["num_requests"], seed, vocab, input_len=s["fixed_len"][0], output_len=s["fixed_len"][1])
+
+
+def _warm_up(servers: list[Server], vocab: int) -> None:
+    """Two concurrent short requests per server (first steps, captures, the client's connections)."""
+    import asyncio
+
+    from cpattn.bench.serve_load import fixed_workload, run_load
+
+    for srv in servers:
+        reqs = fixed_workload(2, 999, vocab, input_len=40, output_len=6)
+        records, _ = asyncio.run(run_load([(srv.url + "/v1", NAME)], reqs, [0.0, 0.0]))
+        bad = [r.error for r in records if r.error]
+        if bad:
+            raise RuntimeError(f"warm-up of cpattn serve {' '.join(srv.args)} failed: {bad[0]}")
+
+
+def run(s: dict, progress=None) -> dict:
+    """Every (workload, rate, layout) run; the servers started first and stopped at the end."""
+    import asyncio
+
+    from cpattn.bench.serve_load import poisson_arrivals, run_load, summarize
+    from cpattn.models.family import get_family
+
+    say = progress or (lambda *_: None)
+    vocab = get_family("qwen3").config_class.tiny().vocab_size
+    common = ["--model-type", "qwen3", "--max-model-len", str(s["max_model_len"]), "--max-num-seqs",
+              str(s["max_num_seqs"]), "--max-num-batched-tokens", str(s["max_num_batched_tokens"])]
+    servers: dict[str, list[Server]] = {}
+    t_start, machine = time.monotonic(), _machine()
+    try:
+        for name in s["layouts"]:
+            servers[name] = [Server(list(flags), common) for flags in LAYOUTS[name]]
+        deadline = time.monotonic() + s.get("server_timeout", 300.0)
+        for name, group in servers.items():
+            for srv in group:
+                srv.wait_ready(deadline)
+        say(f"{sum(len(g) for g in servers.values())} servers up in {time.monotonic() - t_start:.1f} s; warming up")
+        for group in servers.values():
+            _warm_up(group, vocab)
+        results = []
+        for w in s["workloads"]:
+            for ri, rate in enumerate(s["rates"]):
+                seed = s["seed"] * 1000 + 17 * ri + (0 if w == "mixed" else 500)
+                reqs = workload(w, s, seed, vocab)
+                arrivals = poisson_arrivals(len(reqs), rate, seed)
+                order = s["layouts"][ri % len(s["layouts"]):] + s["layouts"][:ri % len(s["layouts"])]
+                for name in order:
+                    group = servers[name]
+                    before = [g.metrics() for g in group]
+                    records, duration = asyncio.run(run_load([(g.url + "/v1", NAME) for g in group], reqs, arrivals))
+                    after = [g.metrics() for g in group]
+                    summary = summarize(records, duration, s["slo_ttft_ms"] / 1e3, s["slo_tpot_ms"] / 1e3)
+                    row = {"workload": w, "rate": rate if rate != float("inf") else "inf", "layout": name, **summary, **_delta(before, after)}
+                    results.append(row)
+                    say(_progress_line(row))
+    finally:
+        for group in servers.values():
+            for srv in group:
+                srv.stop()
+    return {"settings": s, "layouts": {n: [list(f) for f in LAYOUTS[n]] for n in s["layouts"]},
+            "server_flags": common, "results": results, "wall_s": time.monotonic() - t_start,
+            "machine": {**machine, "loadavg_end": _machine()["loadavg"]}}
+
+
+def _machine() -> dict:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpus": os.cpu_count(), "loadavg": list(load) if load else None}
+
+
+def _ms(v) -> str:
+    return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}")
+
+
+def _num(v, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _progress_line(r: dict) -> str:
+    return (f"  {r['workload']:<6} rate {r['rate']}  {r['layout']:<10} TTFT p50 {_ms(r['ttft_ms']['p50'])} ms  "
+            f"TPOT p50 {_ms(r['tpot_ms']['p50'])} ms  {r['completed']}/{r['requests']} ok")
+
+
+def table(payload: dict) -> str:
+    """The results as one text table (ms; rates per second)."""
+    head = ("workload", "rate", "layout", "TTFT p50/p90/p99", "TPOT p50/p90/p99", "ITL p50/p90/p99", "req/s",
+            "out tok/s", "goodput", "hit %", "replayed/eager", "ok")
+    rows = [head]
+    for r in payload["results"]:
+        trio = lambda d: "/".join(_ms(d[f"p{p}"]) for p in (50, 90, 99))  # noqa: E731
+        hit = r["prefix_hit_rate"]
+        rows.append((r["workload"], str(r["rate"]), r["layout"], trio(r["ttft_ms"]), trio(r["tpot_ms"]),
+                     trio(r["itl_ms"]), _num(r["request_throughput_rps"]), _num(r["output_tokens_per_s"], "{:.1f}"),
+                     _num(r["goodput_rps"]), "-" if hit is None else f"{100 * hit:.0f}",
+                     f"{r['replayed_steps']}/{r['eager_steps']}", f"{r['completed']}/{r['requests']}"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    s = payload["settings"]
+    lines.append(f"latencies in ms; goodput = requests/s with TTFT <= {s['slo_ttft_ms']:g} ms and TPOT <= "
+                 f"{s['slo_tpot_ms']:g} ms; hit % = prefix-cache hit tokens / looked-up tokens over the run; "
+                 "replayed/eager = engine steps over the run (dp2: both servers)")
+    return "\n".join(lines)
+
+
+def plot(payload: dict, path: str) -> str | None:
+    """Latency-vs-rate curves per layout (one column per workload: TTFT p50 / p99, TPOT p50); None when
+    written, else why not (matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"matplotlib is not installed ({e}); pip install matplotlib for --plot"
+    res, s = payload["results"], payload["settings"]
+    panels = [("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50")]
+    fig, axes = plt.subplots(len(panels), len(s["workloads"]), figsize=(5 * len(s["workloads"]), 3.2 * len(panels)),
+                             squeeze=False)
+    for j, w in enumerate(s["workloads"]):
+        for i, (metric, p) in enumerate(panels):
+            ax = axes[i][j]
+            for name in s["layouts"]:
+                pts = [(r["rate"], r[metric][p]) for r in res if r["workload"] == w and r["layout"] == name
+                       and r[metric][p] is not None and r["rate"] != "inf"]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), marker="o", label=name)
+            ax.set_title(f"{w}: {metric.split('_')[0].upper()} {p}")
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_ylabel("ms")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    missing = [n for n in ("openai", "fastapi", "uvicorn") if _missing(n)]
+    if missing:
+        cli.usage_error(PROG, f"needs {', '.join(missing)}, not installed; fix: pip install 'cpattn[serve]' openai")
+    s = settings(a)
+    s["server_timeout"] = a.server_timeout
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    say(f"{PROG}: {len(s['layouts'])} layouts x {len(s['rates'])} rates x {len(s['workloads'])} workloads, "
+        f"{s['num_requests']} requests per run (embedded tiny Qwen3, {os.cpu_count()} CPUs)")
+    payload = run(s, say)
+    failed = sum(r["failed"] for r in payload["results"])
+    payload["ok"] = failed == 0
+    with cli.report_to(a.json):
+        print(table(payload))
+        if a.plot:
+            why = plot(payload, a.plot)
+            print(f"plot: {a.plot}" if why is None else f"plot skipped: {why}")
+        if failed:
+            errors = sorted({e for r in payload["results"] for e in r["errors"]})
+            print(f"{failed} requests failed: {'; '.join(errors[:3])}")
+    if a.json:
+        from cpattn.bench.common import write_json
+
+        write_json(a.json, payload)
+    return 0 if failed == 0 else 1
+
+
+def _missing(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ValueError, ImportError):
+        return True
