@@ -26,6 +26,7 @@ Example
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,30 @@ _OPS: dict[str, Any] = {}
 _BODIES: dict[str, Callable] = {}  # op name -> the Python function it was defined from
 # op name -> (function, device types, condition on the arguments or None)
 _DECOMPOSITIONS: dict[str, tuple[Callable, tuple[str, ...], Callable[..., bool] | None]] = {}
+
+
+def _eager_until_dynamo(op: Any, device_type: str | None) -> None:
+    """Call op's ``device_type`` kernel directly until torch._dynamo is imported.
+
+    ``torch.library.custom_op`` wraps each kernel in ``torch._disable_dynamo``,
+    which imports torch._dynamo (about 2 s) on its first call, in every process,
+    even one that never compiles. That wrapper only clears dynamo's frame
+    callback, and nothing can set that callback before torch._dynamo is
+    imported (torch.compile imports it first). So until then the plain kernel
+    is the same call; from then on every call goes through torch's wrapper,
+    exactly as before.
+    """
+    wrapped = op._backend_fns.get(device_type)
+    plain = getattr(wrapped, "__wrapped__", None)
+    if plain is None:  # torch changed its wrapper: keep it as it is
+        return
+
+    def backend(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" in sys.modules:
+            return wrapped(*args, **kwargs)
+        return plain(*args, **kwargs)
+
+    op._backend_fns[device_type] = backend
 
 
 class NoKernelError(NotImplementedError):
@@ -69,6 +94,7 @@ def define(name: str, *, mutates_args: tuple[str, ...] = ()) -> Callable:
 
     def wrap(fn: Callable) -> Any:
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)(fn)
+        _eager_until_dynamo(op, None)
         _OPS[name] = op
         _BODIES[name] = fn
         _KERNELS.setdefault(name, {})
@@ -92,6 +118,7 @@ def kernel(name: str, device_type: str) -> Callable:
 
     def wrap(fn: Callable) -> Callable:
         _OPS[name].register_kernel(device_type)(fn)
+        _eager_until_dynamo(_OPS[name], device_type)
         _KERNELS[name][device_type] = fn
         return fn
 
