@@ -267,7 +267,23 @@ def test_pcp_anchor_uses_the_published_configurations():
         assert r["scales"][0] > 1 and r["scales"][1] > 0
 
 
-def test_pcp_terms_solve_each_column_exactly():
+def test_pcp_terms_is_deprecated_and_unused_by_the_library(capsys):
+    import warnings
+
+    from cpattn.plan.anchors import pcp_terms, ttft_terms
+    from cpattn.plan.cli import main
+
+    for call in (lambda: pcp_terms(), lambda: ttft_terms([32768, 65536, 131072], [6.0, 17.0, 57.0])):
+        with pytest.warns(DeprecationWarning, match="absolute anchors: cpattn.plan.anchors.pcp_anchor"):
+            call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the anchors command no longer calls it
+        assert main(["anchors", "--json", "-"]) == 0
+    assert "pcp_terms" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_pcp_terms_solve_each_column_exactly():  # the deprecated alias still answers as before, for one release
     from cpattn.plan.anchors import pcp_anchor, pcp_terms, ttft_terms
 
     # R1's published columns solved by hand (elimination on c = 1, 2, 4 x 32K)

@@ -22,9 +22,9 @@
    per-token work, one for attention) fitted to the published *baseline*
    column, the PCP column then predicted (the PCP KV exchange, absent from
    the baseline, unscaled); each cell's error against its own published
-   reduction is reported beside the range check. :func:`pcp_terms` then
-   solves each column -- published and predicted -- exactly as a constant,
-   a per-token and an attention term, to show which term PCP changed.
+   reduction is reported beside the range check. (The exact
+   three-term solve of each column, ``pcp_terms``, is deprecated: zero
+   degrees of freedom, it explained nothing; :mod:`cpattn.plan.anchor_terms`.)
    The issue that asked for absolute errors cites the table at vLLM-Ascend
    commit ``ae2397f2`` (neither commit is checked here). Absolute:
    ``abs_base`` / ``abs_pcp`` are predicted over published TTFT per cell.
@@ -42,6 +42,32 @@
    published tokens/s per GPU, per layout.
 3. **Llama3-405B at 1M tokens on 128 H100** (arXiv 2411.01783): 77 s
    published; :func:`llama_anchor`.
+4. **DeepSeek-V4 PCP2** (vLLM pull request #43809, "[DeepSeekV4][PCP]
+   Enable context-parallel prefill for hybrid KV and MegaMoE", open,
+   2026-05-27): TTFT of one prompt, baseline "TP8+EP+MegaMoE" -> "PCP2":
+   11.17 -> 8.73 s at 128K, 21.20 -> 18.38 s at 256K, 49.19 -> 41.01 s at
+   512K, 126.68 -> 95.59 s at 1M tokens. The stored text of the pull
+   request names neither the GPUs, the V4 variant nor the dtypes; MegaMoE is
+   DeepGEMM's fused MoE kernel, benchmarked there on both V4 variants.
+   Modelled (assumptions): DeepSeek-V4-Flash (:mod:`cpattn.plan.families`,
+   through ``DeepseekV4Config.from_hf``), one 8 x B200 node (:data:`B200`),
+   FP8 weights, GEMMs and KV; baseline ``Layout(8)``, PCP ``Layout(4, 2)``
+   (the same 8 GPUs, experts over all 8) and, reported beside it,
+   ``Layout(8, 2)`` (16 GPUs over two nodes); PCP's KV exchange an
+   all-gather. :func:`v4_anchor`.
+5. **SGLang's static-CP short-request regression** (sgl-project/sglang
+   issue #37944, "[Feature] Dynamic Prefill Context Parallelism",
+   2026-09-04): GLM-5.2-FP8 with ``--attention-backend dsa``,
+   ``--cp-strategy zigzag``, ``attn_cp_size=4``, one request in flight:
+   TTFT 15-21% worse with CP for every request shorter than ~4K tokens,
+   break-even at ~8K. The stored text names no GPU. Modelled (assumptions):
+   the GLM-5 entry with FP8 weights, one 8 x H200 node (:data:`H200`, the
+   node SGLang's GLM-5.2-FP8 cookbook serves on with TP8); CP as SGLang's
+   DSA CP runs it (attention weights not split inside the CP group), CP
+   ``Layout(1, 4, dp=2)`` against the same 4 ranks as attention TP
+   ``Layout(4, dp=2)``, experts over all 8; the crossover by
+   :func:`~cpattn.plan.breakeven.pcp_break_even` with that baseline.
+   :func:`sglang_cp_anchor`.
 
 Example
 -------
@@ -54,19 +80,15 @@ True
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import numpy as np
 
-from cpattn.bench.common import safe_div
+from cpattn.plan.anchor_terms import PUBLISHED_HALF_UNIT, pcp_terms, ttft_terms  # noqa: F401 (deprecated aliases)
 from cpattn.plan.model import Layout, Options, decode_time, kv_bytes_per_token, predict, prefill_time, weights_per_device
-from cpattn.plan.profiles import ASCEND_910C, B200
+from cpattn.plan.profiles import ASCEND_910C, B200, H200
 from cpattn.plan.specs import get_model
 
 PCP_RANGE = (0.15, 0.41)  # TTFT reduction with PCP = 2, the published table's extremes
 DCP_RANGE = (2.5, 3.5)  # tokens/s per GPU, DCP8 over TP8 ("about 3x"; 3.27x measured)
-PUBLISHED_HALF_UNIT = 0.05  # s: the PCP table prints TTFTs to one decimal
 # model -> (dcp of the PCP instance, [(context, baseline TTFT s, PCP TTFT s)]); module doc for the source
 PCP_PUBLISHED = {
     "deepseek-r1": (8, [(32768, 9.3, 7.9), (65536, 22.8, 15.9), (131072, 73.2, 46.0)]),
@@ -122,66 +144,6 @@ def pcp_anchor(models=tuple(PCP_PUBLISHED)) -> list[dict]:
     return rows
 
 
-def ttft_terms(contexts, seconds, unit: int = 32768) -> tuple[float, float, float]:
-    """The terms ``(f, u, a)`` of ``f + u * x + a * x**2`` through three measured points, ``x = context / unit``.
-
-    ``f`` is what does not grow with the prompt, ``u`` the per-token work and ``a`` the attention (both in
-    seconds at ``unit`` tokens). Three points and three terms: solved exactly, no fit, so whatever the points
-    hold -- noise included -- lands in the terms.
-
-    contexts, seconds: [3] tokens and seconds.
-
-    >>> [round(v, 9) for v in ttft_terms([32768, 65536, 131072], [6.0, 17.0, 57.0])]
-    [1.0, 2.0, 3.0]
-    """
-    x = np.asarray(contexts, dtype=np.float64) / unit
-    if x.shape != (3,) or len(set(x.tolist())) != 3:
-        raise ValueError(f"ttft_terms needs three distinct contexts, got {list(contexts)}")
-    f, u, a = np.linalg.solve(np.stack([np.ones(3), x, x * x], 1), np.asarray(seconds, dtype=np.float64))
-    return float(f), float(u), float(a)
-
-
-def _column_terms(ctx, base, pcp) -> dict:
-    (fb, ub, ab), (fp, up, ap) = ttft_terms(ctx, base), ttft_terms(ctx, pcp)
-    return {"constant_32k_s": fb, "pcp_constant_s": fp, "per_token_32k_s": ub, "attention_32k_s": ab,
-            "per_token_ratio": safe_div(up, ub), "attention_ratio": safe_div(ap, ab)}
-
-
-def pcp_terms(rows: list[dict] | None = None, half_unit: float = PUBLISHED_HALF_UNIT) -> list[dict]:
-    """Each model's baseline and PCP TTFT columns split by :func:`ttft_terms`, published and predicted (the
-    stated-profile prediction of :func:`pcp_anchor`, whose ``rows`` may be passed in).
-
-    Per row: the baseline's terms at 32K tokens (``constant_32k_s``, ``per_token_32k_s``,
-    ``attention_32k_s``), the PCP column's constant (``pcp_constant_s``) and what PCP did to the other two
-    (``per_token_ratio``, ``attention_ratio``: PCP over baseline). ``range`` holds each value's [low, high]
-    over every rounding of the published cells (each +- ``half_unit`` seconds: the table prints one
-    decimal); terms are linear and ratios linear-fractional in the cells, so the corners give the exact
-    range (NaN where a denominator reaches 0). Predicted rows are exact: their ranges are points.
-
-    >>> r = {t["source"]: t for t in pcp_terms() if t["model"] == "Qwen3-235B-A22B"}
-    >>> round(r["predicted"]["attention_ratio"], 2), round(r["published"]["attention_ratio"], 2)
-    (0.5, 0.51)
-    >>> r["published"]["range"]["pcp_constant_s"][1] < 0  # below zero however the cells were rounded
-    True
-    """
-    rows = pcp_anchor() if rows is None else rows
-    out = []
-    for name in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == name]
-        ctx = [r["context"] for r in mine]
-        for source, keys, half in (("published", ("published_base_s", "published_pcp_s"), half_unit),
-                                   ("predicted", ("ttft_base_s", "ttft_pcp2_s"), 0.0)):
-            cells = np.array([[r[k] for r in mine] for k in keys])  # [2 (base, pcp), 3 contexts]
-            mid = _column_terms(ctx, *cells)
-            corners = [_column_terms(ctx, *(cells + np.reshape(d, (2, 3))))
-                       for d in itertools.product((-half, half), repeat=6)]
-            vals = {k: [c[k] for c in corners] for k in mid}
-            span = {k: [min(v), max(v)] if all(map(math.isfinite, v)) else [math.nan, math.nan]
-                    for k, v in vals.items()}
-            out.append({"model": name, "source": source, **mid, "range": span})
-    return out
-
-
 def dcp_anchor(input_len: int = 67_000, output_len: int = 400, prefix_hit: float = 0.9, cap: int = 512) -> dict:
     """Predicted tokens/s per GPU of Kimi-K2 with TP8 + DCP8 over TP8 on 8 x B200 (module doc)."""
     spec = get_model("kimi-k2", weights="nvfp4", kv_dtype="fp8")
@@ -223,7 +185,59 @@ def llama_anchor(context: int = 1_000_000) -> dict:
             "parts": {k: v for k, v in pre.items() if k != "total"}}
 
 
+V4_PUBLISHED = [(131072, 11.17, 8.73), (262144, 21.20, 18.38), (524288, 49.19, 41.01), (1048576, 126.68, 95.59)]
+V4_LAYOUTS = {"tp8": Layout(8), "tp4_pcp2": Layout(4, 2), "tp8_pcp2": Layout(8, 2)}
+
+
+def v4_anchor(published=tuple(V4_PUBLISHED)) -> list[dict]:
+    """DeepSeek-V4 PCP2 against TP8 (module doc, anchor 4): per published context, the predicted TTFT of each
+    layout of :data:`V4_LAYOUTS`, ``abs_*`` predicted over published (baseline: ``tp8``; PCP2: ``tp4_pcp2``,
+    and ``tp8_pcp2`` beside it), the predicted and published TTFT reduction and its error (points)."""
+    spec = get_model("deepseek-v4-flash", weights="fp8", kv_dtype="fp8")
+    opts = Options(pcp_method="allgather", compute_dtype="fp8")
+    rows = []
+    for ctx, pub_base, pub_pcp in published:
+        t = {k: predict(spec, B200, lay, context=ctx, batch=1, opts=opts).ttft_s for k, lay in V4_LAYOUTS.items()}
+        pub = 1 - pub_pcp / pub_base
+        rows.append({"model": spec.name, "context": ctx, "published_base_s": pub_base, "published_pcp_s": pub_pcp,
+                     **{f"ttft_{k}_s": v for k, v in t.items()}, "abs_base": t["tp8"] / pub_base,
+                     "abs_pcp": t["tp4_pcp2"] / pub_pcp, "abs_pcp_16": t["tp8_pcp2"] / pub_pcp,
+                     "published_reduction": pub, "ttft_reduction": 1 - t["tp4_pcp2"] / t["tp8"],
+                     "error": 1 - t["tp4_pcp2"] / t["tp8"] - pub,
+                     "ttft_reduction_16": 1 - t["tp8_pcp2"] / t["tp8"], "error_16": 1 - t["tp8_pcp2"] / t["tp8"] - pub})
+    return rows
+
+
+SGLANG_PUBLISHED = {"slower_below": 4096, "slowdown": (0.15, 0.21), "break_even": 8192}  # sglang issue #37944
+
+
+def sglang_cp_anchor(step: int = 64) -> dict:
+    """SGLang's static CP against attention TP for one short request (module doc, anchor 5): the predicted
+    crossover (:func:`~cpattn.plan.breakeven.pcp_break_even` of ``Layout(1, 4, dp=2)`` against
+    ``Layout(4, dp=2)``), the predicted CP slowdown at 1K / 2K / 4K tokens, and the published figures."""
+    from cpattn.plan.breakeven import pcp_break_even, pcp_ttfts
+
+    spec = get_model("glm-5", weights="fp8")
+    cp, base = Layout(1, 4, dp=2), Layout(4, dp=2)
+    at = {}
+    for n in (1024, 2048, 4096, 8192, 16384):
+        t_cp, t_base = pcp_ttfts(spec, H200, cp, n, baseline=base)
+        at[n] = {"cp_s": t_cp, "tp_s": t_base, "slowdown": t_cp / t_base - 1}
+    even = pcp_break_even(spec, cp, H200, baseline=base, step=step)
+    one_rank = pcp_break_even(spec, cp, H200, step=step)
+    return {"model": spec.name, "cp": str(cp), "baseline": str(base), "break_even": even,
+            "break_even_vs_one_rank": one_rank, "published": SGLANG_PUBLISHED, "at": at,
+            "break_even_ratio": even / SGLANG_PUBLISHED["break_even"] if even else None}
+
+
 ASSUMPTIONS = [
+    "DeepSeek-V4 PCP anchor (vLLM #43809; its stored text names no GPU, variant or dtype): DeepSeek-V4-Flash "
+    "(the family's from_hf), 8 x B200, FP8 weights / GEMMs / KV, TP8 against TP4 x PCP2 on the same 8 GPUs "
+    "(TP8 x PCP2 on 16 beside it), PCP's exchange an all-gather of the compressed KV; vLLM's per-layer "
+    "all-gather of the hidden states after MoE and mHC's wider residual stream not priced",
+    "SGLang CP anchor (sglang #37944; its stored text names no GPU): the GLM-5 entry with FP8 weights on "
+    "8 x H200, CP4 with the attention weights whole on each rank (tp=1, pcp=4, dp=2) against attention TP4 "
+    "(tp=4, dp=2), experts over all 8, one request in flight",
     "Llama3-405B CP anchor: 16 nodes x 8 H100 (the h100 profile), TP8 x CP16 ring, one 1M-token prompt, bf16 on "
     "every op (the paper's row-wise FP8 GEMMs not modelled)",
     "accelerator efficiencies and launch costs are the profiles' stated assumptions (cpattn/plan/profiles.py)",

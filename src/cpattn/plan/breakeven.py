@@ -36,27 +36,31 @@ def _resolve(model, profile):
             get_profile(profile) if isinstance(profile, str) else profile)
 
 
-def pcp_ttfts(spec, prof, lay: Layout, tokens: int, opts: Options = Options()) -> tuple[float, float]:
-    """(TTFT with ``lay``'s PCP, TTFT on one PCP rank of the same engine) of one request of ``tokens``."""
-    one = Layout(lay.tp, 1, 1, dp=lay.pcp * lay.dp)
+def pcp_ttfts(spec, prof, lay: Layout, tokens: int, opts: Options = Options(),
+              baseline: Layout | None = None) -> tuple[float, float]:
+    """(TTFT with ``lay``'s PCP, TTFT with ``baseline``) of one request of ``tokens``; ``baseline`` defaults to
+    one PCP rank of the same engine, ``Layout(tp, 1, dp=pcp * dp)``."""
+    one = baseline or Layout(lay.tp, 1, 1, dp=lay.pcp * lay.dp)
     return (prefill_time(spec, prof, lay, tokens, 1, opts)["total"],
             prefill_time(spec, prof, one, tokens, 1, opts)["total"])
 
 
 def pcp_break_even(model, layout: Layout, profile, *, opts: Options = Options(), step: int = 64,
-                   max_tokens: int = 1 << 24) -> int | None:
+                   max_tokens: int = 1 << 24, baseline: Layout | None = None) -> int | None:
     """The smallest prompt length (tokens, a multiple of ``step``) above which PCP over ``layout.pcp`` ranks
-    lowers one request's TTFT versus one rank; ``step`` when PCP wins from the shortest prompt, None when it
-    never does up to ``max_tokens``. ``model`` / ``profile``: a spec / profile or its name."""
+    lowers one request's TTFT versus one rank (or versus ``baseline``, e.g. the same ranks as attention TP,
+    ``Layout(tp * pcp, dp=dp)``: the question a static-CP deployment asks); ``step`` when PCP wins from the
+    shortest prompt, None when it never does up to ``max_tokens``. ``model`` / ``profile``: a spec / profile
+    or its name. Both layouts go through the engine's rule check."""
     spec, prof = _resolve(model, profile)
     if layout.pcp < 2:
         raise ValueError(f"layout: saw {layout} (pcp={layout.pcp}); rule: a break-even needs pcp >= 2; "
                          "fix: pass e.g. Layout(tp, 2)")
     check_layout(spec, layout, opts.allow_pcp_with_dcp)
-    check_layout(spec, Layout(layout.tp), opts.allow_pcp_with_dcp)
+    check_layout(spec, baseline or Layout(layout.tp), opts.allow_pcp_with_dcp)
 
     def wins(n):
-        pcp, one = pcp_ttfts(spec, prof, layout, n, opts)
+        pcp, one = pcp_ttfts(spec, prof, layout, n, opts, baseline)
         return pcp < one
 
     return _first(wins, step, max_tokens)

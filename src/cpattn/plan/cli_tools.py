@@ -179,13 +179,6 @@ def _validate(argv) -> int:
 
 
 # ----------------------------------------------------------------------------- anchors
-def _with_range(row: dict, key: str, fmt: str) -> str:
-    """``row[key]`` formatted, with its ``[low, high]`` from ``row["range"]`` where that is not one point."""
-    lo, hi = row["range"][key]
-    text = fmt.format(row[key])
-    return text if lo == hi else f"{text} [{fmt.format(lo).lstrip('x')}, {fmt.format(hi).lstrip('x')}]"
-
-
 def _anchors(argv) -> int:
     from cpattn.plan import anchors
 
@@ -193,7 +186,8 @@ def _anchors(argv) -> int:
     cli.add_json(ap)
     a = ap.parse_args(argv)
     pcp = anchors.pcp_anchor()
-    terms = anchors.pcp_terms(pcp)
+    v4 = anchors.v4_anchor()
+    sgl = anchors.sglang_cp_anchor()
     dcp = anchors.dcp_anchor()
     no_hit = anchors.dcp_anchor(prefix_hit=0.0)
     llama = anchors.llama_anchor()
@@ -214,13 +208,6 @@ def _anchors(argv) -> int:
                       "pcp": f"x{r['abs_pcp']:.2f}"} for r in pcp],
                     ["model", "context", "published_base_s", "predicted_base_s", "base", "published_pcp_s",
                      "predicted_pcp_s", "pcp"]))
-        print("\nEach column solved exactly through its three cells as constant + per-token * x + attention * x^2 "
-              "(x = context / 32K; s at 32K), and what PCP did to each term; [low, high]: over every rounding of "
-              f"the published cells (+-{anchors.PUBLISHED_HALF_UNIT} s):")
-        cols = {"constant_32k_s": "{:.2f}", "pcp_constant_s": "{:.2f}", "per_token_32k_s": "{:.2f}",
-                "per_token_ratio": "x{:.2f}", "attention_32k_s": "{:.2f}", "attention_ratio": "x{:.2f}"}
-        print(table([{**t, **{k: _with_range(t, k, f) for k, f in cols.items()}} for t in terms],
-                    ["model", "source", *cols]))
         lo, hi = anchors.DCP_RANGE
         print(f"\nDCP8 over TP8, Kimi-K2 on 8 x B200, tokens/s per GPU (published {dcp['published']['ratio']:.2f}x, "
               f"range {lo}-{hi}x): predicted {dcp['ratio']:.2f}x (concurrency {dcp['tp8']['concurrency']} -> "
@@ -234,9 +221,26 @@ def _anchors(argv) -> int:
         print(f"\nLlama3-405B, one {llama['context']:,}-token prompt on 128 H100 (TP8 x CP16 ring; arXiv "
               f"2411.01783): predicted {llama['ttft_s']:.1f} s, published {llama['published_s']:.0f} s "
               f"(x{llama['abs']:.2f})")
+        print("\nDeepSeek-V4 PCP2 (vLLM #43809, TTFT of one prompt; modelled: V4-Flash on 8 x B200, fp8): predicted / "
+              "published, and the TTFT reduction (predicted vs published):")
+        print(table([{"context": r["context"], "published_base_s": r["published_base_s"],
+                      "predicted_tp8_s": r["ttft_tp8_s"], "base": f"x{r['abs_base']:.3f}",
+                      "published_pcp_s": r["published_pcp_s"], "predicted_tp4_pcp2_s": r["ttft_tp4_pcp2_s"],
+                      "pcp": f"x{r['abs_pcp']:.3f}", "published_reduction": f"{r['published_reduction']:.1%}",
+                      "ttft_reduction": f"{r['ttft_reduction']:.1%}", "error": f"{100 * r['error']:+.1f} pts",
+                      "tp8_pcp2 (16 GPUs)": f"{r['ttft_reduction_16']:.1%}"} for r in v4],
+                    ["context", "published_base_s", "predicted_tp8_s", "base", "published_pcp_s",
+                     "predicted_tp4_pcp2_s", "pcp", "published_reduction", "ttft_reduction", "error",
+                     "tp8_pcp2 (16 GPUs)"]))
+        pub = sgl["published"]
+        print(f"\nSGLang static CP vs attention TP, one request (sglang #37944, GLM-5.2-FP8, CP4; modelled: GLM-5 "
+              f"fp8 on 8 x H200, {sgl['cp']} vs {sgl['baseline']}): break-even predicted {sgl['break_even']} "
+              f"tokens, published ~{pub['break_even']} (x{sgl['break_even_ratio']:.2f}); published CP "
+              f"{pub['slowdown'][0]:.0%}-{pub['slowdown'][1]:.0%} slower below ~{pub['slower_below']}, predicted "
+              + ", ".join(f"{n}: {x['slowdown']:+.1%}" for n, x in sgl["at"].items() if n <= pub["slower_below"]))
         print("\nassumptions:")
         for line in anchors.ASSUMPTIONS:
             print(f"  - {line}")
-    write_json(a.json, {"pcp": pcp, "pcp_terms": terms, "dcp": dcp, "dcp_no_prefix_hit": no_hit, "llama": llama,
+    write_json(a.json, {"pcp": pcp, "v4": v4, "sglang": sgl, "dcp": dcp, "dcp_no_prefix_hit": no_hit, "llama": llama,
                         "assumptions": anchors.ASSUMPTIONS})
     return 0

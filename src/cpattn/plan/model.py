@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from cpattn.plan import v4costs
 from cpattn.plan.collectives import comm_time
 from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, ep_all_to_all_time, expected_experts
 from cpattn.plan.memory import (  # noqa: F401 (re-exported: model.weights_per_device etc. stay importable)
@@ -147,8 +148,10 @@ def _attn_dims(spec: ModelSpec) -> tuple[int, int]:
     return spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim
 
 
-def _prefill_attention_flops(spec: ModelSpec, new: int, cached: int) -> float:
-    """One layer, one request of ``new`` tokens after ``cached`` ones, all heads."""
+def _prefill_attention_flops(spec: ModelSpec, new: int, cached: int, layer: int = 0) -> float:
+    """One layer, one request of ``new`` tokens after ``cached`` ones, all heads (V4: the ``layer``'s kind)."""
+    if spec.attention == "v4":
+        return v4costs.prefill_attention_flops(spec, layer, new, cached)
     dqk, dv = _attn_dims(spec)
     full = causal_pairs(new, new + cached)
     if spec.attention != "dsa":
@@ -172,8 +175,10 @@ def topk_pairs(new: int, cached: int, k: int) -> int:
     return (m * (m + 1) - cached * (cached + 1)) // 2 + (cached + new - m) * k
 
 
-def _kv_exchange_bytes(spec: ModelSpec, tokens: int, tp: int) -> float:
+def _kv_exchange_bytes(spec: ModelSpec, tokens: int, tp: int, layer: int = 0) -> float:
     """Bytes of ``tokens`` tokens' K/V one TP rank holds (what a PCP rank sends per layer and step)."""
+    if spec.attention == "v4":
+        return v4costs.exchange_bytes(spec, layer, tokens, ACT)
     dqk, dv = _attn_dims(spec)
     if spec.attention == "gqa":
         return tokens * kv_heads_per_device(spec, tp) * (dqk + dv) * ACT
@@ -193,11 +198,11 @@ def prefill_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batc
     gemm = attn = comm_tp = comm_pcp = comm_ep = other = 0.0
     for i in range(spec.layers):
         shared, routed = spec.mlp_params(i)
-        dense, one = spec.attn_params() + shared, (routed // spec.experts if routed else 0)
+        dense, one = spec.attn_params(i) + shared, (routed // spec.experts if routed else 0)
         flops = 2.0 * tokens * dense / lay.tp + 2.0 * batch * new * spec.experts_per_token * one / lay.devices
         gemm += prof.op_time("gemm", flops=flops, bytes_=wb * (dense / lay.tp + routed / lay.devices), dtype=dt)
-        a_flops = mine * _prefill_attention_flops(spec, new, cached) / lay.pcp / lay.tp
-        kv_bytes = _kv_exchange_bytes(spec, int(mine * (new + cached) / lay.pcp), lay.tp)
+        a_flops = mine * _prefill_attention_flops(spec, new, cached, i) / lay.pcp / lay.tp
+        kv_bytes = _kv_exchange_bytes(spec, int(mine * (new + cached) / lay.pcp), lay.tp, i)
         a_time = prof.op_time("attention_causal", flops=a_flops, bytes_=kv_bytes, dtype=dt)
         attn += a_time
         if lay.tp > 1:  # after attention, and after a dense MLP (routed experts reduce in the combine)
@@ -233,8 +238,8 @@ def _dcp_comm(spec: ModelSpec, lay: Layout, batch: int, prof: Profile, crosses: 
     if n == 1:
         return 0.0
     heads = spec.heads / lay.tp  # this rank's heads
-    dqk = spec.head_dim if spec.attention == "gqa" else spec.kv_lora_rank + spec.qk_rope_head_dim
-    dv = spec.head_dim if spec.attention == "gqa" else spec.kv_lora_rank
+    dqk = spec.head_dim if spec.attention in ("gqa", "v4") else spec.kv_lora_rank + spec.qk_rope_head_dim
+    dv = spec.head_dim if spec.attention in ("gqa", "v4") else spec.kv_lora_rank
     q_gather = coll("all_gather", batch * heads * dqk * ACT)
     partial = batch * heads * n * (dv + 1) * 4  # fp32 [O | L] of the group's heads
     lse = coll("all_gather", batch * heads * n * 4)
@@ -266,7 +271,7 @@ def decode_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch
     gemm = attn = comm_tp = comm_cp = comm_ep = other = 0.0
     for i in range(spec.layers):
         shared, routed = spec.mlp_params(i)
-        dense, one = spec.attn_params() + shared, (routed // spec.experts if routed else 0)
+        dense, one = spec.attn_params(i) + shared, (routed // spec.experts if routed else 0)
         touched = expected_experts(spec.experts, everyone * spec.experts_per_token) if routed else 0.0
         w_bytes = wb * (dense / tp + touched * one / lay.devices)
         # every PCP rank decodes the same tokens: the expert group of tp * pcp * dp devices serves pcp copies
@@ -279,6 +284,11 @@ def decode_time(spec: ModelSpec, prof: Profile, lay: Layout, context: int, batch
             byts = batch * local * 2 * kv_heads_per_device(spec, tp) * spec.head_dim * kvb
             flops = 4.0 * batch * local * h_dev * dcp * spec.head_dim
             dv = spec.head_dim
+        elif spec.attention == "v4":  # the window, then the compressed entries sharded over the devices
+            keys, scored = v4costs.decode_keys(spec, i, context, shards)
+            dv = spec.head_dim
+            byts = batch * (keys * spec.head_dim * kvb + scored * (spec.index_dim + 4))
+            flops = 2.0 * batch * keys * h_dev * dcp * 2 * dv + 2.0 * batch * scored * spec.index_heads * spec.index_dim
         else:
             dqk, dv = spec.kv_lora_rank + spec.qk_rope_head_dim, spec.kv_lora_rank
             keys = min(spec.index_topk, context) / shards if spec.attention == "dsa" else local

@@ -9,7 +9,10 @@ element. Parameter counts, FLOPs and bytes are derived from these
 
 Built-ins (numbers from each release's ``config.json``; pass ``--model
 path/config.json`` to use the file itself): DeepSeek-V3.2 and DeepSeek-R1
-(the V3 architecture), GLM-5, Qwen3-235B-A22B, Kimi-K2, Llama3-405B (dense, for an anchor).
+(the V3 architecture), GLM-5, Qwen3-235B-A22B, Kimi-K2, Llama3-405B (dense, for an anchor); and
+DeepSeek-V4-Flash, read through its family's own ``DeepseekV4Config.from_hf``
+(:mod:`cpattn.plan.families`; a ``config.json`` of ``model_type``
+``deepseek_v4`` is read that way too).
 
 Example
 -------
@@ -37,7 +40,7 @@ class ModelSpec:
     """Shapes of one model (see module doc). ``weights`` / ``kv_dtype``: keys of :data:`WEIGHT_BYTES`."""
 
     name: str
-    attention: str  # "gqa", "mla" or "dsa"
+    attention: str  # "gqa", "mla", "dsa" or "v4" (DeepSeek-V4: sliding / CSA / HCA layers)
     layers: int
     hidden: int
     vocab: int
@@ -61,11 +64,25 @@ class ModelSpec:
     weights: str = "bf16"
     kv_dtype: str = "bf16"
     source: str = ""
+    # DeepSeek-V4 ("v4"): each layer's kind ("sliding", "csa", "hca"), the sliding window, the compression
+    # ratios, the grouped output projection and the hyper-connection width (cpattn.plan.families)
+    layer_kinds: tuple[str, ...] = ()
+    window: int = 0
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    hc_mult: int = 1
 
     # -- parameters ------------------------------------------------------------------
-    def attn_params(self) -> int:
-        """Attention weights of one layer (indexer included for DSA)."""
+    def attn_params(self, layer: int | None = None) -> int:
+        """Attention weights of one layer (indexer included for DSA; for V4 the ``layer``'s kind: compressors,
+        and the indexer of a CSA layer; ``None``: the mean over the layers)."""
         h, d = self.heads, self.hidden
+        if self.attention == "v4":
+            if layer is None:
+                return round(sum(self.attn_params(i) for i in range(self.layers)) / self.layers)
+            return self._v4_attn_params(self.layer_kinds[layer])
         if self.attention == "gqa":
             return d * h * self.head_dim * 2 + 2 * d * self.kv_heads * self.head_dim
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -77,6 +94,17 @@ class ModelSpec:
             idx = (self.q_lora_rank or d) * self.index_heads * self.index_dim + d * self.index_dim + d * self.index_heads
         return q + kv + out + idx
 
+    def _v4_attn_params(self, kind: str) -> int:
+        """One V4 layer (cpattn.models.deepseek_v4's shapes): q LoRA, the K = V projection, the grouped
+        output LoRA, the compressors (CSA: two series of 2 x head_dim and of the indexer's; HCA: one), the
+        CSA indexer's query and weights, and the two hyper-connection mixers."""
+        d, hd, q, n = self.hidden, self.head_dim, self.q_lora_rank or self.hidden, self.hc_mult
+        base = d * q + q * self.heads * hd + d * hd + self.o_lora_rank * self.heads * hd + d * self.o_groups * self.o_lora_rank
+        comp = {"sliding": 0, "hca": 2 * hd * d,
+                "csa": 2 * 2 * hd * d + 2 * 2 * self.index_dim * d + q * self.index_heads * self.index_dim
+                + self.index_heads * d}[kind]
+        return base + comp + 2 * (2 + n) * n * n * d
+
     def mlp_params(self, layer: int) -> tuple[int, int]:
         """(weights read by every token, routed-expert weights of the layer) of one layer's MLP."""
         if self.experts == 0 or layer < self.dense_layers:
@@ -87,20 +115,30 @@ class ModelSpec:
     def total_params(self) -> int:
         """Every weight (embedding and lm_head included)."""
         mlp = sum(sum(self.mlp_params(i)) for i in range(self.layers))
-        return self.layers * self.attn_params() + mlp + 2 * self.vocab * self.hidden
+        return sum(self.attn_params(i) for i in range(self.layers)) + mlp + 2 * self.vocab * self.hidden
 
     def active_params_per_token(self) -> int:
         """Weights one token multiplies through (top-k routed experts only), lm_head excluded."""
         one = 3 * self.hidden * self.moe_intermediate
         mlp = sum(self.mlp_params(i)[0] + (self.experts_per_token * one if self.mlp_params(i)[1] else 0)
                   for i in range(self.layers))
-        return self.layers * self.attn_params() + mlp
+        return sum(self.attn_params(i) for i in range(self.layers)) + mlp
 
     # -- KV cache ----------------------------------------------------------------------
-    def kv_bytes_per_token_layer(self, kv_heads: int | None = None) -> int:
+    def kv_bytes_per_token_layer(self, kv_heads: int | None = None, layer: int | None = None) -> float:
         """KV bytes of one token in one layer: GQA ``2 * kv_heads * head_dim``; MLA the latent
-        ``kv_lora_rank + qk_rope_head_dim``; DSA adds the FP8 indexer key (``index_dim`` + a 4-byte scale)."""
+        ``kv_lora_rank + qk_rope_head_dim``; DSA adds the FP8 indexer key (``index_dim`` + a 4-byte scale).
+        V4: one compressed entry of ``head_dim`` per ``ratio`` tokens (CSA adds its FP8 indexer key; a
+        sliding layer holds only its window, no bytes per token); ``layer=None``: the mean over the layers."""
         b = WEIGHT_BYTES[self.kv_dtype]
+        if self.attention == "v4":
+            if layer is None:
+                return sum(self.kv_bytes_per_token_layer(layer=i) for i in range(self.layers)) / self.layers
+            kind = self.layer_kinds[layer]
+            if kind == "sliding":
+                return 0.0
+            ratio = self.csa_ratio if kind == "csa" else self.hca_ratio
+            return (self.head_dim * b + (self.index_dim + 4 if kind == "csa" else 0)) / ratio
         if self.attention == "gqa":
             return int(2 * (self.kv_heads if kv_heads is None else kv_heads) * self.head_dim * b)
         kv = int((self.kv_lora_rank + self.qk_rope_head_dim) * b)
@@ -178,14 +216,23 @@ def from_hf_config(config: dict[str, Any], *, name: str | None = None, weights: 
 
 def get_model(name_or_path: str, **overrides) -> ModelSpec:
     """A built-in entry (case-insensitive), or a ``config.json`` path / a directory holding one."""
+    from cpattn.plan.families import FAMILY_BUILTINS, FAMILY_TYPES, spec_from_family
+
     key = name_or_path.lower()
     if key in BUILTINS:
         spec = BUILTINS[key]
+    elif key in FAMILY_BUILTINS:
+        spec = spec_from_family(key)
     else:
         path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
         if not os.path.isfile(path):
-            raise ValueError(f"unknown model {name_or_path!r}; choose one of {', '.join(BUILTINS)} or pass a "
-                             "Hugging Face config.json (or its directory)")
+            raise ValueError(f"unknown model {name_or_path!r}; choose one of {', '.join([*BUILTINS, *FAMILY_BUILTINS])} "
+                             "or pass a Hugging Face config.json (or its directory)")
         with open(path) as f:
-            spec = from_hf_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+            config = json.load(f)
+        label = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        if isinstance(config, dict) and config.get("model_type") in FAMILY_TYPES:
+            spec = spec_from_family(config, name=label)
+        else:
+            spec = from_hf_config(config, name=label)
     return spec.replace(**{k: v for k, v in overrides.items() if v is not None})
