@@ -10,9 +10,12 @@ The scheduler (:mod:`cpattn.engine.scheduler`) and its block manager
 (:mod:`cpattn.engine.blocks`) are host-side and deterministic, so under
 torchrun every rank runs its own copy and they agree without talking; on
 the simulated mesh one copy drives ``dcp_size`` runner threads. Greedy
-sampling: each request's tokens equal one-device greedy generation of that
+sampling (``temperature=0``, the default): each request's tokens equal one-device greedy generation of that
 request alone, whatever the arrivals, the budget (so the chunk
-boundaries), the batch mix, preemptions and prefix-cache hits.
+boundaries), the batch mix, preemptions and prefix-cache hits. Sampled requests
+(:class:`~cpattn.engine.sampling.SamplingParams` temperature / top_p / top_k / seed): output token i
+is a function of the logits, the seed and i (:mod:`cpattn.engine.sampling`), so a seeded request
+gets the same tokens under all of those too, and with or without speculative decoding.
 
 Example
 -------
@@ -35,9 +38,10 @@ Example
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -53,28 +57,25 @@ from cpattn.engine.pool_tier import PoolTier
 from cpattn.engine.pooling import open_for_run, release
 from cpattn.engine.proposer import Proposer
 from cpattn.engine.runner import StepResult, StepRunner
+from cpattn.engine.sampling import SamplingParams, token_logprobs
+from cpattn.engine.runner_v4 import V4Scheduler, V4StepRunner, v4_scheduler_config
 from cpattn.engine.scheduler import ModelOutput, Scheduler
 from cpattn.models.family import ModelFamily, get_family
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Per request: ``max_tokens`` to generate; generation also stops after any of ``stop_token_ids``."""
-
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
 class RequestOutput:
     """A request's state after a step: every output token so far; ``finish_reason`` "stop" / "length" /
-    "abort" once ``finished``."""
+    "abort" once ``finished``; ``logprobs`` (when its ``SamplingParams.logprobs`` is set, else None):
+    per output token so far, ``{token_id: logprob}`` of the sampled token and the N most likely ones,
+    from the model's raw logits (before temperature / top-k / top-p, as vLLM's default)."""
 
     request_id: Hashable
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None
+    logprobs: tuple[dict[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,19 @@ class EngineStats:
     pool_blocks_stored: int = 0
 
 
+def _engine_seed(seed: int | None, world: Group | None) -> int:
+    """The engine generator's seed: ``seed``, or a random one (under torchrun rank 0's, all-reduced so
+    every rank draws the same request seeds)."""
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed: saw {seed!r}; expected an int or None")
+        return seed & ((1 << 63) - 1)
+    drawn = secrets.randbits(62)
+    if world is None or world.size == 1:
+        return drawn
+    return int(world.all_reduce(torch.tensor([drawn if world.rank == 0 else 0], dtype=torch.int64))[0])
+
+
 def _default_blocks(sched: SchedulerConfig, span: int) -> int:
     """Enough blocks for max_num_seqs sequences of max_model_len (4096 when unset)."""
     return sched.max_num_seqs * -(-(sched.max_model_len or 4096) // span)
@@ -138,6 +152,8 @@ class LLMEngine:
         Eagle3 / DSpark head, which gets the target's hidden states) with ``num_speculative_tokens`` =
         k >= 1 (or the config's); None: plain decode.
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
+    seed: the engine's generator, which gives each request added without a seed its own
+        (:mod:`cpattn.engine.sampling`); None: a random one (under torchrun rank 0's, shared).
 
     ``engine.last_step`` is ``(SchedulerOutput, replayed)`` of the latest step (what ran, and whether
     it replayed a captured program); ``engine.stats`` the counters.
@@ -148,7 +164,7 @@ class LLMEngine:
                  pcp_size: int = 1, block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
-                 poison: bool = False) -> None:
+                 poison: bool = False, seed: int | None = None) -> None:
         family = get_family(model)
         if config is None:
             config = engine_configs(family, cfg, dcp_size=dcp_size, pcp_size=pcp_size, one_engine=pcp_size > 1,
@@ -158,6 +174,9 @@ class LLMEngine:
                                     num_speculative_tokens=num_speculative_tokens,
                                     speculative_method=getattr(drafter, "method", None))[1]
         sched = scheduler or SchedulerConfig()
+        v4 = family.backend.name == "v4"  # DeepSeek-V4: its own runner; what it cannot do is refused here
+        if v4:
+            sched = v4_scheduler_config(family, scheduler, kv_pool=kv_pool, drafter=drafter)
         k = config.speculative.num_speculative_tokens
         if drafter is None and k:
             raise ValueError(f"num_speculative_tokens={k} needs a drafter: pass drafter= (e.g. NgramDrafter()) or k=0")
@@ -188,7 +207,8 @@ class LLMEngine:
         self.blocks = BlockManager(nb, block, dcp_size=n, interleave_size=inter,
                                    identity=None if self.pool is None else self.pool.identity,
                                    enable_caching=sched.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens=sched.max_num_batched_tokens,
+        sched_cls = V4Scheduler if v4 else Scheduler  # V4: whole prompts only
+        self.scheduler = sched_cls(self.blocks, max_num_batched_tokens=sched.max_num_batched_tokens,
                                    max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill,
                                    num_speculative_tokens=k, tier2=tier)
         self._stored: dict[Hashable, int] = {}  # spans of each request already in the pool
@@ -201,8 +221,10 @@ class LLMEngine:
         capture = pick_backend(config, family, groups[0]) if config.compilation.captures else None
         sizes = config.compilation.capture_sizes
 
+        make = V4StepRunner if v4 else StepRunner  # V4 keeps its own cache (runner_v4)
+
         def runner(g: Group) -> StepRunner:  # a capture runs the step: every rank builds at once
-            return StepRunner(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,
+            return make(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,
                               max_model_len=self.max_model_len, merge=merge, capture=capture,
                               capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
                               num_speculative_tokens=k, pcp=pcp > 1, poison=poison,
@@ -212,6 +234,8 @@ class LLMEngine:
         self.runners = run_ranks(self._mesh, groups, runner, what="LLMEngine") if len(groups) > 1 \
             else [runner(groups[0])]  # one rank: its errors as raised
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
+        self._logprobs: dict[Hashable, list[dict[int, float]]] = {}  # requests that asked for logprobs
+        self._seeds = torch.Generator().manual_seed(_engine_seed(seed, world))
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
                         "drafted_tokens": 0, "accepted_tokens": 0, "pcp_steps": 0}
         self.last_step: tuple | None = None  # (SchedulerOutput, replayed) of the latest step
@@ -222,6 +246,8 @@ class LLMEngine:
                     request_id: Hashable | None = None) -> Hashable:
         """Queue a request; returns its id (0, 1, ... unless given). Checked now, not at its first step."""
         p = params or SamplingParams()
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params: saw {type(p).__name__}; expected a cpattn.engine.SamplingParams")
         ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
         prompt = list(ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -233,13 +259,18 @@ class LLMEngine:
         if len(prompt) + p.max_tokens - 1 > self.max_model_len:
             raise ValueError(f"request needs {len(prompt)} prompt + {p.max_tokens} max_tokens - 1 tokens; "
                              f"max_model_len is {self.max_model_len}: shorten it or raise max_model_len")
+        if p.seed is None:  # every unseeded request draws one, so the stream depends on the arrival order only
+            p = replace(p, seed=int(torch.randint(0, 2 ** 63 - 1, (), generator=self._seeds)))
         rid = self.scheduler.add_request(prompt, max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids,
-                                         req_id=request_id)
+                                         req_id=request_id, sampling=p)
         self._prompts[rid] = tuple(prompt)
+        if p.logprobs is not None:
+            self._logprobs[rid] = []
         return rid
 
     def abort_request(self, request_id: Hashable) -> bool:
         """Stop a request now (its blocks freed); False if it had already finished."""
+        self._logprobs.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -268,7 +299,10 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._keep_hidden(out, results[0].hidden)
         outputs = self._with_drafts(out, results[0].outputs)
+        had = {rid: len(self.scheduler.requests[rid].output) for rid in out.req_ids if rid in self._logprobs}
         done = set(self.scheduler.update(outputs))
+        if had:
+            self._add_logprobs(had, results[0].logits)
         r = results[0]
         self.step_times = {"schedule": t1 - t0, "prepare": r.prepare_s, "forward": r.forward_s,
                            "sample": r.sample_s, "update": time.perf_counter() - t2,
@@ -287,8 +321,24 @@ class LLMEngine:
         if self.tier2 is not None:
             self._store(out)
         reqs = self.scheduler.requests
-        return [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
-                              reqs[rid].status == "finished", reqs[rid].finish_reason) for rid in out.req_ids]
+        outs = [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
+                              reqs[rid].status == "finished", reqs[rid].finish_reason,
+                              None if rid not in self._logprobs else tuple(self._logprobs[rid]))
+                for rid in out.req_ids]
+        for o in outs:
+            if o.finished:
+                self._logprobs.pop(o.request_id, None)
+        return outs
+
+    def _add_logprobs(self, had: dict, logits: dict) -> None:
+        """Append the logprobs of the tokens each request kept this step (``had``: its outputs before):
+        row j of ``logits[req_id]`` is the raw logits its j-th sampled token came from."""
+        reqs = self.scheduler.requests
+        for rid, n in had.items():
+            new = reqs[rid].output[n:]
+            if new:
+                p = reqs[rid].sampling
+                self._logprobs[rid] += token_logprobs(logits[rid][:len(new)], new, p.logprobs)
 
     def _store(self, out) -> None:
         """Put every span that became computed this step into the pool (each rank its own block)."""

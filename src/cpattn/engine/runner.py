@@ -18,8 +18,14 @@ NaN), cu_seqlens_q [B+1] -- and runs that one step function:
   runner has one (FULL_DECODE_ONLY); any other step -- a prefill chunk,
   a mix, drafts cut short by ``max_tokens`` -- runs the same function eagerly.
 
-Sampling is greedy (ties to the lowest token id). A sampled row emits the
-accepted drafts then the bonus token (the rule of :func:`~cpattn.engine.decode.accept_drafts`).
+Sampling: each request's :class:`~cpattn.engine.sampling.SamplingParams` come in
+``SchedulerOutput.sampling``; greedy rows take the step's argmax (ties to the lowest token id),
+sampled rows (temperature > 0) the token of :mod:`cpattn.engine.sampling` at each position (a pure
+function of the logits, the request's seed and the output index, so every DCP rank picks the
+same). A sampled row emits the accepted drafts then the bonus token: the greedy rule of
+:func:`~cpattn.engine.decode.accept_drafts` on the picked tokens, which for sampled rows is
+rejection sampling (:func:`cpattn.engine.sampling.verify`). A step whose rows are all greedy runs
+no sampling code.
 With ``poison=True`` every block the block manager hands out anew is
 filled with NaN before the step writes it, so a read of stale rows shows.
 
@@ -56,6 +62,7 @@ from cpattn.comm.group import Group
 from cpattn.engine.decode import decode_step, step_fields
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
+from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner
@@ -200,6 +207,8 @@ class StepRunner:
         t2 = time.perf_counter()
         outputs, rows, hidden = {}, {}, ({} if full is not None else None)
         chosen = greedy.tolist()  # one device->host copy; acceptance is plain list work
+        if out.sampling and any(p is not None and not p.greedy for p in out.sampling):
+            chosen = choose(logits, chosen, sampled_positions(out))
         end = 0
         for b, rid in enumerate(out.req_ids):
             begin, end = end, end + out.query_lens[b]

@@ -22,6 +22,7 @@ from cpattn.engine.kv_rows import pack_rows, row_width
 from cpattn.engine.options import Algorithms
 from cpattn.engine.prefill import prefill
 from cpattn.engine.prefill_steps import Prefix
+from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.layout.rows import cu_seqlens, request_of
 
@@ -72,6 +73,9 @@ def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorith
                   hidden_layers=runner.hidden_layers)
     handoff(g, g, g, view, res, algorithms)
     first = res.first_logits  # [B, V]
+    chosen = first.argmax(-1).tolist()
+    if out.sampling and any(p is not None and not p.greedy for p in out.sampling):
+        chosen = choose(first, chosen, sampled_positions(out, last_only=True))
     outputs, logits = {}, {}
     hidden = None if res.hidden is None else {}
     cu = cu_seqlens(out.query_lens)
@@ -79,7 +83,7 @@ def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorith
         if hidden is not None:  # request order, the new rows only
             hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
         if out.samples[b]:
-            outputs[rid] = ModelOutput((int(first[b].argmax()),))
+            outputs[rid] = ModelOutput((chosen[b],))
             logits[rid] = first[b:b + 1]
         else:
             outputs[rid] = ModelOutput()

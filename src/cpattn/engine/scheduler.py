@@ -84,7 +84,10 @@ class SchedulerOutput:
     and ``finished`` (or aborted) since the previous one; ``fresh_blocks``: block ids handed out as
     new blocks since the previous step (stale rows: never read before this step writes them);
     ``loads[b]``: ``(block_id, payloads)`` pairs the runner writes before the step -- spans found in
-    the second tier (the KV pool), one payload [block_size, F] per DCP rank."""
+    the second tier (the KV pool), one payload [block_size, F] per DCP rank; ``sampling[b]``: the
+    request's sampling parameters (what ``add_request`` was given: a
+    :class:`~cpattn.engine.sampling.SamplingParams`, or None: greedy) and ``num_output[b]``: its
+    output tokens so far (the index its next sampled token gets). Empty tuples: every row greedy."""
 
     req_ids: tuple = ()
     query_lens: tuple[int, ...] = ()
@@ -99,6 +102,8 @@ class SchedulerOutput:
     finished: tuple = ()
     fresh_blocks: tuple[int, ...] = ()
     loads: tuple = ()
+    sampling: tuple = ()
+    num_output: tuple[int, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -154,6 +159,7 @@ class Request:
     finish_reason: str | None = None  # stop | length | abort
     num_preemptions: int = 0
     loads: tuple = ()  # second-tier spans to write before its next step
+    sampling: object = None  # the request's sampling parameters, handed to the runner per row
 
     @property
     def output(self) -> list[int]:
@@ -187,8 +193,9 @@ class Scheduler:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], *, max_tokens: int = 16, stop_token_ids: Sequence[int] = (),
-                    req_id: Hashable | None = None) -> Hashable:
-        """Queue a request (at the back of the waiting queue); returns its id (0, 1, ... unless given)."""
+                    req_id: Hashable | None = None, sampling: object = None) -> Hashable:
+        """Queue a request (at the back of the waiting queue); returns its id (0, 1, ... unless given).
+        ``sampling``: carried to the runner in each of its rows (``SchedulerOutput.sampling``)."""
         rid = self._next_id if req_id is None else req_id
         if rid in self.requests:
             raise ValueError(f"req_id {rid!r} is already used; give each request its own id")
@@ -209,7 +216,7 @@ class Scheduler:
                              "or raise max_num_batched_tokens")
         if req_id is None:
             self._next_id += 1
-        req = Request(rid, tokens, len(tokens), max_tokens, frozenset(stop_token_ids))
+        req = Request(rid, tokens, len(tokens), max_tokens, frozenset(stop_token_ids), sampling=sampling)
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -383,6 +390,8 @@ class Scheduler:
             finished=finished,
             fresh_blocks=tuple(self.blocks.take_fresh()),
             loads=tuple(self._take_loads(r) for r, *_ in rows),
+            sampling=tuple(r.sampling for r, *_ in rows),
+            num_output=tuple(len(r.tokens) - r.num_prompt for r, *_ in rows),
         )
 
     @staticmethod
