@@ -35,6 +35,7 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from cpattn.drafters import checkpoint
 from cpattn.lab.corpus import Corpus
 from cpattn.models.family import KVLayout, get_family
-from cpattn.models import deepseek_v3, deepseek_v4, qwen3
+from cpattn.models import deepseek_v3, qwen3
 
 
 def tiny_config(model: str, *, vocab_size: int = 64, hidden_size: int = 64, num_layers: int = 4) -> Any:
@@ -73,49 +74,18 @@ def init(model: str, cfg: Any, *, seed: int) -> dict:
 
 
 def hf_config(model: str, cfg: Any) -> dict:
-    """The config.json dict of a tiny target (what ``from_hf`` and transformers read back; DeepSeek-V4:
-    what ``DeepseekV4Config.from_hf`` reads back, Hugging Face field names).
+    """Deprecated: ``cfg.to_hf()`` (each family config writes its own config.json dict; ``model`` is unused).
 
+    >>> import warnings
     >>> cfg = tiny_config("deepseek_v3")
-    >>> deepseek_v3.DeepseekV3Config.from_hf(hf_config("deepseek_v3", cfg)) == cfg
-    True
-    >>> cfg = deepseek_v4.DeepseekV4Config.tiny()
-    >>> deepseek_v4.DeepseekV4Config.from_hf(hf_config("deepseek_v4", cfg)) == cfg
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", DeprecationWarning)
+    ...     hf_config("deepseek_v3", cfg) == cfg.to_hf()
     True
     """
-    if model == "deepseek_v4":
-        kinds = {short: name for name, short in deepseek_v4.HF_KINDS.items()}
-        d = dataclasses.asdict(cfg)
-        for name in ("rope_main", "rope_compress", "csa_ratio", "hca_ratio"):
-            del d[name]
-        return {**d, "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"],
-                "layer_types": [kinds[t] for t in cfg.layer_types], "mlp_layer_types": list(cfg.mlp_layer_types),
-                "compress_rates": {"compressed_sparse_attention": cfg.csa_ratio,
-                                   "heavily_compressed_attention": cfg.hca_ratio},
-                "rope_parameters": {"main": dict(cfg.rope_main), "compress": dict(cfg.rope_compress)},
-                "num_nextn_predict_layers": 0, "torch_dtype": "float32"}
-    if model == "qwen3":
-        return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-                "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-                "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope["rope_theta"],
-                "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
-                "attention_bias": False, "torch_dtype": "float32"}
-    dense = sum(1 for t in cfg.mlp_layer_types if t == "dense")
-    return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-            "moe_intermediate_size": cfg.moe_intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_attention_heads,
-            "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank,
-            "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-            "v_head_dim": cfg.v_head_dim, "n_routed_experts": cfg.n_routed_experts,
-            "n_shared_experts": cfg.n_shared_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
-            "n_group": cfg.n_group, "topk_group": cfg.topk_group,
-            "routed_scaling_factor": cfg.routed_scaling_factor, "norm_topk_prob": cfg.norm_topk_prob,
-            "first_k_dense_replace": dense, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope["rope_theta"],
-            "rope_interleave": cfg.rope_interleave, "max_position_embeddings": cfg.max_position_embeddings,
-            "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "torch_dtype": "float32"}
+    warnings.warn("cpattn.lab.target.hf_config(model, cfg) is deprecated; use cfg.to_hf()", DeprecationWarning,
+                  stacklevel=2)
+    return cfg.to_hf()
 
 
 def warmup_cosine(step: int, total: int, warmup: int = 20) -> float:
@@ -256,8 +226,9 @@ def train(model: str, cfg: Any, corpus: Corpus, *, seconds: float, seed: int, ba
 
 def save(path: str | os.PathLike, model: str, cfg: Any, params: dict, corpus: Corpus | None = None,
          dtype: torch.dtype | None = None) -> None:
-    """Write the target as a checkpoint directory (per-expert names, as transformers saves them; floating
-    weights cast to ``dtype`` when given).
+    """Write the target as a checkpoint directory: config.json is ``cfg.to_hf()`` (``torch_dtype``: the weights'
+    dtype as written), weights under per-expert names as transformers saves them, floating ones cast to
+    ``dtype`` when given. ``model`` (the family name) is not read: the config knows its family.
 
     >>> import tempfile
     >>> d, cfg = tempfile.mkdtemp(), tiny_config("qwen3", hidden_size=16, num_layers=1)
@@ -265,7 +236,9 @@ def save(path: str | os.PathLike, model: str, cfg: Any, params: dict, corpus: Co
     >>> load(d)[1] == cfg
     True
     """
-    checkpoint.save(path, checkpoint.unstack_experts(params), hf_config(model, cfg), dtype=dtype)
+    written = dtype or params["model.embed_tokens.weight"].dtype
+    config = {**cfg.to_hf(), "torch_dtype": str(written).removeprefix("torch.")}
+    checkpoint.save(path, checkpoint.unstack_experts(params), config, dtype=dtype)
     if corpus is not None:
         corpus.save(path)
 
@@ -354,6 +327,7 @@ def engine_greedy_data(model: str, params: dict, cfg: Any, prompts: torch.Tensor
     states ``{name: [N, length, F]}`` (trailing dims flattened: a DeepSeek-V4 layer's n_hc streams are
     ``n_hc * H`` features) and every position's argmax.
 
+    >>> from cpattn.models import deepseek_v4
     >>> cfg = deepseek_v4.DeepseekV4Config.tiny()
     >>> p = deepseek_v4.init_params(cfg, seed=0)
     >>> d = engine_greedy_data("deepseek_v4", p, cfg, torch.ones(2, 3, dtype=torch.int64), 6, (0,))

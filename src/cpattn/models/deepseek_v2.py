@@ -99,6 +99,15 @@ class DeepseekV2Config(v3.DeepseekV3Config):
             base.update(n_group=1, topk_group=1)
         return cls(**base)
 
+    def to_hf(self) -> dict:
+        """The config.json dict that :meth:`from_hf` reads back equal.
+
+        >>> cfg = DeepseekV2Config.tiny()
+        >>> DeepseekV2Config.from_hf(cfg.to_hf()) == cfg
+        True
+        """
+        return {**super().to_hf(), "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"]}
+
     @classmethod
     def tiny(cls, **over) -> DeepseekV2Config:
         """A tiny test/demo configuration (DeepSeek-V3's tiny one with V2's router: group-limited, scaled)."""

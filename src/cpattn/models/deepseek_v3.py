@@ -35,7 +35,7 @@ torch.Size([4, 64])
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -176,6 +176,21 @@ class DeepseekV3Config:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         )
+
+    def to_hf(self) -> dict:
+        """The config.json dict (transformers' field names) that :meth:`from_hf` reads back equal; the
+        runtime switches ``moe_impl`` and ``mla_preprocess`` are not written.
+
+        >>> cfg = DeepseekV3Config.tiny()
+        >>> DeepseekV3Config.from_hf(cfg.to_hf()) == cfg, cfg.to_hf()["first_k_dense_replace"]
+        (True, 1)
+        """
+        d = {k: v for k, v in asdict(self).items() if k not in ("rope", "moe_impl", "mla_preprocess")}
+        dense = next((i for i, t in enumerate(self.mlp_layer_types) if t != "dense"), self.num_hidden_layers)
+        return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **d,
+                "mlp_layer_types": list(self.mlp_layer_types), "first_k_dense_replace": dense,
+                "num_key_value_heads": self.num_attention_heads, "rope_parameters": dict(self.rope),
+                "num_nextn_predict_layers": 0}
 
     @classmethod
     def tiny(cls, **over) -> DeepseekV3Config:

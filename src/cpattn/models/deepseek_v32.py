@@ -65,6 +65,15 @@ class DeepseekV32Config(v3.DeepseekV3Config):
         return cls(**{**dataclasses.asdict(base), "rope_interleave": True},
                    index_topk=d["index_topk"], index_n_heads=d["index_n_heads"], index_head_dim=d["index_head_dim"])
 
+    def to_hf(self) -> dict:
+        """The config.json dict that :meth:`from_hf` reads back equal.
+
+        >>> cfg = DeepseekV32Config.tiny()
+        >>> DeepseekV32Config.from_hf(cfg.to_hf()) == cfg
+        True
+        """
+        return {**super().to_hf(), "model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"]}
+
     @classmethod
     def tiny(cls, **over) -> DeepseekV32Config:
         """A tiny test/demo configuration (DeepSeek-V3's tiny one plus 4 indexer heads of 16 dims, top-4)."""

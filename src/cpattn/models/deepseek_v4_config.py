@@ -9,7 +9,7 @@ Example
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cpattn.models.checks import bad, check_at_most, check_choices, check_divides, check_fields, check_rope
@@ -145,6 +145,22 @@ class DeepseekV4Config:
             max_position_embeddings=d.get("max_position_embeddings", 1048576),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         )
+
+    def to_hf(self) -> dict:
+        """The config.json dict (transformers' field names and kinds) that :meth:`from_hf` reads back equal.
+
+        >>> cfg = DeepseekV4Config.tiny()
+        >>> DeepseekV4Config.from_hf(cfg.to_hf()) == cfg, cfg.to_hf()["layer_types"][1]
+        (True, 'compressed_sparse_attention')
+        """
+        kinds = {short: name for name, short in HF_KINDS.items()}
+        d = {k: v for k, v in asdict(self).items() if k not in ("rope_main", "rope_compress", "csa_ratio", "hca_ratio")}
+        return {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], **d,
+                "layer_types": [kinds[t] for t in self.layer_types], "mlp_layer_types": list(self.mlp_layer_types),
+                "compress_rates": {"compressed_sparse_attention": self.csa_ratio,
+                                   "heavily_compressed_attention": self.hca_ratio},
+                "rope_parameters": {"main": dict(self.rope_main), "compress": dict(self.rope_compress)},
+                "num_nextn_predict_layers": 0}
 
     @classmethod
     def tiny(cls, **over) -> DeepseekV4Config:

@@ -129,6 +129,16 @@ class GlmMoeDsaConfig(v32.DeepseekV32Config):
         base = dataclasses.asdict(v32.DeepseekV32Config.from_hf(d))
         return cls(**base, indexer_types=indexer_types_of(d))
 
+    def to_hf(self) -> dict:
+        """The config.json dict that :meth:`from_hf` reads back equal.
+
+        >>> cfg = GlmMoeDsaConfig.tiny()
+        >>> GlmMoeDsaConfig.from_hf(cfg.to_hf()) == cfg, cfg.to_hf()["indexer_types"]
+        (True, ['full', 'shared', 'shared', 'full'])
+        """
+        return {**super().to_hf(), "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
+                "indexer_types": list(self.indexer_types)}
+
     @classmethod
     def tiny(cls, **over) -> GlmMoeDsaConfig:
         """A tiny test/demo configuration: 4 layers (full, shared, shared, full), 32 indexer heads, top-4.

@@ -25,7 +25,7 @@ torch.Size([3, 32])
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +80,16 @@ class Qwen3Config:
     def from_hf(cls, config: Any) -> Qwen3Config:
         """From a transformers ``Qwen3Config``, a config.json dict, or a checkpoint path."""
         return cls(**qwen3_fields(config_dict(config), "qwen3"))
+
+    def to_hf(self) -> dict:
+        """The config.json dict (transformers' field names) that :meth:`from_hf` reads back equal.
+
+        >>> cfg = Qwen3Config.tiny()
+        >>> Qwen3Config.from_hf(cfg.to_hf()) == cfg, cfg.to_hf()["rope_parameters"]["rope_theta"]
+        (True, 1000000.0)
+        """
+        d = {k: v for k, v in asdict(self).items() if k != "rope"}
+        return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **d, "rope_parameters": dict(self.rope)}
 
 
 

@@ -98,6 +98,18 @@ class Qwen3MoeConfig(qwen3.Qwen3Config):
                    num_experts=experts, num_experts_per_tok=d.get("num_experts_per_tok") or 0,
                    norm_topk_prob=bool(d.get("norm_topk_prob", False)), mlp_layer_types=types)
 
+    def to_hf(self) -> dict:
+        """The config.json dict that :meth:`from_hf` reads back equal (dense layers as ``mlp_only_layers``;
+        ``moe_impl`` is a runtime switch, not written).
+
+        >>> cfg = Qwen3MoeConfig.tiny()
+        >>> Qwen3MoeConfig.from_hf(cfg.to_hf()) == cfg, cfg.to_hf()["mlp_only_layers"]
+        (True, [1])
+        """
+        d = {k: v for k, v in super().to_hf().items() if k not in ("mlp_layer_types", "moe_impl")}
+        return {**d, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, t in enumerate(self.mlp_layer_types) if t == "dense"]}
+
     @classmethod
     def tiny(cls, **over) -> Qwen3MoeConfig:
         """A tiny test/demo configuration (2 layers: MoE then dense; 6 query / 2 KV heads; 8 experts, top-2)."""
