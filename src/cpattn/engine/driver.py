@@ -129,6 +129,9 @@ def _prepare(model, params, cfg, prompts, max_new_tokens, prefill_cfg, decode_cf
     family = get_family(model)
     p = prompts if isinstance(prompts, Prompts) else Prompts.of(prompts, vocab_size=cfg.vocab_size)
     check_drafter(drafter, decode_cfg.speculative.num_speculative_tokens)
+    check_run = getattr(family.backend, "check_run", None)  # a kind's own refusals, before any rank starts
+    if check_run is not None:
+        check_run(family, drafter=drafter)
     checks.check(family, cfg, prefill_cfg, decode_cfg, world_size=world_size, topology=topology, drafter=drafter,
                  max_new_tokens=max_new_tokens, pool=pool is not None)
     return family, p

@@ -271,6 +271,16 @@ class HybridBackend:
     name = "hybrid"
     per_token_kv = False
 
+    def check_run(self, family, *, drafter=None) -> None:
+        """What the driver asks before any rank starts: a drafter is refused (see :meth:`new_cache`)."""
+        if drafter is not None:
+            self._refuse_drafts(family, getattr(drafter, "method", type(drafter).__name__))
+
+    @staticmethod
+    def _refuse_drafts(family, what) -> None:
+        _refuse(family, f"speculative decoding ({what})", "verifying drafts needs the linear layers' state at "
+                "every draft position, which the cache does not keep", "run without a drafter")
+
     def prefill(self, group: Group, family, params: dict, cfg: Any, prompts, *, algorithms: Algorithms = Algorithms(),
                 prompt_logits: bool = False, prefix=None, hidden_layers=None) -> HybridPrefillOut:
         return hybrid_prefill(group, family, params, cfg, prompts, algorithms=algorithms,
@@ -279,8 +289,7 @@ class HybridBackend:
     def new_cache(self, family, cfg: Any, params: dict, prompts, steps: int, decode_cfg, num_speculative_tokens: int,
                   group: Group | None = None) -> HybridCache:
         if num_speculative_tokens:
-            _refuse(family, f"num_speculative_tokens={num_speculative_tokens}", "verifying drafts needs the linear "
-                    "layers' state at every draft position, which the cache does not keep", "run without a drafter")
+            self._refuse_drafts(family, f"num_speculative_tokens={num_speculative_tokens}")
         shard = PAGED.new_cache(family, cfg, params, prompts, steps, decode_cfg, 0, group)
         dev = params["model.embed_tokens.weight"].device
         states = family.recurrent_cache(cfg, batch=prompts.num_requests, dtype=param_dtype(params), device=dev)
