@@ -25,7 +25,7 @@ prefix-cache hit rate and the steps replayed / eager.
 
 Usage::
 
-    cpattn bench serve                                   # 2 workloads x rates 1,2,4 x 4 layouts
+    cpattn bench serve                                   # 2 workloads x rates 0.5,1,2 x 4 layouts
     cpattn bench serve --request-rate 0.5,1 --long-len 8192,16384
     cpattn bench serve --quick --json -                  # seconds of load (server start dominates)
     cpattn bench serve --plot serve.png                  # latency-vs-rate curves per layout
@@ -141,9 +141,9 @@ def _workloads(text: str) -> tuple[str, ...]:
 def parser():
     p = cli.parser(PROG, __doc__)
     p.add_argument("--request-rate", type=_rates, default=None, metavar="R,...",
-                   help="request rates (requests/s, Poisson arrivals; inf: all at once) (default 1,2,4; --quick 4)")
+                   help="request rates (requests/s, Poisson arrivals; inf: all at once) (default 0.5,1,2; --quick 4)")
     p.add_argument("--num-requests", type=cli.positive_int, default=None, metavar="N",
-                   help="requests per run (one workload, one rate, one layout) (default 24; --quick 3)")
+                   help="requests per run (one workload, one rate, one layout) (default 16; --quick 3)")
     p.add_argument("--workloads", type=_workloads, default=WORKLOADS, metavar="W,...", help="mixed, fixed")
     p.add_argument("--layouts", type=_layouts, default=tuple(LAYOUTS), metavar="L,...",
                    help=f"layouts compared side by side: {', '.join(LAYOUTS)}")
@@ -276,8 +276,8 @@ def settings(a) -> dict:
     out = a.output_len if not (q and a.output_len == (16, 48)) else (4, 8)
     fixed = a.fixed_len if not (q and a.fixed_len == (512, 32)) else (96, 6)
     short = a.short_len if not (q and a.short_len == (64, 256)) else (40, 80)
-    return {"rates": list(a.request_rate or ((4.0,) if q else (1.0, 2.0, 4.0))),
-            "num_requests": a.num_requests or (3 if q else 24), "workloads": list(a.workloads),
+    return {"rates": list(a.request_rate or ((4.0,) if q else (0.5, 1.0, 2.0))),
+            "num_requests": a.num_requests or (3 if q else 16), "workloads": list(a.workloads),
             "layouts": list(a.layouts), "short_len": list(short), "long_len": list(long),
             "long_fraction": a.long_fraction if not q or a.long_fraction != 0.2 else 0.34,
             "output_len": list(out), "fixed_len": list(fixed), "slo_ttft_ms": a.slo_ttft_ms,
@@ -430,8 +430,17 @@ def plot(payload: dict, path: str) -> str | None:
     return None
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends the run like Ctrl-C (KeyboardInterrupt), so the servers are stopped on the way out."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    _stop_on_sigterm()
     missing = [n for n in ("openai", "fastapi", "uvicorn") if _missing(n)]
     if missing:
         cli.usage_error(PROG, f"needs {', '.join(missing)}, not installed; fix: pip install 'cpattn[serve]' openai")

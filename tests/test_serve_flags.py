@@ -1,0 +1,239 @@
+"""``cpattn serve``'s layout / graph / speculative / checkpoint flags, and the README's serve + curl commands.
+
+The refusals run in-process (one line on stderr, exit 2, before any engine is built); the served
+layouts start the real server in a subprocess and are talked to by the real ``openai`` client, every
+token compared with one-device greedy generation of the same weights. Servers take seconds to start
+on shared cores, so those tests are slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from cpattn.serve import cli as serve_cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SRC = str(ROOT / "src")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+GRAPH = '{"cudagraph_mode": "FULL_DECODE_ONLY"}'
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 2}'
+P1 = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
+P2 = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # repetitive: n-gram drafts get accepted
+
+needs_serving = pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in ("openai", "fastapi", "uvicorn")),
+                                   reason="openai / fastapi / uvicorn not installed (the dev extra has them)")
+
+
+def _refusal(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--pcp", "3", "--dcp", "2"], ["--prefill-context-parallel-size", "saw --pcp=3 with --dcp=2",
+                                    "--pcp is 1 or equals --dcp", "use --pcp 2"]),
+    (["--pcp", "2"], ["saw --pcp=2 with --dcp=1", "use --pcp 2 --dcp 2"]),
+    (["--compilation-config", "{cudagraph_mode: FULL}"], ["--compilation-config", "not JSON"]),
+    (["--compilation-config", '["FULL_DECODE_ONLY"]'], ["--compilation-config", "a JSON list"]),
+    (["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}'], ["cudagraph_mode=\"PIECEWISE\"",
+                                                                 "NONE, FULL_DECODE_ONLY"]),
+    (["--compilation-config", '{"cudagraph_mod": "FULL_DECODE_ONLY"}'], ["saw key 'cudagraph_mod'", "cudagraph_mode"]),
+    (["--compilation-config", '{"cudagraph_capture_sizes": [0]}'], ["cudagraph_capture_sizes=[0]"]),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'], ["method=\"mtp\"", "ngram only",
+                                                                                 "trained head"]),
+    (["--speculative-config", '{"method": "ngram"}'], ["no num_speculative_tokens"]),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'], ["num_speculative_tokens=-1"]),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}'], ["saw key 'k'"]),
+    (["--model", "/nonexistent/ckpt"], ["argument --model", "/nonexistent/ckpt", "not a directory"]),
+])
+def test_bad_layout_graph_speculative_and_model_flags_exit_2(argv, said, capsys):
+    err = _refusal([*argv, "--port", str(_free_port())], capsys)
+    assert err.startswith("cpattn serve: error: argument --"), err
+    for piece in said:
+        assert piece in err, (piece, err)
+
+
+def test_model_dir_without_weights_exits_2(tmp_path, capsys):
+    from cpattn.models import qwen3
+
+    (tmp_path / "config.json").write_text(json.dumps(qwen3.Qwen3Config.tiny().to_hf()))
+    err = _refusal(["--model", str(tmp_path)], capsys)
+    assert "argument --model" in err and "safetensors" in err, err
+
+
+def test_flags_reach_the_engine_arguments():
+    """Accepted values parse to what build_engine hands the LLMEngine."""
+    a = serve_cli.parser().parse_args(["--pcp", "2", "--dcp", "2", "--compilation-config",
+                                       '{"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [3, 6]}',
+                                       "--speculative-config", '{"method": "NGRAM", "num_speculative_tokens": 2, '
+                                                               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}'])
+    assert (a.prefill_context_parallel_size, a.decode_context_parallel_size) == (2, 2)
+    assert a.compilation_config == {"graph_mode": "FULL_DECODE_ONLY", "capture_sizes": (3, 6), "graph_backend": "auto"}
+    assert a.speculative_config == {"method": "ngram", "num_speculative_tokens": 2, "max_ngram": 4, "min_ngram": 2}
+    assert serve_cli.check_args(a).max_num_batched_tokens == 2048
+
+
+# ----------------------------------------------------------------------------- served layouts
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in r.read().decode().splitlines()
+                                         if ln and not ln.startswith("#"))}
+
+
+class Served:
+    """A ``cpattn serve`` subprocess on 127.0.0.1 (SIGTERM at the end must exit 0)."""
+
+    def __init__(self, argv: list[str], port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     cwd=ROOT)
+        deadline = time.monotonic() + 240
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"{shlex.join(argv)} exited {self.proc.returncode}: {self.proc.stderr.read()}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{shlex.join(argv)} did not answer /health within 240 s")
+            time.sleep(0.25)
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("cpattn serve did not exit within 30 s of SIGTERM") from None
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """(family, cfg, params) of the embedded model every server of this file builds (seed 0)."""
+    from cpattn.bench.demo_setup import Spec, load_model
+
+    return load_model(Spec(model_type="qwen3"))
+
+
+def _greedy(embedded, prompt: list[int], n: int) -> list[int]:
+    from cpattn.engine.reference import reference_generate
+
+    family, cfg, params = embedded
+    return reference_generate(family, params, cfg, [prompt], n).tokens[0].tolist()
+
+
+def _readme_serve_block() -> tuple[str, str]:
+    """(the serve command, the curl command) of the README's serve example."""
+    text = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "curl" in b and "cpattn serve" in b)
+    lines = [ln.split("#", 1)[0].strip() for ln in block.replace("\\\n", " ").splitlines()]
+    serve = next(ln for ln in lines if ln.startswith("cpattn serve"))
+    curl = next(ln for ln in lines if ln.startswith("curl"))
+    return serve.rstrip("& "), curl
+
+
+@pytest.mark.slow
+@needs_serving
+def test_readme_serve_command_and_curl_then_openai_client_under_pcp_and_dcp(embedded):
+    """The README's `cpattn serve --pcp 2 --dcp 2` command and its `curl` example, as written (the port
+    swapped for a free one), then the openai client on the same server: tokens equal one device."""
+    serve, curl = _readme_serve_block()
+    assert "--pcp 2" in serve and "--dcp 2" in serve, serve
+    port = _free_port()
+    argv = [sys.executable, "-m", "cpattn", *shlex.split(serve)[1:]]
+    argv = [str(port) if a == "8000" else a for a in argv]
+    assert str(port) in argv, f"the README's serve command has no --port 8000: {serve}"
+    srv = Served(argv, port)
+    try:
+        out = subprocess.run(shlex.split(curl.replace("8000", str(port))), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        body = json.loads(out.stdout)
+        prompt, n = body_prompt(curl)
+        assert body["choices"][0]["token_ids"] == _greedy(embedded, prompt, n)
+        r = srv.client().completions.create(model="cpattn-qwen3", prompt=[P1, P2], max_tokens=6, temperature=0)
+        got = [list(c.model_extra["token_ids"]) for c in sorted(r.choices, key=lambda c: c.index)]
+        assert got == [_greedy(embedded, P1, 6), _greedy(embedded, P2, 6)]
+        stream = srv.client().completions.create(model="cpattn-qwen3", prompt=P1, max_tokens=5, stream=True,
+                                                 temperature=0)
+        chunks = [list(c.choices[0].model_extra["token_ids"]) for c in stream if c.choices]
+        assert sum(chunks, []) == _greedy(embedded, P1, 5) and len(chunks) >= 2
+    finally:
+        assert srv.stop() == 0, srv.proc.stderr.read()
+
+
+def body_prompt(curl: str) -> tuple[list[int], int]:
+    """The prompt and max_tokens of the README's curl body."""
+    body = json.loads(shlex.split(curl)[shlex.split(curl).index("-d") + 1])
+    return body["prompt"], body["max_tokens"]
+
+
+def _save_checkpoint(path: pathlib.Path, embedded) -> None:
+    from safetensors.torch import save_file
+
+    _, cfg, params = embedded
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    save_file({k: v.contiguous() for k, v in params.items()}, str(path / "model.safetensors"))
+
+
+@pytest.mark.slow
+@needs_serving
+def test_checkpoint_dir_captured_decode_and_ngram_drafts_serve_exact_tokens(tmp_path, embedded):
+    """--model DIR (served under its path), FULL_DECODE_ONLY and n-gram drafts on DCP 2: the tokens equal
+    one device, and /metrics shows replayed (captured) steps beside eager ones."""
+    ckpt = tmp_path / "tiny-qwen3"
+    _save_checkpoint(ckpt, embedded)
+    port = _free_port()
+    srv = Served([sys.executable, "-m", "cpattn", "serve", "--model", str(ckpt), "--dcp", "2", "--block-size", "4",
+                  "--max-num-batched-tokens", "8", "--max-model-len", "256", "--compilation-config", GRAPH,
+                  "--speculative-config", NGRAM, "--port", str(port)], port)
+    try:
+        client = srv.client()
+        assert [m.id for m in client.models.list().data] == [str(ckpt)]
+        before = _metrics(srv.base)
+        r = client.completions.create(model=str(ckpt), prompt=[P1, P2], max_tokens=8, temperature=0)
+        got = [list(c.model_extra["token_ids"]) for c in sorted(r.choices, key=lambda c: c.index)]
+        assert got == [_greedy(embedded, P1, 8), _greedy(embedded, P2, 8)]
+        stream = client.completions.create(model=str(ckpt), prompt=P2, max_tokens=8, stream=True, temperature=0)
+        assert sum((list(c.choices[0].model_extra["token_ids"]) for c in stream if c.choices), []) == \
+            _greedy(embedded, P2, 8)
+        after = _metrics(srv.base)
+        assert after["cpattn_replayed_steps_total"] > before["cpattn_replayed_steps_total"], after
+        assert after["cpattn_eager_steps_total"] > before["cpattn_eager_steps_total"], after  # the prefills
+    finally:
+        assert srv.stop() == 0, srv.proc.stderr.read()
