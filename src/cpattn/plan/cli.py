@@ -6,6 +6,7 @@ Usage::
     cpattn plan --model deepseek-r1 --input-len 131072 --devices 8 --objective tpot
     cpattn plan --model qwen3-235b-a22b --input-len 32768 --output-len 1024 --objective throughput
     cpattn plan --model deepseek-r1 --input-len 8192 --output-len 512 --objective goodput --ttft-slo 2s --tpot-slo 50ms
+    cpattn plan --model deepseek-r1 --input-len 8192 --objective goodput --ttft-slo 2s --request-rate 2  # Poisson
     cpattn plan --model deepseek-r1 --input-len 32768 --concurrency 16   # per-request TTFT p50 / p99, makespan
     cpattn plan --model qwen3-235b-a22b --layout tp=8,dcp=4              # refused: rule and fix, exit 2
     cpattn plan --model glm-5 --input-len 131072 --devices 8             # fits False: the term and the fix
@@ -17,7 +18,9 @@ Usage::
 Objectives: ttft (lowest p99 per-request TTFT), tpot (lowest time per output
 token), throughput (most tokens/s per device at the concurrency memory
 holds), goodput (most tokens/s per device at the largest concurrency that
-meets --ttft-slo / --tpot-slo, one of them required). Layouts within
+meets --ttft-slo / --tpot-slo, one of them required; with --request-rate R
+requests arrive as a Poisson process at R/s instead of one burst, TTFT an
+M/D/1 queue on the prefill, goodput the largest rate meeting the SLOs). Layouts within
 --tie-tolerance of the best are reported as a tie, broken by the next
 metric. SLOs given with any objective also filter the layouts.
 
@@ -26,7 +29,7 @@ engine's own rule check (EngineConfig.create); refused ones are listed with
 their rule and fix, never priced. A layout that does not fit names the
 memory term that overflows (weights, activations, KV) and the smallest
 change that fits. Models: a built-in name (deepseek-v3.2, deepseek-r1,
-glm-5, qwen3-235b-a22b, kimi-k2) or a Hugging Face config.json. Profiles:
+glm-5, qwen3-235b-a22b, kimi-k2, llama3-405b, deepseek-v4-flash) or a Hugging Face config.json. Profiles:
 h200, b200, ascend-910c, cpu (the calibrated one once ``cpattn plan
 calibrate`` saved it), or a profile JSON. Every assumption is printed.
 """
@@ -70,6 +73,10 @@ def _plan_parser():
                    help="p99 TTFT bound, e.g. 2s or 500ms, for goodput and as a filter on every objective; default: none")
     p.add_argument("--tpot-slo", type=duration, default=None, metavar="T",
                    help="TPOT bound, e.g. 50ms, for goodput and as a filter on every objective; default: none")
+    p.add_argument("--request-rate", type=cli.positive_float, default=None, metavar="R",
+                   help="with --objective goodput: requests arrive as a Poisson process at R requests/s (TTFT an "
+                        "M/D/1 queue on the prefill; goodput the largest rate meeting the SLOs); default: one burst "
+                        "of --concurrency requests")
     p.add_argument("--tie-tolerance", type=fraction, default=0.02,
                    help="layouts this close (relative) to the best are a tie, broken by the next metric")
     p.add_argument("--weights", default=None, help="weight dtype override: bf16, fp8, w8a8, int4, nvfp4")
@@ -126,11 +133,14 @@ def _plan(argv) -> int:
     if a.objective == "goodput" and not slo:
         cli.bad_value(ap.prog, "--objective", "'goodput' without an SLO", "goodput counts what meets an SLO",
                       "add --ttft-slo T and/or --tpot-slo T (e.g. --ttft-slo 2s --tpot-slo 50ms)")
+    if a.request_rate is not None and a.objective != "goodput":
+        cli.bad_value(ap.prog, "--request-rate", f"{a.request_rate:g} with --objective {a.objective}",
+                      "the arrival rate prices goodput", "add --objective goodput (with --ttft-slo / --tpot-slo)")
     lays, refused = _layouts(ap.prog, spec, a, opts)
     pd, pd_refused = _pd(ap.prog, spec, prof, a, opts)
     preds = [predict(spec, prof, lay, context=a.context, batch=a.batch, opts=opts) for lay in lays]
     if a.objective == "goodput":
-        preds = with_goodput(preds, spec, prof, context=a.context, slo=slo, opts=opts)
+        preds = with_goodput(preds, spec, prof, context=a.context, slo=slo, opts=opts, request_rate=a.request_rate)
     ranked = rank(preds, a.objective, a.tie_tolerance, slo)
     best, why = recommend(preds, a.objective, a.tie_tolerance, slo=slo)
     devices = a.devices if not a.layout else lays[0].devices
@@ -162,6 +172,11 @@ def _plan(argv) -> int:
                          "fits", "tok_s_per_device"]))
         for r in pd_refused:
             print(f"  - refused: {r['prefill']} / {r['decode']}: " + " -- also ".join(r["problems"]))
+        if a.request_rate is not None:
+            print(f"\nrate_*: requests arriving as a Poisson process at {a.request_rate:g}/s (TTFT: an M/D/1 queue "
+                  "on one request's prefill per DP replica, plan.arrival; rho: the prefill's load; TPOT at Little's "
+                  "concurrency); max_rate_req_s: the largest rate meeting the SLOs, goodput its output tokens/s "
+                  "per device")
         if a.batch > 1:
             print(f"\nTTFT p50 / p99: per request, {a.batch} arriving together, prefilled first come first served "
                   f"({a.max_batched_tokens} tokens a step); makespan: the whole batch's prefill")
@@ -184,7 +199,7 @@ def _plan(argv) -> int:
     write_json(a.json, {"model": spec.name, "profile": prof.name, "context": a.context, "batch": a.batch,
                         "input_len": a.context, "output_len": a.output_len, "concurrency": a.batch,
                         "devices": devices, "objective": a.objective,
-                        "slo": {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo},
+                        "slo": {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo}, "request_rate": a.request_rate,
                         "predictions": [{**p.as_dict(), "makespan_s": p.makespan_s} for p in preds],
                         "refused": [r.as_dict() for r in refused],
                         "recommendation": None if best is None else str(best.layout), "reason": why,
@@ -204,9 +219,16 @@ def _row(p, a, slo) -> dict:
            "tok_s_per_device": p.tokens_per_s_per_device}
     if slo:
         row["meets_slo"] = slo.met(p.ttft_p99_s, p.tpot_s)
-    if "goodput" in p.parts:
-        row["goodput_requests"] = p.parts["goodput"]["concurrency"]
-        row["goodput_tok_s_per_device"] = p.parts["goodput"]["tokens_per_s_per_device"]
+    g = p.parts.get("goodput")
+    if g and g.get("arrival") == "poisson":  # the burst's SLO check does not apply: the arrival model's does
+        at = g["at"]
+        row.pop("meets_slo", None)
+        row.update({"rate_TTFT_p50_ms": 1e3 * at["ttft_p50_s"], "rate_TTFT_p99_ms": 1e3 * at["ttft_p99_s"],
+                    "rate_TPOT_ms": 1e3 * at["tpot_s"], "rate_rho": at["rho"], "meets_slo_at_rate": g["meets_at_rate"],
+                    "max_rate_req_s": g["max_rate"], "goodput_tok_s_per_device": g["tokens_per_s_per_device"]})
+    elif g:
+        row["goodput_requests"] = g["concurrency"]
+        row["goodput_tok_s_per_device"] = g["tokens_per_s_per_device"]
     return row
 
 

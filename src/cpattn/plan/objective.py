@@ -11,7 +11,11 @@ Objectives (each over the layouts that fit, and meet the SLOs when given):
   concurrency whose p99 TTFT and TPOT meet ``--ttft-slo`` / ``--tpot-slo``
   (:func:`goodput`; closed loop: each of ``c`` requests takes its median
   TTFT plus ``output_len`` TPOTs, so ``c / (ttft_p50 + output_len * tpot)``
-  requests/s per engine).
+  requests/s per engine); with a request rate (``--request-rate``) requests
+  arrive as a Poisson process instead of one burst, TTFT is priced as an
+  M/D/1 queue on the prefill, and goodput is the largest rate whose p99
+  TTFT and TPOT meet the SLOs (:func:`cpattn.plan.arrival.arrival_goodput`,
+  its formulas and what it leaves out in :mod:`cpattn.plan.arrival`).
 
 Layouts within ``tolerance`` (2%) of the best score are a tie: the tie is
 reported as such and broken by the next metric (TTFT: TPOT; TPOT: TTFT;
@@ -112,6 +116,9 @@ def describe(p, objective: str) -> str:
     if objective == "throughput":
         return f"{p.tokens_per_s_per_device:.1f} tok/s per device at {p.max_requests} requests"
     g = p.parts.get("goodput", {})
+    if g.get("arrival") == "poisson":
+        return (f"goodput {g['tokens_per_s_per_device']:.1f} tok/s per device at up to {g['max_rate']:.3g} "
+                f"requests/s (Poisson arrivals)")
     return f"goodput {g.get('tokens_per_s_per_device', 0.0):.1f} tok/s per device at {g.get('concurrency', 0)} requests"
 
 
@@ -125,7 +132,9 @@ def rank(preds: list, objective: str = "ttft", tolerance: float = 0.02, slo: SLO
     from which the next metric (:data:`NEXT`) picked ``best``; ``per_objective``: each objective's pick."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}; got {objective!r}")
-    eligible = [p for p in preds if p.fits and (not slo or slo.met(p.ttft_p99_s, p.tpot_s))]
+    arrival = objective == "goodput" and any(p.parts.get("goodput", {}).get("arrival") for p in preds)
+    # under Poisson arrivals the SLOs are judged by the arrival model, not by the burst's TTFT
+    eligible = [p for p in preds if p.fits and (not slo or arrival or slo.met(p.ttft_p99_s, p.tpot_s))]
     if objective == "goodput":
         eligible = [p for p in eligible if p.parts.get("goodput", {}).get("concurrency", 0) > 0]
     if not eligible:
@@ -171,12 +180,20 @@ def _slo(x):
     return "-" if x is None else _time(x)
 
 
-def with_goodput(preds: list, spec, prof, *, context: int, slo: SLO, opts) -> list:
-    """``preds`` with ``parts["goodput"]`` (:func:`goodput`) filled in for the layouts that fit."""
+def with_goodput(preds: list, spec, prof, *, context: int, slo: SLO, opts, request_rate: float | None = None) -> list:
+    """``preds`` with ``parts["goodput"]`` filled in for the layouts that fit: :func:`goodput` (one burst), or
+    with ``request_rate`` :func:`cpattn.plan.arrival.arrival_goodput` (Poisson arrivals, evaluated at that
+    rate too)."""
+    from cpattn.plan.arrival import arrival_goodput
+
     out = []
     for p in preds:
-        g = goodput(spec, prof, p.layout, context=context, slo=slo, opts=opts) if p.fits else {
-            "concurrency": 0, "requests_per_s_per_device": 0.0, "tokens_per_s_per_device": 0.0}
+        if not p.fits:
+            g = {"concurrency": 0, "requests_per_s_per_device": 0.0, "tokens_per_s_per_device": 0.0}
+        elif request_rate is not None:
+            g = arrival_goodput(spec, prof, p.layout, context=context, slo=slo, opts=opts, rate=request_rate)
+        else:
+            g = goodput(spec, prof, p.layout, context=context, slo=slo, opts=opts)
         out.append(dataclasses.replace(p, parts={**p.parts, "goodput": g}))
     return out
 

@@ -99,7 +99,8 @@ class ModelSpec:
         output LoRA, the compressors (CSA: two series of 2 x head_dim and of the indexer's; HCA: one), the
         CSA indexer's query and weights, and the two hyper-connection mixers."""
         d, hd, q, n = self.hidden, self.head_dim, self.q_lora_rank or self.hidden, self.hc_mult
-        base = d * q + q * self.heads * hd + d * hd + self.o_lora_rank * self.heads * hd + d * self.o_groups * self.o_lora_rank
+        base = (d * q + q * self.heads * hd + d * hd + self.o_lora_rank * self.heads * hd
+                + d * self.o_groups * self.o_lora_rank)
         comp = {"sliding": 0, "hca": 2 * hd * d,
                 "csa": 2 * 2 * hd * d + 2 * 2 * self.index_dim * d + q * self.index_heads * self.index_dim
                 + self.index_heads * d}[kind]
