@@ -211,7 +211,7 @@ class LLMEngine:
         self.scheduler = sched_cls(self.blocks, max_num_batched_tokens=sched.max_num_batched_tokens,
                                    max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill,
                                    num_speculative_tokens=k, tier2=tier)
-        self._stored: dict[Hashable, int] = {}  # spans of each request already in the pool
+        self._stored: dict[Hashable, int] = {}  # whole blocks of each request already in the pool
         self._hidden: dict[Hashable, tuple[int, dict]] = {}  # target hidden rows not yet given to the drafter
         self.max_model_len = sched.max_model_len or nb * block * n
         self.proposer = Proposer(drafter, k, max_num_seqs=sched.max_num_seqs, max_len=self.max_model_len + k + 1) \
@@ -341,11 +341,11 @@ class LLMEngine:
                 self._logprobs[rid] += token_logprobs(logits[rid][:len(new)], new, p.logprobs)
 
     def _store(self, out) -> None:
-        """Put every span that became computed this step into the pool (each rank its own block)."""
-        span = self.blocks.span
+        """Put every whole block that became computed this step into the pool (each rank its own)."""
+        size = self.blocks.block_size
         for b, rid in enumerate(out.req_ids):
             req = self.scheduler.requests[rid]
-            lo, hi = self._stored.get(rid, 0), req.num_computed // span
+            lo, hi = self._stored.get(rid, 0), req.num_computed // size
             if hi > lo:
                 self.tier2.store(req.tokens, range(lo, hi), out.block_tables[b],
                                  lambda r, bid: self.runners[r].shard.read_block(bid))

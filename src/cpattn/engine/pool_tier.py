@@ -11,9 +11,9 @@ pool's identity (the weights' digest, layout, dtype, block size) in every key.
   after the device-cached spans, the next spans whose N pool blocks are all
   present are loaded now (host tensors), so nothing can vanish between the
   lookup and the step; the runner writes them into the request's fresh blocks.
-- **store** (after each step's update): each rank stores, for every span that
-  became computed, the pool block it owns, read from its own cache; the whole
-  chain is renewed for eviction.
+- **store** (after each step's update): each rank stores every whole block
+  that became computed on it, read from its own cache; the whole chain is
+  renewed for eviction.
 
 Example
 -------
@@ -56,15 +56,17 @@ class PoolTier:
         self.loaded_blocks += spans * n
         return [tuple(got[i * n + r].reshape(got[i * n + r].shape[-2:]) for r in range(n)) for i in range(spans)]
 
-    def store(self, tokens: Sequence[int], spans: range, table: Sequence[int],
+    def store(self, tokens: Sequence[int], blocks: range, table: Sequence[int],
               read: Callable[[int, int], torch.Tensor]) -> int:
-        """Store spans ``spans`` of a sequence (its block ids ``table``): rank r's block via
-        ``read(rank, block_id) -> [B, F]``. Returns the pool blocks written."""
-        if not len(spans):
+        """Store whole pool blocks ``blocks`` of a sequence (its block ids ``table``, one per span): global
+        block j is rank ``j % N``'s block ``table[j // N]``, read by ``read(rank, block_id) -> [B, F]``. Whole
+        blocks, not whole spans: a span still filling has its first blocks stored already, so an engine of
+        another DCP size (a P/D consumer) finds every whole block. Returns the pool blocks written."""
+        if not len(blocks):
             return 0
         n, chain = self.n, self.pool.keys(tokens)
-        keys = [chain[c * n + r] for c in spans for r in range(n)]
-        payloads = [read(r, table[c])[None] for c in spans for r in range(n)]
-        done = self.pool.store(keys, payloads, chain=chain[: spans.stop * n])
+        keys = [chain[j] for j in blocks]
+        payloads = [read(j % n, table[j // n])[None] for j in blocks]
+        done = self.pool.store(keys, payloads, chain=chain[: blocks.stop])
         self.stored_blocks += done
         return done

@@ -1,0 +1,187 @@
+"""P/D in the step loop: a prefill engine and a decode engine joined by the KV pool as their connector.
+
+The guide's disaggregated layout serves a request in two roles. The **producer**
+is an :class:`~cpattn.engine.llm.LLMEngine` of ``pcp_size`` ranks (one engine,
+``pcp_size = dcp_size``, so its prompt chunks run PCP). It runs the request
+with ``max_tokens = 1``. Its prompt spans become computed, and after each step
+every producer rank stores the pool blocks it owns. The **consumer** is an
+``LLMEngine`` of ``dcp_size`` ranks (captured decode if asked). It takes the
+request when the producer finishes. At admission its second tier fetches the
+prompt's whole blocks from the pool, so it computes only the tail (at least one
+token, vLLM's rule, so that it has logits) and then decodes.
+
+Each step of :class:`PDEngine` is one producer step followed by one consumer
+step. On the simulated mesh the two run one after the other. In a deployment
+they run on their own devices at the same time. The connector carries whole
+pool blocks, whose keys chain the token hash and the weights' identity.
+Blocks are keyed per ``block_size`` tokens, not per rank, so a producer of P
+ranks and a consumer of D ranks share them whatever P and D are. Both sides
+need ``interleave_size = block_size``, which is the pool tier's rule.
+
+The first token comes from the producer, which gives the TTFT. The consumer
+samples it again from its recomputed tail, using the same per-request seed,
+and the engine checks that the two agree. A mismatch is a ``RuntimeError``
+that names the request, never a silent swap.
+
+Example
+-------
+>>> from cpattn.config import GuideCompatWarning, SchedulerConfig
+>>> from cpattn.models import qwen3
+>>> cfg = qwen3.Qwen3Config.tiny()
+>>> pd = PDEngine("qwen3", qwen3.init_params(cfg), cfg, pcp_size=2, dcp_size=2, block_size=4,
+...               scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
+>>> out = pd.generate([list(range(1, 20)), [5, 6, 7]], SamplingParams(max_tokens=3))
+>>> [len(o.token_ids) for o in out], pd.stats.decode.pool_hit_tokens   # 16 of the first prompt's 19 came over
+([3, 3], 16)
+>>> pd.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import warnings
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cpattn.config import GuideCompatWarning, SchedulerConfig
+from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from cpattn.engine.pooling import open_for_run, release
+from cpattn.models.family import get_family
+
+
+@dataclass(frozen=True)
+class PDStats:
+    """The two roles' counters (:class:`~cpattn.engine.llm.EngineStats`); ``handed_off``: requests passed
+    from the producer to the consumer."""
+
+    prefill: EngineStats
+    decode: EngineStats
+    handed_off: int
+
+
+def _memory_pool(family, cfg, params, block_size: int):
+    """An in-process pool (a dict store) under this model's identity: the connector when none is given."""
+    from cpattn.engine.pooling import pool_identity
+    from cpattn.pool import DictStore, KVPool
+
+    return KVPool(DictStore(), pool_identity(family, cfg, params, block_size, label="pd"))
+
+
+class PDEngine:
+    """Prefill on ``pcp_size`` ranks, decode on ``dcp_size`` ranks, the KV through a pool (module doc).
+
+    Arguments
+    ---------
+    model, params, cfg: a family (or its name), its weights, its config.
+    pcp_size: the producer's ranks (its chunks run PCP over them). dcp_size: the consumer's ranks (its
+        KV cache sharded over them).
+    block_size: both sides' KV block (and interleave) size.
+    scheduler: both roles' :class:`~cpattn.config.SchedulerConfig`; prefix caching stays on (the pool
+        is its second tier).
+    kv_pool: the connector: a :class:`~cpattn.engine.pooling.PoolSpec` (LMDB, Mooncake) or an open pool;
+        None: an in-process dict pool.
+    graph_mode / graph_backend / capture_sizes: the consumer's decode capture (the producer runs eagerly,
+        as a step with a prefill chunk does). seed: draws the seed of each request that brings none,
+        given to both roles so their first tokens agree. num_blocks / poison / merge: as
+        :class:`~cpattn.engine.llm.LLMEngine`, per role.
+    """
+
+    def __init__(self, model, params: dict, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 16,
+                 scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
+                 graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
+                 poison: bool = False, merge: str = "local_ag", seed: int = 0) -> None:
+        family = get_family(model)
+        sched = scheduler or SchedulerConfig()
+        if not sched.enable_prefix_caching:
+            raise ValueError("scheduler.enable_prefix_caching=False: P/D hands the KV over through the prefix "
+                             "cache's second tier; leave prefix caching on")
+        if kv_pool is None:
+            self.pool, self._opened = _memory_pool(family, cfg, params, block_size), False
+        else:
+            self.pool, self._opened = open_for_run(kv_pool, family, cfg, params, block_size)
+        common = dict(block_size=block_size, interleave_size=block_size, scheduler=sched, kv_pool=self.pool,
+                      num_blocks=num_blocks, poison=poison, merge=merge)
+        with warnings.catch_warnings():  # the one-engine PCP + DCP warning's own fix is this P/D pair
+            warnings.simplefilter("ignore", GuideCompatWarning)
+            self.prefill = LLMEngine(family, params, cfg, dcp_size=pcp_size, pcp_size=pcp_size, **common)
+        self.decode = LLMEngine(family, params, cfg, dcp_size=dcp_size, graph_mode=graph_mode,
+                                graph_backend=graph_backend, capture_sizes=capture_sizes, **common)
+        self.max_model_len = min(self.prefill.max_model_len, self.decode.max_model_len)
+        self._rng = random.Random(seed)
+        self._params: dict[Hashable, SamplingParams] = {}
+        self._first: dict[Hashable, int] = {}  # the producer's first token of each handed-off request
+        self._handed_off = 0
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: Hashable | None = None) -> Hashable:
+        """Queue a request on the producer (checked now); returns its id."""
+        p = params or SamplingParams()
+        if len(prompt_token_ids) + p.max_tokens - 1 > self.max_model_len:
+            raise ValueError(f"request needs {len(prompt_token_ids)} prompt + {p.max_tokens} max_tokens - 1 "
+                             f"tokens; max_model_len is {self.max_model_len}: shorten it or raise max_model_len")
+        if getattr(p, "seed", 0) is None:  # one seed for both roles, so the first token is sampled alike
+            p = dataclasses.replace(p, seed=self._rng.randrange(2**63))
+        first = dataclasses.replace(p, max_tokens=1)
+        rid = self.prefill.add_request(prompt_token_ids, first, request_id=request_id)
+        self._params[rid] = p
+        return rid
+
+    def abort_request(self, request_id: Hashable) -> bool:
+        """Stop a request in whichever role holds it; False if it had already finished."""
+        self._params.pop(request_id, None)
+        return self.prefill.abort_request(request_id) or self.decode.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.prefill.has_unfinished() or self.decode.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One producer step, then one consumer step: the :class:`RequestOutput` of every row either ran
+        (a handed-off request shows its first token, unfinished, until the consumer carries on)."""
+        outputs = []
+        for o in self.prefill.step() if self.prefill.has_unfinished() else []:
+            p = self._params.get(o.request_id)
+            if not o.finished or p is None:  # a chunk in progress, or aborted meanwhile
+                outputs.append(o)
+                continue
+            done = o.finish_reason == "abort" or p.max_tokens == 1 or o.token_ids[-1] in p.stop_token_ids
+            if done:
+                del self._params[o.request_id]
+                outputs.append(o)
+                continue
+            self.decode.add_request(list(o.prompt_token_ids), p, request_id=o.request_id)
+            self._first[o.request_id] = o.token_ids[0]
+            self._handed_off += 1
+            outputs.append(dataclasses.replace(o, finished=False, finish_reason=None))
+        for o in self.decode.step() if self.decode.has_unfinished() else []:
+            first = self._first.get(o.request_id)
+            if o.token_ids and first is not None:
+                if o.token_ids[0] != first:
+                    raise RuntimeError(f"request {o.request_id!r}: the decode role sampled first token "
+                                       f"{o.token_ids[0]}, the prefill role {first}; the roles diverged")
+                del self._first[o.request_id]
+            if o.finished:
+                self._params.pop(o.request_id, None)
+            outputs.append(o)
+        return outputs
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Submit every prompt now and step until all finish; the final output of each, in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        final = {}
+        while self.has_unfinished():
+            final.update({o.request_id: o for o in self.step() if o.finished})
+        return [final[i] for i in ids]
+
+    @property
+    def stats(self) -> PDStats:
+        return PDStats(self.prefill.stats, self.decode.stats, self._handed_off)
+
+    def close(self) -> None:
+        """Release both roles and the pool if this engine opened it (idempotent)."""
+        self.prefill.close()
+        self.decode.close()
+        if self._opened:
+            release(self.pool)
+            self._opened = False
