@@ -166,8 +166,8 @@ def test_bad_requests_are_refused_before_a_step():
         engine.add_request([1, 2.5])  # refused, never truncated
     with pytest.raises(ValueError, match="max_model_len is 16"):
         engine.add_request([1] * 10, SamplingParams(max_tokens=8))
-    with pytest.raises(ValueError, match="keeps its own cache"):
-        LLMEngine("deepseek_v4", {}, get_family("deepseek_v4").config_class.tiny())
+    with pytest.raises(ValueError, match="enable_prefix_caching=True"):  # DeepSeek-V4: tests/test_engine_loop_v4.py
+        LLMEngine("deepseek_v4", {}, get_family("deepseek_v4").config_class.tiny(), scheduler=SchedulerConfig())
     assert not engine.has_unfinished() and engine.stats.steps == 0
 
 

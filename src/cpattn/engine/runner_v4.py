@@ -1,0 +1,316 @@
+"""DeepSeek-V4 in the step loop: a model runner keeping V4's own state (rings + compressed entries) per request.
+
+V4's cache is not per-token KV rows (``family.backend.per_token_kv`` is
+False), so :class:`~cpattn.engine.runner.StepRunner`'s paged cache does not
+apply. :class:`V4StepRunner` has the same ``execute(SchedulerOutput) ->
+StepResult`` interface and keeps, on this rank, one
+:class:`~cpattn.v4.engine.V4DecodeCache` whose rows are *slots*, one per
+running request (``max_num_seqs`` of them, each sized for the longest
+request the block pool admits):
+
+- a prefill row (a new request, or a preempted one recomputing prompt and
+  outputs) runs the backend's prefill over the group (PCP when ``pcp``,
+  else on this rank alone, replicated), the backend's ``collect`` /
+  ``place`` seed the request's slot with its tail rows and this DCP rank's
+  entries (as the fixed-batch path's hand-off does), and the first token is
+  sampled from the prefill's logits (greedy, or the request's sampling
+  parameters through :mod:`cpattn.engine.sampling`, as the paged runner);
+- the step's decode rows run together through the backend's decode program
+  (:class:`~cpattn.v4.engine.V4DecodeProgram` over the slots: one batched
+  call per query length; a step of only 1 + k decodes replays a captured
+  program when the runner has one), and its ``commit`` keeps the accepted
+  drafts (the rejected rows rewound and NaN-poisoned);
+- a request the scheduler preempts, finishes or aborts loses its slot,
+  whose rows are NaN-poisoned again (a later request never reads them),
+  when the step that reports it (``preempted`` / ``finished``) executes.
+
+The scheduler's block manager still does the accounting (blocks per request
+as for a paged family), so admission and preemption follow the same
+policies; the block tables themselves are unused. What V4 cannot do in the
+step loop is refused when the engine is built (:func:`v4_scheduler_config`):
+prefix caching and a KV pool (no per-token blocks to share), chunked
+prefill (a V4 prompt is prefilled in one step: its compressor state does
+not continue across chunks), drafters that read the target's hidden states.
+
+Example
+-------
+>>> import cpattn
+>>> from cpattn.engine.blocks import BlockManager
+>>> from cpattn.models import deepseek_v4 as v4
+>>> cfg = v4.DeepseekV4Config.tiny()
+>>> params = v4.init_params(cfg)
+>>> def rank(g):
+...     s = V4Scheduler(BlockManager(8, 4, dcp_size=g.size), max_num_batched_tokens=32, max_num_seqs=2,
+...                     enable_chunked_prefill=False)
+...     run = V4StepRunner(g, "deepseek_v4", params, cfg, num_blocks=8, block_size=4, max_model_len=32)
+...     rid = s.add_request(list(range(1, 20)), max_tokens=3)
+...     while s.has_unfinished():
+...         s.update(run.execute(s.schedule()).outputs)
+...     held = run.live                      # the scheduler reports the finish with its next step
+...     run.execute(s.schedule())
+...     return s.output_tokens(rid), held, run.live
+>>> (a, held, live), (b, *_) = cpattn.simulate(2, rank)
+>>> a == b, len(a), held, live
+(True, 3, 1, 0)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.comm.sim import SimMesh
+from cpattn.config import SchedulerConfig
+from cpattn.engine.batch import Prompts
+from cpattn.engine.options import Algorithms
+from cpattn.engine.runner import StepResult
+from cpattn.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
+from cpattn.graphs.runner import DecodeRunner
+from cpattn.models.family import ModelFamily, get_family, param_dtype
+from cpattn.v4.cache import V4Cache
+from cpattn.v4.engine import V4DecodeCache
+from cpattn.v4.handoff import V4Handoff
+from cpattn.v4.prefill import GatheredEntries, TailRows
+
+
+def v4_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | None, *, kv_pool=None,
+                        drafter=None) -> SchedulerConfig:
+    """The scheduler config of a V4 engine, or a one-line ValueError naming what V4 cannot do in the step loop.
+
+    ``scheduler=None`` gives the defaults with chunked prefill and prefix caching off.
+
+    >>> from cpattn.models.family import get_family
+    >>> v4_scheduler_config(get_family("deepseek_v4"), None).enable_prefix_caching
+    False
+    """
+    name = family.name
+    if kv_pool is not None:
+        raise ValueError(f"kv_pool: {name} keeps its own cache (window rings + compressed entries), not per-token "
+                         "KV blocks a pool could hold; pass kv_pool=None")
+    if scheduler is None:
+        return SchedulerConfig(enable_chunked_prefill=False, enable_prefix_caching=False)
+    if scheduler.enable_prefix_caching:
+        raise ValueError(f"enable_prefix_caching=True: {name}'s cache (window rings + compressed entries) has no "
+                         "per-token blocks to share; pass SchedulerConfig(enable_prefix_caching=False)")
+    if scheduler.enable_chunked_prefill:
+        raise ValueError(f"enable_chunked_prefill=True: a {name} prompt is prefilled in one step (its compressor "
+                         "state does not continue across chunks); pass SchedulerConfig(enable_chunked_prefill=False) "
+                         "and max_num_batched_tokens >= the longest prompt + max_tokens - 1")
+    if drafter is not None and drafter.hidden_layers is not None:
+        raise ValueError(f"drafter: the {drafter.method} drafter reads the target's hidden states, which the {name} "
+                         "step loop does not keep; use NgramDrafter() or cpattn.engine.generate")
+    return scheduler
+
+
+class V4Scheduler(Scheduler):
+    """The :class:`~cpattn.engine.scheduler.Scheduler` of a V4 engine: a request whose prompt (or its recompute
+    after a preemption, prompt + outputs) could not fit one step is refused at :meth:`add_request`, with the fix
+    that applies to V4 (no chunked prefill for it)."""
+
+    def add_request(self, prompt: Sequence[int], *, max_tokens: int = 16, stop_token_ids: Sequence[int] = (),
+                    req_id: Hashable | None = None, **kwargs) -> Hashable:
+        longest = len(prompt) + max_tokens - 1 if isinstance(max_tokens, int) else 0
+        if longest > self.max_num_batched_tokens:
+            raise ValueError(f"request of {len(prompt)} prompt + {max_tokens} max_tokens - 1 = {longest} tokens: "
+                             "DeepSeek-V4 prefills a prompt (or its recompute after a preemption) in one step, but "
+                             f"max_num_batched_tokens is {self.max_num_batched_tokens}: raise it to >= {longest} or "
+                             "shorten the request")
+        return super().add_request(prompt, max_tokens=max_tokens, stop_token_ids=stop_token_ids, req_id=req_id,
+                                   **kwargs)
+
+
+def _poison_slot(cache: V4Cache, slot: int) -> None:
+    """NaN-fill every block of one cache row (rings, entries, indexer keys), as a fresh cache is."""
+    lay, t = cache.layout, cache.tables
+    for layer, kind in enumerate(lay.kinds):
+        pairs = [(cache.window[layer], "window")]
+        if kind != "sliding":
+            pairs += [(cache.raw[layer], f"raw_{kind}"), (cache.entries[layer], f"ent_{kind}")]
+        if kind == "csa":
+            pairs += [(cache.index_raw[layer], "raw_csa"), (cache.index_keys[layer], "ent_csa")]
+        for tensor, table in pairs:
+            tensor[t[table][slot]] = float("nan")
+
+
+def _to_slots(h: V4Handoff, slots: list[int], batch: int) -> V4Handoff:
+    """A hand-off of ``len(slots)`` requests re-addressed to cache rows ``slots`` of a ``batch``-row cache
+    (the other rows: length 0, nothing to write)."""
+    where = torch.tensor(slots, dtype=torch.int64)
+    lens = [0] * batch
+    for j, s in enumerate(slots):
+        lens[s] = h.lens[j]
+    offsets = {}
+    for kind, off in h.entries.offsets.items():
+        full = torch.zeros(batch, dtype=off.dtype, device=off.device)
+        full[where.to(off.device)] = off
+        offsets[kind] = full
+    tail = replace(h.tail, requests=where.to(h.tail.requests.device)[h.tail.requests.long()])
+    return V4Handoff(tuple(lens), tail, GatheredEntries(h.entries.entries, h.entries.index_keys, offsets))
+
+
+def _sample(out: SchedulerOutput, rows: list[int], logits: torch.Tensor, chosen: list[int], *,
+            last_only: bool = False) -> list[int]:
+    """The greedy ``chosen`` tokens of ``rows``' positions, with those of sampling requests (temperature > 0,
+    ``SchedulerOutput.sampling``) replaced by :mod:`cpattn.engine.sampling`'s pick (the same on every rank)."""
+    sampling = getattr(out, "sampling", ())
+    if not sampling or all(p is None or p.greedy for p in sampling):
+        return chosen
+    from cpattn.engine.runner_pcp import rows_of
+    from cpattn.engine.sampling import choose, sampled_positions
+
+    return choose(logits, chosen, sampled_positions(rows_of(out, rows), last_only=last_only))
+
+
+class V4StepRunner:
+    """One rank's V4 model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`.
+
+    ``live``: requests holding a slot; ``graph``: the captured decode runner (``capture`` given) or None.
+    """
+
+    def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
+                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "ag_rs",
+                 capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
+                 num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
+                 hidden_layers: tuple | None = None, poison: bool = False) -> None:
+        self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
+        self.backend = self.family.backend
+        if self.backend.name != "v4":
+            raise ValueError(f"V4StepRunner runs families declaring cache='v4'; {self.family.name} declares "
+                             f"cache={self.family.cache!r}: use cpattn.engine.runner.StepRunner")
+        if hidden_layers is not None:
+            raise ValueError(f"hidden_layers={tuple(hidden_layers)}: the {self.family.name} step loop does not keep "
+                             "the target's hidden states; use a drafter that reads tokens (NgramDrafter)")
+        self.pcp, self.algorithms = pcp and group.size > 1, Algorithms(pcp_method=pcp_method)
+        self.prefill_group = group if self.pcp else SimMesh(1).groups()[0]  # else replicated on every rank
+        self.k = int(num_speculative_tokens)
+        longest = min(max_model_len, num_blocks * block_size * group.size)  # the block pool bounds a request
+        lay = cfg.layout(max_rewind=self.k, block_size=block_size)
+        cache = V4Cache.empty(lay, batch=max_num_seqs, max_len=longest + self.k + 1, dtype=param_dtype(params),
+                              dcp_rank=group.rank, dcp_size=group.size, interleave_size=interleave_size)
+        self.holder = V4DecodeCache(cache)
+        self.program = self.backend.program(group, self.family, params, cfg, self.holder, merge=merge)
+        self.slots: dict[Hashable, int] = {}
+        self._free = list(range(max_num_seqs))
+        self.graph: DecodeRunner | None = None
+        if capture is not None:
+            q = 1 + self.k
+            p = self.program
+            self.graph = DecodeRunner(p.step, p.state, p.fields, num_speculative_tokens=self.k,
+                                      capture_sizes=list(capture_sizes) if capture_sizes else None,
+                                      max_size=max(q, max_num_seqs * q), backend=capture, device=p.device).capture()
+
+    @property
+    def live(self) -> int:
+        return len(self.slots)
+
+    def release(self, req_ids) -> None:
+        """Drop the state of ``req_ids`` (finished, aborted or preempted: a readmission recomputes it)."""
+        for rid in req_ids:
+            slot = self.slots.pop(rid, None)
+            if slot is None:
+                continue
+            c = self.holder.cache
+            _poison_slot(c, slot)
+            lens, high = list(c.seq_lens), list(c.high_water)
+            lens[slot] = high[slot] = 0
+            self.holder.cache = replace(c, seq_lens=tuple(lens), high_water=tuple(high))
+            self._free.append(slot)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""
+        self.release([*out.preempted, *out.finished])
+        if not out.req_ids:
+            return StepResult({}, {}, False, 0)
+        sent, t0 = self.group.stats.total_sent(), time.perf_counter()
+        pre = [b for b, p in enumerate(out.is_prefill) if p]
+        dec = [b for b, p in enumerate(out.is_prefill) if not p]
+        outputs, logits = {}, {}
+        times = [0.0, 0.0, 0.0]
+        if pre:
+            o, lg, tm = self._prefill(out, pre)
+            outputs.update(o), logits.update(lg)
+            times = [a + b for a, b in zip(times, tm)]
+        replayed = False
+        by_q: dict[int, list[int]] = {}
+        for b in dec:
+            by_q.setdefault(out.query_lens[b], []).append(b)
+        for q, rows in by_q.items():
+            o, lg, tm, r = self._decode(out, rows, q, graph=not pre and len(by_q) == 1)
+            outputs.update(o), logits.update(lg)
+            times = [a + b for a, b in zip(times, tm)]
+            replayed = replayed or r
+        return StepResult(outputs, logits, replayed, self.group.stats.total_sent() - sent, *times,
+                          len(pre) if self.pcp else 0, None)
+
+    def _prefill(self, out: SchedulerOutput, rows: list[int]):
+        """Prefill each row's whole query (context 0), seed its slot, sample its first token."""
+        t0 = time.perf_counter()
+        for b in rows:
+            if out.context_lens[b] or not out.samples[b]:
+                raise ValueError(f"request {out.req_ids[b]!r}: a {self.family.name} prefill must be one whole chunk "
+                                 f"from position 0 (got {out.query_lens[b]} tokens after {out.context_lens[b]}); "
+                                 "build the scheduler without chunked prefill and prefix caching")
+        rids = [out.req_ids[b] for b in rows]
+        self.release([r for r in rids if r in self.slots])  # a recompute starts over
+        if len(self._free) < len(rids):
+            raise RuntimeError(f"{len(rids)} new requests but {len(self._free)} free V4 cache slots; the scheduler "
+                               "ran more requests than max_num_seqs")
+        slots = [self._free.pop(0) for _ in rids]
+        prompts = Prompts.of([list(out.input_ids[b]) for b in rows], vocab_size=self.cfg.vocab_size)
+        t1 = time.perf_counter()
+        pg = self.prefill_group
+        res = self.backend.prefill(pg, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms)
+        collected = self.backend.collect(pg, res)
+        before = self.holder.cache
+        self.backend.place(self.holder, _to_slots(collected, slots, before.batch), self.group)
+        lens, high = list(before.seq_lens), list(before.high_water)
+        for s, n in zip(slots, collected.lens):
+            lens[s] = high[s] = n
+        self.holder.cache = replace(self.holder.cache, seq_lens=tuple(lens), high_water=tuple(high))
+        self.slots.update(zip(rids, slots))
+        t2 = time.perf_counter()
+        first = res.first_logits  # [B, V]
+        chosen = _sample(out, rows, first, first.argmax(-1).tolist(), last_only=True)
+        outputs = {rid: ModelOutput((chosen[j],)) for j, rid in enumerate(rids)}
+        logits = {rid: first[j:j + 1] for j, rid in enumerate(rids)}
+        return outputs, logits, [t1 - t0, t2 - t1, time.perf_counter() - t2]
+
+    def _decode(self, out: SchedulerOutput, rows: list[int], q: int, *, graph: bool):
+        """Decode rows of query length q (the last token + q - 1 drafts) in one call of the decode program."""
+        t0 = time.perf_counter()
+        rids = [out.req_ids[b] for b in rows]
+        slots = [self.slots[r] for r in rids]
+        ctx = [out.context_lens[b] for b in rows]
+        held = [self.holder.cache.seq_lens[s] for s in slots]
+        if held != ctx:
+            raise RuntimeError(f"requests {rids}: the V4 cache holds {held} tokens but the step continues after {ctx}")
+        tokens = torch.tensor([t for b in rows for t in out.input_ids[b]], dtype=torch.int64)
+        batch = self.program.batch(slots, ctx, tokens)
+        t1 = time.perf_counter()
+        replayed = False
+        if graph and self.graph is not None and q == self.graph.q_len:
+            res = self.graph(batch, [q] * len(rows))
+            replayed = self.graph.stats.last.startswith("graph")
+        else:
+            cu = torch.arange(0, (len(rows) + 1) * q, q, dtype=torch.int32)
+            res = self.program.step(self.program.state, {**batch, "cu_seqlens_q": cu})
+        logits, greedy = res[0], res[1]
+        t2 = time.perf_counter()
+        chosen = _sample(out, rows, logits, greedy.tolist())
+        outputs, kept, rows_logits = {}, [], {}
+        for i, b in enumerate(rows):
+            drafts = out.draft_tokens[b]
+            g = chosen[i * q:(i + 1) * q]  # the target's choice after the last token and each draft
+            a = 0
+            while a < len(drafts) and drafts[a] == g[a]:
+                a += 1
+            outputs[rids[i]] = ModelOutput(tuple(g[:a + 1]))
+            rows_logits[rids[i]] = logits[i * q:i * q + a + 1]
+            kept.append(ctx[i] + 1 + a)
+        self.program.commit(slots, kept)
+        return outputs, rows_logits, [t1 - t0, t2 - t1, time.perf_counter() - t2], replayed
