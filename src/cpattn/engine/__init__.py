@@ -21,6 +21,8 @@ The step loop (:class:`~cpattn.engine.llm.LLMEngine`): requests arrive, each ste
 (:mod:`cpattn.engine.scheduler`, :mod:`cpattn.engine.blocks`) picks decode tokens and prefill chunks
 under a token budget and a runner (:mod:`cpattn.engine.runner`) executes them; prefix caching, the KV
 pool as its second tier, preemption by recompute, speculative decoding, PCP chunks (docs/engine.md).
+:class:`~cpattn.engine.pd_engine.PDEngine` serves P/D in the step loop: a PCP prefill engine and a DCP
+decode engine, the KV pool between them.
 
 The driver (:mod:`cpattn.engine.driver`) takes a prefill and a decode
 :class:`~cpattn.config.EngineConfig`, checks them once before any rank
@@ -101,10 +103,11 @@ from cpattn.engine.batch import Prompts
 from cpattn.engine.driver import engine_configs, generate, generate_on_rank
 from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from cpattn.engine.options import Algorithms
+from cpattn.engine.pd_engine import PDEngine, PDStats
 from cpattn.engine.reference import reference_generate
 from cpattn.engine.result import Generation, RunFacts
 from cpattn.models.family import KVLayout, ModelFamily, get_family
 
 __all__ = ["Prompts", "Algorithms", "KVLayout", "ModelFamily", "get_family", "engine_configs", "generate",
            "generate_on_rank", "reference_generate", "Generation", "RunFacts", "LLMEngine", "SamplingParams",
-           "RequestOutput", "EngineStats"]
+           "RequestOutput", "EngineStats", "PDEngine", "PDStats"]
