@@ -33,9 +33,11 @@ def alias(old: str, new: str, namespace: dict) -> None:
     namespace["__all__"] = list(names)
 
     def __getattr__(name: str):
-        try:
-            return getattr(mod, name)
-        except AttributeError:
-            raise AttributeError(f"module {old!r} (moved to {new!r}) has no attribute {name!r}") from None
+        if not name.startswith("__"):  # module dunders stay the old module's own
+            try:
+                return getattr(mod, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"module {old!r} (moved to {new!r}) has no attribute {name!r}")
 
     namespace["__getattr__"] = __getattr__
