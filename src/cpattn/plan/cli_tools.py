@@ -145,6 +145,10 @@ def _validate(argv) -> int:
     for b, val in gr.items():
         pairs.append((f"bench graph: eager / graph, batch {b}, wall", val["speedup"], meas_g.get(b)))
     rows, gaps = v.table(pairs), v.profile_gaps(prof)
+    from cpattn.plan.breakeven import bench_break_even
+
+    keep = v.where_the_model_earns_its_keep(rows, bench_break_even(prof, heads=heads, kv_heads=kvh, head_dim=d,
+                                                                   pcp=p, clock=a.clock), a.clock)
     with cli.report_to(a.json):
         print(f"profile: {prof.device}")
         pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
@@ -160,6 +164,7 @@ def _validate(argv) -> int:
             print(f"naive 1/P guess (PCP and DCP rows): within 15% on "
                   f"{sum(r['naive_within_15%'] for r in judged)} of {len(judged)}; the model on "
                   f"{sum(r['within_15%'] for r in judged)} of {len(judged)}")
+        print(keep["line"])
         one = detail["pcp"]["one_rank_s"]
         print(f"\nwhere a PCP rank's time goes (predicted, of one rank's {one:.3g} s; before the share of the "
               f"shared cores, {detail['pcp']['share']:.0%}): " +
@@ -173,7 +178,7 @@ def _validate(argv) -> int:
             print("\nthis profile predates some calibrated numbers; standing in:")
             for line in gaps:
                 print(f"  - {line}")
-    write_json(a.json, {"profile": prof.name, "clock": a.clock, "rows": rows, "detail": detail,
+    write_json(a.json, {"profile": prof.name, "clock": a.clock, "rows": rows, "detail": detail, "earns_keep": keep,
                         "profile_gaps": gaps})
     return 0
 

@@ -291,3 +291,32 @@ def table(pairs: list[tuple]) -> list[dict]:
                      "within_15%": None if err is None else err <= 0.15, "naive": naive, "naive_error": nerr,
                      "naive_within_15%": None if nerr is None else nerr <= 0.15})
     return rows
+
+
+def where_the_model_earns_its_keep(rows: list[dict], break_even: int | None, clock: str = "wall",
+                                   margin: float = 0.15) -> dict:
+    """Where the model says something the naive 1/P guess does not: the rows of :func:`table` whose prediction
+    departs from 1/P by more than ``margin`` (the merge- or exchange-bound ones; with a measurement, who was
+    right), and the PCP break-even (1/P says PCP wins at every length; ``break_even``: the model's length,
+    :func:`cpattn.plan.breakeven.bench_break_even`). ``line``: the sentence ``cpattn plan validate`` prints.
+
+    >>> r = table([("dcp merge-bound", 0.9, 0.85, 0.5), ("pcp", 0.52, 0.6, 0.5)])
+    >>> k = where_the_model_earns_its_keep(r, 4096)
+    >>> k["departs"], k["model_right"], k["naive_right"]
+    (['dcp merge-bound'], 1, 0)
+    """
+    departs = [r for r in rows if r["naive"] is not None and abs(r["predicted"] - r["naive"]) > margin * r["naive"]]
+    judged = [r for r in departs if r["error"] is not None]
+    model_right = sum(bool(r["within_15%"]) for r in judged)
+    naive_right = sum(bool(r["naive_within_15%"]) for r in judged)
+    names = "; ".join(f"{r['what']} (model {r['predicted']:.3g}, 1/P {r['naive']:.3g}" +
+                      ("" if r["measured"] is None else f", measured {r['measured']:.3g}") + ")" for r in departs)
+    line = (f"where the model earns its keep: {len(departs)} of {sum(r['naive'] is not None for r in rows)} "
+            f"PCP / DCP rows depart from 1/P by more than {margin:.0%} (the merge- or exchange-bound ones"
+            + (f": {names}" if departs else "") + ")"
+            + (f"; measured on {len(judged)}: the model within {margin:.0%} on {model_right}, 1/P on {naive_right}"
+               if judged else "")
+            + "; and the PCP break-even: 1/P says the ring wins at every length, the model "
+            + (f"from {break_even} tokens ({clock} clock)" if break_even else "that it never wins on this profile"))
+    return {"departs": [r["what"] for r in departs], "measured": len(judged), "model_right": model_right,
+            "naive_right": naive_right, "break_even": break_even, "line": line}
