@@ -178,6 +178,30 @@ def test_refused_at_construction_and_add_request():
     assert not eng.has_unfinished()
 
 
+def test_seeded_sampling_is_the_same_whatever_the_layout_and_preemptions():
+    """temperature > 0 (cpattn.engine.sampling: a token is a pure function of the logits, the seed and its
+    output index): one device with room for everything, DCP 2 and PCP 2 + DCP 2 with a pool that preempts."""
+    reqs = [{"prompt": prompt(n, 20 + n), "arrive": a} for n, a in ((7, 0), (26, 0), (12, 1), (18, 2))]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5, top_k=40, seed=100 + i) for i in range(4)]
+
+    def run(layout, num_blocks):
+        eng = engine(layout, num_blocks=num_blocks)
+        ids, step = [], 0
+        while len(ids) < len(reqs) or eng.has_unfinished():
+            ids += [eng.add_request(r["prompt"], params[i]) for i, r in enumerate(reqs) if r["arrive"] == step]
+            eng.step()
+            step += 1
+        assert eng.stats.blocks_used == 0
+        return [list(eng.scheduler.requests[i].output) for i in ids], eng.stats.preemptions
+
+    one, none = run("one", 64)
+    assert none == 0
+    assert one != [expected({"prompt": r["prompt"], "max_tokens": MAX_TOKENS}) for r in reqs]  # not greedy
+    for layout in ("dcp2", "pcp2_dcp2"):
+        got, preempted = run(layout, 5)
+        assert preempted > 0 and got == one, (layout, got, one)
+
+
 requests = st.lists(st.fixed_dictionaries({
     "len": st.integers(1, 40), "max_tokens": st.integers(1, MAX_TOKENS), "arrive": st.integers(0, 6),
     "abort": st.one_of(st.none(), st.integers(0, 10))}), min_size=1, max_size=4)
