@@ -33,6 +33,12 @@ MLA = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_
            first_k_dense_replace=1, max_position_embeddings=64)
 DSA = dict(index_topk=6, index_n_heads=16, index_head_dim=8)  # top-6 of 13 keys: the selection is active
 
+QWEN35_TEXT = dict(**BASE, hidden_size=32, num_attention_heads=3, num_key_value_heads=1, head_dim=8,
+                   layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+                   linear_num_key_heads=1, linear_num_value_heads=2)
+QWEN35_VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4,
+                     spatial_merge_size=2, temporal_patch_size=2)
+
 # model_type -> (HF model class, HF config); tiny, and each stresses what its loader must get right
 HF = {
     "qwen3": ("Qwen3ForCausalLM", lambda: transformers.Qwen3Config(
@@ -59,6 +65,12 @@ HF = {
         layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
         linear_num_key_heads=1, linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    # the Hub's composite forms: nested text_config, model.language_model.* weights, a vision tower (ignored)
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", lambda: transformers.Qwen3_5Config(
+        text_config=dict(QWEN35_TEXT, intermediate_size=48), vision_config=QWEN35_VISION)),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", lambda: transformers.Qwen3_5MoeConfig(
+        text_config=dict(QWEN35_TEXT, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2), vision_config=QWEN35_VISION)),
 }
 
 
@@ -73,7 +85,7 @@ def hf_model(model_type: str, seed: int = 0):
 def our_logits(model_type: str, params: dict, cfg, tokens: torch.Tensor) -> torch.Tensor:
     """Prompt logits [T, V] of one request on one device."""
     family = get_family(model_type)
-    if model_type == "qwen3_next":  # a hybrid forward also takes the linear layers' step
+    if family.cache == "hybrid":  # a hybrid forward also takes the linear layers' step
         from cpattn.engine.dense_cache import DenseKVCache
 
         n = tokens.numel()

@@ -12,6 +12,8 @@ one of them a single token (shorter than the PCP size). Checked:
   so the bound is float32's, not float64's), and to our one device's to float64 rounding;
 - every DCP rank holds all the states (replicated): the reported bytes are the attention share plus them;
 - the one-line refusals: the step loop, a cached prefix, speculative decoding, a KV pool in the demo;
+- the Qwen3.5 families (``qwen3_5``: split projections, dense MLPs; ``qwen3_5_moe``: MoE in every layer), float64
+  text models: PCP 2 -> DCP 2 tokens equal HF ``generate``;
 - ``cpattn demo --model-type qwen3_next`` runs end to end and its identical-token check passes (slow).
 """
 
@@ -139,6 +141,40 @@ def test_speculative_decoding_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^speculative decoding \(ngram\) for qwen3_next: .* every draft position"):
         driver.generate("qwen3_next", params, cfg, prompts, 3, prefill=pre, decode=dec,
                         drafter=NgramDrafter(max_ngram=2))
+
+
+QWEN35 = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
+              head_dim=8, layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=1, linear_num_value_heads=3,
+              initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None, rms_norm_eps=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen35_families_under_pcp2_dcp2_equal_hf_generate(name):
+    """Qwen3.5 (split projections, dense MLPs) and Qwen3.5-MoE (MoE in every layer) text models, float64:
+    PCP 2 -> DCP 2 through the engine gives HF ``generate``'s greedy tokens."""
+    if name == "qwen3_5":
+        hf_cfg = transformers.Qwen3_5TextConfig(**QWEN35, intermediate_size=64)
+        cls = transformers.Qwen3_5ForCausalLM
+    else:
+        hf_cfg = transformers.Qwen3_5MoeTextConfig(**QWEN35, moe_intermediate_size=16,
+                                                   shared_expert_intermediate_size=24, num_experts=4,
+                                                   num_experts_per_tok=2)
+        cls = transformers.Qwen3_5MoeForCausalLM
+    hf = perturbed(cls, hf_cfg, seed=5).double()
+    from cpattn.models.family import get_family
+
+    fam = get_family(name)
+    cfg, params = fam.config_class.from_hf(hf.config), qn.load_params(hf.state_dict())
+    assert cfg.split_projections and set(cfg.mlp_layer_types) == {"dense" if name == "qwen3_5" else "sparse"}
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (9, 1, 5)]
+    with torch.no_grad():
+        want = torch.stack([hf.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=NEW,
+                                        do_sample=False, pad_token_id=0)[0, p.numel():] for p in prompts])
+    pre, dec = driver.engine_configs(name, cfg, pcp_size=2, dcp_size=2, block_size=4)
+    gen = driver.generate(name, params, cfg, [p.tolist() for p in prompts], NEW, prefill=pre, decode=dec)
+    assert torch.equal(gen.tokens, want), f"{name}: {gen.tokens} vs HF {want}"
 
 
 @pytest.mark.slow

@@ -99,8 +99,8 @@ PARALLEL = {
 GRAPH_BACKENDS = ("aot_eager", "auto", "cpu", "cuda", "eager", "inductor", "npu", "torchair")
 
 # model types of the embedded tiny models (cpattn.models.family.FAMILY_MODULES; a test keeps the two equal)
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "qwen3", "qwen3_moe",
-               "qwen3_next")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "qwen3", "qwen3_5",
+               "qwen3_5_moe", "qwen3_moe", "qwen3_next")
 
 # config field -> the flag a user types, for problems reported by cpattn.config
 FLAG_OF_FIELD = {

@@ -231,8 +231,10 @@ def _layer_ranges(ids: list[int]) -> str:
 
 
 def _check_layers(cfg_file: str, config: dict, renamed: dict[str, tuple[TensorHeader, str]]) -> None:
-    """num_hidden_layers against the layers the checkpoint holds (before anything is sized by it)."""
-    n = config.get("num_hidden_layers")
+    """num_hidden_layers against the layers the checkpoint holds (before anything is sized by it); a composite
+    config (Qwen3.5's Hub form) gives it in its nested ``text_config``."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    n = config.get("num_hidden_layers", text.get("num_hidden_layers"))
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"{cfg_file}: field 'num_hidden_layers' is {shown(n)}; expected a positive integer")
     mtp = max((v for v in (config.get("num_nextn_predict_layers"), config.get("num_mtp_layers"))

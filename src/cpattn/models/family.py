@@ -82,6 +82,8 @@ FAMILY_MODULES = {
     "glm_moe_dsa": "cpattn.models.glm_moe_dsa",
     "deepseek_v4": "cpattn.models.deepseek_v4",
     "qwen3_next": "cpattn.models.qwen3_next",
+    "qwen3_5": "cpattn.models.qwen3_5",
+    "qwen3_5_moe": "cpattn.models.qwen3_5_moe",
 }
 
 # the KV cache kinds a family may declare (``ModelFamily.cache``); the engine serves each by a backend

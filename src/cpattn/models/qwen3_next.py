@@ -44,7 +44,9 @@ a per-request recurrent state for the linear ones), so
 Not supported yet: MTP layers (``mtp.*`` are ignored), padding masks (the
 step carries each request's own tokens), the step loop (``LLMEngine``),
 prefix caching, the KV pool and speculative decoding (they need state
-snapshots); ``qwen3_5_moe``; image / video inputs.
+snapshots); image / video inputs. Qwen3.5-MoE (``qwen3_5_moe``: split
+projections, MoE in every layer) is this forward too; :mod:`cpattn.models.qwen3_5`
+and :mod:`cpattn.models.qwen3_5_moe` declare the Qwen3.5 families.
 
 Example
 -------

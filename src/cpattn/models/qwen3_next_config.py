@@ -15,7 +15,9 @@ from cpattn.models.common import config_dict, rope_parameters
 from cpattn.models.moe import MOE_IMPLS
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5")  # qwen3_5: the composite (text_config nested)
+# qwen3_5 / qwen3_5_moe: the Hub's composite forms (text_config nested)
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+COMPOSITE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # composite -> its text model_type
 CONFIG_RULES = {"vocab_size": "int>0", "hidden_size": "int>0", "intermediate_size": "int>0",
                 "num_hidden_layers": "int>0", "num_attention_heads": "int>0", "num_key_value_heads": "int>0?",
                 "head_dim": "int>0?", "rms_norm_eps": "num>0?", "max_position_embeddings": "int>0?",
@@ -120,14 +122,17 @@ class Qwen3NextConfig:
         """
         d = config_dict(config)
         kind = d.get("model_type", "qwen3_next")
-        if kind == "qwen3_5":  # the Hub's composite form: the text model's config is nested
+        if kind in COMPOSITE:  # the Hub's composite form: the text model's config is nested
             text = d.get("text_config")
             if not isinstance(text, dict):
-                raise bad("text_config", text, "the text model's config (a qwen3_5 checkpoint nests it)")
-            d = {"tie_word_embeddings": d.get("tie_word_embeddings", False), **text, "model_type": "qwen3_5_text"}
-            kind = "qwen3_5_text"
+                raise bad("text_config", text, f"the text model's config (a {kind} checkpoint nests it)")
+            d = {"tie_word_embeddings": d.get("tie_word_embeddings", False), **text, "model_type": COMPOSITE[kind]}
+            kind = COMPOSITE[kind]
         if kind not in MODEL_TYPES:
             raise ValueError(f"model_type is {kind!r}; this family expects one of {MODEL_TYPES}")
+        if kind == "qwen3_5_moe_text":  # every layer is MoE (renormalised top-k): no dense MLP size in the config
+            d = {**d, "intermediate_size": d.get("intermediate_size") or d.get("moe_intermediate_size") or 512,
+                 "norm_topk_prob": True}
         check_fields(d, CONFIG_RULES)
         check_divides(d, "num_key_value_heads", "num_attention_heads")
         check_divides(d, "linear_num_key_heads", "linear_num_value_heads")
@@ -166,4 +171,38 @@ class Qwen3NextConfig:
             moe_intermediate_size=d.get("moe_intermediate_size") or 512,
             shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
             norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_layer_types=mlp,
-            split_projections=kind == "qwen3_5_text")
+            split_projections=kind in ("qwen3_5_text", "qwen3_5_moe_text"))
+
+
+@dataclass(frozen=True)
+class Qwen3_5Config(Qwen3NextConfig):
+    """Qwen3.5 text (``qwen3_5`` / ``qwen3_5_text``): :class:`Qwen3NextConfig` whose tiny model has Qwen3.5's
+    layout (split input projections, dense MLPs).
+
+    >>> c = Qwen3_5Config.tiny()
+    >>> c.split_projections, c.mlp_layer_types
+    (True, ('dense', 'dense', 'dense', 'dense'))
+    """
+
+    @classmethod
+    def tiny(cls, **over) -> Qwen3_5Config:
+        """:meth:`Qwen3NextConfig.tiny` with split projections and dense MLPs (no experts)."""
+        base = dict(split_projections=True, num_experts=0, num_experts_per_tok=0, shared_expert_intermediate_size=0,
+                    mlp_layer_types=("dense",) * 4)
+        return super().tiny(**{**base, **over})
+
+
+@dataclass(frozen=True)
+class Qwen3_5MoeConfig(Qwen3NextConfig):
+    """Qwen3.5-MoE text (``qwen3_5_moe`` / ``qwen3_5_moe_text``): split input projections, every layer MoE
+    (softmax top-k renormalised, a gated shared expert).
+
+    >>> c = Qwen3_5MoeConfig.tiny()
+    >>> c.split_projections, c.mlp_layer_types
+    (True, ('sparse', 'sparse', 'sparse', 'sparse'))
+    """
+
+    @classmethod
+    def tiny(cls, **over) -> Qwen3_5MoeConfig:
+        """:meth:`Qwen3NextConfig.tiny` with split projections and MoE in every layer."""
+        return super().tiny(**{"split_projections": True, "mlp_layer_types": ("sparse",) * 4, **over})
