@@ -123,6 +123,9 @@ def _engine_seed(seed: int | None, world: Group | None) -> int:
     return int(world.all_reduce(torch.tensor([drawn if world.rank == 0 else 0], dtype=torch.int64))[0])
 
 
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
 def _default_blocks(sched: SchedulerConfig, span: int) -> int:
     """Enough blocks for max_num_seqs sequences of max_model_len (4096 when unset)."""
     return sched.max_num_seqs * -(-(sched.max_model_len or 4096) // span)
@@ -146,8 +149,12 @@ class LLMEngine:
     num_blocks: KV blocks per rank (default: ``max_num_seqs`` sequences of ``max_model_len``).
     kv_pool: a KV pool (a :class:`~cpattn.engine.pooling.PoolSpec` or an open pool) as the prefix
         cache's second tier (:mod:`cpattn.engine.pool_tier`): spans not on the device are fetched from
-        it at admission, computed spans are stored after each step (simulated mesh; DCP needs
-        ``interleave_size = block_size``). ``engine.close()`` releases a pool the engine opened.
+        it at admission, computed blocks are stored after each step (DCP needs ``interleave_size =
+        block_size``). Under torchrun each rank stores its own blocks, then the group meets at a barrier,
+        so every rank's scheduler finds the same spans at the next admission. ``engine.close()``
+        releases a pool the engine opened. kv_role: "kv_both" (fetch and store), "kv_producer" (the
+        same: the pool is also its prefix cache) or "kv_consumer" (fetch only: a P/D decode role, whose
+        ranks never race the producer's stores).
     drafter: a drafter (:class:`~cpattn.engine.drafters.NgramDrafter`, a draft model, or an MTP /
         Eagle3 / DSpark head, which gets the target's hidden states) with ``num_speculative_tokens`` =
         k >= 1 (or the config's); None: plain decode.
@@ -164,8 +171,10 @@ class LLMEngine:
                  pcp_size: int = 1, block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
-                 poison: bool = False, seed: int | None = None) -> None:
+                 poison: bool = False, seed: int | None = None, kv_role: str = "kv_both") -> None:
         family = get_family(model)
+        if kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role={kv_role!r}; pass one of {', '.join(KV_ROLES)} (vLLM's kv_transfer_config roles)")
         if config is None:
             config = engine_configs(family, cfg, dcp_size=dcp_size, pcp_size=pcp_size, one_engine=pcp_size > 1,
                                     block_size=block_size,
@@ -193,17 +202,14 @@ class LLMEngine:
         self.family, self.config, self.scheduler_config = family, config, sched
         self.pool, self._opened_pool, tier = None, False, None
         if kv_pool is not None:
-            if world is not None:
-                raise ValueError("kv_pool: the step loop uses a KV pool on the simulated mesh only so far (one "
-                                 "scheduler asks it); under torchrun pass kv_pool=None")
             if not sched.enable_prefix_caching:
                 raise ValueError("kv_pool: the pool is the prefix cache's second tier; enable_prefix_caching=True")
             if n > 1 and inter != block:
                 raise ValueError(f"kv_pool with dcp_size={n} needs whole blocks per rank: interleave_size = "
                                  f"block_size ({block}); got {inter}")
             self.pool, self._opened_pool = open_for_run(kv_pool, family, cfg, params, block)
-            tier = PoolTier(self.pool, n)
-        self.tier2 = tier
+            tier = PoolTier(self.pool, n, rank=None if world is None else world.rank)
+        self.tier2, self.kv_role = tier, kv_role
         self.blocks = BlockManager(nb, block, dcp_size=n, interleave_size=inter,
                                    identity=None if self.pool is None else self.pool.identity,
                                    enable_caching=sched.enable_prefix_caching)
@@ -318,8 +324,10 @@ class LLMEngine:
         self._counts["bytes_sent"] += results[0].bytes_sent
         self.last_step = (out, results[0].replayed)
         self._counts["pcp_steps"] += results[0].pcp_rows > 0
-        if self.tier2 is not None:
+        if self.tier2 is not None and self.kv_role != "kv_consumer":
             self._store(out)
+            if self._mesh is None and self._groups[0].size > 1:  # every rank's blocks stored before any looks up
+                self._groups[0].all_reduce(torch.zeros(1))
         reqs = self.scheduler.requests
         outs = [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
                               reqs[rid].status == "finished", reqs[rid].finish_reason,
@@ -348,7 +356,7 @@ class LLMEngine:
             lo, hi = self._stored.get(rid, 0), req.num_computed // size
             if hi > lo:
                 self.tier2.store(req.tokens, range(lo, hi), out.block_tables[b],
-                                 lambda r, bid: self.runners[r].shard.read_block(bid))
+                                 lambda r, bid: self.runners[0 if self._mesh is None else r].shard.read_block(bid))
                 self._stored[rid] = hi
 
     def close(self) -> None:

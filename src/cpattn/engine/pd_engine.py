@@ -61,12 +61,29 @@ class PDStats:
     handed_off: int
 
 
-def _memory_pool(family, cfg, params, block_size: int):
-    """An in-process pool (a dict store) under this model's identity: the connector when none is given."""
+def memory_pool(model, cfg, params: dict, block_size: int):
+    """An in-process KV pool (a dict store) under this model's identity: P/D's connector on the simulated
+    mesh when none is given (threads share it; processes need a store they all open, LMDB or Mooncake)."""
     from cpattn.engine.pooling import pool_identity
     from cpattn.pool import DictStore, KVPool
 
-    return KVPool(DictStore(), pool_identity(family, cfg, params, block_size, label="pd"))
+    return KVPool(DictStore(), pool_identity(get_family(model), cfg, params, block_size, label="pd"))
+
+
+def hands_off(o: RequestOutput, params: SamplingParams) -> bool:
+    """Whether a request the producer finished (its first token out) goes on to the consumer: not when
+    aborted, when ``max_tokens`` is 1, or when the first token is a stop token."""
+    return o.finish_reason != "abort" and params.max_tokens > 1 and o.token_ids[-1] not in params.stop_token_ids
+
+
+def check_first(o: RequestOutput, first: dict) -> None:
+    """The consumer's first token of a handed-off request must be the producer's (``first`` pops it)."""
+    want = first.get(o.request_id)
+    if o.token_ids and want is not None:
+        if o.token_ids[0] != want:
+            raise RuntimeError(f"request {o.request_id!r}: the decode role sampled first token {o.token_ids[0]}, "
+                               f"the prefill role {want}; the roles diverged")
+        del first[o.request_id]
 
 
 class PDEngine:
@@ -98,15 +115,16 @@ class PDEngine:
             raise ValueError("scheduler.enable_prefix_caching=False: P/D hands the KV over through the prefix "
                              "cache's second tier; leave prefix caching on")
         if kv_pool is None:
-            self.pool, self._opened = _memory_pool(family, cfg, params, block_size), False
+            self.pool, self._opened = memory_pool(family, cfg, params, block_size), False
         else:
             self.pool, self._opened = open_for_run(kv_pool, family, cfg, params, block_size)
         common = dict(block_size=block_size, interleave_size=block_size, scheduler=sched, kv_pool=self.pool,
                       num_blocks=num_blocks, poison=poison, merge=merge)
         with warnings.catch_warnings():  # the one-engine PCP + DCP warning's own fix is this P/D pair
             warnings.simplefilter("ignore", GuideCompatWarning)
-            self.prefill = LLMEngine(family, params, cfg, dcp_size=pcp_size, pcp_size=pcp_size, **common)
-        self.decode = LLMEngine(family, params, cfg, dcp_size=dcp_size, graph_mode=graph_mode,
+            self.prefill = LLMEngine(family, params, cfg, dcp_size=pcp_size, pcp_size=pcp_size, kv_role="kv_producer",
+                                     **common)
+        self.decode = LLMEngine(family, params, cfg, dcp_size=dcp_size, graph_mode=graph_mode, kv_role="kv_consumer",
                                 graph_backend=graph_backend, capture_sizes=capture_sizes, **common)
         self.max_model_len = min(self.prefill.max_model_len, self.decode.max_model_len)
         self._rng = random.Random(seed)
@@ -144,23 +162,16 @@ class PDEngine:
             p = self._params.get(o.request_id)
             if not o.finished or p is None:  # a chunk in progress, or aborted meanwhile
                 outputs.append(o)
-                continue
-            done = o.finish_reason == "abort" or p.max_tokens == 1 or o.token_ids[-1] in p.stop_token_ids
-            if done:
+            elif not hands_off(o, p):
                 del self._params[o.request_id]
                 outputs.append(o)
-                continue
-            self.decode.add_request(list(o.prompt_token_ids), p, request_id=o.request_id)
-            self._first[o.request_id] = o.token_ids[0]
-            self._handed_off += 1
-            outputs.append(dataclasses.replace(o, finished=False, finish_reason=None))
+            else:
+                self.decode.add_request(list(o.prompt_token_ids), p, request_id=o.request_id)
+                self._first[o.request_id] = o.token_ids[0]
+                self._handed_off += 1
+                outputs.append(dataclasses.replace(o, finished=False, finish_reason=None))
         for o in self.decode.step() if self.decode.has_unfinished() else []:
-            first = self._first.get(o.request_id)
-            if o.token_ids and first is not None:
-                if o.token_ids[0] != first:
-                    raise RuntimeError(f"request {o.request_id!r}: the decode role sampled first token "
-                                       f"{o.token_ids[0]}, the prefill role {first}; the roles diverged")
-                del self._first[o.request_id]
+            check_first(o, self._first)
             if o.finished:
                 self._params.pop(o.request_id, None)
             outputs.append(o)

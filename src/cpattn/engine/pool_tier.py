@@ -37,10 +37,12 @@ import torch
 
 
 class PoolTier:
-    """A :class:`~cpattn.pool.KVPool` as the second tier of a DCP group of ``dcp_size`` ranks (module doc)."""
+    """A :class:`~cpattn.pool.KVPool` as the second tier of a DCP group of ``dcp_size`` ranks (module doc);
+    ``rank``: this process's rank under torchrun, which stores only its own blocks (None: every rank's,
+    the simulated mesh)."""
 
-    def __init__(self, pool, dcp_size: int) -> None:
-        self.pool, self.n = pool, dcp_size
+    def __init__(self, pool, dcp_size: int, rank: int | None = None) -> None:
+        self.pool, self.n, self.rank = pool, dcp_size, rank  # rank: store only its blocks (torchrun)
         self.loaded_blocks = self.stored_blocks = 0
 
     def fetch(self, tokens: Sequence[int], start: int, stop: int) -> list[tuple[torch.Tensor, ...]]:
@@ -65,8 +67,12 @@ class PoolTier:
         if not len(blocks):
             return 0
         n, chain = self.n, self.pool.keys(tokens)
+        if self.rank is not None:
+            blocks = [j for j in blocks if j % n == self.rank]
+            if not blocks:
+                return 0
         keys = [chain[j] for j in blocks]
         payloads = [read(j % n, table[j // n])[None] for j in blocks]
-        done = self.pool.store(keys, payloads, chain=chain[: blocks.stop])
+        done = self.pool.store(keys, payloads, chain=chain[: blocks[-1] + 1])
         self.stored_blocks += done
         return done

@@ -1,0 +1,182 @@
+"""One per-rank composition of the step loop: ``run_rank(world, ...)`` on every rank, simulated or gloo.
+
+The same function runs on every rank of a world: ``cpattn.simulate(n, run_rank, ...)``
+runs it on threads, and ``cpattn.comm.launch.spawn`` (or torchrun) runs it in processes.
+Both give the same tokens. The layout decides each rank's role:
+
+- **colocated** (``pd=False``): one :class:`~cpattn.engine.llm.LLMEngine` over the whole world.
+  Its KV is sharded over the world's ranks (DCP). With ``pcp_size = world.size`` the prompt
+  chunks run PCP over the same ranks.
+- **P/D** (``pd=True``, ``world.size = pcp_size + dcp_size``): ranks ``0 .. P-1`` are the producer
+  engine, which prefills with PCP and stops at the first token. Ranks ``P ..`` are the consumer
+  engine, which decodes with DCP. The KV goes through ``kv_pool``, a store every rank opens (a
+  :class:`~cpattn.engine.pooling.PoolSpec`: LMDB or Mooncake; on the simulated mesh an open
+  in-process pool works too). This is :class:`~cpattn.engine.pd_engine.PDEngine` spread over a world.
+
+One world step runs in this order:
+
+1. Every rank adds this step's arrivals. The list is the same on every rank; the producer, or
+   the colocated engine, takes them.
+2. The producer ranks step. Each stores its whole blocks, then they meet at a barrier.
+3. Producer rank 0 tells every consumer rank which requests finished their prefill, and their
+   first tokens: a count, then ``[n, 2]`` rows.
+4. The consumer ranks add those requests and step. A consumer that samples a different first
+   token is a ``RuntimeError``.
+5. An all-reduce over the world of "work left" ends the loop on every rank in the same step.
+
+Each rank returns ``{arrival index: RequestOutput}`` for the requests its role finished.
+
+Example
+-------
+>>> import cpattn
+>>> from cpattn.models import qwen3
+>>> from cpattn.engine.pd_engine import memory_pool
+>>> cfg = qwen3.Qwen3Config.tiny()
+>>> params = qwen3.init_params(cfg)
+>>> arrivals = [Arrival(list(range(1, 12)), SamplingParams(max_tokens=3)), Arrival([4, 5], SamplingParams(max_tokens=2), 1)]
+>>> colocated = cpattn.simulate(2, run_rank, "qwen3", params, cfg, arrivals, block_size=4)
+>>> pool = memory_pool("qwen3", cfg, params, 4)
+>>> pd = cpattn.simulate(3, run_rank, "qwen3", params, cfg, arrivals, pd=True, pcp_size=2, dcp_size=1,
+...                      block_size=4, kv_pool=pool)
+>>> [o.token_ids for o in colocated[0].values()] == [o.token_ids for o in pd[2].values()], pd[0]
+(True, {})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.config import GuideCompatWarning, SchedulerConfig
+from cpattn.engine.llm import LLMEngine, RequestOutput, SamplingParams
+from cpattn.engine.pd_engine import check_first, hands_off
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request of a schedule: its prompt token ids and params, arriving at world step ``step``."""
+
+    prompt: Sequence[int]
+    params: SamplingParams = SamplingParams()
+    step: int = 0
+
+
+def _seeded(arrivals: Sequence[Arrival], seed: int) -> list[SamplingParams]:
+    """Each arrival's params, with a seed drawn from ``seed`` where it has none (the same on every rank)."""
+    rng = random.Random(seed)
+    out = []
+    for a in arrivals:
+        draw = rng.randrange(2**63)
+        out.append(dataclasses.replace(a.params, seed=draw) if getattr(a.params, "seed", 0) is None else a.params)
+    return out
+
+
+def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arrival], *, pd: bool = False,
+             pcp_size: int = 1, dcp_size: int | None = None, block_size: int = 16, interleave_size: int = 1,
+             scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
+             graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None, poison: bool = False,
+             seed: int = 0, on_step: Callable[[str, LLMEngine, list[RequestOutput]], None] | None = None,
+             max_steps: int = 100_000) -> dict[int, RequestOutput]:
+    """The step loop on this rank of ``world`` (module doc): ``{arrival index: final RequestOutput}`` of
+    the requests this rank's role finished.
+
+    Arguments
+    ---------
+    world: this rank's group (every rank calls with the same arguments).
+    model, params, cfg: a family (or its name), its weights, its config.
+    arrivals: the schedule (:class:`Arrival` or ``(prompt, params, step)`` tuples).
+    pd: P/D roles; pcp_size: the producer's ranks (colocated: 1, or ``world.size`` for PCP chunks);
+        dcp_size: the consumer's ranks (colocated: ``world.size``, the default).
+    block_size, interleave_size (P/D: ``block_size``), scheduler, num_blocks, poison: per engine, as
+        :class:`~cpattn.engine.llm.LLMEngine`. kv_pool: the prefix cache's second tier; P/D's connector.
+    graph_mode / graph_backend / capture_sizes: the decoding engine's capture.
+    seed: draws the seed of each arrival that brings none. on_step: called after each step of this
+        rank's engine with (role: "colocated" / "prefill" / "decode", engine, the step's outputs).
+    """
+    arrivals = [a if isinstance(a, Arrival) else Arrival(*a) for a in arrivals]
+    sampling = _seeded(arrivals, seed)
+    last = max((a.step for a in arrivals), default=0)
+    common = dict(block_size=block_size, scheduler=scheduler, num_blocks=num_blocks, poison=poison, kv_pool=kv_pool)
+    decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes)
+    if not pd:
+        if dcp_size not in (None, world.size):
+            raise ValueError(f"dcp_size={dcp_size} on a world of {world.size} ranks: colocated, the engine spans "
+                             f"the world; pass dcp_size={world.size} or pd=True")
+        role, group = "colocated", world
+        engine = _engine(model, params, cfg, world, pcp_size=pcp_size, interleave_size=interleave_size,
+                         **common, **decode_opts)
+    else:
+        dcp = dcp_size or 1
+        if world.size != pcp_size + dcp:
+            raise ValueError(f"pd=True: pcp_size={pcp_size} + dcp_size={dcp} ranks, but the world has {world.size}; "
+                             "start pcp_size + dcp_size ranks")
+        if kv_pool is None:
+            raise ValueError("pd=True needs kv_pool: the connector both roles open (e.g. PoolSpec('lmdb:DIR'))")
+        producer = world.split(range(pcp_size))
+        consumer = world.split(range(pcp_size, pcp_size + dcp))
+        role, group = ("prefill", producer) if producer is not None else ("decode", consumer)
+        common["interleave_size"] = block_size
+        if role == "prefill":
+            engine = _engine(model, params, cfg, group, pcp_size=group.size, kv_role="kv_producer", **common)
+        else:
+            engine = _engine(model, params, cfg, group, kv_role="kv_consumer", **common, **decode_opts)
+    final, first = {}, {}
+    try:
+        for step in range(max_steps):
+            if role != "decode":
+                for i, a in enumerate(arrivals):
+                    if a.step == step:
+                        p = dataclasses.replace(sampling[i], max_tokens=1) if pd else sampling[i]
+                        engine.add_request(a.prompt, p, request_id=i)
+            if pd and role == "decode":
+                for i, tok in _receive(world):
+                    engine.add_request(arrivals[i].prompt, sampling[i], request_id=i)
+                    first[i] = tok
+            outs = engine.step() if engine.has_unfinished() else []
+            if on_step is not None:
+                on_step(role, engine, outs)
+            handed = []
+            for o in outs:
+                if role == "decode":
+                    check_first(o, first)
+                if not o.finished:
+                    continue
+                if role == "prefill" and hands_off(o, sampling[o.request_id]):
+                    handed.append((o.request_id, o.token_ids[0]))
+                else:
+                    final[o.request_id] = o
+            if pd and role == "prefill" and world.rank == 0:
+                _send(world, handed, range(pcp_size, world.size))
+            left = step < last or engine.has_unfinished() or bool(handed)
+            if not world.all_reduce(torch.tensor([float(left)])).item():
+                return final
+        raise RuntimeError(f"run_rank: the schedule did not drain in {max_steps} steps; raise max_steps")
+    finally:
+        engine.close()
+
+
+def _engine(model, params, cfg, group: Group, *, pcp_size: int = 1, **kwargs) -> LLMEngine:
+    with warnings.catch_warnings():  # a P/D producer is the guide's PCP prefill engine (see pd_engine)
+        if kwargs.get("kv_role") == "kv_producer":
+            warnings.simplefilter("ignore", GuideCompatWarning)
+        return LLMEngine(model, params, cfg, world=group, dcp_size=group.size, pcp_size=pcp_size, **kwargs)
+
+
+def _send(world: Group, handed: list[tuple[int, int]], to: range) -> None:
+    rows = torch.tensor(handed, dtype=torch.int64).reshape(-1, 2)
+    for dst in to:
+        world.send(torch.tensor([len(handed)], dtype=torch.int64), dst)
+        if handed:
+            world.send(rows, dst)
+
+
+def _receive(world: Group) -> list[tuple[int, int]]:
+    n = int(world.recv((1,), torch.int64, 0).item())
+    return [] if not n else [tuple(r) for r in world.recv((n, 2), torch.int64, 0).tolist()]

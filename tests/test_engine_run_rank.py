@@ -1,0 +1,125 @@
+"""run_rank: one per-rank composition of the step loop, colocated or P/D, on the simulated mesh and on gloo ranks.
+
+The oracle is one-device greedy generation of each request alone (tests/test_engine_loop.py's ``expected``); the
+gloo runs must also give the simulated run's tokens, rank for rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_loop import expected, model
+
+import cpattn
+from cpattn.config import SchedulerConfig
+from cpattn.engine.llm import SamplingParams
+from cpattn.engine.pd_engine import memory_pool
+from cpattn.engine.pooling import PoolSpec
+from cpattn.engine.run_rank import Arrival, run_rank
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]  # PCP + DCP in one engine
+BLOCK = 4
+SCHED = SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=3)
+
+
+def arrivals(vocab: int, seed: int = 5) -> list[Arrival]:
+    g = torch.Generator().manual_seed(seed)
+
+    def toks(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    base = toks(10)
+    return [Arrival(base + toks(7), SamplingParams(max_tokens=5)), Arrival(toks(2), SamplingParams(max_tokens=3)),
+            Arrival(base + toks(1), SamplingParams(max_tokens=4), 2), Arrival(toks(5), SamplingParams(max_tokens=1), 3),
+            Arrival(toks(19), SamplingParams(max_tokens=3), 6)]
+
+
+def want(family, arr, heads=None) -> dict:
+    return {i: expected(family, dict(prompt=a.prompt, max_tokens=a.params.max_tokens), heads)
+            for i, a in enumerate(arr)}
+
+
+def merged(per_rank: list[dict]) -> dict:
+    """Every request's final tokens, from whichever role finished it; roles' ranks must agree."""
+    out = {}
+    for finals in per_rank:
+        for i, o in finals.items():
+            assert out.setdefault(i, list(o.token_ids)) == list(o.token_ids), f"ranks disagree on request {i}"
+    return out
+
+
+@pytest.mark.parametrize("world,pcp", [(1, 1), (2, 1), (2, 2), (3, 3)], ids=str)
+def test_colocated_ranks_give_one_device_tokens(world, pcp):
+    heads = 6 if world == 3 else None
+    cfg, params = model("qwen3", heads)
+    arr = arrivals(cfg.vocab_size)
+    per_rank = cpattn.simulate(world, run_rank, "qwen3", params, cfg, arr, pcp_size=pcp, block_size=BLOCK,
+                               scheduler=SCHED, poison=True)
+    assert all(set(f) == set(range(len(arr))) for f in per_rank)  # every rank of one engine finishes every request
+    assert merged(per_rank) == want("qwen3", arr, heads)
+
+
+@pytest.mark.parametrize("family,p,d", [("qwen3", 1, 1), ("qwen3", 2, 1), ("qwen3", 1, 2), ("qwen3", 2, 2),
+                                        ("deepseek_v32", 2, 2)], ids=str)
+def test_pd_roles_give_one_device_tokens(family, p, d):
+    cfg, params = model(family)
+    arr = arrivals(cfg.vocab_size)
+    steps = {"prefill": 0, "decode": 0}
+
+    def count(role, engine, outs):
+        steps[role] += bool(outs)
+
+    per_rank = cpattn.simulate(p + d, run_rank, family, params, cfg, arr, pd=True, pcp_size=p, dcp_size=d,
+                               block_size=BLOCK, scheduler=SCHED, poison=True,
+                               kv_pool=memory_pool(family, cfg, params, BLOCK), on_step=count)
+    assert merged(per_rank) == want(family, arr)
+    assert set(per_rank[0]) == {3}  # only the max_tokens=1 request ends on the producer
+    assert set(per_rank[p]) == {0, 1, 2, 4}
+    assert steps["prefill"] > 0 and steps["decode"] > 0
+
+
+def test_bad_layouts_are_refused():
+    cfg, params = model("qwen3")
+    arr = arrivals(cfg.vocab_size)
+    with pytest.raises(RuntimeError, match="ValueError: pd=True: pcp_size=1 \\+ dcp_size=1"):
+        cpattn.simulate(3, run_rank, "qwen3", params, cfg, arr, pd=True)
+    with pytest.raises(RuntimeError, match="ValueError: pd=True needs kv_pool"):
+        cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, pd=True)
+    with pytest.raises(RuntimeError, match="ValueError: dcp_size=1 on a world of 2 ranks: colocated"):
+        cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, dcp_size=1)
+
+
+def gloo_rank(group, cfg, arr, kwargs):
+    """A spawned rank: the float64 test model rebuilt here (seed 1, as ``model``), then run_rank; returns its
+    final tokens and the prompt tokens its engine fetched from the pool."""
+    from cpattn.models.family import get_family
+
+    params = get_family("qwen3").init_params(cfg, seed=1, dtype=torch.float64)
+    hits = []
+    finals = run_rank(group, "qwen3", params, cfg, arr, **kwargs,
+                      on_step=lambda role, engine, outs: hits.append(engine.stats.pool_hit_tokens))
+    return {i: list(o.token_ids) for i, o in finals.items()}, hits[-1]
+
+
+@pytest.mark.slow
+def test_gloo_ranks_give_the_simulated_tokens(tmp_path):
+    """Colocated PCP 2 + DCP 2 over an LMDB pool the simulated run filled (each gloo rank fetches the spans, and
+    stores its own blocks before a barrier), and P/D 2 -> 2 through an LMDB pool: spawned processes give the
+    simulated mesh's tokens."""
+    from cpattn.comm.launch import spawn
+
+    cfg, params = model("qwen3")
+    arr = arrivals(cfg.vocab_size)
+    colo = dict(pcp_size=2, block_size=BLOCK, interleave_size=BLOCK, scheduler=SCHED,
+                kv_pool=PoolSpec(f"lmdb:{tmp_path / 'colo'}"))
+    sim = merged(cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, **colo))
+    assert sim == want("qwen3", arr)
+    (tokens0, hits0), (tokens1, hits1) = spawn(2, gloo_rank, cfg, arr, colo)
+    assert tokens0 == tokens1 == sim
+    assert hits0 == hits1 >= 2 * 8  # at least request 0's two whole spans of 8 tokens came from the pool
+    pd = dict(pd=True, pcp_size=2, dcp_size=2, block_size=BLOCK, scheduler=SCHED,
+              kv_pool=PoolSpec(f"lmdb:{tmp_path / 'pd'}"))
+    per_rank = [t for t, _ in spawn(4, gloo_rank, cfg, arr, pd)]
+    assert per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3]
+    assert {**per_rank[0], **per_rank[2]} == sim
