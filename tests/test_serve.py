@@ -1,8 +1,9 @@
 """``cpattn serve``: the real server in a subprocess, talked to by the real ``openai`` client.
 
 One server (embedded tiny Qwen3, DCP 2 on the simulated mesh, an 8-token step budget so prompts are
-chunked and concurrent requests share steps) serves the module; every generated token is compared with
-one-device greedy generation (``reference_generate``) of the same seeded model. The server's start
+chunked and concurrent requests share steps) serves the module; every greedy request (``temperature=0``:
+the server's default is OpenAI's 1.0) is compared with one-device greedy generation
+(``reference_generate``) of the same seeded model; seeded sampling must repeat itself. The server's start
 (torch, the engine) takes seconds on shared cores, so the file is marked slow; its CLI checks are not.
 """
 
@@ -108,7 +109,7 @@ def _ids(choice) -> list[int]:
 
 @pytest.mark.slow
 def test_completion_tokens_equal_one_device_greedy(client, reference):
-    r = client.completions.create(model=NAME, prompt=[P1, P2], max_tokens=6)
+    r = client.completions.create(model=NAME, prompt=[P1, P2], max_tokens=6, temperature=0)
     want = [reference(P1, 6), reference(P2, 6)]
     assert [_ids(c) for c in sorted(r.choices, key=lambda c: c.index)] == want
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [" ".join(map(str, w)) for w in want]
@@ -120,13 +121,14 @@ def test_completion_tokens_equal_one_device_greedy(client, reference):
 @pytest.mark.slow
 def test_stop_token_ids_end_the_completion(client, reference):
     want = reference(P1, 6)
-    r = client.completions.create(model=NAME, prompt=P1, max_tokens=6, extra_body={"stop_token_ids": [want[2]]})
+    r = client.completions.create(model=NAME, prompt=P1, max_tokens=6, temperature=0,
+                                  extra_body={"stop_token_ids": [want[2]]})
     assert _ids(r.choices[0]) == want[:want.index(want[2]) + 1] and r.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.slow
 def test_streaming_sends_token_by_token(client, reference):
-    chunks = list(client.completions.create(model=NAME, prompt=P2, max_tokens=5, stream=True,
+    chunks = list(client.completions.create(model=NAME, prompt=P2, max_tokens=5, stream=True, temperature=0,
                                             stream_options={"include_usage": True}))
     with_tokens = [c for c in chunks if c.choices]
     assert len(with_tokens) == 5, [c.choices[0].text for c in with_tokens]  # one chunk per decoded token
@@ -134,6 +136,56 @@ def test_streaming_sends_token_by_token(client, reference):
     assert "".join(c.choices[0].text for c in with_tokens) == " ".join(map(str, reference(P2, 5)))
     assert with_tokens[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(P2)
+
+
+@pytest.mark.slow
+def test_the_same_seed_samples_the_same_tokens(client):
+    """temperature 1.0 (OpenAI's default, sent implicitly) with a seed: the same tokens twice, streamed or
+    not; another seed, other tokens; and sampled, not the greedy ones."""
+    ask = dict(model=NAME, prompt=P1, max_tokens=8, top_p=0.95, extra_body={"top_k": 50})
+    a = _ids(client.completions.create(seed=7, **ask).choices[0])
+    b = sum((_ids(c.choices[0]) for c in client.completions.create(seed=7, stream=True, **ask) if c.choices), [])
+    c = _ids(client.completions.create(seed=8, **ask).choices[0])
+    greedy = _ids(client.completions.create(model=NAME, prompt=P1, max_tokens=8, temperature=0).choices[0])
+    assert a == b and len(a) == 8 and a != c and greedy not in (a, c)
+
+
+@pytest.mark.slow
+def test_logprobs_in_openai_shape(client, reference):
+    import torch
+    from cpattn.bench.demo_setup import Spec, load_model
+    from cpattn.engine.reference import reference_generate
+
+    r = client.completions.create(model=NAME, prompt=P2, max_tokens=4, temperature=0, logprobs=2)
+    choice, want = r.choices[0], reference(P2, 4)
+    lp = choice.logprobs
+    assert _ids(choice) == want and lp.tokens == [str(want[0])] + [f" {t}" for t in want[1:]]
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(4)]
+    family, cfg, params = load_model(Spec(model_type="qwen3"))
+    ref = torch.log_softmax(reference_generate(family, params, cfg, [P2], 4).logits[0].double(), -1)  # [4, V]
+    for j, t in enumerate(want):
+        top = [(" " if j else "") + str(i) for i in ref[j].topk(2).indices.tolist()]
+        assert set(lp.top_logprobs[j]) == {lp.tokens[j], *top}
+        assert abs(lp.token_logprobs[j] - float(ref[j, t])) < 1e-4  # float32 model, DCP 2 vs one device
+    chunks = [c for c in client.completions.create(model=NAME, prompt=P2, max_tokens=4, temperature=0,
+                                                   logprobs=2, stream=True) if c.choices]
+    assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == lp.tokens
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == lp.text_offset
+
+
+@pytest.mark.slow  # importing the app (fastapi) takes seconds on shared cores
+def test_parse_params_reads_the_sampling_fields():
+    from cpattn.serve.app import BadRequest, parse_params
+
+    p, _, _ = parse_params({"temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 3, "logprobs": 0})
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.logprobs) == (0.5, 0.9, -1, 3, 0)
+    assert parse_params({})[0].temperature == 1.0 and parse_params({"temperature": None})[0].temperature == 1.0
+    for body, field in (({"top_k": -3}, "top_k"), ({"seed": "x"}, "seed"), ({"temperature": True}, "temperature"),
+                        ({"logprobs": -1}, "logprobs")):
+        with pytest.raises(BadRequest) as e:
+            parse_params(body)
+        assert e.value.param == field and e.value.message.startswith(f"{field}: saw "), e.value.message
 
 
 def _metrics(base: str) -> dict[str, float]:
@@ -151,9 +203,10 @@ def test_concurrent_clients_each_get_their_own_tokens(client, server, reference)
         try:
             if stream:
                 got[key] = sum((_ids(c.choices[0]) for c in client.completions.create(
-                    model=NAME, prompt=prompt, max_tokens=n, stream=True) if c.choices), [])
+                    model=NAME, prompt=prompt, max_tokens=n, stream=True, temperature=0) if c.choices), [])
             else:
-                got[key] = _ids(client.completions.create(model=NAME, prompt=prompt, max_tokens=n).choices[0])
+                got[key] = _ids(client.completions.create(model=NAME, prompt=prompt, max_tokens=n,
+                                                          temperature=0).choices[0])
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -190,8 +243,10 @@ def test_a_stream_closed_by_its_client_is_aborted_and_frees_its_blocks(client, s
     ({"prompt": [1, 2, 512]}, "outside the vocabulary"),
     ({"prompt": [1, 2, 3], "max_tokens": 300}, "max_model_len is 256"),
     ({"prompt": "hello"}, "no tokenizer"),
-    ({"prompt": [1, 2, 3], "temperature": 0.7}, "greedy only"),
-], ids=["vocab", "max_tokens", "text", "temperature"])
+    ({"prompt": [1, 2, 3], "temperature": -0.5}, "temperature: saw -0.5; expected a finite number >= 0"),
+    ({"prompt": [1, 2, 3], "top_p": 0}, "top_p: saw 0; expected 0 < top_p <= 1"),
+    ({"prompt": [1, 2, 3], "logprobs": 21}, "logprobs: saw 21; expected at most 20"),
+], ids=["vocab", "max_tokens", "text", "temperature", "top_p", "logprobs"])
 def test_bad_requests_are_400_in_openai_shape(client, server, kwargs, words):
     import openai
 
@@ -255,7 +310,7 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(server, client, re
 
     def ask():
         try:
-            for c in client.completions.create(model=NAME, prompt=P2, max_tokens=40, stream=True):
+            for c in client.completions.create(model=NAME, prompt=P2, max_tokens=40, stream=True, temperature=0):
                 got.extend(_ids(c.choices[0]) if c.choices else [])
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)

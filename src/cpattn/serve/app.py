@@ -7,15 +7,19 @@ Endpoints:
 - ``GET /metrics``: Prometheus text: running / waiting requests, KV blocks used / free per rank, steps
   (replayed / eager), prefix-cache hit and query tokens, preemptions, aborted requests;
 - ``POST /v1/completions``: ``prompt`` as a list of token ids, or a list of such lists (one choice
-  each); ``max_tokens`` (default 16), ``stop_token_ids`` (vLLM's extra field), ``stream``
+  each); ``max_tokens`` (default 16), ``stop_token_ids`` (vLLM's extra field); ``temperature``
+  (default 1.0, OpenAI's; 0 is greedy), ``top_p``, ``top_k`` (0 / -1: off), ``seed`` (the same seed,
+  the same tokens), ``logprobs`` N (each choice then carries ``logprobs: {tokens, token_logprobs,
+  top_logprobs, text_offset}``, the raw model logprobs of the sampled and the N most likely
+  tokens; :mod:`cpattn.engine.sampling`); ``stream``
   (server-sent events: ``data: {...}`` chunks, then ``data: [DONE]``), ``stream_options.include_usage``.
   The embedded models have no tokenizer, so each choice's ``text`` is its generated token ids joined by
   single spaces and ``token_ids`` carries them as integers (vLLM's ``return_token_ids`` shape); in a
   stream each chunk carries the new ids, and the chunks' texts concatenate to the whole text.
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 400 for bad input (a text prompt,
-token ids outside the vocabulary, ``max_tokens`` past ``max_model_len``, ``temperature`` other than 0:
-greedy only), 404 for another model name or path, 503 when the engine loop has stopped.
+token ids outside the vocabulary, ``max_tokens`` past ``max_model_len``, a sampling field out of its
+range), 404 for another model name or path, 503 when the engine loop has stopped.
 
 Example
 -------
@@ -43,18 +47,15 @@ from cpattn.serve.engine_loop import EngineLoop
 
 # fields the OpenAI client may send that this slice does not implement: (field, accepted values, why)
 _UNSUPPORTED = (
-    ("temperature", (None, 0, 0.0), "greedy only: sampling (temperature / top_p / top_k) is not implemented yet; "
-                                    "omit temperature or pass 0"),
-    ("top_p", (None, 1, 1.0), "greedy only: top_p is not implemented yet; omit it or pass 1"),
-    ("top_k", (None, -1, 0), "greedy only: top_k is not implemented yet; omit it or pass -1"),
     ("n", (None, 1), "n > 1 is not implemented; send n=1 (or one prompt per choice)"),
     ("best_of", (None, 1), "best_of > 1 is not implemented; omit it"),
-    ("logprobs", (None,), "logprobs are not implemented yet; omit logprobs"),
     ("echo", (None, False), "echo is not implemented; omit it"),
     ("suffix", (None,), "suffix is not supported; omit it"),
     ("stop", (None, [], ""), "stop strings need a tokenizer and the embedded model has none; "
                              "pass stop_token_ids=[...] instead"),
 )
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "logprobs")  # SamplingParams fields of the body
 
 
 class BadRequest(Exception):
@@ -108,8 +109,17 @@ def parse_prompts(prompt: Any, vocab: int | None = None) -> list[list[int]]:
 def parse_params(body: dict) -> tuple[SamplingParams, bool, bool]:
     """(SamplingParams, stream, include_usage) of a completions request body (raises BadRequest).
 
-    >>> parse_params({"max_tokens": 4, "stop_token_ids": [7]})
-    (SamplingParams(max_tokens=4, stop_token_ids=(7,)), False, False)
+    ``temperature`` defaults to OpenAI's 1.0 (the engine API's default is greedy, 0); ``top_k`` 0 or -1
+    is the whole vocabulary; ``logprobs`` N (0 .. 20) returns the sampled token's and the N most likely
+    tokens' logprobs per token.
+
+    >>> p, stream, usage = parse_params({"max_tokens": 4, "stop_token_ids": [7], "seed": 3})
+    >>> p.max_tokens, p.stop_token_ids, p.temperature, p.seed, stream
+    (4, (7,), 1.0, 3, False)
+    >>> parse_params({"top_p": 1.5})
+    Traceback (most recent call last):
+    ...
+    cpattn.serve.app.BadRequest: top_p: saw 1.5; expected 0 < top_p <= 1 (1 keeps the whole distribution)
     """
     for field, ok, why in _UNSUPPORTED:
         if body.get(field) not in ok:
@@ -129,7 +139,43 @@ def parse_params(body: dict) -> tuple[SamplingParams, bool, bool]:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest(f"stream_options: saw {json.dumps(opts)}; expected an object", "stream_options")
-    return SamplingParams(max_tokens=m, stop_token_ids=tuple(stop)), bool(stream), bool(opts.get("include_usage"))
+    given = {f: body[f] for f in _SAMPLING if body.get(f) is not None}
+    given.setdefault("temperature", 1.0)  # OpenAI's default
+    if isinstance(given.get("logprobs"), int) and not isinstance(given["logprobs"], bool) \
+            and given["logprobs"] > MAX_LOGPROBS:
+        raise BadRequest(f"logprobs: saw {given['logprobs']}; expected at most {MAX_LOGPROBS} (the server's "
+                         "max_logprobs)", "logprobs")
+    try:
+        params = SamplingParams(max_tokens=m, stop_token_ids=tuple(stop), **given)
+    except ValueError as e:  # "SamplingParams.<field>: saw <repr>; expected <what>"
+        field, _, want = str(e).removeprefix("SamplingParams.").partition(": saw ")
+        want = want.partition("; expected ")[2]
+        raise BadRequest(f"{field}: saw {json.dumps(body.get(field))}; expected {want}", field) from None
+    return params, bool(stream), bool(opts.get("include_usage"))
+
+
+def logprobs_body(ids, logprobs, offset: int = 0, lead: bool = False) -> dict | None:
+    """A choice's OpenAI completions ``logprobs``: ``tokens`` (each id as it appears in the text),
+    ``token_logprobs``, ``top_logprobs`` (the sampled and the N most likely tokens, by the same text),
+    ``text_offset`` (each token's start in the choice's whole text, the first at ``offset``);
+    None without logprobs. ``lead``: the text so far is not empty (a stream's later chunks).
+
+    >>> logprobs_body([5, 17], [{5: -0.5}, {17: -1.0, 3: -0.7}])["tokens"]
+    ['5', ' 17']
+    >>> logprobs_body([5, 17], [{5: -0.5}, {17: -1.0, 3: -0.7}], 4, lead=True)["text_offset"]
+    [4, 6]
+    """
+    if logprobs is None:
+        return None
+    tokens, top, offsets = [], [], []
+    for i, (t, lp) in enumerate(zip(ids, logprobs)):
+        space = lead or i > 0
+        tokens.append(ids_text([t], lead=space))
+        top.append({ids_text([k], lead=space): v for k, v in lp.items()})
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(ids, logprobs)], "top_logprobs": top,
+            "text_offset": offsets}
 
 
 def ids_text(ids: tuple[int, ...] | list[int], lead: bool = False) -> str:
@@ -273,8 +319,9 @@ async def _whole(loop: EngineLoop, subs: list, prompts: list[list[int]], head: d
             loop.abort(s.request_id.result())
         return JSONResponse(error_body(f"the engine failed: {type(e).__name__}: {e}", "server_error", code=500),
                             status_code=500)
-    choices = [{"index": i, "text": ids_text(o.token_ids), "token_ids": list(o.token_ids), "logprobs": None,
-                "finish_reason": _finish(o.finish_reason)} for i, o in enumerate(outs)]
+    choices = [{"index": i, "text": ids_text(o.token_ids), "token_ids": list(o.token_ids),
+                "logprobs": logprobs_body(o.token_ids, o.logprobs), "finish_reason": _finish(o.finish_reason)}
+               for i, o in enumerate(outs)]
     n_out = sum(len(o.token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
     return JSONResponse({**head, "choices": choices,
@@ -285,6 +332,7 @@ async def _stream(loop: EngineLoop, subs: list, prompts: list[list[int]], head: 
     """SSE chunks: each engine output's new token ids as one chunk per choice, then usage (if asked), [DONE].
     A client that goes away (the generator closed or cancelled) aborts its requests."""
     sent = [0] * len(subs)
+    chars = [0] * len(subs)  # the text each choice has streamed so far (its logprobs' text_offset)
     done = [False] * len(subs)
 
     def event(obj: dict) -> str:
@@ -305,9 +353,12 @@ async def _stream(loop: EngineLoop, subs: list, prompts: list[list[int]], head: 
                 new = out.token_ids[sent[i]:]
                 reason = _finish(out.finish_reason) if out.finished else None
                 if new or reason:
-                    yield event({**head, "choices": [{"index": i, "text": ids_text(new, lead=sent[i] > 0),
-                                                      "token_ids": list(new), "logprobs": None,
+                    text = ids_text(new, lead=sent[i] > 0)
+                    lps = None if out.logprobs is None else out.logprobs[sent[i]:]
+                    yield event({**head, "choices": [{"index": i, "text": text, "token_ids": list(new),
+                                                      "logprobs": logprobs_body(new, lps, chars[i], sent[i] > 0),
                                                       "finish_reason": reason}]})
+                    chars[i] += len(text)
                 sent[i] = len(out.token_ids)
                 if out.finished:
                     done[i] = True
