@@ -44,6 +44,7 @@ and the engine supplies the step of each layout. Add the ``model_type`` to
 >>> import torch
 >>> from cpattn.models.family import KVLayout, ModelFamily
 >>> from cpattn.engine.reference import reference_generate
+from cpattn.engine.run_rank import Arrival, run_rank
 >>> def forward(params, cfg, tokens, attn, *, logits_index=None):
 ...     x = params["emb"][tokens]                                   # [T, 8]
 ...     q = k = v = x.view(-1, 1, 8)                                # one head
@@ -105,9 +106,11 @@ from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingPar
 from cpattn.engine.options import Algorithms
 from cpattn.engine.pd_engine import PDEngine, PDStats
 from cpattn.engine.reference import reference_generate
+from cpattn.engine.run_rank import Arrival, run_rank
 from cpattn.engine.result import Generation, RunFacts
 from cpattn.models.family import KVLayout, ModelFamily, get_family
 
 __all__ = ["Prompts", "Algorithms", "KVLayout", "ModelFamily", "get_family", "engine_configs", "generate",
            "generate_on_rank", "reference_generate", "Generation", "RunFacts", "LLMEngine", "SamplingParams",
-           "RequestOutput", "EngineStats", "PDEngine", "PDStats"]
+           "RequestOutput", "EngineStats", "PDEngine", "PDStats", "Arrival",
+           "run_rank"]
