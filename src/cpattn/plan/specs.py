@@ -152,36 +152,18 @@ class ModelSpec:
         return dataclasses.replace(self, **changes)
 
 
-_V3 = dict(layers=61, hidden=7168, vocab=129280, heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-           qk_rope_head_dim=64, v_head_dim=128, intermediate=18432, moe_intermediate=2048, experts=256,
-           experts_per_token=8, shared_experts=1, dense_layers=3, weights="fp8")
-BUILTINS = {
-    "deepseek-v3.2": ModelSpec(name="DeepSeek-V3.2", attention="dsa", index_heads=64, index_dim=128, index_topk=2048,
-                               source="deepseek-ai/DeepSeek-V3.2-Exp config.json (fp8 weights)", **_V3),
-    "deepseek-r1": ModelSpec(name="DeepSeek-R1", attention="mla", source="deepseek-ai/DeepSeek-R1 config.json "
-                             "(the V3 architecture, fp8 weights)", **_V3),
-    "glm-5": ModelSpec(name="GLM-5", attention="dsa", layers=78, hidden=6144, vocab=154880, heads=64,
-                       q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
-                       index_heads=32, index_dim=128, index_topk=2048, intermediate=12288, moe_intermediate=2048,
-                       experts=256, experts_per_token=8, shared_experts=1, dense_layers=3, weights="bf16",
-                       source="zai-org GLM-5 config.json (glm_moe_dsa; every layer counted with its own indexer)"),
-    "qwen3-235b-a22b": ModelSpec(name="Qwen3-235B-A22B", attention="gqa", layers=94, hidden=4096, vocab=151936,
-                                 heads=64, kv_heads=4, head_dim=128, moe_intermediate=1536, experts=128,
-                                 experts_per_token=8, weights="bf16", source="Qwen/Qwen3-235B-A22B config.json"),
+BUILTINS = {  # entries without a cpattn family; every other built-in is read by its family (plan.families)
     "llama3-405b": ModelSpec(name="Llama3-405B", attention="gqa", layers=126, hidden=16384, vocab=128256, heads=128,
                              kv_heads=8, head_dim=128, intermediate=53248, weights="bf16",
                              source="meta-llama/Llama-3.1-405B config.json"),
-    "kimi-k2": ModelSpec(name="Kimi-K2", attention="mla", layers=61, hidden=7168, vocab=163840, heads=64,
-                         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                         intermediate=18432, moe_intermediate=2048, experts=384, experts_per_token=8, shared_experts=1,
-                         dense_layers=1, weights="fp8", source="moonshotai/Kimi-K2-Instruct config.json (fp8 weights)"),
 }
 
 
 def from_hf_config(config: dict[str, Any], *, name: str | None = None, weights: str | None = None,
                    kv_dtype: str = "bf16") -> ModelSpec:
-    """A :class:`ModelSpec` from a Hugging Face ``config.json`` dict (Qwen3 / Qwen3-MoE / Llama-style GQA,
-    DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-5).
+    """A :class:`ModelSpec` from a Hugging Face ``config.json`` dict of a ``model_type`` no cpattn family reads
+    (Llama-style GQA, and MLA / DSA configs of other names); :func:`get_model` reads every family's type
+    (:data:`cpattn.plan.families.FAMILY_TYPES`) through the family's own ``from_hf`` instead.
 
     >>> cfg = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 100,
     ...        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
@@ -227,8 +209,9 @@ def get_model(name_or_path: str, **overrides) -> ModelSpec:
     else:
         path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
         if not os.path.isfile(path):
-            raise ValueError(f"unknown model {name_or_path!r}; choose one of {', '.join([*BUILTINS, *FAMILY_BUILTINS])} "
-                             "or pass a Hugging Face config.json (or its directory)")
+            names = ", ".join([*FAMILY_BUILTINS, *BUILTINS])
+            raise ValueError(f"unknown model {name_or_path!r}; choose one of {names} or pass a Hugging Face "
+                             "config.json (or its directory)")
         with open(path) as f:
             config = json.load(f)
         label = os.path.basename(os.path.dirname(os.path.abspath(path)))
