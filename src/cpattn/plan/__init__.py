@@ -4,17 +4,20 @@ Modules (one idea each):
 
 - :mod:`~cpattn.plan.profiles` -- devices and links (H200 node, B200 node, Ascend 910C node, this CPU),
   each published number with its source;
-- :mod:`~cpattn.plan.specs` -- model shapes: built-in entries and Hugging Face ``config.json``;
+- :mod:`~cpattn.plan.specs` -- model shapes (:class:`ModelSpec`), ``get_model``;
+- :mod:`~cpattn.plan.families` -- built-ins and ``config.json`` read through the model families' own ``from_hf``;
+- :mod:`~cpattn.plan.v4costs` -- DeepSeek-V4's attention per layer kind (window, CSA, HCA);
 - :mod:`~cpattn.plan.costs` -- exact attention pairs / FLOPs and the alpha + beta cost of each collective;
 - :mod:`~cpattn.plan.rules` -- which layouts the engine accepts (``EngineConfig.create`` itself);
 - :mod:`~cpattn.plan.collectives` -- collectives as the libraries run them (vLLM custom all-reduce, NCCL);
 - :mod:`~cpattn.plan.memory` / :mod:`~cpattn.plan.fits` -- weights, activations, KV; what overflows, what fits;
 - :mod:`~cpattn.plan.model` -- TTFT (per request and makespan), TPOT, KV bytes and concurrency per layout;
 - :mod:`~cpattn.plan.objective` -- the recommendation for ttft / tpot / throughput / goodput, ties as ties;
+- :mod:`~cpattn.plan.arrival` -- goodput under Poisson arrivals (an M/D/1 queue on the prefill);
 - :mod:`~cpattn.plan.breakeven` -- the prompt length above which PCP lowers TTFT (``pcp_break_even``);
 - :mod:`~cpattn.plan.calibrate` -- microbenchmarks that fit the CPU profile;
 - :mod:`~cpattn.plan.validate` -- predicted vs measured ratios of ``cpattn bench pcp / dcp / graph``;
-- :mod:`~cpattn.plan.anchors` -- the published PCP and DCP anchors, predicted;
+- :mod:`~cpattn.plan.anchors` -- the published anchors (PCP, DCP, Llama3 1M, DeepSeek-V4 PCP2, SGLang CP), predicted;
 - :mod:`~cpattn.plan.cli` -- ``cpattn plan`` and its subcommands.
 
 Example

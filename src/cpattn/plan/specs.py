@@ -7,12 +7,14 @@ leading dense layers), the vocabulary, and the bytes per weight and per KV
 element. Parameter counts, FLOPs and bytes are derived from these
 (:mod:`cpattn.plan.costs`).
 
-Built-ins (numbers from each release's ``config.json``; pass ``--model
+Built-ins (each release's ``config.json`` fields; pass ``--model
 path/config.json`` to use the file itself): DeepSeek-V3.2 and DeepSeek-R1
-(the V3 architecture), GLM-5, Qwen3-235B-A22B, Kimi-K2, Llama3-405B (dense, for an anchor); and
-DeepSeek-V4-Flash, read through its family's own ``DeepseekV4Config.from_hf``
-(:mod:`cpattn.plan.families`; a ``config.json`` of ``model_type``
-``deepseek_v4`` is read that way too).
+(the V3 architecture), GLM-5, Qwen3-235B-A22B, Kimi-K2 and
+DeepSeek-V4-Flash are read through their families' own ``from_hf``
+(:mod:`cpattn.plan.families`, as is any ``config.json`` of a family's
+``model_type``); Llama3-405B (dense, for an anchor; no cpattn family) is
+the one literal here, and :func:`from_hf_config` reads the model types no
+family reads.
 
 Example
 -------
