@@ -203,19 +203,38 @@ def body_prompt(curl: str) -> tuple[list[int], int]:
 
 
 def _save_checkpoint(path: pathlib.Path, embedded) -> None:
+    """The embedded weights as a checkpoint directory, with a word-level tokenizer.json: word "w{i}" is id i."""
     from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     _, cfg, params = embedded
     path.mkdir()
     (path / "config.json").write_text(json.dumps(cfg.to_hf()))
     save_file({k: v.contiguous() for k, v in params.items()}, str(path / "model.safetensors"))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def _words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def test_unreadable_tokenizer_exits_2(tmp_path, embedded, capsys):
+    ckpt = tmp_path / "ckpt"
+    _save_checkpoint(ckpt, embedded)
+    (ckpt / "tokenizer.json").write_text("{not a tokenizer")
+    err = _refusal(["--model", str(ckpt)], capsys)
+    assert "argument --model" in err and "tokenizer.json is not a readable tokenizers file" in err, err
 
 
 @pytest.mark.slow
 @needs_serving
 def test_checkpoint_dir_captured_decode_and_ngram_drafts_serve_exact_tokens(tmp_path, embedded):
     """--model DIR (served under its path), FULL_DECODE_ONLY and n-gram drafts on DCP 2: the tokens equal
-    one device, and /metrics shows replayed (captured) steps beside eager ones."""
+    one device, and /metrics shows replayed (captured) steps beside eager ones. The directory's
+    tokenizer.json makes text prompts work and every text the decoded tokens (streamed: the chunks
+    concatenate to it)."""
     ckpt = tmp_path / "tiny-qwen3"
     _save_checkpoint(ckpt, embedded)
     port = _free_port()
@@ -232,6 +251,14 @@ def test_checkpoint_dir_captured_decode_and_ngram_drafts_serve_exact_tokens(tmp_
         stream = client.completions.create(model=str(ckpt), prompt=P2, max_tokens=8, stream=True, temperature=0)
         assert sum((list(c.choices[0].model_extra["token_ids"]) for c in stream if c.choices), []) == \
             _greedy(embedded, P2, 8)
+        want = [_greedy(embedded, P1, 8), _greedy(embedded, P2, 8)]
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [_words(w) for w in want]
+        r = client.completions.create(model=str(ckpt), prompt=_words(P2), max_tokens=8, temperature=0)
+        assert list(r.choices[0].model_extra["token_ids"]) == want[1] and r.choices[0].text == _words(want[1])
+        assert r.usage.prompt_tokens == len(P2)
+        stream = client.completions.create(model=str(ckpt), prompt=[_words(P1)], max_tokens=8, stream=True,
+                                           temperature=0)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == _words(want[0])
         after = _metrics(srv.base)
         assert after["cpattn_replayed_steps_total"] > before["cpattn_replayed_steps_total"], after
         assert after["cpattn_eager_steps_total"] > before["cpattn_eager_steps_total"], after  # the prefills

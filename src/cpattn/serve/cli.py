@@ -7,7 +7,8 @@ under PCP over the same ranks with ``--prefill-context-parallel-size`` equal to 
 engine); captured decode steps with ``--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'``;
 n-gram speculative decoding with ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'``.
 Listens on 127.0.0.1:8000 unless ``--host`` / ``--port`` say otherwise; Ctrl-C or SIGTERM stops it
-(exit 0). Prompts are token ids; see docs/serve.md for the endpoints and what is not done yet.
+(exit 0). Prompts are token ids, or text when ``--model DIR`` has a ``tokenizer.json``; see
+docs/serve.md for the endpoints and what is not done yet.
 
 Usage::
 
@@ -137,8 +138,7 @@ def main(argv=None) -> int:
         cli.usage_error(PROG, f"needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
                               "installed; fix: pip install 'cpattn[serve]' (or pip install fastapi uvicorn)")
     sched = check_args(a)
-    if a.model is not None:
-        check_model(a.model)
+    tokenizer = check_model(a.model) if a.model is not None else None
     from cpattn.pool.server import port_in_use
 
     try:
@@ -170,6 +170,10 @@ def main(argv=None) -> int:
     loop = EngineLoop(engine)
     try:
         app = build_app(loop, name, max_model_len=engine.max_model_len)
+        if tokenizer is not None:  # text prompts in, text out (cpattn.serve.tokenize)
+            from cpattn.serve.tokenize import TextMiddleware
+
+            app = TextMiddleware(app, tokenizer)
         print(f"{PROG}: {name} ({describe(a, engine)}) on http://{a.host}:{a.port}/v1 ; Ctrl-C stops it",
               file=sys.stderr, flush=True)
         server = _Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False))
@@ -201,12 +205,15 @@ def _Server(config):
     return Server(config)
 
 
-def check_model(model_dir: str) -> None:
-    """``--model DIR``: config.json and the safetensors headers checked (no weights read), or exit 2."""
+def check_model(model_dir: str):
+    """``--model DIR``: config.json and the safetensors headers checked (no weights read), and its
+    tokenizer.json loaded if there is one (returned; None without), or exit 2."""
     from cpattn.bench.demo_setup import Spec, model_config
+    from cpattn.serve.tokenize import load_tokenizer
 
     try:
         model_config(Spec(model_dir=model_dir))
+        return load_tokenizer(model_dir)
     except ValueError as e:
         cli.usage_error(PROG, f"argument --model: {e}")
 
