@@ -126,6 +126,16 @@ def _engine_seed(seed: int | None, world: Group | None) -> int:
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
+def drain(engine, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    """Add every prompt to ``engine`` (anything with add_request / step / has_unfinished), step until all
+    finish; the final :class:`RequestOutput` of each, in prompt order."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    return [final[i] for i in ids]
+
+
 def _default_blocks(sched: SchedulerConfig, span: int) -> int:
     """Enough blocks for max_num_seqs sequences of max_model_len (4096 when unset)."""
     return sched.max_num_seqs * -(-(sched.max_model_len or 4096) // span)
@@ -286,11 +296,7 @@ class LLMEngine:
         """Submit every prompt now and step until all finish (vLLM's ``LLM.generate``): the final
         :class:`RequestOutput` of each, in prompt order. The fixed-batch run of
         :func:`cpattn.engine.generate` as a schedule: the same greedy tokens."""
-        ids = [self.add_request(p, params) for p in prompts]
-        final = {}
-        while self.has_unfinished():
-            final.update({o.request_id: o for o in self.step() if o.finished})
-        return [final[i] for i in ids]
+        return drain(self, prompts, params)
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpattn.config import GuideCompatWarning, SchedulerConfig
-from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams, drain
 from cpattn.engine.pooling import open_for_run, release
 from cpattn.models.family import get_family
 
@@ -179,11 +179,7 @@ class PDEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Submit every prompt now and step until all finish; the final output of each, in prompt order."""
-        ids = [self.add_request(p, params) for p in prompts]
-        final = {}
-        while self.has_unfinished():
-            final.update({o.request_id: o for o in self.step() if o.finished})
-        return [final[i] for i in ids]
+        return drain(self, prompts, params)
 
     @property
     def stats(self) -> PDStats:
