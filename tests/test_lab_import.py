@@ -46,7 +46,9 @@ def test_the_old_path_warns_and_exposes_the_same_objects(name):
 
 def configs():
     """One tiny config per family, and variants that exercise what config.json spells differently."""
-    from cpattn.models import deepseek_v2, deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa, qwen3, qwen3_moe
+    from cpattn.models import deepseek_v2, deepseek_v3, deepseek_v32, glm_moe_dsa, qwen3, qwen3_moe
+    from cpattn.models import deepseek_v4_config as deepseek_v4
+    from cpattn.models import qwen3_next_config as qn
 
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
@@ -69,12 +71,17 @@ def configs():
             rope_compress={"rope_type": "yarn", "rope_theta": 160000.0, "factor": 4.0,
                            "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
                            "attention_factor": 1.0}),  # from_hf forces the compress scale to 1
+        "qwen3_next": qn.Qwen3NextConfig.tiny(),
+        "qwen3_next-dense": qn.Qwen3NextConfig.tiny(num_experts=0, num_experts_per_tok=0,
+                                                    mlp_layer_types=("dense",) * 4, tie_word_embeddings=True),
+        "qwen3_5": qn.Qwen3_5Config.tiny(),
+        "qwen3_5_moe": qn.Qwen3_5MoeConfig.tiny(),
     }
 
 
 CASES = ("qwen3", "qwen3-tied-bias", "qwen3_moe", "qwen3_moe-dense-between", "deepseek_v2", "deepseek_v3",
          "deepseek_v3-yarn-no-q-lora", "deepseek_v3-dense-after-sparse", "deepseek_v32", "glm_moe_dsa",
-         "deepseek_v4", "deepseek_v4-yarn")
+         "deepseek_v4", "deepseek_v4-yarn", "qwen3_next", "qwen3_next-dense", "qwen3_5", "qwen3_5_moe")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -93,7 +100,8 @@ def test_transformers_reads_to_hf_as_the_same_model():
     transformers = pytest.importorskip("transformers")
     hf = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "deepseek_v2": "DeepseekV2Config",
           "deepseek_v3": "DeepseekV3Config", "deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig",
-          "deepseek_v4": "DeepseekV4Config"}
+          "deepseek_v4": "DeepseekV4Config", "qwen3_next": "Qwen3NextConfig", "qwen3_5": "Qwen3_5Config",
+          "qwen3_5_moe": "Qwen3_5MoeConfig"}
     for case, cfg in configs().items():
         d = cfg.to_hf()
         if case == "deepseek_v3-dense-after-sparse":

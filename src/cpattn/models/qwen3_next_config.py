@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cpattn.models.checks import bad, check_at_most, check_choices, check_divides, check_fields, check_rope
@@ -173,6 +173,23 @@ class Qwen3NextConfig:
             norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_layer_types=mlp,
             split_projections=kind in ("qwen3_5_text", "qwen3_5_moe_text"))
 
+    def to_hf(self) -> dict:
+        """The config.json dict that :meth:`from_hf` reads back equal: ``qwen3_next`` (``qwen3_5_text`` with
+        split projections); dense layers as ``mlp_only_layers``; ``moe_impl`` (a runtime switch) not written.
+
+        >>> cfg = Qwen3NextConfig.tiny()
+        >>> Qwen3NextConfig.from_hf(cfg.to_hf()) == cfg, cfg.to_hf()["mlp_only_layers"]
+        (True, [2])
+        """
+        skip = ("rope", "mlp_layer_types", "moe_impl", "split_projections")
+        d = {k: v for k, v in asdict(self).items() if k not in skip}
+        kind, arch = ("qwen3_5_text", "Qwen3_5ForCausalLM") if self.split_projections else ("qwen3_next",
+                                                                                              "Qwen3NextForCausalLM")
+        return {"model_type": kind, "architectures": [arch], **d,
+                "layer_types": list(self.layer_types), "rope_parameters": dict(self.rope), "hidden_act": "silu",
+                "decoder_sparse_step": 1, "mlp_only_layers": [i for i, t in enumerate(self.mlp_layer_types)
+                                                              if t == "dense"]}
+
 
 @dataclass(frozen=True)
 class Qwen3_5Config(Qwen3NextConfig):
@@ -191,6 +208,18 @@ class Qwen3_5Config(Qwen3NextConfig):
                     mlp_layer_types=("dense",) * 4)
         return super().tiny(**{**base, **over})
 
+    def to_hf(self) -> dict:
+        """The Hub's composite config.json (``qwen3_5``, the text model's config nested) that :meth:`from_hf`
+        reads back equal.
+
+        >>> cfg = Qwen3_5Config.tiny()
+        >>> Qwen3_5Config.from_hf(cfg.to_hf()) == cfg, cfg.to_hf()["text_config"]["model_type"]
+        (True, 'qwen3_5_text')
+        """
+        text = {**{k: v for k, v in super().to_hf().items() if k != "architectures"}, "model_type": "qwen3_5_text"}
+        return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+                "tie_word_embeddings": self.tie_word_embeddings}
+
 
 @dataclass(frozen=True)
 class Qwen3_5MoeConfig(Qwen3NextConfig):
@@ -206,3 +235,16 @@ class Qwen3_5MoeConfig(Qwen3NextConfig):
     def tiny(cls, **over) -> Qwen3_5MoeConfig:
         """:meth:`Qwen3NextConfig.tiny` with split projections and MoE in every layer."""
         return super().tiny(**{"split_projections": True, "mlp_layer_types": ("sparse",) * 4, **over})
+
+    def to_hf(self) -> dict:
+        """The Hub's composite config.json (``qwen3_5_moe``, the text model's config nested) that
+        :meth:`from_hf` reads back equal.
+
+        >>> cfg = Qwen3_5MoeConfig.tiny()
+        >>> Qwen3_5MoeConfig.from_hf(cfg.to_hf()) == cfg, cfg.to_hf()["text_config"]["model_type"]
+        (True, 'qwen3_5_moe_text')
+        """
+        text = {**{k: v for k, v in Qwen3NextConfig.to_hf(self).items() if k != "architectures"},
+                "model_type": "qwen3_5_moe_text"}
+        return {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "text_config": text, "tie_word_embeddings": self.tie_word_embeddings}
