@@ -100,6 +100,20 @@ def test_probs_and_sample_equal_the_loop_reference():
     assert (dist[3, :6] > 0).all()  # the tie of row 3 kept whole
 
 
+def test_top_p_past_the_most_likely_512_tokens():
+    """A vocabulary past the 512 tokens top-p looks at first: a flat row (its nucleus is longer: the
+    whole row sorted) beside peaked ones, against the loop reference."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 1500, generator=g, dtype=torch.float64)
+    logits[1:] *= 6  # peaked: the nucleus within the head
+    dist = probs(logits, 1.0, [0, 0, 700, 0], [0.9, 0.9, 0.95, 1.0])
+    for r, (k, q) in enumerate(zip([0, 0, 700, 0], [0.9, 0.9, 0.95, 1.0])):
+        ref = torch.tensor(reference_probs(logits[r].tolist(), 1.0, k, q), dtype=torch.float64)
+        assert torch.allclose(dist[r], ref, rtol=0, atol=1e-12), r
+    kept = (dist > 0).sum(-1).tolist()
+    assert kept[0] > 512 and kept[1] < 512 and kept[3] == 1500, kept
+
+
 def test_draw_is_a_function_of_seed_and_index():
     a = [draw(s, i) for s in (0, 1, 2 ** 63) for i in range(50)]
     assert a == [draw(s, i) for s in (0, 1, 2 ** 63) for i in range(50)]

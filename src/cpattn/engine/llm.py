@@ -251,6 +251,7 @@ class LLMEngine:
             else [runner(groups[0])]  # one rank: its errors as raised
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
         self._logprobs: dict[Hashable, list[dict[int, float]]] = {}  # requests that asked for logprobs
+        self._num_logprobs: dict[Hashable, int] = {}  # their N
         self._seeds = torch.Generator().manual_seed(_engine_seed(seed, world))
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
                         "drafted_tokens": 0, "accepted_tokens": 0, "pcp_steps": 0}
@@ -278,15 +279,17 @@ class LLMEngine:
         if p.seed is None:  # every unseeded request draws one, so the stream depends on the arrival order only
             p = replace(p, seed=int(torch.randint(0, 2 ** 63 - 1, (), generator=self._seeds)))
         rid = self.scheduler.add_request(prompt, max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids,
-                                         req_id=request_id, sampling=p)
+                                         req_id=request_id, sampling=None if p.greedy else p)  # None: argmax
         self._prompts[rid] = tuple(prompt)
         if p.logprobs is not None:
             self._logprobs[rid] = []
+            self._num_logprobs[rid] = p.logprobs
         return rid
 
     def abort_request(self, request_id: Hashable) -> bool:
         """Stop a request now (its blocks freed); False if it had already finished."""
         self._logprobs.pop(request_id, None)
+        self._num_logprobs.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -311,7 +314,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._keep_hidden(out, results[0].hidden)
         outputs = self._with_drafts(out, results[0].outputs)
-        had = {rid: len(self.scheduler.requests[rid].output) for rid in out.req_ids if rid in self._logprobs}
+        had = {rid: len(self.scheduler.requests[rid].output) for rid in out.req_ids if rid in self._logprobs} \
+            if self._logprobs else None
         done = set(self.scheduler.update(outputs))
         if had:
             self._add_logprobs(had, results[0].logits)
@@ -340,8 +344,8 @@ class LLMEngine:
                               None if rid not in self._logprobs else tuple(self._logprobs[rid]))
                 for rid in out.req_ids]
         for o in outs:
-            if o.finished:
-                self._logprobs.pop(o.request_id, None)
+            if o.finished and o.logprobs is not None:
+                del self._logprobs[o.request_id], self._num_logprobs[o.request_id]
         return outs
 
     def _add_logprobs(self, had: dict, logits: dict) -> None:
@@ -351,8 +355,7 @@ class LLMEngine:
         for rid, n in had.items():
             new = reqs[rid].output[n:]
             if new:
-                p = reqs[rid].sampling
-                self._logprobs[rid] += token_logprobs(logits[rid][:len(new)], new, p.logprobs)
+                self._logprobs[rid] += token_logprobs(logits[rid][:len(new)], new, self._num_logprobs[rid])
 
     def _store(self, out) -> None:
         """Put every whole block that became computed this step into the pool (each rank its own)."""

@@ -207,7 +207,7 @@ class StepRunner:
         t2 = time.perf_counter()
         outputs, rows, hidden = {}, {}, ({} if full is not None else None)
         chosen = greedy.tolist()  # one device->host copy; acceptance is plain list work
-        if out.sampling and any(p is not None and not p.greedy for p in out.sampling):
+        if any(out.sampling):  # None: a greedy row
             chosen = choose(logits, chosen, sampled_positions(out))
         end = 0
         for b, rid in enumerate(out.req_ids):

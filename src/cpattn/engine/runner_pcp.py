@@ -74,7 +74,7 @@ def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorith
     handoff(g, g, g, view, res, algorithms)
     first = res.first_logits  # [B, V]
     chosen = first.argmax(-1).tolist()
-    if out.sampling and any(p is not None and not p.greedy for p in out.sampling):
+    if any(out.sampling):  # None: a greedy row
         chosen = choose(first, chosen, sampled_positions(out, last_only=True))
     outputs, logits = {}, {}
     hidden = None if res.hidden is None else {}

@@ -85,8 +85,8 @@ class SchedulerOutput:
     new blocks since the previous step (stale rows: never read before this step writes them);
     ``loads[b]``: ``(block_id, payloads)`` pairs the runner writes before the step -- spans found in
     the second tier (the KV pool), one payload [block_size, F] per DCP rank; ``sampling[b]``: the
-    request's sampling parameters (what ``add_request`` was given: a
-    :class:`~cpattn.engine.sampling.SamplingParams`, or None: greedy) and ``num_output[b]``: its
+    request's sampling parameters (what ``add_request`` was given: the engine passes a sampled
+    request's :class:`~cpattn.engine.sampling.SamplingParams`, None for a greedy one) and ``num_output[b]``: its
     output tokens so far (the index its next sampled token gets). Empty tuples: every row greedy."""
 
     req_ids: tuple = ()
