@@ -47,7 +47,7 @@ def _commands() -> list[list[str]]:
             first = next((x for x in block.splitlines() if x.strip()), "")
             if not tag and not re.match(r"(cpattn |[A-Z]+=)", first):  # an untagged block of prose or formulas
                 continue
-            for line in block.splitlines():
+            for line in block.replace("\\\n", " ").splitlines():  # a continued line is one command
                 line = line.split("#")[0].strip()
                 if line.startswith("cpattn "):
                     words = shlex.split(line)[1:]
