@@ -58,7 +58,6 @@ from cpattn.engine.pooling import open_for_run, release
 from cpattn.engine.proposer import Proposer
 from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.sampling import SamplingParams, token_logprobs
-from cpattn.engine.runner_v4 import V4Scheduler, V4StepRunner, v4_scheduler_config
 from cpattn.engine.scheduler import ModelOutput, Scheduler
 from cpattn.models.family import ModelFamily, get_family
 
@@ -195,6 +194,8 @@ class LLMEngine:
         sched = scheduler or SchedulerConfig()
         v4 = family.backend.name == "v4"  # DeepSeek-V4: its own runner; what it cannot do is refused here
         if v4:
+            from cpattn.engine.runner_v4 import v4_scheduler_config  # here: cpattn.v4 imports cpattn.engine
+
             sched = v4_scheduler_config(family, scheduler, kv_pool=kv_pool, drafter=drafter)
         k = config.speculative.num_speculative_tokens
         if drafter is None and k:
@@ -223,6 +224,8 @@ class LLMEngine:
         self.blocks = BlockManager(nb, block, dcp_size=n, interleave_size=inter,
                                    identity=None if self.pool is None else self.pool.identity,
                                    enable_caching=sched.enable_prefix_caching)
+        if v4:
+            from cpattn.engine.runner_v4 import V4Scheduler, V4StepRunner
         sched_cls = V4Scheduler if v4 else Scheduler  # V4: whole prompts only
         self.scheduler = sched_cls(self.blocks, max_num_batched_tokens=sched.max_num_batched_tokens,
                                    max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill,
