@@ -206,7 +206,8 @@ class Server:
 
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"cpattn serve {' '.join(self.args)} exited {self.proc.returncode}: {self.log_tail()}")
+                raise RuntimeError(f"cpattn serve {' '.join(self.args)} exited {self.proc.returncode}: "
+                                   f"{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -345,7 +346,8 @@ def run(s: dict, progress=None) -> dict:
                     records, duration = asyncio.run(run_load([(g.url + "/v1", NAME) for g in group], reqs, arrivals))
                     after = [g.metrics() for g in group]
                     summary = summarize(records, duration, s["slo_ttft_ms"] / 1e3, s["slo_tpot_ms"] / 1e3)
-                    row = {"workload": w, "rate": rate if rate != float("inf") else "inf", "layout": name, **summary, **_delta(before, after)}
+                    row = {"workload": w, "rate": rate if rate != float("inf") else "inf", "layout": name,
+                           **summary, **_delta(before, after)}
                     results.append(row)
                     say(_progress_line(row))
     finally:

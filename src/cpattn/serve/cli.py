@@ -252,7 +252,8 @@ def build_engine(a, sched):
     if spec is not None:
         from cpattn.drafters.ngram import NgramDrafter
 
-        drafter, k = NgramDrafter(max_ngram=spec["max_ngram"], min_ngram=spec["min_ngram"]), spec["num_speculative_tokens"]
+        drafter = NgramDrafter(max_ngram=spec["max_ngram"], min_ngram=spec["min_ngram"])
+        k = spec["num_speculative_tokens"]
     with warnings.catch_warnings():  # PCP + DCP in one engine is exact here; vLLM-Ascend's refusal is a note
         warnings.simplefilter("ignore", GuideCompatWarning)
         return LLMEngine(family, params, cfg, scheduler=sched, dcp_size=a.decode_context_parallel_size,

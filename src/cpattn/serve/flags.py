@@ -31,8 +31,9 @@ def _object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
+        example = '{"cudagraph_mode": "FULL_DECODE_ONLY"}'
         raise argparse.ArgumentTypeError(f"saw {text!r}, which is not JSON ({e.msg} at column {e.colno}); "
-                                         "rule: a JSON object, e.g. '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'") from None
+                                         f"rule: a JSON object, e.g. '{example}'") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"saw {text!r}, a JSON {type(value).__name__}; rule: a JSON object of keys")
     return value
