@@ -41,7 +41,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ from cpattn.config import EngineConfig, SchedulerConfig
 from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
 from cpattn.engine.drafters import check_drafter
+from cpattn.engine.outputs import EngineStats, RequestOutput, drain
 from cpattn.engine.driver import engine_configs
 from cpattn.engine.pool_tier import PoolTier
 from cpattn.engine.pooling import open_for_run, release
@@ -60,53 +61,6 @@ from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.sampling import SamplingParams, token_logprobs
 from cpattn.engine.scheduler import ModelOutput, Scheduler
 from cpattn.models.family import ModelFamily, get_family
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """A request's state after a step: every output token so far; ``finish_reason`` "stop" / "length" /
-    "abort" once ``finished``; ``logprobs`` (when its ``SamplingParams.logprobs`` is set, else None):
-    per output token so far, ``{token_id: logprob}`` of the sampled token and the N most likely ones,
-    from the model's raw logits (before temperature / top-k / top-p, as vLLM's default)."""
-
-    request_id: Hashable
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None
-    logprobs: tuple[dict[int, float], ...] | None = None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters since the engine started (vLLM exposes the same to its metrics).
-
-    steps: steps run (``replayed_steps`` from a captured program, ``eager_steps`` eagerly);
-    prefix_hit_tokens / prefix_query_tokens: prompt tokens found cached / looked up;
-    preemptions; blocks_used / blocks_free (KV blocks per rank); running / waiting requests;
-    bytes_sent: what DCP rank 0 sent in all steps; last_step_bytes: in the last one;
-    drafted_tokens / accepted_tokens: draft tokens verified / accepted (speculative decoding);
-    pcp_steps: steps whose prefill chunks ran PCP; pool_hit_tokens: prompt tokens fetched from the KV
-    pool (the second tier); pool_blocks_stored: pool blocks written.
-    """
-
-    steps: int = 0
-    replayed_steps: int = 0
-    eager_steps: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_query_tokens: int = 0
-    preemptions: int = 0
-    blocks_used: int = 0
-    blocks_free: int = 0
-    running: int = 0
-    waiting: int = 0
-    bytes_sent: int = 0
-    last_step_bytes: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    pcp_steps: int = 0
-    pool_hit_tokens: int = 0
-    pool_blocks_stored: int = 0
 
 
 def _engine_seed(seed: int | None, world: Group | None) -> int:
@@ -123,16 +77,6 @@ def _engine_seed(seed: int | None, world: Group | None) -> int:
 
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
-
-
-def drain(engine, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
-    """Add every prompt to ``engine`` (anything with add_request / step / has_unfinished), step until all
-    finish; the final :class:`RequestOutput` of each, in prompt order."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    final = {}
-    while engine.has_unfinished():
-        final.update({o.request_id: o for o in engine.step() if o.finished})
-    return [final[i] for i in ids]
 
 
 def _default_blocks(sched: SchedulerConfig, span: int) -> int:

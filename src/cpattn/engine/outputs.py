@@ -1,0 +1,70 @@
+"""What the step loop hands back: a request's :class:`RequestOutput` after each step, the engine's
+:class:`EngineStats`, and :func:`drain` (submit every prompt, step until all finish).
+
+>>> RequestOutput(0, (1, 2), (7,), True, "length").token_ids
+(7,)
+>>> EngineStats().blocks_used
+0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: every output token so far; ``finish_reason`` "stop" / "length" /
+    "abort" once ``finished``; ``logprobs`` (when its ``SamplingParams.logprobs`` is set, else None):
+    per output token so far, ``{token_id: logprob}`` of the sampled token and the N most likely ones,
+    from the model's raw logits (before temperature / top-k / top-p, as vLLM's default)."""
+
+    request_id: Hashable
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    logprobs: tuple[dict[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine started (vLLM exposes the same to its metrics).
+
+    steps: steps run (``replayed_steps`` from a captured program, ``eager_steps`` eagerly);
+    prefix_hit_tokens / prefix_query_tokens: prompt tokens found cached / looked up;
+    preemptions; blocks_used / blocks_free (KV blocks per rank); running / waiting requests;
+    bytes_sent: what DCP rank 0 sent in all steps; last_step_bytes: in the last one;
+    drafted_tokens / accepted_tokens: draft tokens verified / accepted (speculative decoding);
+    pcp_steps: steps whose prefill chunks ran PCP; pool_hit_tokens: prompt tokens fetched from the KV
+    pool (the second tier); pool_blocks_stored: pool blocks written.
+    """
+
+    steps: int = 0
+    replayed_steps: int = 0
+    eager_steps: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    preemptions: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
+    running: int = 0
+    waiting: int = 0
+    bytes_sent: int = 0
+    last_step_bytes: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    pcp_steps: int = 0
+    pool_hit_tokens: int = 0
+    pool_blocks_stored: int = 0
+
+
+def drain(engine, prompts: Sequence[Sequence[int]], params=None) -> list[RequestOutput]:
+    """Add every prompt to ``engine`` (anything with add_request / step / has_unfinished), step until all
+    finish; the final :class:`RequestOutput` of each, in prompt order."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    return [final[i] for i in ids]
