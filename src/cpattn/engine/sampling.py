@@ -151,8 +151,8 @@ def draw(seed: int, index: int) -> float:
     return (_mix(_mix(seed & _MASK) ^ (index & _MASK)) >> 11) * 2.0 ** -53
 
 
-def _column(x, dtype, n: int) -> torch.Tensor:
-    t = torch.as_tensor(x, dtype=dtype)
+def _column(x, dtype, n: int, device=None) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=dtype, device=device)
     return t.expand(n) if t.dim() == 0 else t
 
 
@@ -168,8 +168,8 @@ def probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
     """
     x = logits.to(torch.float64)
     r, v = x.shape
-    x = x / _column(temperature, torch.float64, r)[:, None]
-    k = _column(top_k, torch.int64, r)
+    x = x / _column(temperature, torch.float64, r, x.device)[:, None]
+    k = _column(top_k, torch.int64, r, x.device)
     k = torch.where((k <= 0) | (k > v), torch.full_like(k, v), k)
     if bool((k < v).any()):
         kmax = int(k[k < v].max())
@@ -177,7 +177,7 @@ def probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
         kth = torch.where((k < v)[:, None], kth, torch.full_like(kth, -math.inf))
         x = x.masked_fill(x < kth, -math.inf)
     p = torch.softmax(x, dim=-1)
-    tp = _column(top_p, torch.float64, r)
+    tp = _column(top_p, torch.float64, r, x.device)
     if bool((tp < 1).any()):
         floor = _nucleus_floor(p, tp)
         floor = torch.where((tp < 1)[:, None], floor, torch.zeros_like(floor))
@@ -222,7 +222,7 @@ def sample(p: torch.Tensor, u) -> torch.Tensor:
     [2]
     """
     cdf = p.cumsum(-1)  # [R, V]
-    t = _column(u, torch.float64, p.shape[0]) * cdf[:, -1]
+    t = _column(u, torch.float64, p.shape[0], p.device) * cdf[:, -1]
     tok = torch.searchsorted(cdf, t[:, None], right=True)[:, 0]  # the first token whose cdf passes t
     last = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.int8).argmax(-1)  # the last token with p > 0
     return torch.minimum(tok, last)
@@ -260,7 +260,7 @@ def choose(logits: torch.Tensor, chosen: list[int], rows: Sequence[tuple[int, Sa
     the row's last position and its drafts' positions, with the output index each would have."""
     if not rows:
         return chosen
-    pos = torch.tensor([r[0] for r in rows], dtype=torch.int64)
+    pos = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=logits.device)
     p = probs(logits[pos], [r[1].temperature for r in rows], [r[1].top_k for r in rows],
               [r[1].top_p for r in rows])
     tok = sample(p, [draw(r[1].seed, r[2]) for r in rows]).tolist()
