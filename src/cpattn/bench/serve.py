@@ -15,7 +15,7 @@ arrivals, ``--seed``), the layouts interleaved per rate (their order rotated fro
 layout getting the same requests at a rate. Workloads:
 
 - ``mixed``: most requests short (``--short-len``, default 64-256 tokens), ``--long-fraction`` (0.2) long
-  (``--long-len``, default 2048-4096 on this 2-core machine; ``--long-len 8192,16384`` for the issue's
+  (``--long-len``, default 2048-4096 on this 2-core machine; ``--long-len 8192,16384`` for
   8K-16K), outputs ``--output-len`` (16-48), a shared 64-token prefix (prefix-cache hits);
 - ``fixed``: ``--fixed-len`` (512 in, 32 out), random prompts.
 
@@ -150,7 +150,7 @@ def parser():
     p.add_argument("--short-len", type=_range, default=(64, 256), metavar="MIN,MAX",
                    help="mixed workload: prompt tokens of a short request")
     p.add_argument("--long-len", type=_range, default=(2048, 4096), metavar="MIN,MAX",
-                   help="mixed workload: prompt tokens of a long request (8192,16384: the issue's 8K-16K)")
+                   help="mixed workload: prompt tokens of a long request (8192,16384: 8K-16K long contexts)")
     p.add_argument("--long-fraction", type=_fraction, default=0.2, metavar="F", help="mixed: share of long requests")
     p.add_argument("--output-len", type=_range, default=(16, 48), metavar="MIN,MAX",
                    help="mixed workload: tokens generated per request")
