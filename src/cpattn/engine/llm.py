@@ -52,6 +52,7 @@ from cpattn.config import EngineConfig, SchedulerConfig
 from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
 from cpattn.engine.drafters import check_drafter
+from cpattn.engine.elastic import resolve as resolve_pcp
 from cpattn.engine.outputs import EngineStats, RequestOutput, drain
 from cpattn.engine.driver import engine_configs
 from cpattn.engine.pool_tier import PoolTier
@@ -111,6 +112,8 @@ class LLMEngine:
     drafter: a drafter (:class:`~cpattn.engine.drafters.NgramDrafter`, a draft model, or an MTP /
         Eagle3 / DSpark head, which gets the target's hidden states) with ``num_speculative_tokens`` =
         k >= 1 (or the config's); None: plain decode.
+    pcp_policy: with ``pcp_size > 1``, "always" (every prefill chunk runs PCP) or "elastic" (only chunks of
+        at least ``pcp_min_tokens`` new tokens; None: the planner's break-even, :mod:`cpattn.engine.elastic`).
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
     seed: the engine's generator, which gives each request added without a seed its own
         (:mod:`cpattn.engine.sampling`); None: a random one (under torchrun rank 0's, shared).
@@ -124,7 +127,8 @@ class LLMEngine:
                  pcp_size: int = 1, block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
-                 poison: bool = False, seed: int | None = None, kv_role: str = "kv_both") -> None:
+                 poison: bool = False, seed: int | None = None, kv_role: str = "kv_both",
+                 pcp_policy: str = "always", pcp_min_tokens: int | None = None) -> None:
         family = get_family(model)
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role={kv_role!r}; pass one of {', '.join(KV_ROLES)} (vLLM's kv_transfer_config roles)")
@@ -141,6 +145,11 @@ class LLMEngine:
             from cpattn.engine.runner_v4 import v4_scheduler_config  # here: cpattn.v4 imports cpattn.engine
 
             sched = v4_scheduler_config(family, scheduler, kv_pool=kv_pool, drafter=drafter)
+        hybrid = family.backend.name == "hybrid"  # Qwen3-Next / Qwen3.5: paged KV + state slots (runner_hybrid)
+        if hybrid:
+            from cpattn.engine.runner_hybrid import HybridStepRunner, hybrid_scheduler_config
+
+            sched = hybrid_scheduler_config(family, scheduler, kv_pool=kv_pool, drafter=drafter)
         k = config.speculative.num_speculative_tokens
         if drafter is None and k:
             raise ValueError(f"num_speculative_tokens={k} needs a drafter: pass drafter= (e.g. NgramDrafter()) or k=0")
@@ -152,6 +161,7 @@ class LLMEngine:
         if world is not None and world.size != n:
             raise ValueError(f"world: a group of {world.size} ranks, but the config's dcp_size is {n}; "
                              "start dcp_size ranks or pass their config")
+        pcp_min = resolve_pcp(pcp_policy, pcp_min_tokens, family, cfg, pcp)
         block, inter = config.cache.block_size, config.cache.cp_kv_cache_interleave_size
         nb = num_blocks if num_blocks is not None else _default_blocks(sched, block * n)
         self.family, self.config, self.scheduler_config = family, config, sched
@@ -184,14 +194,18 @@ class LLMEngine:
         capture = pick_backend(config, family, groups[0]) if config.compilation.captures else None
         sizes = config.compilation.capture_sizes
 
-        make = V4StepRunner if v4 else StepRunner  # V4 keeps its own cache (runner_v4)
+        make = V4StepRunner if v4 else HybridStepRunner if hybrid else StepRunner  # V4 / hybrid: own runners
+        if v4 and pcp_policy != "always":
+            raise ValueError(f"pcp_policy={pcp_policy!r}: a deepseek_v4 prompt is prefilled in one step by its own "
+                             "runner; pass pcp_policy='always'")
+        extra = {} if v4 else {"pcp_min_tokens": pcp_min}
 
         def runner(g: Group) -> StepRunner:  # a capture runs the step: every rank builds at once
             return make(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,
-                              max_model_len=self.max_model_len, merge=merge, capture=capture,
-                              capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
-                              num_speculative_tokens=k, pcp=pcp > 1, poison=poison,
-                              hidden_layers=None if drafter is None else drafter.hidden_layers)
+                        max_model_len=self.max_model_len, merge=merge, capture=capture,
+                        capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
+                        num_speculative_tokens=k, pcp=pcp > 1, poison=poison, **extra,
+                        hidden_layers=None if drafter is None else drafter.hidden_layers)
 
         self._groups = groups
         self.runners = run_ranks(self._mesh, groups, runner, what="LLMEngine") if len(groups) > 1 \

@@ -105,17 +105,22 @@ class StepRunner:
         or None (every step eager); capture_sizes / max_num_seqs / num_speculative_tokens size it.
     pcp: the group is also the PCP group: a step's prefill chunks run PCP (``pcp_method`` "ring" or
         "allgather"; DSA-CP for a DSA model) over it (:mod:`cpattn.engine.runner_pcp`), its decodes DCP.
+        pcp_min_tokens: with ``pcp``, a chunk of fewer new tokens runs DCP attention with the decodes
+        instead (elastic CP: PCP only where it pays, :func:`cpattn.engine.elastic.pcp_min_tokens`).
     poison: NaN-fill each freshly handed-out block before the step (tests; costs a write per block).
     """
+
+    other_caches: tuple = ()  # non-paged cache kinds a subclass runs (runner_hybrid: "hybrid")
 
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
-                 hidden_layers: tuple | None = None, poison: bool = False) -> None:
+                 hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
         self.pcp, self.algorithms = pcp and group.size > 1, Algorithms(pcp_method=pcp_method)
-        if not self.family.backend.per_token_kv:
+        self.pcp_min_tokens = pcp_min_tokens
+        if not self.family.backend.per_token_kv and self.family.cache not in self.other_caches:
             what = {"hybrid": "paged KV plus per-request linear-attention states, which it cannot snapshot for "
                               "prefix caching or preemption"}.get(self.family.cache, "window + compressed entries")
             raise ValueError(f"the step loop runs paged-cache families; {self.family.name} keeps its own cache "
@@ -171,9 +176,10 @@ class StepRunner:
         if not out.req_ids:
             return StepResult({}, {}, False, 0)
         sent, t0 = self.group.stats.total_sent(), time.perf_counter()
-        if self.pcp and any(out.is_prefill):  # chunks under PCP, then the decodes (a mixed step: eager)
-            pre = [b for b, p in enumerate(out.is_prefill) if p]
-            dec = [b for b, p in enumerate(out.is_prefill) if not p]
+        pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
+            if self.pcp else []
+        if pre:  # long chunks under PCP, then the decodes and short chunks (a mixed step: eager)
+            dec = [b for b in range(len(out.req_ids)) if b not in set(pre)]
             chunks = rows_of(out, pre)
             table = self.batch(chunks, max(len(ids) for ids in chunks.block_tables))["block_table"]
             t1 = time.perf_counter()
