@@ -165,7 +165,7 @@ def parser():
                    help="each server's step budget")
     p.add_argument("--seed", type=cli.nonnegative_int, default=0, help="seed of the workloads and arrivals")
     p.add_argument("--plot", type=cli.output_file, default=None, metavar="PATH.png",
-                   help="latency-vs-rate curves per layout (TTFT / TPOT p50 and p99; matplotlib)")
+                   help="latency-vs-rate curves per layout (TTFT p50 / p99, TPOT p50; matplotlib) (default: no plot)")
     p.add_argument("--server-timeout", type=cli.positive_float, default=300.0, metavar="S",
                    help="seconds a server may take to answer /health")
     cli.add_quick(p, "3 requests per run, rate 4, short prompts (long 256-384), 4-8 output tokens")
