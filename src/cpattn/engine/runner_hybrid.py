@@ -1,0 +1,248 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5) in the step loop: the paged runner plus state slots.
+
+A hybrid family (``ModelFamily.cache == "hybrid"``, :mod:`cpattn.engine.backends.hybrid`) has two kinds of
+token mixer. :class:`HybridStepRunner` is a :class:`~cpattn.engine.runner.StepRunner` (same
+``execute(SchedulerOutput) -> StepResult``, same paged cache, block tables, block manager accounting and
+eager / captured step) whose step function also carries the linear layers' states:
+
+- **full-attention layers**: exactly the paged runner's DCP step (a prefill chunk attends to its cached
+  context and itself; a decode is one query row), the KV sharded over the DCP ranks;
+- **linear-attention layers**: one *slot* per running request (``max_num_seqs`` slots) holding, per linear
+  layer, its conv state [K-1, C] and recurrent state [Hv, Dk, Dv] -- on every DCP rank (replicated: a fixed
+  size, updated identically). A row of the step reads its request's slot (zeros for a row at context 0), runs
+  the causal conv over its new tokens from that conv state and the chunked gated delta rule from that state
+  (the recurrent op when every row brings one token), and writes the states after its tokens back. So a
+  prompt cut into chunks of any size (a boundary inside the conv kernel's width too) continues exactly.
+- A request preempted, finished or aborted loses its slot when the step that reports it executes; the
+  slot is NaN-poisoned (a later reader shows). Preemption is recompute: a readmitted request starts again
+  from context 0 in a fresh slot.
+
+What the step loop cannot do for a hybrid model is refused when the engine is built
+(:func:`hybrid_scheduler_config`): prefix caching and a KV pool (cached whole blocks carry KV rows, not a
+snapshot of the linear states at block boundaries: snapshots would cost one state copy per block per request,
+not done), drafters (verifying drafts needs the state at every draft position). PCP (``pcp_size =
+dcp_size``): a step's prefill chunks run the DCP step -- the attention layers by DCP attention over the
+sharded cache, the linear layers on every rank (replicated, as decode) -- not the head-tail PCP prefill,
+whose linear scan continues an initial state but whose attention side takes no cached context for a hybrid
+model; ``StepResult.pcp_rows`` is then 0. Captured decode: the family is not capturable by a compiler; the
+``"eager"`` graph backend (persistent buffers, padding rows write nothing) replays uniform decode steps.
+
+Example
+-------
+>>> import cpattn
+>>> from cpattn.engine.blocks import BlockManager
+>>> from cpattn.engine.scheduler import Scheduler
+>>> from cpattn.models import qwen3_next as qn
+>>> cfg = qn.Qwen3NextConfig.tiny()
+>>> params = qn.init_params(cfg)
+>>> def rank(g):
+...     s = Scheduler(BlockManager(8, 4, dcp_size=g.size, enable_caching=False), max_num_batched_tokens=5,
+...                   max_num_seqs=2)
+...     run = HybridStepRunner(g, "qwen3_next", params, cfg, num_blocks=8, block_size=4, max_model_len=32)
+...     rid = s.add_request(list(range(1, 12)), max_tokens=3)   # 11 tokens: chunks of 5, 5, 1
+...     while s.has_unfinished():
+...         s.update(run.execute(s.schedule()).outputs)
+...     held = run.live                      # the scheduler reports the finish with its next step
+...     run.execute(s.schedule())
+...     return s.output_tokens(rid), held, run.live
+>>> (a, held, live), (b, *_) = cpattn.simulate(2, rank)
+>>> a == b, len(a), held, live
+(True, 3, 1, 0)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.config import SchedulerConfig
+from cpattn.dcp import DCPMeta, plan_tensors
+from cpattn.engine.decode import step_fields
+from cpattn.engine.logits import as_logits
+from cpattn.engine.paged_cache import DCPStep, PagedShard
+from cpattn.engine.runner import StepResult, StepRunner
+from cpattn.engine.scheduler import SchedulerOutput
+from cpattn.graphs.runner import DecodeRunner, Field
+from cpattn.linear.state import RecurrentCache
+from cpattn.models.family import ModelFamily, get_family, param_dtype
+from cpattn.ops import gated_delta as gd
+
+
+def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | None, *, kv_pool=None,
+                            drafter=None) -> SchedulerConfig:
+    """The scheduler config of a hybrid engine, or a one-line ValueError naming what it cannot do.
+
+    ``scheduler=None`` gives the defaults with prefix caching off (chunked prefill stays on).
+
+    >>> from cpattn.models.family import get_family
+    >>> c = hybrid_scheduler_config(get_family("qwen3_next"), None)
+    >>> c.enable_prefix_caching, c.enable_chunked_prefill
+    (False, True)
+    """
+    name = family.name
+    why = "cached whole blocks carry KV rows but no snapshot of the linear layers' states at block boundaries"
+    if kv_pool is not None:
+        raise ValueError(f"kv_pool: {name} is a hybrid model ({why}), so a pool cannot serve its prefixes; "
+                         "pass kv_pool=None")
+    if drafter is not None:
+        raise ValueError(f"drafter: speculative decoding ({getattr(drafter, 'method', type(drafter).__name__)}) "
+                         f"for {name} needs the linear layers' state at every draft position, which the step loop "
+                         "does not keep; pass drafter=None and num_speculative_tokens=0")
+    if scheduler is None:
+        return SchedulerConfig(enable_prefix_caching=False)
+    if scheduler.enable_prefix_caching:
+        raise ValueError(f"enable_prefix_caching=True: {name} is a hybrid model ({why}); pass "
+                         "SchedulerConfig(enable_prefix_caching=False)")
+    return scheduler
+
+
+class SlotStates:
+    """The linear step of one scheduled batch over the runner's state slots (module doc).
+
+    states: the slots' :class:`~cpattn.linear.state.RecurrentCache` (batch = ``max_num_seqs``), updated in
+    place; slots [B]: each row's slot (-1: a padding row, computed from zeros and never stored); start [B]:
+    True where the row starts its request (context 0: zero states, whatever the slot holds); cu [B+1]: the
+    rows' query lengths; decode: every row brings one token (the recurrent op; else the chunked op)."""
+
+    def __init__(self, states: RecurrentCache, slots: torch.Tensor, start: torch.Tensor, cu: torch.Tensor,
+                 decode: bool):
+        self.states, self.decode = states, decode
+        # decode: one token per row, padding rows too (a replay's cu_seqlens_q stops at the real tokens)
+        self.cu = torch.arange(slots.shape[0] + 1, dtype=torch.int32, device=slots.device) if decode else cu
+        self.live = slots >= 0
+        self.keep = self.live & ~start
+        self.idx = slots.clamp(min=0)
+
+    def _take(self, t: torch.Tensor) -> torch.Tensor:
+        x = t[self.idx]
+        return torch.where(self.keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
+
+    def _put(self, t: torch.Tensor, new: torch.Tensor) -> None:
+        t[self.idx[self.live]] = new[self.live].to(t.dtype)
+
+    def conv(self, layer, x, weight, bias=None):
+        y, new = gd.causal_conv1d(x, weight, bias, self.cu, self._take(self.states.conv[layer]), silu=True)
+        self._put(self.states.conv[layer], new)
+        return y
+
+    def delta(self, layer, q, k, v, g, beta, scale):
+        s = self._take(self.states.state[layer])
+        if self.decode:
+            o, new = gd.gated_delta_step(q, k, v, g, beta, s, scale=scale)
+        else:
+            o, new = gd.gated_delta_chunk(q, k, v, g, beta, self.cu, s, scale=scale)
+        self._put(self.states.state[layer], new)
+        return o
+
+
+def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFamily, cfg: Any, group: Group,
+                     merge: str, decode: bool | None = None):
+    """One step of the hybrid runner: :func:`cpattn.engine.decode.decode_step`'s DCP attention over
+    ``state["shard"]`` plus :class:`SlotStates` over ``state["states"]`` rows ``batch["slots"]``.
+    decode: every row one token (None: read from ``cu_seqlens_q``, a host sync: eager steps only).
+    Returns (logits [T, V], argmax [T])."""
+    shard: PagedShard = state["shard"]
+    cu = batch["cu_seqlens_q"]
+    ql = cu[1:] - cu[:-1]  # [B]
+    tokens = batch["tokens"]
+    tensors = plan_tensors(batch["seq_lens"], ql, batch["block_table"], num_tokens=tokens.shape[0],
+                           dcp_size=group.size, interleave_size=shard.interleave_size,
+                           block_size=shard.block_size)
+    meta = DCPMeta(dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size,
+                   block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
+    attn = DCPStep(group, shard, meta, merge)
+    if decode is None:
+        decode = bool((ql == 1).all())
+    lin = SlotStates(state["states"], batch["slots"], batch["seq_lens"] - ql == 0, cu, decode)
+    logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
+    return logits, logits.argmax(-1)
+
+
+class HybridStepRunner(StepRunner):
+    """One rank's hybrid model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`
+    (``pcp``: prefill chunks run the DCP step, see the module doc; ``hidden_layers`` refused).
+
+    ``live``: requests holding a slot; ``states``: the slots' linear-layer states.
+    """
+
+    other_caches = ("hybrid",)
+
+    def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
+                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
+                 capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
+                 num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
+                 hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:
+        family = get_family(model)
+        if family.cache != "hybrid":
+            raise ValueError(f"HybridStepRunner runs families declaring cache='hybrid'; {family.name} declares "
+                             f"cache={family.cache!r}: use cpattn.engine.runner.StepRunner")
+        if hidden_layers is not None or num_speculative_tokens:
+            raise ValueError(f"hidden_layers={hidden_layers}, num_speculative_tokens={num_speculative_tokens}: the "
+                             f"{family.name} step loop keeps no per-draft-position states; run without a drafter")
+        if capture not in (None, "eager"):
+            raise ValueError(f"graph backend {capture!r}: the {family.name} decode step is not capturable by a "
+                             "compiler; use graph_backend='eager' (or 'auto') or graph_mode='NONE'")
+        super().__init__(group, family, params, cfg, num_blocks=num_blocks, block_size=block_size,
+                         max_model_len=max_model_len, interleave_size=interleave_size, merge=merge, capture=None,
+                         max_num_seqs=max_num_seqs, pcp=False, pcp_method=pcp_method, poison=poison)
+        dev = params["model.embed_tokens.weight"].device
+        self.states = family.recurrent_cache(cfg, batch=max_num_seqs, dtype=param_dtype(params), device=dev)
+        for t in (*self.states.conv, *self.states.state):
+            t.fill_(float("nan"))  # a free slot: never read
+        self.slots: dict[Hashable, int] = {}
+        self.seen: dict[Hashable, int] = {}  # tokens each slot's states have absorbed
+        self._free = list(range(max_num_seqs))
+        self._step = functools.partial(hybrid_loop_step, family=self.family, cfg=cfg, group=group, merge=merge)
+        self._state = {"params": params, "shard": self.shard, "states": self.states}
+        if capture is not None:
+            fields = {**step_fields(self.max_blocks), "slots": Field("request", (), torch.int64, pad=-1)}
+            self.graph = DecodeRunner(functools.partial(self._step, decode=True), self._state, fields,
+                                      num_speculative_tokens=0,
+                                      capture_sizes=list(capture_sizes) if capture_sizes else None,
+                                      max_size=max_num_seqs, backend=capture).capture()
+
+    @property
+    def live(self) -> int:
+        return len(self.slots)
+
+    def release(self, req_ids) -> None:
+        """Drop the states of ``req_ids`` (finished, aborted or preempted: a readmission recomputes them)."""
+        for rid in req_ids:
+            slot = self.slots.pop(rid, None)
+            self.seen.pop(rid, None)
+            if slot is None:
+                continue
+            for t in (*self.states.conv, *self.states.state):
+                t[slot] = float("nan")
+            self._free.append(slot)
+
+    def batch(self, out: SchedulerOutput, width: int | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`StepRunner.batch` plus ``slots`` [B]: each row's state slot."""
+        return {**super().batch(out, width), "slots": torch.tensor([self.slots[r] for r in out.req_ids],
+                                                                   dtype=torch.int64)}
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""
+        self.release([*out.preempted, *out.finished])
+        for b, rid in enumerate(out.req_ids):
+            ctx = out.context_lens[b]
+            if ctx == 0:  # a new request, or a preempted one recomputing prompt and outputs
+                self.release([rid])
+                if not self._free:
+                    raise RuntimeError(f"request {rid!r}: no free state slot of {len(self.slots)}; the scheduler "
+                                       "ran more requests than max_num_seqs")
+                self.slots[rid], self.seen[rid] = self._free.pop(0), 0
+            elif self.seen.get(rid) != ctx:
+                raise RuntimeError(f"request {rid!r}: its linear states hold {self.seen.get(rid)} tokens but the "
+                                   f"step continues after {ctx}")
+            if out.draft_tokens[b]:
+                raise RuntimeError(f"request {rid!r}: {len(out.draft_tokens[b])} drafts; the hybrid step loop "
+                                   "runs no drafter")
+        res = super().execute(out)
+        for b, rid in enumerate(out.req_ids):
+            self.seen[rid] += out.query_lens[b]
+        return res

@@ -1,0 +1,181 @@
+"""Hybrid linear-attention models in the step loop (LLMEngine over HybridStepRunner) against one-device generation.
+
+The oracle: :func:`cpattn.engine.generate` of each request alone on one device (the fixed-batch path, itself
+checked against Hugging Face in tests/test_qwen3_next_engine.py), float64 weights of the tiny Qwen3-Next config
+(linear, full, linear, linear; conv kernel 4). Whatever the arrivals, the token budget (so where prompts are
+cut into chunks: boundaries inside the conv kernel's width too), the batch mix, preemptions (recompute) and
+aborts, each request's tokens must equal it, for layouts 1, DCP 2 and PCP 2 + DCP 2 (whose chunks run the DCP
+step, the linear layers replicated). A freed slot is NaN-poisoned, so a read of a finished or preempted
+request's state, or a chunk that did not continue its request's state, turns the tokens wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from engine_loop_cases import run_schedule
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpattn.config import SchedulerConfig
+from cpattn.engine import engine_configs, generate
+from cpattn.engine.drafters import NgramDrafter
+from cpattn.engine.llm import LLMEngine
+from cpattn.models import qwen3_5, qwen3_next as qn
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]  # PCP + DCP in one engine
+MAX_TOKENS = 6
+LAYOUTS = {"one": (1, 1), "dcp2": (2, 1), "pcp2_dcp2": (2, 2)}
+BUDGET = 7  # small: prompts are cut into chunks, and a step's decodes leave chunks of 1 or 2 tokens (< K - 1 = 3)
+
+
+def sched(**over) -> SchedulerConfig:
+    return SchedulerConfig(**{"max_num_batched_tokens": BUDGET, "max_num_seqs": 4, "enable_prefix_caching": False,
+                              **over})
+
+
+@functools.lru_cache(maxsize=None)
+def model(family: str = "qwen3_next"):
+    """The tiny config of ``family``, float64 weights (std 0.2: the states move the logits)."""
+    mod = qn if family == "qwen3_next" else qwen3_5
+    cfg = (qn.Qwen3NextConfig if family == "qwen3_next" else qwen3_5.Qwen3_5Config).tiny()
+    return cfg, mod.init_params(cfg, seed=1, std=0.2, dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(prompt: tuple[int, ...], family: str = "qwen3_next") -> list[int]:
+    cfg, params = model(family)
+    pre, dec = engine_configs(family, cfg)  # one device
+    return generate(family, params, cfg, [list(prompt)], MAX_TOKENS, prefill=pre, decode=dec,
+                    prompt_logits=False).tokens[0].tolist()
+
+
+def expected(req: dict, family: str = "qwen3_next") -> list[int]:
+    ref = reference(tuple(req["prompt"]), family)[: req["max_tokens"]]
+    for j, t in enumerate(ref):
+        if t in req.get("stop", ()):
+            return ref[: j + 1]
+    return ref
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine(layout: str, num_blocks: int, family: str = "qwen3_next", **kw) -> LLMEngine:
+    cfg, params = model(family)
+    n, pcp = LAYOUTS[layout]
+    return LLMEngine(family, params, cfg, dcp_size=n, pcp_size=pcp, block_size=4, num_blocks=num_blocks,
+                     scheduler=kw.pop("scheduler", sched()), poison=True, **kw)
+
+
+def check_run(eng: LLMEngine, schedule: list[dict], family: str = "qwen3_next") -> list:
+    """Run the schedule; assert every request's tokens, the replay rule and that no block or slot leaks."""
+    ids, steps = run_schedule(eng, schedule)
+    for i, rid in ids.items():
+        req = eng.scheduler.requests[rid]
+        got, want = list(req.output), expected(schedule[i], family)
+        if req.finish_reason == "abort":
+            assert want[: len(got)] == got, f"aborted request {i}: {got} is not a prefix of {want}"
+        else:
+            assert got == want, f"request {i} (prompt {len(schedule[i]['prompt'])} tokens): {got} != {want}"
+    for out, replayed in steps:
+        assert not (replayed and not out.uniform_decode), f"a step with {out.eager_reason} replayed"
+    s = eng.stats
+    assert (s.blocks_used, s.running, s.waiting) == (0, 0, 0), s
+    assert s.replayed_steps + s.eager_steps == s.steps == len([o for o, _ in steps if o.req_ids])
+    eng.step()  # the scheduler reports the last finishes with its next step: the runners drop their slots
+    for r in eng.runners:
+        assert r.live == 0 and sorted(r._free) == list(range(eng.scheduler_config.max_num_seqs))
+        assert all(bool(t.isnan().all()) for t in (*r.states.conv, *r.states.state)), "a slot left unpoisoned"
+    return steps
+
+
+def staggered() -> list[dict]:
+    """Five requests arriving over five steps, prompts of 5 to 17 tokens (several chunks each at budget 7)."""
+    lens, arrive, max_tokens = (5, 13, 9, 17, 11), (0, 0, 2, 3, 5), (6, 6, 6, 5, 4)
+    reqs = [{"prompt": prompt(n, s), "arrive": a, "max_tokens": m}
+            for s, (n, a, m) in enumerate(zip(lens, arrive, max_tokens))]
+    reqs[2]["abort"] = 11  # after some tokens, in every layout
+    last = reference(tuple(reqs[4]["prompt"]))[:4]
+    assert last[3] not in last[:3]
+    reqs[4]["stop"] = (last[3],)  # its 4th (last) token: "stop" wins over "length", the schedule unchanged
+    return reqs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_staggered_chunked_schedule_matches_one_device(layout):
+    n = LAYOUTS[layout][0]
+    eng = engine(layout, num_blocks=8 // n)  # 32 tokens of KV accounting: the requests do not all fit
+    schedule = staggered()
+    steps = check_run(eng, schedule)
+    s = eng.stats
+    assert s.preemptions > 0, "the small block pool should force a preemption (recompute)"
+    assert any(any(o.is_prefill) and not all(o.is_prefill) for o, _ in steps), "no mixed step ran"
+    chunks = [(o.context_lens[b], o.query_lens[b]) for o, _ in steps for b in range(len(o.req_ids))
+              if o.is_prefill[b]]
+    # a chunk continuing after 1 or 2 tokens: its conv window (K = 4) spans the boundary and the zeros before
+    assert any(0 < c < 3 for c, q in chunks), "no chunk boundary inside the conv kernel's width"
+    assert any(c > 0 and c % 4 and q > 1 for c, q in chunks), "no chunk continuing mid-block"
+    assert s.pcp_steps == 0  # PCP + DCP: the chunks run the DCP step (module doc of runner_hybrid)
+    reasons = {i: eng.scheduler.requests[i].finish_reason for i in range(len(schedule))}
+    assert reasons == {0: "length", 1: "length", 2: "abort", 3: "length", 4: "stop"}, reasons
+    assert 0 < len(eng.scheduler.requests[2].output) < 6  # aborted after some tokens
+
+
+@pytest.mark.parametrize("layout", ["one", "dcp2"])
+def test_eager_captured_decode_replays_uniform_steps(layout):
+    reqs = [{"prompt": prompt(n, 10 + n), "arrive": a, "max_tokens": MAX_TOKENS} for n, a in ((11, 0), (6, 0), (3, 3))]
+    eng = engine(layout, num_blocks=40, graph_mode="FULL_DECODE_ONLY", graph_backend="auto")  # auto: eager here
+    check_run(eng, reqs)
+    assert eng.stats.replayed_steps > 0 and eng.stats.eager_steps > 0, eng.stats
+
+
+def test_qwen3_5_dcp2_matches_one_device():
+    reqs = [{"prompt": prompt(n, 30 + n), "arrive": a, "max_tokens": MAX_TOKENS} for n, a in ((12, 0), (5, 1), (9, 2))]
+    check_run(engine("dcp2", num_blocks=6, family="qwen3_5"), reqs, family="qwen3_5")
+
+
+def test_refused_at_construction():
+    cfg, params = model()
+    cases = [(dict(scheduler=sched(enable_prefix_caching=True)), "enable_prefix_caching=True"),
+             (dict(scheduler=SchedulerConfig()), "enable_prefix_caching=True"),  # the paged defaults
+             (dict(scheduler=sched(), kv_pool="mem"), "kv_pool"),
+             (dict(scheduler=sched(), drafter=NgramDrafter(), num_speculative_tokens=2), "drafter"),
+             (dict(scheduler=sched(), graph_mode="FULL_DECODE_ONLY", graph_backend="inductor"), "graph backend")]
+    for kw, what in cases:
+        with pytest.raises(ValueError, match=what) as e:
+            LLMEngine("qwen3_next", params, cfg, block_size=4, num_blocks=16, **kw)
+        msg = str(e.value)
+        assert "\n" not in msg and ("pass" in msg or "use" in msg), msg
+    eng = LLMEngine("qwen3_next", params, cfg, block_size=4, num_blocks=64)  # None: prefix caching off
+    assert not eng.scheduler_config.enable_prefix_caching and eng.scheduler_config.enable_chunked_prefill
+
+
+requests = st.lists(st.fixed_dictionaries({
+    "len": st.integers(1, 20), "max_tokens": st.integers(1, MAX_TOKENS), "arrive": st.integers(0, 6),
+    "abort": st.one_of(st.none(), st.integers(0, 10))}), min_size=1, max_size=4)
+
+
+def run_property(layout: str, reqs: list[dict], num_blocks: int, budget: int, seed: int) -> None:
+    schedule = [{"prompt": prompt(r["len"], 1000 * seed + i), "arrive": r["arrive"], "max_tokens": r["max_tokens"],
+                 **({} if r["abort"] is None else {"abort": r["abort"]})} for i, r in enumerate(reqs)]
+    eng = engine(layout, num_blocks=num_blocks // LAYOUTS[layout][0], scheduler=sched(max_num_batched_tokens=budget))
+    check_run(eng, schedule)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=requests, num_blocks=st.integers(8, 20), budget=st.integers(2, 12), seed=st.integers(0, 3))
+def test_property_arrivals_budgets_and_lengths(reqs, num_blocks, budget, seed):
+    run_property("one", reqs, num_blocks, budget, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=requests, num_blocks=st.integers(8, 20), budget=st.integers(2, 12), seed=st.integers(0, 50),
+       layout=st.sampled_from(list(LAYOUTS)))
+def test_property_arrivals_budgets_and_lengths_all_layouts(reqs, num_blocks, budget, seed, layout):
+    run_property(layout, reqs, num_blocks, budget, seed)
