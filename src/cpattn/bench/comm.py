@@ -25,14 +25,12 @@ Usage::
 
 from __future__ import annotations
 
-import time
-
-
+from cpattn.bench import harness
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import measure, ratio, table, write_json
 
 SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 8 << 20)  # bytes per rank's input (float32)
 KINDS = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
+COLUMNS = ["bytes", "collective", "native_ms", "a2a_ms", "ratio [low-high]", "max_abs_diff"]
 
 
 def bench_rank(group, sizes, reps, inner=5):
@@ -48,44 +46,38 @@ def bench_rank(group, sizes, reps, inner=5):
         for kind in KINDS:
             calls = {algo: (lambda g=g: getattr(g, kind)(x)) for algo, g in groups.items()}
             diff = (calls["native"]() - calls["a2a"]()).abs().max().item()
-            s = measure(calls, reps, group=group, inner=inner)
-            r = ratio(s["native"], s["a2a"])
-            rows.append({"bytes": nbytes, "collective": kind, "native_ms": 1e3 * s["native"].median,
-                         "a2a_ms": 1e3 * s["a2a"].median, "ratio": r.median, "ratio_low": r.low,
+            c = harness.compare(calls, reps, group=group, inner=inner)
+            r = c.ratio("native", "a2a")
+            rows.append({"bytes": nbytes, "collective": kind, "native_ms": 1e3 * c.samples["native"].median,
+                         "a2a_ms": 1e3 * c.samples["a2a"].median, "ratio": r.median, "ratio_low": r.low,
                          "ratio_high": r.high, "ratio_best": r.best, "max_abs_diff": diff})
     return rows
 
 
 def main(argv=None) -> int:
     """``cpattn bench comm``: print native vs a2a per collective and size; JSON with ``--json``."""
-    p = cli.parser("cpattn bench comm", __doc__)
-    cli.add_quick(p, "4 KiB and 32 KiB messages only")
+    p = harness.parser("cpattn bench comm", __doc__, quick="4 KiB and 32 KiB messages only", timeout=True)
     p.add_argument("--world-size", type=cli.positive_int, default=2, metavar="N",
                    help="gloo processes, one thread each (these ranks have no parallel role)")
     p.add_argument("--reps", type=cli.positive_int, default=15, help="interleaved samples per cell")
     p.add_argument("--inner", type=cli.positive_int, default=5, help="back-to-back calls per sample")
     p.add_argument("--sizes", type=cli.int_list, default=",".join(map(str, SIZES)), metavar="BYTES,...",
                    help="input bytes per rank, comma-separated")
-    cli.add_json(p)
-    cli.add_timeout(p)
     args = p.parse_args(argv)
     if args.world_size < 2:
         cli.bad_value(p.prog, "--world-size", args.world_size, "at least 2 ranks (a collective needs peers)",
                       "pass --world-size 2 or more")
     if args.quick:
         args.sizes = SIZES[:2]
-    t0 = time.perf_counter()
-    from cpattn.comm.launch import spawn
-
-    with cli.report_to(args.json):
-        res = spawn(args.world_size, bench_rank, args.sizes, args.reps, args.inner, threads=1, timeout_s=args.timeout)
-        print(f"gloo, {args.world_size} ranks x 1 thread; each cell the median of {args.reps} interleaved samples of "
-              f"{args.inner} back-to-back calls (slowest rank); ratio = native / a2a (> 1: a2a faster), median "
-              f"[low-high] of per-sample ratios (run {time.perf_counter() - t0:.0f} s)")
-        shown = [{**r, "ratio [low-high]": f"{r['ratio']:.3g} [{r['ratio_low']:.3g}-{r['ratio_high']:.3g}]"}
-                 for r in res[0]]
-        print(table(shown, ["bytes", "collective", "native_ms", "a2a_ms", "ratio [low-high]", "max_abs_diff"]))
-    write_json(args.json, {"config": vars(args), "rows": res[0]})
+    with harness.Report(args) as out:
+        res = harness.ranks(args.world_size, bench_rank, args.sizes, args.reps, args.inner, timeout_s=args.timeout,
+                            label="native vs a2a collectives")
+        out.line(f"gloo, {args.world_size} ranks x 1 thread; each cell the median of {args.reps} interleaved samples "
+                 f"of {args.inner} back-to-back calls (slowest rank); ratio = native / a2a (> 1: a2a faster), median "
+                 f"[low-high] of per-sample ratios (run {out.elapsed:.0f} s)")
+        out.table([{**r, "ratio [low-high]": f"{r['ratio']:.3g} [{r['ratio_low']:.3g}-{r['ratio_high']:.3g}]"}
+                   for r in res[0]], COLUMNS)
+        out.payload = {"config": vars(args), "rows": res[0]}
     return 0
 
 
