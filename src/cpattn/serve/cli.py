@@ -247,6 +247,7 @@ def build_engine(a, sched):
     from cpattn.engine.llm import LLMEngine
 
     family, cfg, params = load_model(Spec(model_dir=a.model, model_type=a.model_type, dtype=a.dtype, seed=a.seed))
+    sched = sched if family.cache != "hybrid" else type(sched)(**{**vars(sched), "enable_prefix_caching": False})
     graph = a.compilation_config or {"graph_mode": "NONE", "capture_sizes": None, "graph_backend": "auto"}
     spec, drafter, k = a.speculative_config, None, 0
     if spec is not None:
