@@ -179,3 +179,15 @@ def test_property_arrivals_budgets_and_lengths(reqs, num_blocks, budget, seed):
        layout=st.sampled_from(list(LAYOUTS)))
 def test_property_arrivals_budgets_and_lengths_all_layouts(reqs, num_blocks, budget, seed, layout):
     run_property(layout, reqs, num_blocks, budget, seed)
+
+
+def test_serve_builds_a_hybrid_engine_without_prefix_caching():
+    """``cpattn serve --model-type qwen3_next``: the server's scheduler config (prefix caching on) is turned off
+    for a hybrid family, and the engine serves a request."""
+    from cpattn.serve.cli import build_engine, check_args, parser
+
+    a = parser().parse_args(["--model-type", "qwen3_next", "--dcp", "2"])
+    eng = build_engine(a, check_args(a))
+    assert type(eng.runners[0]).__name__ == "HybridStepRunner" and not eng.scheduler_config.enable_prefix_caching
+    (out,) = eng.generate([[1, 2, 3, 4, 5]])
+    assert out.finished and len(out.token_ids) > 0 and eng.stats.blocks_used == 0
