@@ -141,6 +141,7 @@ class BlockManager:
         self._key: list[str | None] = [None] * num_blocks
         self._cached: dict[str, int] = {}  # key -> block id
         self._tables: dict[Hashable, list[int]] = {}
+        self._cached_upto: dict[Hashable, int] = {}  # spans of each request cache_blocks has looked at
         self._hits = self._queries = self._evictions = 0
         self._fresh: list[int] = []  # handed out since the last take_fresh(): their rows are stale
 
@@ -276,11 +277,13 @@ class BlockManager:
         if not self.enable_caching:
             return
         table = self._tables.get(req_id, [])
-        for c in range(min(num_computed // self.span, len(keys), len(table))):
+        start, stop = self._cached_upto.get(req_id, 0), min(num_computed // self.span, len(keys), len(table))
+        for c in range(start, stop):  # spans before ``start`` were looked at in an earlier step
             b, k = table[c], keys[c]
             if self._key[b] is None and k not in self._cached:
                 self._key[b] = k
                 self._cached[k] = b
+        self._cached_upto[req_id] = max(start, stop)
 
     def _release(self, blocks: list[int]) -> None:
         for b in reversed(blocks):  # the tail is freed first, so it is evicted first
@@ -299,3 +302,4 @@ class BlockManager:
     def free(self, req_id: Hashable) -> None:
         """Release every block of the request (finished, aborted or preempted); unknown ids are a no-op."""
         self._release(self._tables.pop(req_id, []))
+        self._cached_upto.pop(req_id, None)
