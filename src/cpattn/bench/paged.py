@@ -25,11 +25,10 @@ Usage::
 from __future__ import annotations
 
 import itertools
-import time
 
-
+from cpattn.bench import harness
+from cpattn.bench.harness import safe_div
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import measure, safe_div, table, write_json
 
 # (kv heads, head dim, query heads per kv head, block size): GQA 8 x 128, small GQA, MQA, MLA latent
 HEADS = [(8, 128, 4, 128), (2, 32, 4, 16), (1, 32, 4, 16), (1, 576, 16, 64)]
@@ -72,8 +71,8 @@ def run(dtypes, heads, rows, keys, reps):
             finally:
                 paged.SMALL_ELEMS, paged.SMALL_ROW_ELEMS = with_limits
 
-        s = measure({"small": lambda: paged._paged_small(*args, scale), "flash": flash,
-                     "traced": lambda: compiled(*args, scale)}, reps, warmup=1)
+        s = harness.compare({"small": lambda: paged._paged_small(*args, scale), "flash": flash,
+                             "traced": lambda: compiled(*args, scale)}, reps, warmup=1).samples
         small, flash_ms, traced = (1e3 * s[k].best for k in ("small", "flash", "traced"))
         eager_pick = "small" if paged._small(args[0], args[1], args[2], n) else "flash"
         graph_pick = "traced" if paged._traceable(*args) else "op"
@@ -95,10 +94,8 @@ COLUMNS = ["dtype", "hkv x d", "T", "L", "small_ms", "flash_ms", "traced_ms", "e
 
 def main(argv=None) -> int:
     """``cpattn bench paged``: time every CPU path of paged attention and name dispatch's pick."""
-    ap = cli.parser("cpattn bench paged", __doc__)
-    cli.add_quick(ap, "float32, two head shapes, T in {1, 8}, L in {256, 2048}")
+    ap = harness.parser("cpattn bench paged", __doc__, quick="float32, two head shapes, T in {1, 8}, L in {256, 2048}")
     ap.add_argument("--reps", type=cli.positive_int, default=5, help="interleaved rounds per shape (best is shown)")
-    cli.add_json(ap)
     args = ap.parse_args(argv)
     import torch
     from cpattn.ops import paged
@@ -107,15 +104,16 @@ def main(argv=None) -> int:
     dtypes, heads, rows = [torch.float32, torch.bfloat16], HEADS, ROWS
     if args.quick:
         dtypes, heads, rows = [torch.float32], HEADS[:2], ROWS[:2]
-    t0 = time.perf_counter()
-    with cli.report_to(args.json):
+    with harness.Report(args) as out:
+        out.progress(f"up to {len(dtypes) * len(heads) * len(rows) * len(KEYS)} shapes, each compiled once")
         res = run(dtypes, heads, rows, KEYS, args.reps)
-        print(f"paged_attention_with_lse on the CPU, 1 thread, best of {args.reps} interleaved rounds; SMALL_ELEMS = "
-              f"{paged.SMALL_ELEMS}, SMALL_ROW_ELEMS = {paged.SMALL_ROW_ELEMS} (run {time.perf_counter() - t0:.0f} s)")
-        print(table(res, COLUMNS))
-        print("*_vs_best: time of the path picked / the fastest candidate (eager: small or flash; graph: traced or the op)")
-    write_json(args.json, {"config": {**vars(args), "SMALL_ELEMS": paged.SMALL_ELEMS,
-                                      "SMALL_ROW_ELEMS": paged.SMALL_ROW_ELEMS}, "rows": res})
+        out.line(f"paged_attention_with_lse on the CPU, 1 thread, best of {args.reps} interleaved rounds; SMALL_ELEMS "
+                 f"= {paged.SMALL_ELEMS}, SMALL_ROW_ELEMS = {paged.SMALL_ROW_ELEMS} (run {out.elapsed:.0f} s)")
+        out.table(res, COLUMNS)
+        out.line("*_vs_best: time of the path picked / the fastest candidate (eager: small or flash; graph: traced or "
+                 "the op)")
+        out.payload = {"config": {**vars(args), "SMALL_ELEMS": paged.SMALL_ELEMS,
+                                  "SMALL_ROW_ELEMS": paged.SMALL_ROW_ELEMS}, "rows": res}
     return 0
 
 
