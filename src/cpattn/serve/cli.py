@@ -77,6 +77,20 @@ def parser():
     p.add_argument("--speculative-config", type=flags.speculative_config, default=None, metavar="JSON",
                    help='speculative decoding: \'{"method": "ngram", "num_speculative_tokens": K}\' (also '
                         'prompt_lookup_max / prompt_lookup_min; default: none)')
+    p.add_argument("--pcp-policy", choices=flags.PCP_POLICIES, default="always",
+                   help="with --pcp > 1: 'always' runs every prefill chunk PCP; 'elastic' only chunks of at least "
+                        "--pcp-min-tokens new tokens, shorter ones DCP attention (default: always)")
+    p.add_argument("--pcp-min-tokens", type=cli.nonnegative_int, default=None, metavar="N",
+                   help="--pcp-policy elastic: the shortest chunk that runs PCP (default: the planner's break-even "
+                        "on this machine)")
+    p.add_argument("--kv-transfer-config", type=flags.kv_transfer_config, default=None, metavar="JSON",
+                   help='P/D in this one process, vLLM\'s shape: \'{"kv_connector": "CpattnPoolConnector", '
+                        '"kv_role": "kv_both"}\' -- a prefill role on --pcp P ranks (PCP) hands each request\'s KV '
+                        'through --kv-pool to a decode role on --dcp D ranks (DCP); e.g. --pcp 2 --dcp 2 '
+                        '(default: one engine, no P/D)')
+    p.add_argument("--kv-pool", type=flags.kv_pool, default=None, metavar="SPEC",
+                   help="with --kv-transfer-config: the connector's store, memory (in-process), lmdb:DIR or "
+                        "mooncake:HOST:PORT (default: memory)")
     p.add_argument("--max-num-batched-tokens", type=cli.positive_int, default=2048, metavar="N",
                    help="token budget of one step (prefill chunks + decodes)")
     p.add_argument("--max-num-seqs", type=cli.positive_int, default=16, metavar="N",
@@ -116,11 +130,29 @@ def check_args(a):
     from cpattn.config import ConfigError, SchedulerConfig
 
     pcp, dcp = a.prefill_context_parallel_size, a.decode_context_parallel_size
-    if pcp not in (1, dcp):
+    pd = a.kv_transfer_config is not None
+    if a.pcp_policy != "always" and pcp < 2:
+        cli.bad_value(PROG, "--pcp-policy", f"--pcp-policy {a.pcp_policy} with --pcp={pcp}",
+                      "a PCP policy chooses between PCP and DCP prefill, so it needs --pcp > 1",
+                      f"add --pcp {max(dcp, 2)} --dcp {max(dcp, 2)}, or drop --pcp-policy")
+    if a.pcp_min_tokens is not None and a.pcp_policy != "elastic":
+        cli.bad_value(PROG, "--pcp-min-tokens", f"--pcp-min-tokens {a.pcp_min_tokens} with --pcp-policy "
+                      f"{a.pcp_policy}", "the threshold of the elastic policy", "add --pcp-policy elastic")
+    if pd and a.pcp_policy != "always":
+        cli.bad_value(PROG, "--pcp-policy", f"--pcp-policy {a.pcp_policy} with --kv-transfer-config",
+                      "the P/D prefill role runs every chunk PCP over its --pcp ranks", "drop --pcp-policy")
+    if pd and a.speculative_config is not None:
+        cli.bad_value(PROG, "--speculative-config", "a drafter with --kv-transfer-config",
+                      "the P/D decode role builds no drafter yet", "drop --speculative-config (or the P/D flag)")
+    if a.kv_pool is not None and not pd:
+        cli.bad_value(PROG, "--kv-pool", repr(a.kv_pool), "the KV pool is P/D's connector, read with "
+                      "--kv-transfer-config", "add --kv-transfer-config '{\"kv_role\": \"kv_both\", "
+                      "\"kv_connector\": \"CpattnPoolConnector\"}'")
+    if not pd and pcp not in (1, dcp):
         fix = f"use --pcp {dcp} (or 1)" if dcp > 1 else f"use --pcp {pcp} --dcp {pcp}, or --pcp 1"
         cli.bad_value(PROG, "--prefill-context-parallel-size/--pcp", f"--pcp={pcp} with --dcp={dcp}",
                       "the server runs one engine whose PCP ranks are its DCP ranks: --pcp is 1 or equals --dcp "
-                      "(a separate PCP prefill engine, P/D, is not served yet)", fix)
+                      "(P/D, a PCP prefill role and a DCP decode role: add --kv-transfer-config)", fix)
     if a.compilation_config is not None and a.compilation_config["graph_backend"] != "auto":
         cli.check_backend(PROG, "--compilation-config backend", a.compilation_config["graph_backend"])
     try:
@@ -229,7 +261,14 @@ def describe(a, engine) -> str:
     """
     parts = [a.model_type if a.model is None else "checkpoint", "embedded" if a.model is None else a.model]
     pcp, dcp = a.prefill_context_parallel_size, a.decode_context_parallel_size
-    parts.append(f"PCP {pcp} + DCP {dcp}" if pcp > 1 else f"DCP {dcp}")
+    if getattr(a, "kv_transfer_config", None) is not None:
+        parts.append(f"P/D: prefill PCP {pcp} -> decode DCP {dcp} via KV pool {a.kv_pool or 'memory'}")
+    else:
+        parts.append(f"PCP {pcp} + DCP {dcp}" if pcp > 1 else f"DCP {dcp}")
+        if pcp > 1 and getattr(a, "pcp_policy", "always") == "elastic":
+            runners = getattr(engine, "runners", None)
+            n = runners[0].pcp_min_tokens if runners else a.pcp_min_tokens
+            parts.append("elastic PCP" if n is None else f"elastic: PCP for chunks of >= {n} tokens")
     if a.compilation_config is not None and a.compilation_config["graph_mode"] != "NONE":
         parts.append(a.compilation_config["graph_mode"])
     if a.speculative_config is not None:
@@ -255,9 +294,19 @@ def build_engine(a, sched):
 
         drafter = NgramDrafter(max_ngram=spec["max_ngram"], min_ngram=spec["min_ngram"])
         k = spec["num_speculative_tokens"]
+    if a.kv_transfer_config is not None:  # P/D: the prefill role on --pcp ranks, the decode role on --dcp
+        from cpattn.engine.pd_engine import PDEngine
+        from cpattn.engine.pooling import PoolSpec
+
+        pool = None if a.kv_pool in (None, "memory") else PoolSpec(a.kv_pool, model=a.model or f"{a.model_type}-seed{a.seed}")
+        return PDEngine(family, params, cfg, pcp_size=a.prefill_context_parallel_size,
+                        dcp_size=a.decode_context_parallel_size, block_size=a.block_size, scheduler=sched,
+                        kv_pool=pool, graph_mode=graph["graph_mode"], graph_backend=graph["graph_backend"],
+                        capture_sizes=graph["capture_sizes"])
     with warnings.catch_warnings():  # PCP + DCP in one engine is exact here; vLLM-Ascend's refusal is a note
         warnings.simplefilter("ignore", GuideCompatWarning)
         return LLMEngine(family, params, cfg, scheduler=sched, dcp_size=a.decode_context_parallel_size,
                          pcp_size=a.prefill_context_parallel_size, block_size=a.block_size,
                          graph_mode=graph["graph_mode"], capture_sizes=graph["capture_sizes"],
-                         graph_backend=graph["graph_backend"], drafter=drafter, num_speculative_tokens=k)
+                         graph_backend=graph["graph_backend"], drafter=drafter, num_speculative_tokens=k,
+                         pcp_policy=a.pcp_policy, pcp_min_tokens=a.pcp_min_tokens)

@@ -1,4 +1,5 @@
-"""The JSON flags of ``cpattn serve`` (vLLM's spelling): ``--compilation-config`` and ``--speculative-config``.
+"""The JSON flags of ``cpattn serve`` (vLLM's spelling): ``--compilation-config``, ``--speculative-config``,
+``--kv-transfer-config``, and the ``--kv-pool`` spec of P/D's connector.
 
 Each is an argparse ``type``: the JSON text -> a plain dict of what the
 engine takes, or :class:`argparse.ArgumentTypeError` with one line naming
@@ -12,6 +13,8 @@ Example
 {'graph_mode': 'FULL_DECODE_ONLY', 'capture_sizes': None, 'graph_backend': 'auto'}
 >>> speculative_config('{"method": "ngram", "num_speculative_tokens": 2}')
 {'method': 'ngram', 'num_speculative_tokens': 2, 'max_ngram': 3, 'min_ngram': 1}
+>>> kv_transfer_config('{"kv_connector": "CpattnPoolConnector", "kv_role": "kv_both"}')
+{'kv_connector': 'CpattnPoolConnector', 'kv_role': 'kv_both'}
 """
 
 from __future__ import annotations
@@ -123,3 +126,63 @@ def speculative_config(text: str) -> dict:
     if lo > hi:
         raise argparse.ArgumentTypeError(f"saw prompt_lookup_min={lo} > prompt_lookup_max={hi}; rule: min <= max")
     return {"method": method.lower(), "num_speculative_tokens": k, "max_ngram": hi, "min_ngram": lo}
+
+
+KV_CONNECTORS = ("CpattnPoolConnector",)  # the KV pool between the two roles of one server (PDEngine)
+VLLM_CONNECTORS = ("NixlConnector", "MooncakeConnector", "MooncakeConnectorV1", "LMCacheConnectorV1",
+                   "P2pNcclConnector", "SharedStorageConnector", "MultiConnector", "OffloadingConnector")
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+KV_TRANSFER_KEYS = ("kv_connector", "kv_role")
+PCP_POLICIES = ("always", "elastic")
+
+
+def kv_transfer_config(text: str) -> dict:
+    """``--kv-transfer-config JSON`` (vLLM's shape) -> ``{"kv_connector", "kv_role"}``: P/D in one server.
+
+    ``kv_connector`` "CpattnPoolConnector" (the KV pool of ``--kv-pool``; default) and ``kv_role``
+    "kv_both": this server runs both roles (:class:`cpattn.engine.pd_engine.PDEngine`), the prefill role
+    on ``--pcp`` ranks and the decode role on ``--dcp`` ranks. A producer-only or consumer-only server
+    (vLLM's two-process P/D) is refused: its peer is not served yet.
+
+    >>> kv_transfer_config('{"kv_role": "kv_producer"}')  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: saw kv_role="kv_producer"; rule: "kv_both" (one cpattn serve process runs ...
+    """
+    value = _object(text)
+    _unknown(value, KV_TRANSFER_KEYS)
+    conn = value.get("kv_connector", KV_CONNECTORS[0])
+    if conn not in KV_CONNECTORS:
+        why = " (a vLLM connector between vLLM processes)" if conn in VLLM_CONNECTORS else ""
+        raise argparse.ArgumentTypeError(f"saw kv_connector={json.dumps(conn)}{why}; rule: one of "
+                                         f"{', '.join(KV_CONNECTORS)} (the KV pool of --kv-pool); fix: "
+                                         '"kv_connector": "CpattnPoolConnector"')
+    role = value.get("kv_role")
+    if role != "kv_both":
+        why = ("; a producer-only or consumer-only server needs its peer server, which is not served yet"
+               if role in KV_ROLES else "")
+        raise argparse.ArgumentTypeError(f"saw kv_role={json.dumps(role)}; rule: \"kv_both\" (one cpattn serve "
+                                         f"process runs the prefill role on --pcp ranks and the decode role on "
+                                         f"--dcp ranks){why}; fix: \"kv_role\": \"kv_both\"")
+    return {"kv_connector": conn, "kv_role": role}
+
+
+def kv_pool(text: str) -> str:
+    """``--kv-pool SPEC``: P/D's connector store, "memory" (in-process, the default), "lmdb:DIR" or
+    "mooncake:HOST:PORT" (checked without opening it).
+
+    >>> kv_pool("memory"), kv_pool("lmdb:/tmp/cpattn-pool")
+    ('memory', 'lmdb:/tmp/cpattn-pool')
+    >>> kv_pool("redis:x")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: saw 'redis:x'; rule: memory, lmdb:DIR or mooncake:HOST:PORT (expected lmdb:DIR or mooncake:HOST:PORT)
+    """
+    if text == "memory":
+        return text
+    from cpattn.pool.spec import pool_spec_problem
+
+    why = pool_spec_problem(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: memory, lmdb:DIR or mooncake:HOST:PORT ({why})")
+    return text
