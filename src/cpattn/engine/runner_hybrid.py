@@ -21,11 +21,13 @@ What the step loop cannot do for a hybrid model is refused when the engine is bu
 (:func:`hybrid_scheduler_config`): prefix caching and a KV pool (cached whole blocks carry KV rows, not a
 snapshot of the linear states at block boundaries: snapshots would cost one state copy per block per request,
 not done), drafters (verifying drafts needs the state at every draft position). PCP (``pcp_size =
-dcp_size``): a step's prefill chunks run the DCP step -- the attention layers by DCP attention over the
-sharded cache, the linear layers on every rank (replicated, as decode) -- not the head-tail PCP prefill,
-whose linear scan continues an initial state but whose attention side takes no cached context for a hybrid
-model; ``StepResult.pcp_rows`` is then 0. Captured decode: the family is not capturable by a compiler; the
-``"eager"`` graph backend (persistent buffers, padding rows write nothing) replays uniform decode steps.
+dcp_size``): a step's prefill chunks (of at least ``pcp_min_tokens`` new tokens) run split head-tail over the
+group (:meth:`HybridStepRunner._pcp_chunks`): the attention layers by ring / all-gather attention with the
+cached context gathered from the DCP shards as a replicated prefix (as :mod:`cpattn.engine.runner_pcp`), the
+linear layers by the exact scan (:class:`~cpattn.linear.pcp_step.PCPLinearStep`) starting from each request's
+slot; every rank ends with the same states, written back to the slots, and the new KV rows go to their DCP
+owners by the paged hand-off. The step's decodes (and shorter chunks) then run the DCP step.
+Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph backend (persistent buffers, padding rows write nothing) replays uniform decode steps.
 
 Example
 -------
@@ -53,7 +55,9 @@ Example
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Hashable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -61,11 +65,17 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.config import SchedulerConfig
 from cpattn.dcp import DCPMeta, plan_tensors
+from cpattn.engine.backends.hybrid import hybrid_prefill
+from cpattn.engine.backends.paged import handoff as paged_handoff
+from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import step_fields
 from cpattn.engine.logits import as_logits
 from cpattn.engine.paged_cache import DCPStep, PagedShard
+from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.runner import StepResult, StepRunner
-from cpattn.engine.scheduler import SchedulerOutput
+from cpattn.engine.runner_pcp import cached_rows, rows_of
+from cpattn.engine.sampling import choose, sampled_positions
+from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner, Field
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.family import ModelFamily, get_family, param_dtype
@@ -164,7 +174,7 @@ def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: Mod
 
 class HybridStepRunner(StepRunner):
     """One rank's hybrid model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`
-    (``pcp``: prefill chunks run the DCP step, see the module doc; ``hidden_layers`` refused).
+    (``pcp``: prefill chunks run PCP, see the module doc; ``hidden_layers`` and drafts refused).
 
     ``live``: requests holding a slot; ``states``: the slots' linear-layer states.
     """
@@ -188,7 +198,9 @@ class HybridStepRunner(StepRunner):
                              "compiler; use graph_backend='eager' (or 'auto') or graph_mode='NONE'")
         super().__init__(group, family, params, cfg, num_blocks=num_blocks, block_size=block_size,
                          max_model_len=max_model_len, interleave_size=interleave_size, merge=merge, capture=None,
-                         max_num_seqs=max_num_seqs, pcp=False, pcp_method=pcp_method, poison=poison)
+                         max_num_seqs=max_num_seqs, pcp=False, pcp_method=pcp_method, poison=poison,
+                         pcp_min_tokens=pcp_min_tokens)
+        self.pcp = pcp and group.size > 1  # the chunks' PCP runs here (:meth:`_pcp_chunks`), not StepRunner's
         dev = params["model.embed_tokens.weight"].device
         self.states = family.recurrent_cache(cfg, batch=max_num_seqs, dtype=param_dtype(params), device=dev)
         for t in (*self.states.conv, *self.states.state):
@@ -242,7 +254,57 @@ class HybridStepRunner(StepRunner):
             if out.draft_tokens[b]:
                 raise RuntimeError(f"request {rid!r}: {len(out.draft_tokens[b])} drafts; the hybrid step loop "
                                    "runs no drafter")
-        res = super().execute(out)
+        pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
+            if self.pcp else []
+        if pre:  # the long chunks under PCP, then the decodes and short chunks through the DCP step
+            super().execute(rows_of(out, []))  # the fresh blocks' poisoning
+            sent, t0 = self.group.stats.total_sent(), time.perf_counter()
+            outputs, rows = self._pcp_chunks(rows_of(out, pre))
+            times = [0.0, time.perf_counter() - t0, 0.0]
+            dec = [b for b in range(len(out.req_ids)) if b not in set(pre)]
+            if dec:
+                o, r, _, more, _ = self._forward(rows_of(out, dec), graph=False)
+                outputs, rows = {**outputs, **o}, {**rows, **r}
+                times = [a + b for a, b in zip(times, more)]
+            res = StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), None)
+        else:
+            res = super().execute(out)
         for b, rid in enumerate(out.req_ids):
             self.seen[rid] += out.query_lens[b]
         return res
+
+    def _pcp_chunks(self, out: SchedulerOutput):
+        """The step's prefill chunks under PCP (every row a prefill): the attention layers by ring /
+        all-gather attention over the chunk with its cached context as a replicated prefix, the linear layers
+        by the scan continuing each request's slot; the new KV rows placed by the paged hand-off, the states
+        written back to the slots. Returns ({req_id: ModelOutput}, {req_id: logits [1, V]})."""
+        g = self.group
+        table = self.batch(out, max(len(ids) for ids in out.block_tables))["block_table"]
+        view = replace(self.shard, block_table=table)
+        ctx = tuple(out.context_lens)
+        prefix = Prefix(cached_rows(g, view, ctx), ctx)
+        prompts = Prompts.of([[0] * c + list(ids) for c, ids in zip(ctx, out.input_ids)],
+                             vocab_size=self.cfg.vocab_size)
+        slots = torch.tensor([self.slots[r] for r in out.req_ids], dtype=torch.int64)
+        keep = torch.tensor([c > 0 for c in ctx])
+
+        def take(t):
+            x = t[slots]
+            return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
+
+        init = RecurrentCache(tuple(map(take, self.states.conv)), tuple(map(take, self.states.state)))
+        res = hybrid_prefill(g, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms,
+                             prefix=prefix, states=init)
+        paged_handoff(g, g, g, view, res, self.algorithms)
+        for dst, src in zip((*self.states.conv, *self.states.state), (*res.states.conv, *res.states.state)):
+            dst[slots] = src.to(dst.dtype)
+        first = res.first_logits  # [B, V]
+        chosen = first.argmax(-1).tolist()
+        if any(out.sampling):  # None: a greedy row
+            chosen = choose(first, chosen, sampled_positions(out, last_only=True))
+        outputs, logits = {}, {}
+        for b, rid in enumerate(out.req_ids):
+            outputs[rid] = ModelOutput((chosen[b],)) if out.samples[b] else ModelOutput()
+            if out.samples[b]:
+                logits[rid] = first[b:b + 1]
+        return outputs, logits

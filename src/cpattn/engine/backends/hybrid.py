@@ -155,22 +155,32 @@ class _RequestOrder:
 
 
 def hybrid_prefill(group: Group, family, params: dict, cfg: Any, prompts, *, algorithms: Algorithms = Algorithms(),
-                   prompt_logits: bool = False, prefix=None, hidden_layers=None) -> HybridPrefillOut:
+                   prompt_logits: bool = False, prefix=None, hidden_layers=None,
+                   states: RecurrentCache | None = None) -> HybridPrefillOut:
     """Prefill ``prompts`` split head-tail over ``group`` (run on every rank): the attention layers by PCP,
-    the linear layers by the scan over the same local tokens. Returns a :class:`HybridPrefillOut`."""
-    if prefix is not None:
+    the linear layers by the scan over the same local tokens. Returns a :class:`HybridPrefillOut`.
+
+    A chunk continuing its requests (the step loop's PCP chunks): ``prefix`` (the cached KV rows of each
+    request's first ``prefix.context_lens[b]`` tokens, as the paged prefill takes it) together with
+    ``states``, every request's linear-layer states after those tokens (zeros where the context is 0);
+    only the new tokens are computed. A prefix without states is refused (cached blocks carry no states)."""
+    if prefix is not None and states is None:
         _refuse(family, "a cached prefix (prefix caching)", "the cached whole blocks carry KV rows but no "
                 "snapshot of the linear layers' states at block boundaries", "run without a prefix")
     if hidden_layers is not None:
         _refuse(family, f"hidden_layers={tuple(hidden_layers)}", "the forward returns no hidden states for a "
                 "drafter", "run without a drafter that reads them")
     layouts = family.kv_layouts(cfg)
+    ctx = None if prefix is None else prefix.context_lens
+    prompts = prompts if prefix is None else prompts.suffix(ctx)  # the new tokens
     cu = prompts.cu_seqlens
-    plan = pcp_plan(cu, group.size)
-    attn = PCPStep(group, plan, layouts, method=algorithms.pcp_method)
+    plan = pcp_plan(cu, group.size, context_lens=ctx)
+    attn = PCPStep(group, plan, layouts, method=algorithms.pcp_method, prefix=prefix)
     mine = pcp_shard(prompts.tokens, plan, group.rank)  # [T_r]
     emb = params["model.embed_tokens.weight"]
-    states = family.recurrent_cache(cfg, batch=prompts.num_requests, dtype=param_dtype(params), device=emb.device)
+    if states is None:
+        states = family.recurrent_cache(cfg, batch=prompts.num_requests, dtype=param_dtype(params),
+                                        device=emb.device)
     if group.size == 1:
         lin = _RequestOrder(states.step(list(prompts.query_lens)), plan)
     else:
