@@ -30,11 +30,10 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import time
 
-
+from cpattn.bench import harness
+from cpattn.bench.harness import Samples
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import Samples, measure, ratio, write_json
 
 VARIANTS = ("eager_unfused", "eager_fused", "graph_unfused", "graph_fused")
 
@@ -86,7 +85,7 @@ def step_rank(group, cfg: dict) -> dict:
                              capture_sizes=[b], backend=cfg["graph_backend"])
         gbatch = {**batch, "block_table": gs.block_table}
         runs[f"graph_{tag}"] = (lambda r=runner, bb=gbatch: r(bb, [1] * b)[0])
-    samples = measure(runs, cfg["reps"], group=group, inner=cfg["inner"], warmup=2)
+    samples = harness.compare(runs, cfg["reps"], group=group, inner=cfg["inner"], warmup=2).samples
     logits = {k: s.result for k, s in samples.items()}
     return {"samples": {k: Samples(s.wall, s.cpu) for k, s in samples.items()},
             "same_eager": bool(torch.equal(logits["eager_fused"], logits["eager_unfused"])),
@@ -94,8 +93,8 @@ def step_rank(group, cfg: dict) -> dict:
 
 
 def _parser():
-    p = cli.parser("cpattn bench mlapo", __doc__)
-    cli.add_quick(p, "context 512, batch 2, 3 rounds, the eager graph runner (no compiler), < 60 s")
+    p = harness.parser("cpattn bench mlapo", __doc__, timeout=900.0,
+                       quick="context 512, batch 2, 3 rounds, the eager graph runner (no compiler), < 60 s")
     p.add_argument("--context", type=cli.positive_int, default=4096, help="cached tokens per request")
     p.add_argument("--batch", type=cli.positive_int, default=4, help="decode requests")
     p.add_argument("--layers", type=cli.positive_int, default=2, help="decoder layers")
@@ -105,8 +104,6 @@ def _parser():
     p.add_argument("--graph-backend", default="cpu", metavar="NAME",
                    help="graph backend of the captured steps (cpattn.graphs.backends(): cpu, aot_eager, eager)")
     p.add_argument("--reps", type=cli.positive_int, default=5, help="interleaved timing rounds")
-    cli.add_json(p)
-    cli.add_timeout(p, default=900.0)
     return p
 
 
@@ -123,26 +120,25 @@ def main(argv=None) -> int:
                          block_size=128, cp_kv_cache_interleave_size=1)
     cfg = dict(context=args.context, batch=args.batch, layers=args.layers, dtype=args.dtype, reps=args.reps,
                inner=3, graph_backend=args.graph_backend)
-    rows, t0 = [], time.time()
-    from cpattn.comm.launch import spawn
-
-    with cli.report_to(args.json):
-        print(f"MLAPO: DeepSeek-V3 attention at 16 heads (hidden 7168, q LoRA 1536, kv LoRA 512 + rope 64), "
-              f"{args.layers} layers, batch {args.batch}, context {args.context}, {args.dtype}; graph backend "
-              f"{args.graph_backend}; {args.reps} interleaved rounds of {cfg['inner']} steps (slowest rank). "
-              "x = fused / unfused step time: median [low-high] of per-round ratios")
-        print(f"{'dcp':>3} {'mode':<6} {'unfused ms':>10} {'fused ms':>9} {'x fused/unfused':>22} {'bitwise':>8}")
+    rows, shown = [], []
+    with harness.Report(args) as out:
         for n in args.dcp_sizes:
-            res = spawn(n, step_rank, cfg, threads=1, timeout_s=args.timeout)[0]
+            res = harness.ranks(n, step_rank, cfg, timeout_s=args.timeout, label=f"DCP {n}, four step variants")[0]
             s = res["samples"]
             for mode in ("eager", "graph"):
-                x = ratio(s[f"{mode}_fused"], s[f"{mode}_unfused"])
+                x = harness.Comparison(s).ratio(f"{mode}_fused", f"{mode}_unfused")
                 same = res[f"same_{mode}"]
-                print(f"{n:>3} {mode:<6} {1e3 * s[f'{mode}_unfused'].median:>10.2f} "
-                      f"{1e3 * s[f'{mode}_fused'].median:>9.2f} {str(x):>22} {str(same):>8}")
+                shown.append({"dcp": n, "mode": mode, "unfused ms": 1e3 * s[f"{mode}_unfused"].median,
+                              "fused ms": 1e3 * s[f"{mode}_fused"].median, "x fused/unfused": str(x),
+                              "bitwise": same})
                 rows.append({"dcp": n, "mode": mode, "unfused_ms": s[f"{mode}_unfused"].as_dict(),
                              "fused_ms": s[f"{mode}_fused"].as_dict(), "fused_over_unfused": x.as_dict(),
                              "bitwise_equal_logits": same})
-        print(f"({time.time() - t0:.0f} s)")
-    write_json(args.json, {"config": cfg, "rows": rows})
+        out.line(f"MLAPO: DeepSeek-V3 attention at 16 heads (hidden 7168, q LoRA 1536, kv LoRA 512 + rope 64), "
+                 f"{args.layers} layers, batch {args.batch}, context {args.context}, {args.dtype}; graph backend "
+                 f"{args.graph_backend}; {args.reps} interleaved rounds of {cfg['inner']} steps (slowest rank). "
+                 "x = fused / unfused step time: median [low-high] of per-round ratios")
+        out.table(shown, ["dcp", "mode", "unfused ms", "fused ms", "x fused/unfused", "bitwise"])
+        out.line(f"({out.elapsed:.0f} s)")
+        out.payload = {"config": cfg, "rows": rows}
     return 0 if all(r["bitwise_equal_logits"] for r in rows) else 1
