@@ -4,7 +4,7 @@ import tempfile
 
 import pytest
 
-from cpattn.pool import bench
+from cpattn.bench import pool_blocks as bench
 
 pytest.importorskip("lmdb", reason="the lmdb package is not installed (pip install 'cpattn[pool]')")
 
@@ -17,4 +17,15 @@ def test_run_bench_reports_every_backend_and_block_size():
     assert all(r["store_best_ms"] > 0 and r["load_best_ms"] > 0 and r["load_spread"] >= 0 for r in rows)
     assert rows[2]["block_bytes"] == 79 + 2 * 4 * 16 * 2 + 4  # header + bf16 [layers, block, width] + crc
     lines = bench.table(rows).splitlines()
-    assert lines[0].startswith("backend") and len(lines) == 5
+    assert lines[0].split()[:3] == ["backend", "block", "MiB/blk"] and len(lines) == 6  # header, rule, 4 rows
+
+
+def test_old_module_path_warns_and_is_the_new_module():
+    import importlib
+    import sys
+
+    sys.modules.pop("cpattn.pool.bench", None)
+    with pytest.warns(DeprecationWarning, match="cpattn.pool.bench moved to cpattn.bench.pool_blocks"):
+        old = importlib.import_module("cpattn.pool.bench")
+    assert old.run_bench is bench.run_bench and old.bench_stores is bench.bench_stores
+    assert old._dict_pool is bench._dict_pool  # private names read through

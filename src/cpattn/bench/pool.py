@@ -1,6 +1,6 @@
 """Benchmark: the KV pool -- store / load time per block, and TTFT of a request whose prefix is pooled.
 
-Part 1 (:func:`cpattn.pool.bench.run_bench`): per backend and block size,
+Part 1 (:func:`cpattn.bench.pool_blocks.run_bench`): per backend and block size,
 milliseconds per block to store and to load, best of interleaved samples
 with the spread (median / best - 1), and MB/s.
 
@@ -21,12 +21,10 @@ Run: ``cpattn bench pool --quick`` (under a minute) or ``cpattn bench pool``.
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 
-
+from cpattn.bench import harness
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import safe_div, table, write_json
 
 BLOCK = 16
 
@@ -35,9 +33,9 @@ def ttft_model(hidden: int, layers: int):
     """A small random Qwen3 (8 query / 2 KV heads) in float32."""
     from cpattn.models import qwen3
 
-    cfg = qwen3.Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-                            num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                            head_dim=hidden // 8)
+    cfg = qwen3.Qwen3Config.tiny(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                                 num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                                 head_dim=hidden // 8)
     return cfg, qwen3.init_params(cfg, seed=0, std=0.05)
 
 
@@ -68,7 +66,6 @@ def pool_rank(group, params, cfg, prompts: dict, spec: str, reps: int, pcp: int)
 def ttft_rows(specs: dict[str, str], prompt_len: int, hidden: int, layers: int, reps: int,
               timeout_s: float) -> list[dict]:
     import torch
-    from cpattn.comm.launch import spawn
 
     cfg, params = ttft_model(hidden, layers)
     g = torch.Generator().manual_seed(1)
@@ -78,19 +75,17 @@ def ttft_rows(specs: dict[str, str], prompt_len: int, hidden: int, layers: int, 
     rows = []
     for backend, spec in specs.items():
         for pcp in (1, 2):
-            per_rank = spawn(pcp, pool_rank, params, cfg, {"cold": [cold], "warm": [warm]}, spec, reps, pcp,
-                             timeout_s=timeout_s)
-            rounds = [{k: max(r[i][k]["ttft_s"] for r in per_rank) for k in ("cold", "warm")}
-                      for i in range(reps)]
-            cold_t = sorted(x["cold"] for x in rounds)
-            warm_t = sorted(x["warm"] for x in rounds)
-            ratios = sorted(safe_div(x["cold"], x["warm"]) for x in rounds)
+            per_rank = harness.ranks(pcp, pool_rank, params, cfg, {"cold": [cold], "warm": [warm]}, spec, reps, pcp,
+                                     timeout_s=timeout_s, label=f"{backend}, cold vs warm TTFT")
+            cold_t, warm_t = ([max(r[i][k]["ttft_s"] for r in per_rank) for i in range(reps)]  # slowest rank's
+                              for k in ("cold", "warm"))
+            x = harness.paired(cold_t, warm_t)  # cold / warm per round
             first = per_rank[0][0]
             rows.append({
                 "backend": backend, "ranks": pcp, "prompt": prompt_len, "shared": keep,
                 "hit_blocks": first["warm"]["hit_blocks"],
-                "cold_ms": 1e3 * cold_t[0], "warm_ms": 1e3 * warm_t[0],
-                "cold/warm": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1],
+                "cold_ms": 1e3 * min(cold_t), "warm_ms": 1e3 * min(warm_t),
+                "cold/warm": x.median, "ratio_min": x.low, "ratio_max": x.high,
                 "load_ms": 1e3 * min(max(r[i]["warm"]["load_s"] for r in per_rank) for i in range(reps)),
                 "store_ms": 1e3 * min(max(r[i]["cold"]["store_s"] for r in per_rank) for i in range(reps)),
                 "stored_bytes_per_rank": max(r[0]["cold"]["bytes_stored"] for r in per_rank),
@@ -98,14 +93,16 @@ def ttft_rows(specs: dict[str, str], prompt_len: int, hidden: int, layers: int, 
     return rows
 
 
+TTFT_COLUMNS = ["backend", "ranks", "prompt", "shared", "hit_blocks", "cold_ms", "warm_ms", "cold/warm", "ratio_min",
+                "ratio_max", "load_ms", "store_ms", "stored_bytes_per_rank"]
+
+
 def parser():
-    p = cli.parser("cpattn bench pool", __doc__)
-    cli.add_quick(p, "part 1 at one block size with few blocks; part 2 with a 1024-token prompt and 2 rounds")
+    p = harness.parser("cpattn bench pool", __doc__, timeout=True,
+                       quick="part 1 at one block size with few blocks; part 2 with a 1024-token prompt and 2 rounds")
     p.add_argument("--backends", default="lmdb,mooncake", help="comma list of lmdb, mooncake")
     p.add_argument("--prompt-len", type=cli.positive_int, default=4096, help="tokens of the cold prompt (part 2)")
     p.add_argument("--reps", type=cli.positive_int, default=3, help="cold/warm rounds (part 2)")
-    cli.add_json(p)
-    cli.add_timeout(p)
     return p
 
 
@@ -120,20 +117,20 @@ def main(argv=None) -> int:
     os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's client logs every connection at INFO level
     prompt_len = 1024 if a.quick else a.prompt_len
     reps = 2 if a.quick else a.reps
-    from cpattn.pool.bench import bench_stores, run_bench, table as block_table
+    from cpattn.bench.pool_blocks import bench_stores, run_bench, table as block_table
 
-    with tempfile.TemporaryDirectory() as tmp, bench_stores(names, tmp) as (pools, specs), cli.report_to(a.json):
+    with tempfile.TemporaryDirectory() as tmp, bench_stores(names, tmp) as (pools, specs), harness.Report(a) as out:
+        out.progress("part 1: store / load per block")
         blocks = run_bench(pools, block_sizes=(16,) if a.quick else (16, 64, 128), num_layers=61, row_width=576,
                            blocks=2 if a.quick else 8, samples=2 if a.quick else 5)
-        print("store / load per block (bf16, 61 layers x 576 columns per token: DeepSeek-V3's latent rows)")
-        print(block_table(blocks))
+        out.line("store / load per block (bf16, 61 layers x 576 columns per token: DeepSeek-V3's latent rows)")
+        out.line(block_table(blocks))
         ttft = ttft_rows(specs, prompt_len, hidden=128 if a.quick else 256, layers=2 if a.quick else 4, reps=reps,
                          timeout_s=a.timeout)
-        print(f"\nTTFT of a {prompt_len}-token prompt, cold vs warm (its first 7/8 pooled), block {BLOCK}; "
-              f"best of {reps} interleaved rounds, ratio median [min..max]")
-        print(table(ttft, ["backend", "ranks", "prompt", "shared", "hit_blocks", "cold_ms", "warm_ms", "cold/warm",
-                           "ratio_min", "ratio_max", "load_ms", "store_ms", "stored_bytes_per_rank"]))
-    write_json(a.json, {"blocks": blocks, "ttft": ttft, "quick": a.quick})
+        out.line(f"\nTTFT of a {prompt_len}-token prompt, cold vs warm (its first 7/8 pooled), block {BLOCK}; "
+                 f"best of {reps} interleaved rounds, ratio median [min..max]")
+        out.table(ttft, TTFT_COLUMNS)
+        out.payload = {"blocks": blocks, "ttft": ttft, "quick": a.quick}
     return 0
 
 
