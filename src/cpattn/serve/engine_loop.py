@@ -15,6 +15,15 @@ thread-safe inbox:
   unfinished, hands each output to its request's queue
   (``loop.call_soon_threadsafe``), and sleeps on the inbox when idle.
 
+The engine may be an :class:`~cpattn.engine.llm.LLMEngine` or a
+:class:`~cpattn.engine.pd_engine.PDEngine` (the same add_request / step /
+has_unfinished / abort_request; its ``stats`` is a ``PDStats`` of both roles).
+
+Per request the thread times the first token and the finish (monotonic clock, from the moment the
+engine accepted it): :attr:`EngineLoop.ttft` and :attr:`EngineLoop.tpot` are :class:`Histogram` objects over
+the requests that finished (not aborted): TTFT, and TPOT = (finish - first token) / (tokens - 1) for
+requests of two tokens or more.
+
 ``stats`` is the engine's :class:`~cpattn.engine.llm.EngineStats` as of the latest step (a frozen
 snapshot the engine thread replaces, so other threads read it safely). If a step raises, every pending request receives the exception, the loop
 stops, and :attr:`EngineLoop.error` says why (``/health`` then answers 503).
@@ -40,12 +49,48 @@ Example
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
+
+
+# vLLM's bucket bounds (seconds) for time-to-first-token and time-per-output-token
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+
+
+class Histogram:
+    """A Prometheus histogram: ``observe(x)`` counts ``x`` in the first bucket whose upper bound is >= x;
+    ``snapshot()`` -> (bounds, cumulative counts per bound, sum, count), thread-safe.
+
+    >>> h = Histogram((0.1, 1.0))
+    >>> h.observe(0.05); h.observe(0.5); h.observe(3.0)
+    >>> h.snapshot()
+    ((0.1, 1.0), (1, 2), 3.55, 3)
+    """
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = tuple(bounds)
+        self._counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf only)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, x: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.bounds, x)] += 1
+            self._sum += x
+
+    def snapshot(self) -> tuple[tuple[float, ...], tuple[int, ...], float, int]:
+        with self._lock:
+            cum = tuple(itertools.accumulate(self._counts))
+            return self.bounds, cum[:-1], self._sum, cum[-1]
 
 
 @dataclass
@@ -67,6 +112,9 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.stats = engine.stats  # the engine's counters after the latest step (set by the engine thread)
         self.aborted = 0  # requests aborted because their client went away
+        self.ttft = Histogram(TTFT_BUCKETS)  # seconds, finished requests
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self._times: dict[Any, list] = {}  # engine thread only: rid -> [accepted at, first token at or None]
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[Any, Submission] = {}  # engine thread only
         self._ids = itertools.count()
@@ -144,12 +192,14 @@ class EngineLoop:
                 sub.request_id.set_exception(e)
                 return
             self._subs[rid] = sub
+            self._times[rid] = [time.monotonic(), None]
             self.stats = self.engine.stats
             sub.request_id.set_result(rid)
         elif item[0] == "abort":
             if item[1] in self._subs:
                 self.engine.abort_request(item[1])
                 self._subs.pop(item[1])
+                self._times.pop(item[1], None)
                 self.aborted += 1
                 self.stats = self.engine.stats
 
@@ -157,9 +207,25 @@ class EngineLoop:
         sub = self._subs.get(rid)
         if sub is None:
             return
+        if not isinstance(item, BaseException):
+            self._time(rid, item)
         if isinstance(item, BaseException) or item.finished:
             self._subs.pop(rid)
+            self._times.pop(rid, None)
         try:
             sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, item)
         except RuntimeError:  # the caller's event loop has closed
             pass
+
+    def _time(self, rid: Any, out: Any) -> None:
+        """The first token's time, and at a (not aborted) finish the request's TTFT and TPOT observed."""
+        t = self._times.get(rid)
+        if t is None:
+            return
+        now = time.monotonic()
+        if t[1] is None and out.token_ids:
+            t[1] = now
+        if out.finished and out.finish_reason != "abort" and t[1] is not None:
+            self.ttft.observe(t[1] - t[0])
+            if len(out.token_ids) >= 2:
+                self.tpot.observe((now - t[1]) / (len(out.token_ids) - 1))
