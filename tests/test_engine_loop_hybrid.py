@@ -174,7 +174,7 @@ def test_property_arrivals_budgets_and_lengths(reqs, num_blocks, budget, seed):
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests, num_blocks=st.integers(8, 20), budget=st.integers(2, 12), seed=st.integers(0, 50),
        layout=st.sampled_from(list(LAYOUTS)))
 def test_property_arrivals_budgets_and_lengths_all_layouts(reqs, num_blocks, budget, seed, layout):
@@ -191,3 +191,29 @@ def test_serve_builds_a_hybrid_engine_without_prefix_caching():
     assert type(eng.runners[0]).__name__ == "HybridStepRunner" and not eng.scheduler_config.enable_prefix_caching
     (out,) = eng.generate([[1, 2, 3, 4, 5]])
     assert out.finished and len(out.token_ids) > 0 and eng.stats.blocks_used == 0
+
+
+def test_seeded_sampling_is_the_same_whatever_the_layout_and_preemptions():
+    """temperature > 0: a token is a pure function of the logits, the seed and its output index, so one device
+    with room for everything, DCP 2 and PCP 2 + DCP 2 with a pool that preempts give the same tokens."""
+    from cpattn.engine.llm import SamplingParams
+
+    reqs = [{"prompt": prompt(n, 20 + n), "arrive": a} for n, a in ((7, 0), (15, 0), (10, 1), (4, 2))]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5, top_k=40, seed=100 + i) for i in range(4)]
+
+    def run(layout, num_blocks):
+        eng = engine(layout, num_blocks=num_blocks)
+        ids, step = [], 0
+        while len(ids) < len(reqs) or eng.has_unfinished():
+            ids += [eng.add_request(r["prompt"], params[i]) for i, r in enumerate(reqs) if r["arrive"] == step]
+            eng.step()
+            step += 1
+        assert eng.stats.blocks_used == 0
+        return [list(eng.scheduler.requests[i].output) for i in ids], eng.stats.preemptions
+
+    one, none = run("one", 64)
+    assert none == 0
+    assert one != [expected({"prompt": r["prompt"], "max_tokens": MAX_TOKENS}) for r in reqs]  # not greedy
+    for layout in ("dcp2", "pcp2_dcp2"):
+        got, preempted = run(layout, 4)
+        assert preempted > 0 and got == one, (layout, got, one)
