@@ -122,11 +122,13 @@ def test_no_kernel_error_lists_devices():
     assert out.shape == (2, 2, 4) and lse.dtype == torch.float32
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 def test_opcheck():
     q, k, v, *_ = _inputs([3, 4], [5, 4], 4, 2, 16, 8)
     torch.library.opcheck(torch.ops.cpattn.attention_with_lse, (q, k, v, _cu([3, 4]), _cu([5, 4]), True, 0.25))
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiles_fullgraph(backend):
     q, k, v, *_ = _inputs([3, 4], [5, 4], 4, 2, 16, 16)

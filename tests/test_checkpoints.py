@@ -140,6 +140,7 @@ def test_truncated_safetensors_is_refused_naming_the_tensor(tmp_path, good):
         load_checkpoint(d)
 
 
+@pytest.mark.slow  # a Hugging Face round trip: the full suite runs it, the fast lane does not
 def test_deepseek_v4_original_names_are_checked_as_spelled(tmp_path):
     """A V4 tensor of the wrong shape is named as the file spells it (DeepSeek's names), after the family's
     renames matched it to what the model expects; a missing one by its params name; both spellings of one

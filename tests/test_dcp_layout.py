@@ -147,6 +147,7 @@ def test_reshard_needs_interleave_equal_block_size():
         unshard_kv_blocks([torch.zeros(2, 4), torch.zeros(0, 4)], dcp_size=2, interleave_size=4, block_size=4)
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 def test_layout_compiles_fullgraph():
     def f(pos, req, table, seq):
         return (dcp_slot_mapping(pos, req, table, dcp_rank=1, dcp_size=4, interleave_size=2, block_size=8),

@@ -120,9 +120,10 @@ def _traced(fn, backend="aot_eager"):
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", [0, *(pytest.param(i, marks=pytest.mark.slow) for i in range(1, len(CASES)))],
-                         ids=[c.id for c in CASES])  # fast lane: case 0 (decode + spec rows, empty, padding)
+                         ids=[c.id for c in CASES])
 def test_traced_decomposition_matches_oracle(case, backend):
     q, k_cache, v_cache, table, req, lens = case_args(case)
     want_o, want_l = paged_attention(q, k_cache, v_cache, table, req, lens, 0.3)
@@ -136,7 +137,8 @@ def test_traced_decomposition_matches_oracle(case, backend):
     assert (o.double() - want_o).abs().max() <= (eager[0].double() - want_o).abs().max() + 1e-6
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", [None, pytest.param("aot_eager", marks=pytest.mark.slow),
+                                     pytest.param("inductor", marks=pytest.mark.slow)])
 def test_unused_table_entries_may_hold_any_id(backend):
     """Columns past a row's visible keys are never read into a result, whatever id (or -1) they hold."""
     gen = torch.Generator().manual_seed(5)
@@ -165,6 +167,7 @@ def _graph_ops(fn, *args):
     return found
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 def test_small_cpu_steps_trace_the_decompositions_and_large_ones_keep_the_op(monkeypatch):
     q, kc, vc, table, req, lens = _op_args()
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
@@ -230,7 +233,8 @@ def test_write_kv_matches_reference_and_skips_minus_one():
     write_kv(got_k, got_v, k[:0], v[:0], slots[:0])  # zero tokens
 
 
-@pytest.mark.parametrize("slots", [[-1, 5, 17, -1, 0, 30],  # fast lane: skipped and written slots, one trace
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
+@pytest.mark.parametrize("slots", [[-1, 5, 17, -1, 0, 30],  # skipped and written slots
                                    pytest.param([-1] * 6, marks=pytest.mark.slow),  # nothing written
                                    pytest.param([3, 2, 1, 0, 31, 30], marks=pytest.mark.slow)])  # reversed order
 def test_write_kv_traced_decomposition_matches_the_kernel(slots):
@@ -291,6 +295,7 @@ def _op_args():
     return q, k_cache, v_cache, table, torch.tensor([0, 0, 1]), torch.tensor([19, 20, 3], dtype=torch.int32)
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 def test_opcheck():
     q, kc, vc, table, req, lens = _op_args()
     torch.library.opcheck(torch.ops.cpattn.paged_attention_with_lse, (q, kc, vc, table, req, lens, 0.25))

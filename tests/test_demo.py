@@ -111,7 +111,12 @@ def _offered_model_types() -> list[str]:
     return list(action.choices)
 
 
-@pytest.mark.parametrize("model_type", _offered_model_types())
+# 1.5-4 s each on 2 cores: the full suite runs them; the fast lane keeps the dense, MoE and MLA families
+SLOW_DEMO_FAMILIES = {"deepseek_v4", "qwen3_next", "glm_moe_dsa", "deepseek_v32"}
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_DEMO_FAMILIES else m
+                                        for m in _offered_model_types()])
 def test_demo_runs_every_offered_model_type(model_type, one_thread):
     """The demo's own stages for every embedded family (DeepSeek-V4's own cache, prefill and hand-off included),
     PCP=2 -> DCP=2 with the decode step through the graph runner, on 2 simulated ranks: the demo's checks pass

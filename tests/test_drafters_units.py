@@ -154,6 +154,7 @@ def target_hidden(model, params, cfg, seq: list[int], layers: tuple) -> dict:
     return fam.forward(params, cfg, torch.tensor(seq), cache.step([len(seq)]), hidden_layers=layers)
 
 
+@pytest.mark.slow  # a Hugging Face round trip: the full suite runs it, the fast lane does not
 def test_mtp_drafts_equal_hf_mtp(tmp_path, monkeypatch):
     """HF's ``generate(use_mtp=True)`` on a DeepSeek-V3 checkpoint whose MTP module our drafter wrote: every
     round, our draft state (fed the rounds' hidden rows) proposes HF's candidate, with HF's logits; and the
@@ -348,6 +349,7 @@ def tiny_data():
     return out
 
 
+@pytest.mark.slow  # training: the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("method", ["mtp", "eagle3", "dspark"])
 def test_training_lowers_the_loss(method, tiny_data):
     model = "deepseek_v3" if method == "mtp" else "qwen3"

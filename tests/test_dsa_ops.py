@@ -297,12 +297,14 @@ def op_samples():
     ]
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("i", range(6))
 def test_opcheck(i):
     op, args = op_samples()[i]
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 def test_compile_fullgraph_aot_eager():
     b = make_batch([6, 4], ctx=[3, 0])
     start, vis = causal_key_ranges(b["cu_q"], b["cu_k"])

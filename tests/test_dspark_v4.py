@@ -93,6 +93,7 @@ def test_one_engine_pcp2_dcp2_and_pd():
                           drafter=head(), num_speculative_tokens=2), 2)
 
 
+@pytest.mark.slow  # trains the head: the full suite runs it, the fast lane does not
 def test_drafts_equal_a_no_cache_recomputation():
     """DCP 2 decode, k = 4: lossless, and every proposal of the cached, rolled-back draft state (hidden rows
     from the verify steps) equals the head recomputed from scratch on the one-device prefill's hidden states

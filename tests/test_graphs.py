@@ -282,6 +282,7 @@ def _bad_steps():
     return [item, tolist, mask, alloc, branch]
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("bad", _bad_steps(), ids=lambda f: f.__name__)
 def test_check_static_rejects_sync_alloc_and_branches(bad):
     batches = [{"x": torch.ones(3, 2), "n": torch.tensor([1, 2, 3])}, {"x": torch.ones(3, 2), "n": torch.tensor([0, 0, 1])}]
@@ -293,6 +294,7 @@ def test_check_static_rejects_sync_alloc_and_branches(bad):
         runner.capture()
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 def test_check_static_shape_from_python_state_recompiles():
     calls = {"n": 1}
 

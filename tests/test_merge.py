@@ -111,6 +111,7 @@ def test_bad_shapes():
         merge_attn_states(torch.randn(0, 3, 4, 2), torch.randn(0, 3, 4))
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_opcheck_and_compile(backend):
     from cpattn.ops.merge import merge_into

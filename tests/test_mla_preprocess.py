@@ -170,12 +170,14 @@ def _op_args(args, weights, interleave=True):
             w["kv_a_norm_weight"], w["w_uk"], cos, sin, cache, slots, 1e-6, interleave, 1e-6)
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("lora", [True, False])
 def test_opcheck(lora):
     args, weights = make(torch.float32, lora)
     torch.library.opcheck(torch.ops.cpattn.mla_preprocess.default, _op_args(args, weights))
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("opaque", [False, True], ids=["decomposed", "opaque-op"])
 def test_compile_fullgraph(backend, opaque):

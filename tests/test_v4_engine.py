@@ -69,6 +69,7 @@ def check_one(out):
                      rel=1e-5)
 
 
+@pytest.mark.slow  # a Hugging Face round trip: the full suite runs it, the fast lane does not
 def test_one_device_matches_hf():
     check_hf(one_device(), ref())
 

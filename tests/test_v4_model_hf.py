@@ -126,6 +126,7 @@ def test_config_and_rope_tables_match_hf():
         assert factor == getattr(rot, f"{name}_attention_scaling")
 
 
+@pytest.mark.slow  # a Hugging Face round trip: the full suite runs it, the fast lane does not
 def test_prompt_logits_and_greedy_tokens_match_hf():
     r = ref()
     cfg = v4.DeepseekV4Config.from_hf(r.hf.config)
@@ -145,6 +146,7 @@ def test_checkpoint_directory(tmp_path):
     assert rel(v4.forward(params, cfg, p, step), r.prompt_logits[1]) <= 1e-4
 
 
+@pytest.mark.slow  # a Hugging Face round trip: the full suite runs it, the fast lane does not
 def test_rewind_restores_the_cache_bit_for_bit():
     """Append k draft tokens, rewind k: the live state is the one before, bit for bit, and the next
     32 greedy tokens (and logits) equal a run that never drafted."""
@@ -186,6 +188,7 @@ def test_rewind_past_max_rewind_is_refused():
         step.finish().rewind([3])
 
 
+@pytest.mark.slow  # a Hugging Face round trip: the full suite runs it, the fast lane does not
 def test_speculative_greedy_equals_plain_greedy():
     """Draft k = 3 tokens (the reference's own, some replaced), verify 1 + k rows in one step, keep the
     accepted prefix plus the correction, rewind the rest: the tokens are HF's greedy ones."""

@@ -161,6 +161,7 @@ def test_write_rows_skips_minus_one():
     assert torch.isnan(flat[1:5]).all()
 
 
+@pytest.mark.slow  # traced (torch.compile / opcheck): the full suite runs it, the fast lane does not
 def test_opcheck():
     kv, gate, bias, rows, prev = pool_case(True)
     kv, gate = kv.nan_to_num(0.0), gate.nan_to_num(0.0)  # opcheck compares outputs
