@@ -5,8 +5,9 @@ checked against Hugging Face in tests/test_qwen3_next_engine.py), float64 weight
 (linear, full, linear, linear; conv kernel 4). Whatever the arrivals, the token budget (so where prompts are
 cut into chunks: boundaries inside the conv kernel's width too), the batch mix, preemptions (recompute) and
 aborts, each request's tokens must equal it, for layouts 1, DCP 2 and PCP 2 + DCP 2 (every prefill chunk under
-PCP: ring attention over the cached context, the linear scan from the request's slot). A freed slot is NaN-poisoned, so a read of a finished or preempted
-request's state, or a chunk that did not continue its request's state, turns the tokens wrong.
+PCP: ring attention over the cached context, the linear scan from the request's slot). A freed slot is
+NaN-poisoned, so a read of a finished or preempted request's state, or a chunk that did not continue its
+request's state, turns the tokens wrong.
 """
 
 from __future__ import annotations

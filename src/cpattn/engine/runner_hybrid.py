@@ -27,7 +27,8 @@ cached context gathered from the DCP shards as a replicated prefix (as :mod:`cpa
 linear layers by the exact scan (:class:`~cpattn.linear.pcp_step.PCPLinearStep`) starting from each request's
 slot; every rank ends with the same states, written back to the slots, and the new KV rows go to their DCP
 owners by the paged hand-off. The step's decodes (and shorter chunks) then run the DCP step.
-Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph backend (persistent buffers, padding rows write nothing) replays uniform decode steps.
+Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph backend (persistent
+buffers, padding rows write nothing) replays uniform decode steps.
 
 Example
 -------
