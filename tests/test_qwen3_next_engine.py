@@ -115,8 +115,8 @@ def test_step_loop_refuses_hybrid_in_one_line():
     from cpattn.engine.runner import StepRunner
 
     cfg, params, _, _, _ = reference()
-    with pytest.raises(ValueError, match=r"qwen3_next keeps its own cache \(ModelFamily.cache='hybrid': .*\): use "
-                                         r"cpattn.engine.generate for it$"):
+    with pytest.raises(ValueError, match=r"qwen3_next keeps its own cache \(ModelFamily.cache='hybrid': .*\): build "
+                                         r"LLMEngine \(it picks cpattn.engine.runner_hybrid.HybridStepRunner\)"):
         StepRunner(SimMesh(1).groups()[0], "qwen3_next", params, cfg, num_blocks=8, block_size=4, max_model_len=32)
 
 

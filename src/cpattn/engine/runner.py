@@ -121,10 +121,13 @@ class StepRunner:
         self.pcp, self.algorithms = pcp and group.size > 1, Algorithms(pcp_method=pcp_method)
         self.pcp_min_tokens = pcp_min_tokens
         if not self.family.backend.per_token_kv and self.family.cache not in self.other_caches:
-            what = {"hybrid": "paged KV plus per-request linear-attention states, which it cannot snapshot for "
-                              "prefix caching or preemption"}.get(self.family.cache, "window + compressed entries")
-            raise ValueError(f"the step loop runs paged-cache families; {self.family.name} keeps its own cache "
-                             f"(ModelFamily.cache={self.family.cache!r}: {what}): use cpattn.engine.generate for it")
+            what = {"hybrid": "paged KV plus per-request linear-attention states",
+                    "v4": "window rings + compressed entries"}.get(self.family.cache, "not per-token KV")
+            runner = {"hybrid": "runner_hybrid.HybridStepRunner", "v4": "runner_v4.V4StepRunner"}.get(self.family.cache)
+            fix = f"build LLMEngine (it picks cpattn.engine.{runner}) or use that runner" if runner else \
+                "use cpattn.engine.generate for it"
+            raise ValueError(f"StepRunner runs paged-cache families; {self.family.name} keeps its own cache "
+                             f"(ModelFamily.cache={self.family.cache!r}: {what}): {fix}")
         span = block_size * group.size
         self.max_blocks = -(-max_model_len // span)
         layouts = self.family.kv_layouts(cfg)
