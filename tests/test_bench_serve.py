@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from cpattn.bench.serve import LAYOUTS, _delta, parse_metrics
+from cpattn.bench.serve import LAYOUTS, _delta, parse_metrics, summary, summary_lines
 from cpattn.bench.serve_load import (Record, fixed_workload, mixed_workload, percentile, poisson_arrivals,
                                      summarize)
 
@@ -116,6 +116,42 @@ def test_metrics_deltas_give_hit_rate_and_step_counts():
     assert _delta(before, before)["prefix_hit_rate"] is None  # nothing looked up: no rate, no ZeroDivisionError
 
 
+def _row(workload, rate, layout, short, long, goodput, tpot=20.0):
+    by = {k: {"requests": 1, "ttft_ms": {"p50": v, "p90": v, "p99": v, "mean": v}}
+          for k, v in (("short", short), ("long", long)) if v is not None}
+    return {"workload": workload, "rate": rate, "layout": layout, "goodput_rps": goodput,
+            "tpot_ms": {"p50": tpot}, "by_kind": by}
+
+
+def test_summary_compares_elastic_with_dp2_and_pcp2_per_rate_and_never_divides_by_zero():
+    rows = [_row("mixed", 0.5, "dp2", 100.0, 1000.0, 0.5), _row("mixed", 0.5, "pcp2-dcp2", 130.0, 550.0, 0.4),
+            _row("mixed", 0.5, "pcp2-dcp2-elastic", 104.0, 583.0, 0.5), _row("mixed", 0.5, "pd-2-2", 120.0, 500.0, 0.6),
+            _row("mixed", 2.0, "dp2", 200.0, 2000.0, 1.0), _row("mixed", 2.0, "pcp2-dcp2", 260.0, 1000.0, 0.0),
+            _row("mixed", 2.0, "pcp2-dcp2-elastic", 240.0, 1200.0, 1.5),
+            _row("mixed", 2.0, "dcp2", 150.0, None, 0.0, tpot=30.0),  # no long request in this run
+            _row("mixed", 2.0, "dcp2-graph", 150.0, None, 0.0, tpot=27.0),
+            _row("fixed", 2.0, "dcp2", None, None, 0.0, tpot=30.0), _row("fixed", 2.0, "dcp2-graph", None, None, 0.0,
+                                                                          tpot=33.0)]
+    s = summary({"results": rows})
+    assert s["elastic_short_vs_dp2"]["per_rate"] == {"0.5": pytest.approx(1.04), "2.0": pytest.approx(1.2)}
+    assert s["elastic_short_vs_dp2"]["median"] == pytest.approx(1.12)  # median of two: their mean
+    assert s["elastic_long_vs_pcp2"]["per_rate"] == {"0.5": pytest.approx(583 / 550), "2.0": pytest.approx(1.2)}
+    assert s["elastic_goodput_vs_best_static"]["per_rate"] == {"0.5": pytest.approx(0.5 / 0.6), "2.0": pytest.approx(1.5)}
+    assert s["long_pcp2_vs_dp2_lowest_rate"] == pytest.approx(0.55)  # rate 0.5, not 2.0
+    assert s["mixed"]["2.0"]["dcp2"] == {"short_ttft_p50_ms": 150.0, "long_ttft_p50_ms": None, "goodput_rps": 0.0}
+    assert s["captured_tpot_vs_eager"] == {"mixed@2.0": pytest.approx(0.9), "fixed@2.0": pytest.approx(1.1)}
+    assert s["captured_le_eager"] is False  # the fixed run's captured TPOT was above eager's
+    text = "\n".join(summary_lines(s))
+    assert "elastic / dp2 short-request TTFT p50: median 1.12x" in text and "ranks are approximate" in text
+    assert "long-request TTFT p50 PCP 2 / dp2 at the lowest rate: 0.55x" in text
+    # a layout missing or a zero denominator gives None, never a ZeroDivisionError
+    e = summary({"results": [_row("mixed", 1.0, "pcp2-dcp2-elastic", 100.0, 0.0, 0.0),
+                             _row("mixed", 1.0, "pcp2-dcp2", 100.0, 0.0, 0.0)]})
+    assert e["elastic_short_vs_dp2"]["median"] is None and e["elastic_long_vs_pcp2"]["median"] is None
+    assert e["long_pcp2_vs_dp2_lowest_rate"] is None and e["captured_le_eager"] is None
+    assert "median -" in "\n".join(summary_lines(e))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in ("openai", "fastapi", "uvicorn")),
                     reason="openai / fastapi / uvicorn not installed (the dev extra has them)")
@@ -139,6 +175,10 @@ def test_quick_run_reports_every_layout_as_pure_json(tmp_path):
     graph = [r for r in rows if r["layout"] == "dcp2-graph"]
     assert all(r["replayed_steps"] > 0 for r in graph), graph  # captured decode steps under load
     assert all(r["replayed_steps"] == 0 for r in rows if r["layout"] != "dcp2-graph")
+    assert all(r["pcp_steps"] > 0 for r in rows if r["layout"] in ("pcp2-dcp2", "pd-2-2")), rows  # PCP prefill ran
+    assert all(r["pcp_steps"] == 0 for r in rows if r["layout"] in ("dp2", "dcp2", "dcp2-graph")), rows
+    assert "elastic / dp2 short-request TTFT p50" in out.stderr and "ranks are approximate" in out.stderr
+    assert set(payload["summary"]["mixed"]["4.0"]) == set(LAYOUTS)
     mixed = [r for r in rows if r["workload"] == "mixed"]
     assert all(r["prefix_hit_rate"] > 0 for r in mixed), mixed  # the shared prefix was found again
     assert png.stat().st_size > 1000
