@@ -66,7 +66,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.config import SchedulerConfig
 from cpattn.dcp import DCPMeta, plan_tensors
-from cpattn.engine.backends.hybrid import hybrid_prefill
+from cpattn.engine.backends.hybrid import SlotStates, hybrid_prefill
 from cpattn.engine.backends.paged import handoff as paged_handoff
 from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import step_fields
@@ -80,7 +80,6 @@ from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner, Field
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.family import ModelFamily, get_family, param_dtype
-from cpattn.ops import gated_delta as gd
 
 
 def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | None, *, kv_pool=None,
@@ -109,45 +108,6 @@ def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | No
         raise ValueError(f"enable_prefix_caching=True: {name} is a hybrid model ({why}); pass "
                          "SchedulerConfig(enable_prefix_caching=False)")
     return scheduler
-
-
-class SlotStates:
-    """The linear step of one scheduled batch over the runner's state slots (module doc).
-
-    states: the slots' :class:`~cpattn.linear.state.RecurrentCache` (batch = ``max_num_seqs``), updated in
-    place; slots [B]: each row's slot (-1: a padding row, computed from zeros and never stored); start [B]:
-    True where the row starts its request (context 0: zero states, whatever the slot holds); cu [B+1]: the
-    rows' query lengths; decode: every row brings one token (the recurrent op; else the chunked op)."""
-
-    def __init__(self, states: RecurrentCache, slots: torch.Tensor, start: torch.Tensor, cu: torch.Tensor,
-                 decode: bool):
-        self.states, self.decode = states, decode
-        # decode: one token per row, padding rows too (a replay's cu_seqlens_q stops at the real tokens)
-        self.cu = torch.arange(slots.shape[0] + 1, dtype=torch.int32, device=slots.device) if decode else cu
-        self.live = slots >= 0
-        self.keep = self.live & ~start
-        self.idx = slots.clamp(min=0)
-
-    def _take(self, t: torch.Tensor) -> torch.Tensor:
-        x = t[self.idx]
-        return torch.where(self.keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
-
-    def _put(self, t: torch.Tensor, new: torch.Tensor) -> None:
-        t[self.idx[self.live]] = new[self.live].to(t.dtype)
-
-    def conv(self, layer, x, weight, bias=None):
-        y, new = gd.causal_conv1d(x, weight, bias, self.cu, self._take(self.states.conv[layer]), silu=True)
-        self._put(self.states.conv[layer], new)
-        return y
-
-    def delta(self, layer, q, k, v, g, beta, scale):
-        s = self._take(self.states.state[layer])
-        if self.decode:
-            o, new = gd.gated_delta_step(q, k, v, g, beta, s, scale=scale)
-        else:
-            o, new = gd.gated_delta_chunk(q, k, v, g, beta, self.cu, s, scale=scale)
-        self._put(self.states.state[layer], new)
-        return o
 
 
 def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFamily, cfg: Any, group: Group,

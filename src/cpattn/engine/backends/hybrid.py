@@ -204,18 +204,28 @@ def hybrid_prefill(group: Group, family, params: dict, cfg: Any, prompts, *, alg
     return HybridPrefillOut(plan, rows, first, full, None, group.stats.total_sent() - before, states=lin.finish())
 
 
-class _RowStates:
-    """The linear step of one decode token per row: row i continues request ``rows[i]``'s states (-1: a
-    padding row, computed from zero states and never stored)."""
+class SlotStates:
+    """The linear layers' step over state slots: the step loop's batch (chunks and decodes) or a decode
+    program's rows.
 
-    def __init__(self, states: RecurrentCache, rows: torch.Tensor):
-        self.states, self.live = states, rows >= 0
-        self.idx = rows.clamp(min=0)
-        self.cu = torch.arange(rows.shape[0] + 1, dtype=torch.int32, device=rows.device)
+    states: the slots' :class:`~cpattn.linear.state.RecurrentCache` (batch = ``max_num_seqs``), updated in
+    place; slots [B]: each row's slot (-1: a padding row, computed from zeros and never stored); start [B]:
+    True where the row starts its request (context 0: zero states, whatever the slot holds); cu [B+1]: the
+    rows' query lengths (None with ``decode``); decode: every row brings one token (the recurrent op; else
+    the chunked op)."""
+
+    def __init__(self, states: RecurrentCache, slots: torch.Tensor, start: torch.Tensor, cu: torch.Tensor,
+                 decode: bool):
+        self.states, self.decode = states, decode
+        # decode: one token per row, padding rows too (a replay's cu_seqlens_q stops at the real tokens)
+        self.cu = torch.arange(slots.shape[0] + 1, dtype=torch.int32, device=slots.device) if decode else cu
+        self.live = slots >= 0
+        self.keep = self.live & ~start
+        self.idx = slots.clamp(min=0)
 
     def _take(self, t: torch.Tensor) -> torch.Tensor:
         x = t[self.idx]
-        return torch.where(self.live.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
+        return torch.where(self.keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
 
     def _put(self, t: torch.Tensor, new: torch.Tensor) -> None:
         t[self.idx[self.live]] = new[self.live].to(t.dtype)
@@ -226,7 +236,11 @@ class _RowStates:
         return y
 
     def delta(self, layer, q, k, v, g, beta, scale):
-        o, new = gd.gated_delta_step(q, k, v, g, beta, self._take(self.states.state[layer]), scale=scale)
+        s = self._take(self.states.state[layer])
+        if self.decode:
+            o, new = gd.gated_delta_step(q, k, v, g, beta, s, scale=scale)
+        else:
+            o, new = gd.gated_delta_chunk(q, k, v, g, beta, self.cu, s, scale=scale)
         self._put(self.states.state[layer], new)
         return o
 
@@ -247,7 +261,8 @@ def hybrid_decode_step(state: dict, batch: dict[str, torch.Tensor], *, family, c
     meta = DCPMeta(dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size,
                    block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
     attn = DCPStep(group, shard, meta, merge)
-    logits = as_logits(family.forward(state["params"], cfg, tokens, attn, _RowStates(state["states"], rows)))
+    lin = SlotStates(state["states"], rows, torch.zeros_like(rows, dtype=torch.bool), None, decode=True)
+    logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
     return logits, logits.argmax(-1)
 
 
