@@ -17,7 +17,7 @@ projection with a TP all-reduce) runs on a DCP group of real gloo processes
   ``bound = eager / comm`` is the speedup if all compute were free.
 
 Eager, graph and the collectives are timed in interleaved rounds
-(:func:`cpattn.bench.common.measure`): a sample is five back-to-back calls
+(:func:`cpattn.bench.harness.compare`): a sample is five back-to-back calls
 started together on a barrier, the slowest rank's time, so drift in machine
 load hits all alike and no barrier is charged to a step. Times are medians;
 ``speedup`` is the median [low-high] of the per-round eager / graph ratios,
@@ -33,12 +33,10 @@ Usage::
 
 from __future__ import annotations
 
-import sys
 import time
 
-
+from cpattn.bench import harness
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import measure, ratio, table, write_json
 
 
 def _config(args) -> dp.ProgramConfig:
@@ -81,8 +79,8 @@ def bench_rank(group, cfg, params, batches, context, reps, backend, device="cpu"
         full = {**batch, "cu_seqlens_q": torch.arange(b + 1, dtype=torch.int32, device=device)}
         fns = {"eager": lambda: step(state, full), "graph": lambda: runner(batch, [1] * b),
                "comm": _collectives(group, cfg, b, device)}
-        s = measure(fns, reps, group=group, inner=5, warmup=1, device=device)
-        speedup, bound = ratio(s["eager"], s["graph"]), ratio(s["eager"], s["comm"])
+        c = harness.compare(fns, reps, group=group, inner=5, warmup=1, device=device)
+        s, speedup, bound = c.samples, c.ratio("eager", "graph"), c.ratio("eager", "comm")
         rows.append({
             "batch": b, "eager_ms": 1e3 * s["eager"].median, "graph_ms": 1e3 * s["graph"].median,
             "speedup": speedup.median, "speedup_low": speedup.low, "speedup_high": speedup.high,
@@ -124,8 +122,8 @@ COLUMNS = ["batch", "eager_ms", "graph_ms", "speedup [low-high]", "speedup_best"
 
 
 def _parser():
-    p = cli.parser("cpattn bench graph", __doc__)
-    cli.add_quick(p, "2 layers, batch 8, 64-token context, 15 rounds (< 60 s)")
+    p = harness.parser("cpattn bench graph", __doc__, timeout=True,
+                       quick="2 layers, batch 8, 64-token context, 15 rounds (< 60 s)")
     cli.add_parallel(p, dcp=2, block_size=16, interleave=1,
                      helps={"dcp": "DCP ranks: gloo processes, one thread each; the program's TP group too (TP = DCP)"})
     p.add_argument("--layers", type=cli.positive_int, default=4, help="decoder layers of the program")
@@ -143,8 +141,6 @@ def _parser():
     p.add_argument("--reps", type=cli.positive_int, default=30, help="interleaved timing rounds")
     p.add_argument("--backend", default="cpu",
                    help="graph backend for the CPU section (cpu = inductor; see cpattn.graphs.backends())")
-    cli.add_json(p)
-    cli.add_timeout(p)
     return p
 
 
@@ -178,37 +174,32 @@ def main(argv=None) -> int:
     _validate(p, args)
     cfg = _config(args)
     import torch
-    from cpattn.comm.launch import spawn
     from cpattn.comm.sim import SimMesh
     from cpattn.graphs import demo_program as dp
 
     params = dp.init_params(cfg)
-    out = {"config": {**vars(args), "program": cfg.__dict__}}
     n = args.decode_context_parallel_size
-
-    t0 = time.perf_counter()
-    with cli.report_to(args.json):
-        print(f"capturing {len(args.batches)} program(s) per rank with backend {args.backend!r} (compiling takes "
-              f"tens of seconds), then timing {args.reps} rounds", file=sys.stderr)
-        res = spawn(n, bench_rank, cfg, params, list(args.batches), args.context, args.reps, args.backend,
-                    threads=1, timeout_s=args.timeout)
+    with harness.Report(args) as out:
+        out.payload = {"config": {**vars(args), "program": cfg.__dict__}}
+        res = harness.ranks(n, bench_rank, cfg, params, list(args.batches), args.context, args.reps, args.backend,
+                            timeout_s=args.timeout, label=f"capturing {len(args.batches)} program(s) per rank with "
+                            f"backend {args.backend!r} (compiling takes tens of seconds), then timing {args.reps} rounds")
         r0 = res[0]
-        print(f"CPU, DCP = {n} gloo ranks x 1 thread, {args.layers} layers, context {args.context}, "
-              f"backend {args.backend!r}: capture {r0['capture_s']:.1f} s for {r0['compiles']} programs "
-              f"(run {time.perf_counter() - t0:.0f} s); medians of {args.reps} interleaved rounds of 5 calls; "
-              "speedup = eager / graph, median [low-high] of per-round ratios; bound = eager / comm")
-        print(table(_shown(r0["rows"]), COLUMNS))
-        out["cpu"] = res
-
+        out.line(f"CPU, DCP = {n} gloo ranks x 1 thread, {args.layers} layers, context {args.context}, "
+                 f"backend {args.backend!r}: capture {r0['capture_s']:.1f} s for {r0['compiles']} programs "
+                 f"(run {out.elapsed:.0f} s); medians of {args.reps} interleaved rounds of 5 calls; "
+                 "speedup = eager / graph, median [low-high] of per-round ratios; bound = eager / comm")
+        out.table(_shown(r0["rows"]), COLUMNS)
+        out.payload["cpu"] = res
         if torch.cuda.is_available():  # pragma: no cover - needs a GPU
             group = SimMesh(1).groups()[0]
             cuda = bench_rank(group, cfg, params, list(args.batches), args.context, args.reps, "cuda", device="cuda")
-            print(f"\nCUDA ({torch.cuda.get_device_name()}), one device, CUDA graphs: capture {cuda['capture_s']:.1f} s")
-            print(table(_shown(cuda["rows"]), COLUMNS))
-            out["cuda"] = cuda
+            out.line(f"\nCUDA ({torch.cuda.get_device_name()}), one device, CUDA graphs: capture "
+                     f"{cuda['capture_s']:.1f} s")
+            out.table(_shown(cuda["rows"]), COLUMNS)
+            out.payload["cuda"] = cuda
         else:
-            print("\nCUDA section skipped: torch.cuda.is_available() is False")
-    write_json(args.json, out)
+            out.line("\nCUDA section skipped: torch.cuda.is_available() is False")
     return 0
 
 
