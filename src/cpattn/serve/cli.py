@@ -5,7 +5,11 @@ weights, nothing downloaded) or a local checkpoint directory (``--model DIR``, a
 reads it) on ``--decode-context-parallel-size`` simulated DCP ranks in this process; prefill chunks
 under PCP over the same ranks with ``--prefill-context-parallel-size`` equal to the DCP size (one
 engine); captured decode steps with ``--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'``;
-n-gram speculative decoding with ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'``.
+n-gram speculative decoding with ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'``;
+elastic CP with ``--pcp-policy elastic`` (only chunks of at least ``--pcp-min-tokens`` run PCP); P/D in
+this one process with ``--kv-transfer-config '{"kv_connector": "CpattnPoolConnector", "kv_role":
+"kv_both"}'``: a prefill role on ``--pcp`` ranks hands each request's KV through ``--kv-pool`` to a decode
+role on ``--dcp`` ranks (:class:`cpattn.engine.pd_engine.PDEngine`).
 Listens on 127.0.0.1:8000 unless ``--host`` / ``--port`` say otherwise; Ctrl-C or SIGTERM stops it
 (exit 0). Prompts are token ids, or text when ``--model DIR`` has a ``tokenizer.json``; see
 docs/serve.md for the endpoints and what is not done yet.
@@ -14,6 +18,8 @@ Usage::
 
     cpattn serve --model-type qwen3 --decode-context-parallel-size 2 --port 8000
     cpattn serve --pcp 2 --dcp 2 --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'
+    cpattn serve --pcp 2 --dcp 2 --pcp-policy elastic
+    cpattn serve --pcp 2 --dcp 2 --kv-transfer-config '{"kv_connector": "CpattnPoolConnector", "kv_role": "kv_both"}'
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "cpattn-qwen3", "prompt": [1, 2, 3, 4], "max_tokens": 8}'
 
@@ -212,6 +218,8 @@ def main(argv=None) -> int:
         server.run()
     finally:
         loop.stop()
+        if a.kv_transfer_config is not None:
+            engine.close()  # P/D: both roles, and the pool it opened (an LMDB environment, a Mooncake client)
     if not server.started:
         print(f"{PROG}: the HTTP server did not start (see uvicorn's message above)", file=sys.stderr)
         return 1
