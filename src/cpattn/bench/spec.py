@@ -27,9 +27,10 @@ from __future__ import annotations
 import statistics
 import time
 
-
+from cpattn.bench import harness
+from cpattn.bench.harness import safe_div
+from cpattn.bench.pool import ttft_model  # noqa: F401 (re-exported: the same small Qwen3 as bench pool's)
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import safe_div, table, write_json
 
 
 def spec_model(layers: int = 4):
@@ -42,8 +43,8 @@ def spec_model(layers: int = 4):
     import torch
     from cpattn.models import qwen3
 
-    cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                            num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    cfg = qwen3.Qwen3Config.tiny(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                 num_attention_heads=8, num_key_value_heads=2, head_dim=16)
     return cfg, qwen3.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
 
 
@@ -84,15 +85,6 @@ def acceptance_rows(new_tokens: int, ks: list[int]) -> list[dict]:
 
 
 # -- part 2: TTFT on gloo ----------------------------------------------------------------------
-
-
-def ttft_model(hidden: int, layers: int):
-    from cpattn.models import qwen3
-
-    cfg = qwen3.Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-                            num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                            head_dim=hidden // 8)
-    return cfg, qwen3.init_params(cfg, seed=0, std=0.05)
 
 
 def _median_ready(times: list[float]) -> float:
@@ -138,13 +130,14 @@ def ttft_rows(p: int, tokens: int, hidden: int, layers: int, block_size: int, re
               timeout_s: float = cli.TIMEOUT_S) -> list[dict]:
     """Part 2: TTFT rows (the slowest rank's median)."""
     import torch
-    from cpattn.comm.launch import spawn
 
     cfg, params = ttft_model(hidden, layers)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (tokens,), generator=g).tolist()]
-    both = spawn(p, pcp_dcp_rank, params, cfg, prompts, block_size, reps, timeout_s=timeout_s)
-    pd = spawn(2 * p, pd_rank, params, cfg, prompts, block_size, reps, p, timeout_s=timeout_s)
+    both = harness.ranks(p, pcp_dcp_rank, params, cfg, prompts, block_size, reps, timeout_s=timeout_s,
+                         label="PCP+DCP prefill, a2a and allgather exchange")
+    pd = harness.ranks(2 * p, pd_rank, params, cfg, prompts, block_size, reps, p, timeout_s=timeout_s,
+                       label="PCP prefill -> P/D transfer")
     rows = []
     for ex in ("a2a", "allgather"):
         rows.append({"scheme": f"pcp+dcp {ex}", "ranks": p, "ttft_s": max(r[ex]["ready_s"] for r in both),
@@ -160,12 +153,11 @@ def ttft_rows(p: int, tokens: int, hidden: int, layers: int, block_size: int, re
 
 
 def parser():
-    p = cli.parser("cpattn bench spec", __doc__)
-    cli.add_quick(p, "48 new tokens, k in {1, 3}, a 512-token TTFT prompt (under a minute; else 128, k = 1..4, 4096)")
+    p = harness.parser("cpattn bench spec", __doc__, timeout=True,
+                       quick="48 new tokens, k in {1, 3}, a 512-token TTFT prompt (under a minute; else 128, k = 1..4, "
+                             "4096)")
     cli.add_parallel(p, pcp=2, helps={"pcp": "P: the PCP ranks of part 2 (and the DCP / decode ranks); part 1 "
                                              "always decodes on 2 simulated DCP ranks"})
-    cli.add_json(p)
-    cli.add_timeout(p)
     return p
 
 
@@ -178,17 +170,17 @@ def main(argv=None) -> int:
     sizes = dict(tokens=512, hidden=128, layers=2, block_size=16, reps=2) if quick else \
         dict(tokens=4096, hidden=256, layers=4, block_size=64, reps=3)
     p = args.prefill_context_parallel_size
-    with cli.report_to(args.json):
+    with harness.Report(args) as out:
+        out.progress(f"part 1: {len(ks)} k x 4 drafters, {new_tokens} new tokens")
         spec = acceptance_rows(new_tokens, ks)
-        print(f"speculative decoding, DCP over 2 simulated ranks, {new_tokens} new tokens, 2 requests")
-        print(table(spec, ["drafter", "k", "acceptance", "tokens/step", "verify steps", "plain steps", "steps ratio",
-                           "wall ratio", "tokens equal"]))
+        out.line(f"speculative decoding, DCP over 2 simulated ranks, {new_tokens} new tokens, 2 requests")
+        out.table(spec, ["drafter", "k", "acceptance", "tokens/step", "verify steps", "plain steps", "steps ratio",
+                         "wall ratio", "tokens equal"])
         ttft = ttft_rows(p, **sizes, timeout_s=args.timeout)
-        print(f"\nTTFT on gloo: one prompt of {sizes['tokens']} tokens, hidden {sizes['hidden']}, "
-              f"{sizes['layers']} layers, block = interleave = {sizes['block_size']}")
-        print(table(ttft, ["scheme", "ranks", "ttft_s", "prefill_s", "ttft vs p/d", "kv bytes moved"]))
-    payload = {"quick": quick, "speculative": spec, "ttft": ttft, "ttft_sizes": sizes, "pcp": p}
-    write_json(args.json, payload)
+        out.line(f"\nTTFT on gloo: one prompt of {sizes['tokens']} tokens, hidden {sizes['hidden']}, "
+                 f"{sizes['layers']} layers, block = interleave = {sizes['block_size']}")
+        out.table(ttft, ["scheme", "ranks", "ttft_s", "prefill_s", "ttft vs p/d", "kv bytes moved"])
+        out.payload = {"quick": quick, "speculative": spec, "ttft": ttft, "ttft_sizes": sizes, "pcp": p}
     return 0 if all(r["tokens equal"] for r in spec) else 1
 
 
