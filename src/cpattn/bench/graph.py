@@ -183,7 +183,8 @@ def main(argv=None) -> int:
         out.payload = {"config": {**vars(args), "program": cfg.__dict__}}
         res = harness.ranks(n, bench_rank, cfg, params, list(args.batches), args.context, args.reps, args.backend,
                             timeout_s=args.timeout, label=f"capturing {len(args.batches)} program(s) per rank with "
-                            f"backend {args.backend!r} (compiling takes tens of seconds), then timing {args.reps} rounds")
+                            f"backend {args.backend!r} (compiling takes tens of seconds), then timing {args.reps} "
+                            "rounds")
         r0 = res[0]
         out.line(f"CPU, DCP = {n} gloo ranks x 1 thread, {args.layers} layers, context {args.context}, "
                  f"backend {args.backend!r}: capture {r0['capture_s']:.1f} s for {r0['compiles']} programs "
