@@ -20,7 +20,7 @@ attention work, and all-gather bytes per rank. Rank 0 also runs the
 one-rank baseline, interleaved with both splits.
 
 Every ratio is measured side by side in one run (the machine is shared), in
-interleaved rounds (:func:`cpattn.bench.common.measure`); part 1 reports
+interleaved rounds (:func:`cpattn.bench.harness.compare`); part 1 reports
 best-of times, part 2 the median [low-high] of per-round ratios.
 
 Usage::
@@ -35,8 +35,9 @@ from __future__ import annotations
 import statistics
 
 
+from cpattn.bench import harness
+from cpattn.bench.harness import Samples, safe_div
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import Samples, measure, ratio, safe_div, write_json
 
 D_QK, D_V, H_I, D_I = 576, 512, 64, 128
 TARGET_SPEEDUP, TARGET_OF_FLOP = 9.0, 0.8  # bf16 DSA vs dense at 64K / 128 heads
@@ -104,12 +105,13 @@ def decode_case(ctx: int, heads: int, topk: int, reps: int, dtype: torch.dtype |
         p = torch.softmax((q[0].float() @ cache.float().T) * scale, dim=-1)  # [H, S]
         return p @ cache[:, :D_V].float()
 
-    samples = measure({"indexer": indexer, "indexer_fp8": indexer_fp8, "topk": select, "sparse": sparse, "dsa": dsa,
-                       "dsa_fp8": dsa_fp8, "dense": dense, "dense_mm": dense_mm}, reps, warmup=1)
+    c = harness.compare({"indexer": indexer, "indexer_fp8": indexer_fp8, "topk": select, "sparse": sparse, "dsa": dsa,
+                         "dsa_fp8": dsa_fp8, "dense": dense, "dense_mm": dense_mm}, reps, warmup=1)
+    samples = c.samples
     t = {name: s.best for name, s in samples.items()}
     flops_dense = 2 * heads * s * (D_QK + D_V)
     flops_dsa = 2 * H_I * D_I * s + 2 * heads * topk * (D_QK + D_V)
-    sp = ratio(samples["dense"], samples["dsa"])
+    sp = c.ratio("dense", "dsa")
     # selection exactness of this dtype's keys (and of the FP8 cache) vs fp32 scoring of the same values
     ref = topk_indices(indexer_scores(q_i.float(), w_i.float(), k_i.float(), start, vis, s), topk)
     return {
@@ -118,7 +120,7 @@ def decode_case(ctx: int, heads: int, topk: int, reps: int, dtype: torch.dtype |
         "speedup_vs_dense": sp.median, "speedup_vs_dense_best": sp.best,
         "speedup_vs_dense_mm": safe_div(t["dense_mm"], t["dsa"]),
         "speedup_vs_dense_spread": sp.as_dict(),
-        "fp8_speedup_vs_dense_spread": ratio(samples["dense"], samples["dsa_fp8"]).as_dict(),
+        "fp8_speedup_vs_dense_spread": c.ratio("dense", "dsa_fp8").as_dict(),
         "indexer_share": safe_div(t["indexer"], t["indexer"] + t["topk"] + t["sparse"]),
         "flop_ratio": flops_dense / flops_dsa,
         "of_flop_ratio": sp.median / (flops_dense / flops_dsa),
@@ -173,7 +175,7 @@ def cp_rank(group, n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> di
 
     runs = {"one": runner("contiguous", solo, 0) if group.rank == 0 else (lambda: None)}
     runs.update({split: runner(split, group, group.rank) for split in ("contiguous", "balanced")})
-    samples = measure(runs, reps, group=group, warmup=1)
+    samples = harness.compare(runs, reps, group=group, warmup=1).samples
     gather = {}
     for split in ("contiguous", "balanced"):
         group.stats.reset()
@@ -185,11 +187,12 @@ def cp_rank(group, n_tok: int, heads: int, h_i: int, topk: int, reps: int) -> di
 def cp_prefill(n_tok: int, heads: int, h_i: int, topk: int, reps: int, tp: int = 2,
                timeout_s: float = cli.TIMEOUT_S) -> list[dict]:
     """DSA-CP prefill on ``tp`` gloo ranks vs one rank, both splits: one row per configuration."""
-    from cpattn.comm.launch import spawn
     from cpattn.dsa import dsa_cp_plan, dsa_cp_work
 
-    res = spawn(tp, cp_rank, n_tok, heads, h_i, topk, reps, threads=1, timeout_s=timeout_s)
+    res = harness.ranks(tp, cp_rank, n_tok, heads, h_i, topk, reps, timeout_s=timeout_s,
+                        label=f"DSA-CP prefill of {n_tok} tokens vs one rank")
     s = res[0]["samples"]  # the slowest rank's, sample by sample
+    c = harness.Comparison(s)
     one = s["one"]
     rows = [{"ranks": 1, "split": "-", "time_s": one.median, "speedup": 1.0, "speedup_low": 1.0, "speedup_high": 1.0,
              "cpu_s": statistics.median(one.cpu), "cpu_speedup": 1.0, "indexer_imbalance": 1.0,
@@ -197,7 +200,7 @@ def cp_prefill(n_tok: int, heads: int, h_i: int, topk: int, reps: int, tp: int =
     for split in ("contiguous", "balanced"):
         work = dsa_cp_work(dsa_cp_plan([0, n_tok], tp, split=split), topk)
         imb = lambda key: max(w[key] for w in work) / (sum(w[key] for w in work) / tp)  # noqa: E731
-        wall, cpu = ratio(one, s[split]), ratio(one, s[split], clock="cpu")
+        wall, cpu = c.ratio("one", split), c.ratio("one", split, clock="cpu")
         rows.append({"ranks": tp, "split": split, "time_s": s[split].median, "speedup": wall.median,
                      "speedup_low": wall.low, "speedup_high": wall.high, "cpu_s": statistics.median(s[split].cpu),
                      "cpu_speedup": cpu.median, "indexer_imbalance": imb("indexer_keys"),
@@ -208,8 +211,8 @@ def cp_prefill(n_tok: int, heads: int, h_i: int, topk: int, reps: int, tp: int =
 
 # ----------------------------------------------------------------------------- main
 def _parser():
-    ap = cli.parser("cpattn bench dsa", __doc__)
-    cli.add_quick(ap, "16K context, 1K-token DSA-CP prefill: well under a minute")
+    ap = harness.parser("cpattn bench dsa", __doc__, timeout=True,
+                        quick="16K context, 1K-token DSA-CP prefill: well under a minute")
     cli.add_parallel(ap, tp=2, helps={"tp": "TP ranks for the DSA-CP prefill (DSA-CP reuses the TP ranks): gloo "
                                             "processes, one thread each"})
     cli.add_dtype(ap, default="bfloat16", help="dtype of the decode part's queries, caches and indexer keys")
@@ -217,8 +220,6 @@ def _parser():
                     help="intra-op threads for part 1 (1: stable on a shared machine)")
     ap.add_argument("--reps", type=cli.positive_int, default=None,
                     help="interleaved timing rounds (default 3; 2 with --quick)")
-    cli.add_json(ap)
-    cli.add_timeout(ap)
     return ap
 
 
@@ -244,31 +245,39 @@ def main(argv=None) -> int:
         prefill = dict(n_tok=4096, heads=16, h_i=64, topk=512, reps=args.reps or 3)
         fp8 = dict(ctx=32768, topk=2048, queries=16)
 
-    with cli.report_to(args.json):
-        result = _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8)
-    write_json(args.json, result)
+    with harness.Report(args) as out:
+        out.payload = _run(out, args, tp, contexts, head_counts, reps, topk, prefill, fp8)
     return 0
 
 
-def _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8) -> dict:
+DECODE_COLUMNS = ["context", "heads", "dense ms", "dense-mm", "DSA ms", "indexer", "idx fp8", "topk", "sparse",
+                  "x dense [low-high]", "best", "FLOP x", "of FLOP", "x dense, FP8 keys"]
+CP_COLUMNS = ["ranks", "split", "wall s", "x wall", "[low-high]", "cpu s", "x cpu", "indexer max/mean", "attn max/mean",
+              "gather MB/rank"]
+
+
+def _run(out, args, tp, contexts, head_counts, reps, topk, prefill, fp8) -> dict:
     from cpattn.bench.common import DTYPES
 
     dtype = DTYPES[args.dtype]
+    out.progress(f"part 1: DSA decode at {len(contexts) * len(head_counts)} shapes")
     decode = [decode_case(c, h, topk, reps, dtype) for c in contexts for h in head_counts]
     print(f"\nDSA decode, 1 query, {args.dtype}, k={topk}, Dqk={D_QK}/Dv={D_V}, indexer {H_I}x{D_I}, "
           f"{args.threads} threads (times: best of {reps} interleaved rounds; x dense: median [low-high] of the "
           "per-round dense / DSA ratios; of FLOP: x dense / the exact FLOP ratio)")
-    print(f"{'context':>8} {'heads':>5} {'dense ms':>9} {'dense-mm':>9} {'DSA ms':>8} {'indexer':>8} {'idx fp8':>8} "
-          f"{'topk':>6} {'sparse':>7} {'x dense [low-high]':>19} {'best':>5} {'FLOP x':>7} {'of FLOP':>7} "
-          f"{'x dense, FP8 keys':>18}")
+    shown = []
     for r in decode:
         sp, f8 = r["speedup_vs_dense_spread"], r["fp8_speedup_vs_dense_spread"]
-        x = f"{sp['median']:.1f} [{sp['low']:.1f}-{sp['high']:.1f}]"
-        x8 = f"{f8['median']:.1f} [{f8['low']:.1f}-{f8['high']:.1f}]"
-        print(f"{r['context']:>8} {r['heads']:>5} {r['t_dense_ms']:>9.1f} {r['t_dense_mm_ms']:>9.1f} "
-              f"{r['t_dsa_ms']:>8.1f} {r['t_indexer_ms']:>8.1f} {r['t_indexer_fp8_ms']:>8.1f} {r['t_topk_ms']:>6.1f} "
-              f"{r['t_sparse_ms']:>7.1f} {x:>19} {r['speedup_vs_dense_best']:>5.1f} {r['flop_ratio']:>7.1f} "
-              f"{r['of_flop_ratio']:>7.2f} {x8:>18}")
+        ms = {col: f"{r[key]:.1f}" for col, key in (
+            ("dense ms", "t_dense_ms"), ("dense-mm", "t_dense_mm_ms"), ("DSA ms", "t_dsa_ms"),
+            ("indexer", "t_indexer_ms"),
+            ("idx fp8", "t_indexer_fp8_ms"), ("topk", "t_topk_ms"), ("sparse", "t_sparse_ms"))}
+        shown.append({"context": r["context"], "heads": r["heads"], **ms,
+                      "x dense [low-high]": f"{sp['median']:.1f} [{sp['low']:.1f}-{sp['high']:.1f}]",
+                      "best": f"{r['speedup_vs_dense_best']:.1f}", "FLOP x": f"{r['flop_ratio']:.1f}",
+                      "of FLOP": f"{r['of_flop_ratio']:.2f}",
+                      "x dense, FP8 keys": f"{f8['median']:.1f} [{f8['low']:.1f}-{f8['high']:.1f}]"})
+    out.table(shown, DECODE_COLUMNS)
     big = [r for r in decode if r["context"] == 65536 and r["heads"] == 128]
     if big:
         r = big[0]
@@ -281,6 +290,7 @@ def _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8) -> dict:
               f"{'identical' if b16['rows_differ'] == 0 else 'differs'} (recall {b16['recall']:.4f}); FP8 key cache "
               f"recall {a8['recall']:.4f}")
 
+    out.progress("part 2: FP8 selection")
     fp8_res = fp8_case(**fp8)
     print(f"\nFP8 e4m3 vs fp32 scoring (random data, {fp8['queries']} queries, {fp8['ctx']} keys, k={fp8['topk']}): "
           f"q and k quantized: sets differ in {fp8_res['rows_differ']:.0%} of queries, recall {fp8_res['recall']:.4f}; "
@@ -294,13 +304,12 @@ def _run(args, tp, contexts, head_counts, reps, topk, prefill, fp8) -> dict:
           "interleaved rounds)")
     print("(wall: slowest rank; cpu: its process CPU time, the speedup on dedicated cores; x wall [low-high]: "
           "per-round ratios)")
-    print(f"{'ranks':>5} {'split':>10} {'wall s':>7} {'x wall':>7} {'[low-high]':>12} {'cpu s':>6} {'x cpu':>6} "
-          f"{'indexer max/mean':>16} {'attn max/mean':>13} {'gather MB/rank':>14}")
-    for r in cp:
-        spread = f"[{r['speedup_low']:.2f}-{r['speedup_high']:.2f}]"
-        print(f"{r['ranks']:>5} {r['split']:>10} {r['time_s']:>7.2f} {r['speedup']:>7.2f} {spread:>12} "
-              f"{r['cpu_s']:>6.2f} {r['cpu_speedup']:>6.2f} {r['indexer_imbalance']:>16.3f} "
-              f"{r['attention_imbalance']:>13.3f} {r['gather_MB_per_rank']:>14.2f}")
+    out.table([{"ranks": r["ranks"], "split": r["split"], "wall s": f"{r['time_s']:.2f}",
+                "x wall": f"{r['speedup']:.2f}",
+                "[low-high]": f"[{r['speedup_low']:.2f}-{r['speedup_high']:.2f}]", "cpu s": f"{r['cpu_s']:.2f}",
+                "x cpu": f"{r['cpu_speedup']:.2f}", "indexer max/mean": f"{r['indexer_imbalance']:.3f}",
+                "attn max/mean": f"{r['attention_imbalance']:.3f}", "gather MB/rank": f"{r['gather_MB_per_rank']:.2f}"}
+               for r in cp], CP_COLUMNS)
     return {"decode": decode, "fp8": fp8_res, "dsa_cp_prefill": cp, "quick": args.quick, "tp": tp, "dtype": args.dtype}
 
 
