@@ -44,7 +44,6 @@ and the engine supplies the step of each layout. Add the ``model_type`` to
 >>> import torch
 >>> from cpattn.models.family import KVLayout, ModelFamily
 >>> from cpattn.engine.reference import reference_generate
-from cpattn.engine.run_rank import Arrival, run_rank
 >>> def forward(params, cfg, tokens, attn, *, logits_index=None):
 ...     x = params["emb"][tokens]                                   # [T, 8]
 ...     q = k = v = x.view(-1, 1, 8)                                # one head
