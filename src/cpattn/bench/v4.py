@@ -48,8 +48,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 
+from cpattn.bench import harness
+from cpattn.bench.harness import Samples, Spread
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import Samples, Spread, measure, ratio, write_json
 
 # per-layer sizes of DeepseekV4Config() (transformers 5.24 defaults)
 HEADS, D, WINDOW, CSA_M, HCA_M, TOPK, H_I, D_I = 64, 512, 128, 4, 128, 512, 64, 128
@@ -178,7 +179,7 @@ def decode_rank(group, cfg: dict) -> dict:
             key = f"{kind}_{dtype_name}"
             runs[f"{key}_dcp"], held[key] = step(group, r, group.size)
             runs[f"{key}_one"] = step(solo, 0, 1)[0] if r == 0 else (lambda: None)
-    samples = measure(runs, cfg["reps"], group=group, warmup=1)
+    samples = harness.compare(runs, cfg["reps"], group=group, warmup=1).samples
     group.stats.reset()
     for name, fn in runs.items():
         if name.endswith("_dcp"):
@@ -196,7 +197,8 @@ def decode_rows(res: list[dict], ctx: int, dcp: int, dtypes: list[str], batch: i
         for kind in ("csa", "hca"):
             key = f"{kind}_{dtype_name}"
             one, cp = s[f"{key}_one"], s[f"{key}_dcp"]
-            wall, cpu = ratio(one, cp), ratio(one, cp, clock="cpu")
+            c = harness.Comparison({"one": one, "cp": cp})
+            wall, cpu = c.ratio("one", "cp"), c.ratio("one", "cp", clock="cpu")
             rows.append({"kind": kind, "dtype": dtype_name, "context": ctx, "batch": batch, "dcp": dcp,
                          "one_ms": 1e3 * one.median,
                          "dcp_ms": 1e3 * cp.median, "speedup": wall.as_dict(), "cpu_speedup": cpu.as_dict(),
@@ -228,7 +230,7 @@ def prefill_rank(group, cfg: dict) -> dict:
 
         runs[f"{kind}_pcp"] = run(group, r)
         runs[f"{kind}_one"] = run(solo, 0) if r == 0 else (lambda: None)
-    samples = measure(runs, cfg["reps"], group=group, warmup=1)
+    samples = harness.compare(runs, cfg["reps"], group=group, warmup=1).samples
     for kind in ("sliding", "csa", "hca"):
         group.stats.reset()
         runs[f"{kind}_pcp"]()
@@ -256,9 +258,10 @@ def prefill_rows(res: list[dict], cfg: dict, pcp: int) -> list[dict]:
     rows = []
     for kind in ("sliding", "csa", "hca"):
         one, cp = s[f"{kind}_one"], s[f"{kind}_pcp"]
+        c = harness.Comparison({"one": one, "cp": cp})
         rows.append({"kind": kind, "tokens": cfg["tokens"], "pcp": pcp, "heads": cfg["heads"], "topk": cfg["topk"],
                      "dtype": cfg["dtype"], "one_s": one.median, "pcp_s": cp.median,
-                     "speedup": ratio(one, cp).as_dict(), "cpu_speedup": ratio(one, cp, clock="cpu").as_dict(),
+                     "speedup": c.ratio("one", "cp").as_dict(), "cpu_speedup": c.ratio("one", "cp", "cpu").as_dict(),
                      "bytes_sent_per_rank": {k: max(x["sent"][kind].get(k, 0) for x in res)
                                              for k in sorted({k for x in res for k in x["sent"][kind]})}})
     return rows
@@ -272,8 +275,8 @@ def timed_rank(group, cfg: dict) -> dict:
 
 # ----------------------------------------------------------------------------- main
 def _parser():
-    ap = cli.parser("cpattn bench v4", __doc__)
-    cli.add_quick(ap, "4K decode context, 512-token prefill, 2 rounds: seconds")
+    ap = harness.parser("cpattn bench v4", __doc__, timeout=True,
+                        quick="4K decode context, 512-token prefill, 2 rounds: seconds")
     cli.add_parallel(ap, pcp=2, dcp=2)
     cli.add_dtype(ap, default="float32", help="dtype of the prefill part (the decode part runs bf16 and fp32)")
     ap.add_argument("--context", type=cli.positive_int, default=None,
@@ -284,8 +287,6 @@ def _parser():
                     help="prefill length in tokens (default 16384; 512 with --quick)")
     ap.add_argument("--reps", type=cli.positive_int, default=None,
                     help="interleaved timing rounds (default 3; 2 with --quick)")
-    cli.add_json(ap)
-    cli.add_timeout(ap)
     return ap
 
 
@@ -309,9 +310,8 @@ def main(argv=None) -> int:
         dict(decode_ctx=65536, batch=4, prefill=16384, reps=3)
     sizes.update({k: v for k, v in (("decode_ctx", args.context), ("batch", args.batch),
                                     ("prefill", args.prefill_tokens), ("reps", args.reps)) if v is not None})
-    with cli.report_to(args.json):
-        result = _run(args, pcp, dcp, sizes)
-    write_json(args.json, result)
+    with harness.Report(args) as out:
+        out.payload = _run(out, args, pcp, dcp, sizes)
     return 0
 
 
@@ -319,56 +319,51 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:,.1f}"
 
 
-def _run(args, pcp: int, dcp: int, sizes: dict) -> dict:
-    from cpattn.comm.launch import spawn
-
+def _run(out, args, pcp: int, dcp: int, sizes: dict) -> dict:
     kv = kv_rows((65536, 1048576), dcp)
     src = sources()
-    print("\nKV bytes per request, bf16 (exact counts; what one request keeps between decode steps)")
-    print(f"{'context':>9} {'V4 MB':>9} {'V3.2 MB':>10} {'MLA MB':>10} {'V4 B/tok':>9} {'V3.2 B/tok':>10} "
-          f"{'MLA B/tok':>9} {'V4/V3.2':>8} {'V4/MLA':>7} {f'V4 MB/rank DCP{dcp}':>17} {f'V3.2 MB/rank':>12}")
-    for r in kv:
-        print(f"{r['context']:>9,} {_mb(r['v4']):>9} {_mb(r['v32']):>10} {_mb(r['mla']):>10} "
-              f"{r['v4_per_token']:>9.1f} {r['v32_per_token']:>10.0f} {r['mla_per_token']:>9.0f} "
-              f"{r['v4'] / r['v32']:>8.4f} {r['v4'] / r['mla']:>7.4f} {_mb(r[f'v4_per_rank_dcp{dcp}']):>17} "
-              f"{_mb(r[f'v32_per_rank_dcp{dcp}']):>12}")
+    out.line("\nKV bytes per request, bf16 (exact counts; what one request keeps between decode steps)")
+    out.table([{"context": r["context"], "V4 MB": _mb(r["v4"]), "V3.2 MB": _mb(r["v32"]), "MLA MB": _mb(r["mla"]),
+                "V4 B/tok": f"{r['v4_per_token']:.1f}", "V3.2 B/tok": f"{r['v32_per_token']:.0f}",
+                "MLA B/tok": f"{r['mla_per_token']:.0f}", "V4/V3.2": f"{r['v4'] / r['v32']:.4f}",
+                "V4/MLA": f"{r['v4'] / r['mla']:.4f}", f"V4 MB/rank DCP{dcp}": _mb(r[f"v4_per_rank_dcp{dcp}"]),
+                "V3.2 MB/rank": _mb(r[f"v32_per_rank_dcp{dcp}"])} for r in kv],
+              ["context", "V4 MB", "V3.2 MB", "MLA MB", "V4 B/tok", "V3.2 B/tok", "MLA B/tok", "V4/V3.2", "V4/MLA",
+               f"V4 MB/rank DCP{dcp}", "V3.2 MB/rank"])
     for name in ("v4", "v32", "mla"):
-        print(f"  {name}: transformers 5.24 {src[name]}")
-    print(f"  sizes {src['checked']}; V4 counts equal HF's own cache after a prefill (tests/test_v4_kv_bytes.py)")
+        out.line(f"  {name}: transformers 5.24 {src[name]}")
+    out.line(f"  sizes {src['checked']}; V4 counts equal HF's own cache after a prefill (tests/test_v4_kv_bytes.py)")
     big = kv[-1]["v4_parts_bytes"]
-    print("  V4 at 1M tokens by part (MB): " + ", ".join(f"{k} {_mb(v)}" for k, v in big.items()))
+    out.line("  V4 at 1M tokens by part (MB): " + ", ".join(f"{k} {_mb(v)}" for k, v in big.items()))
 
     dtypes, heads = ["bfloat16", "float32"], HEADS // 8
     pre_cfg = {"tokens": sizes["prefill"], "heads": heads, "index_heads": H_I // 8, "topk": PREFILL_TOPK,
                "dtype": args.dtype, "reps": sizes["reps"]}
     dec_cfg = {"context": sizes["decode_ctx"], "batch": sizes["batch"], "dtypes": dtypes, "reps": sizes["reps"]}
-    res = spawn(dcp, timed_rank, {"decode": dec_cfg, "prefill": pre_cfg}, threads=1, timeout_s=args.timeout)
+    res = harness.ranks(dcp, timed_rank, {"decode": dec_cfg, "prefill": pre_cfg}, timeout_s=args.timeout,
+                        label=f"decode one rank vs DCP {dcp}, then prefill one rank vs PCP {pcp}")
     dec = decode_rows([r["decode"] for r in res], sizes["decode_ctx"], dcp, dtypes, sizes["batch"])
-    print(f"\nDecode step of one V4 attention layer, {sizes['decode_ctx']:,} context, batch {sizes['batch']}, "
-          f"{HEADS} heads x {D}, "
-          f"top-{TOPK} by {H_I}x{D_I} indexer: one rank vs DCP {dcp} (gloo, 1 thread per rank; ms: medians of "
-          f"{sizes['reps']} interleaved rounds, slowest rank)")
-    print(f"{'layer':>5} {'dtype':>9} {'one ms':>8} {'DCP ms':>8} {'x wall [low-high]':>18} {'best':>5} "
-          f"{'x cpu':>6} {'KV MB/rank':>11} {'sent KB/rank':>12}")
-    for r in dec:
-        sp = r["speedup"]
-        x = str(Spread(**sp))
-        print(f"{r['kind']:>5} {r['dtype']:>9} {r['one_ms']:>8.2f} {r['dcp_ms']:>8.2f} {x:>18} {sp['best']:>5.2f} "
-              f"{r['cpu_speedup']['median']:>6.2f} {_mb(r['kv_bytes_per_rank']):>11} "
-              f"{r['bytes_sent_per_rank'] / 1024:>12.1f}")
+    out.line(f"\nDecode step of one V4 attention layer, {sizes['decode_ctx']:,} context, batch {sizes['batch']}, "
+             f"{HEADS} heads x {D}, "
+             f"top-{TOPK} by {H_I}x{D_I} indexer: one rank vs DCP {dcp} (gloo, 1 thread per rank; ms: medians of "
+             f"{sizes['reps']} interleaved rounds, slowest rank)")
+    out.table([{"layer": r["kind"], "dtype": r["dtype"], "one ms": f"{r['one_ms']:.2f}", "DCP ms": f"{r['dcp_ms']:.2f}",
+                "x wall [low-high]": str(Spread(**r["speedup"])), "best": f"{r['speedup']['best']:.2f}",
+                "x cpu": f"{r['cpu_speedup']['median']:.2f}", "KV MB/rank": _mb(r["kv_bytes_per_rank"]),
+                "sent KB/rank": f"{r['bytes_sent_per_rank'] / 1024:.1f}"} for r in dec],
+              ["layer", "dtype", "one ms", "DCP ms", "x wall [low-high]", "best", "x cpu", "KV MB/rank",
+               "sent KB/rank"])
 
     pre = prefill_rows([r["prefill"] for r in res], pre_cfg, pcp)
-    print(f"\nPrefill of one V4 attention layer, {sizes['prefill']:,} tokens, {heads} heads x {D} (a TP 8 rank's "
-          f"share), indexer {H_I // 8}x{D_I}, CSA top-{PREFILL_TOPK}, {args.dtype}: one rank vs PCP {pcp} (gloo, 1 "
-          f"thread per rank; s: medians of {sizes['reps']} interleaved rounds)")
-    print(f"{'layer':>7} {'one s':>7} {'PCP s':>7} {'x wall [low-high]':>18} {'best':>5} {'x cpu':>6} "
-          f"{'sent per rank (bytes by collective)':>40}")
-    for r in pre:
-        sp = r["speedup"]
-        x = str(Spread(**sp))
-        sent = ", ".join(f"{k} {v:,}" for k, v in r["bytes_sent_per_rank"].items())
-        print(f"{r['kind']:>7} {r['one_s']:>7.3f} {r['pcp_s']:>7.3f} {x:>18} {sp['best']:>5.2f} "
-              f"{r['cpu_speedup']['median']:>6.2f} {sent:>40}")
+    out.line(f"\nPrefill of one V4 attention layer, {sizes['prefill']:,} tokens, {heads} heads x {D} (a TP 8 rank's "
+             f"share), indexer {H_I // 8}x{D_I}, CSA top-{PREFILL_TOPK}, {args.dtype}: one rank vs PCP {pcp} (gloo, 1 "
+             f"thread per rank; s: medians of {sizes['reps']} interleaved rounds)")
+    sent = "sent per rank (bytes by collective)"
+    out.table([{"layer": r["kind"], "one s": f"{r['one_s']:.3f}", "PCP s": f"{r['pcp_s']:.3f}",
+                "x wall [low-high]": str(Spread(**r["speedup"])), "best": f"{r['speedup']['best']:.2f}",
+                "x cpu": f"{r['cpu_speedup']['median']:.2f}",
+                sent: ", ".join(f"{k} {v:,}" for k, v in r["bytes_sent_per_rank"].items())} for r in pre],
+              ["layer", "one s", "PCP s", "x wall [low-high]", "best", "x cpu", sent])
     return {"kv_bytes": kv, "sources": src, "decode": dec, "prefill": pre, "quick": args.quick, "pcp": pcp,
             "dcp": dcp, "dtype": args.dtype}
 
