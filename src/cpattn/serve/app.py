@@ -238,7 +238,7 @@ def histogram_lines(name: str, text: str, snapshot: tuple) -> list[str]:
 def metrics_text(stats: Any, aborted: int, histograms: Any = None) -> str:
     """The engine's counters in Prometheus' text format; a P/D engine's ``PDStats`` gives each counter per
     role (``{role="prefill"}`` / ``{role="decode"}``) and ``cpattn_handed_off_requests_total``;
-    ``histograms``: an object with ``ttft`` / ``tpot`` :class:`~cpattn.serve.engine_loop.Histogram`\ s
+    ``histograms``: an object with ``ttft`` / ``tpot`` :class:`~cpattn.serve.engine_loop.Histogram` objects
     (the :class:`~cpattn.serve.engine_loop.EngineLoop`).
 
     >>> from cpattn.engine.llm import EngineStats
