@@ -49,6 +49,7 @@ BENCHMARKS = {
     "serve": ("cpattn.bench.serve:main", "cpattn serve under Poisson load (openai client): TTFT / TPOT / ITL p50-p99, "
               "goodput, prefix hits; data parallel vs DCP 2 vs PCP 2 + DCP 2 vs DCP 2 captured"),
     "mlapo": ("cpattn.bench.mlapo:main", "DeepSeek decode step with / without the fused MLA preprocessing op, DCP 1 and 2"),
+    "hybrid": ("cpattn.bench.hybrid:main", "Qwen3-Next (hybrid): 16K prefill PCP 2 vs one rank, scan cost, state vs KV bytes, 32K decode DCP 2"),
     "drafts": ("cpattn.lab.report:main",
                "MTP / Eagle3 / DSpark on tiny trained targets: acceptance per position; decode tok/s vs plain, DCP 1 and 2"),
 }
