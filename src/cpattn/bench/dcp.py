@@ -30,11 +30,10 @@ Usage::
 
 from __future__ import annotations
 
-import time
-
-
+from cpattn.bench import harness
+from cpattn.bench.common import ratio
+from cpattn.bench.harness import Samples
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import Samples, measure, ratio, write_json
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -98,7 +97,7 @@ def rank_main(group, cfg):
             "step_local_a2a_one": (lambda: step(full, solo, "a2a", q_all, "local")) if r == 0 else noop,
             "step_local_a2a_dcp": lambda: step(mine, group, "a2a", q_all, "local"),
         }
-        samples = measure(runs, cfg["reps"], group=group, warmup=1)
+        samples = harness.compare(runs, cfg["reps"], group=group, warmup=1).samples
         rec = {"samples": {k: Samples(s.wall, s.cpu) for k, s in samples.items()},
                "kv_bytes": mine["kv_bytes"], "kv_tokens": mine["held"],
                "kv_bytes_allocated": mine["k"].nbytes + mine["v"].nbytes}
@@ -178,7 +177,7 @@ def model_step_rank(group, cfg):
             runner = make_runner(group, fam, params, mcfg, sh, num_speculative_tokens=0, max_requests=1, merge=v,
                                  capture_sizes=[1], backend="cpu")
             runs[f"graph_{v}"] = (lambda rn=runner, s=sh: rn(batch_of(s), [1]))
-    samples = measure(runs, cfg["reps"], group=group, inner=5, warmup=2)
+    samples = harness.compare(runs, cfg["reps"], group=group, inner=5, warmup=2).samples
     return {"samples": {k: Samples(s.wall, s.cpu) for k, s in samples.items()}, "counts": counts,
             "layers": mcfg.num_hidden_layers}
 
@@ -244,9 +243,10 @@ def _paged_vs_contiguous(sh, q_all, cfg):
                                                     softmax_scale=scale),
         "contig_folded": lambda: [_folded_contiguous(q_all[i], ks[i], vs[i], scale) for i in range(b)],
     }
-    s = measure(fns, cfg["reps"], warmup=1)
+    c = harness.compare(fns, cfg["reps"], warmup=1)
+    s = c.samples
     got, want = s["paged"].result[0], s["contig_varlen"].result[0]
-    return {"contiguous_over_paged": {k: ratio(s[k], s["paged"], clock="cpu").as_dict()
+    return {"contiguous_over_paged": {k: c.ratio(k, "paged", clock="cpu").as_dict()
                                       for k in ("contig_folded", "contig_varlen")},
             "paged_cpu_s": min(s["paged"].cpu),
             "paged_vs_contig_maxdiff": (got.float() - want.float()).abs().max().item()}
@@ -262,8 +262,8 @@ def _bytes(rec, merge, cfg, n):
 
 
 def _parser():
-    p = cli.parser("cpattn bench dcp", __doc__)
-    cli.add_quick(p, "batch 2, contexts 2K and 8K, 3 rounds (< 60 s)")
+    p = harness.parser("cpattn bench dcp", __doc__, timeout=True,
+                       quick="batch 2, contexts 2K and 8K, 3 rounds (< 60 s)")
     cli.add_parallel(p, dcp=2, block_size=128, interleave=128,
                      helps={"dcp": "DCP ranks: gloo processes, one thread each (DCP reuses the TP ranks: TP = DCP)"})
     p.add_argument("--contexts", type=cli.int_list, default="16384,65536", metavar="N,...",
@@ -275,8 +275,6 @@ def _parser():
                    help="cached tokens of the demo-model decode step (the demo's prompt length; 0: skip that part)")
     p.add_argument("--no-model-graph", action="store_true",
                    help="skip the graph-captured demo-model steps (two inductor compiles per rank)")
-    cli.add_json(p)
-    cli.add_timeout(p)
     return p
 
 
@@ -298,17 +296,15 @@ def main(argv=None):
                interleave=args.cp_kv_cache_interleave_size, dtype=args.dtype, contexts=list(args.contexts),
                reps=args.reps, paged_vs_contiguous=True, model_context=args.model_context,
                model_graph=not args.no_model_graph)
-    t0 = time.time()
-    from cpattn.comm.launch import spawn
-
-    with cli.report_to(args.json):
-        ranks = spawn(n, rank_main, cfg, threads=1, timeout_s=args.timeout)
+    with harness.Report(args) as out:
+        ranks = harness.ranks(n, rank_main, cfg, timeout_s=args.timeout, label="decode steps, one rank vs DCP")
         rows = _report(cfg, ranks, n)
         if cfg["model_context"]:
-            model = spawn(n, model_step_rank, cfg, threads=1, timeout_s=max(args.timeout, 900.0))[0]
+            model = harness.ranks(n, model_step_rank, cfg, timeout_s=max(args.timeout, 900.0),
+                                  label="the demo model's decode step, every DCP variant")[0]
             rows += _model_report(cfg, model, n)
-        print(f"({time.time() - t0:.0f} s)")
-    write_json(args.json, {"config": cfg, "dcp": n, "rows": rows})
+        out.line(f"({out.elapsed:.0f} s)")
+        out.payload = {"config": cfg, "dcp": n, "rows": rows}
     return 0
 
 
