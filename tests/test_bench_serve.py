@@ -136,7 +136,8 @@ def test_summary_compares_elastic_with_dp2_and_pcp2_per_rate_and_never_divides_b
     assert s["elastic_short_vs_dp2"]["per_rate"] == {"0.5": pytest.approx(1.04), "2.0": pytest.approx(1.2)}
     assert s["elastic_short_vs_dp2"]["median"] == pytest.approx(1.12)  # median of two: their mean
     assert s["elastic_long_vs_pcp2"]["per_rate"] == {"0.5": pytest.approx(583 / 550), "2.0": pytest.approx(1.2)}
-    assert s["elastic_goodput_vs_best_static"]["per_rate"] == {"0.5": pytest.approx(0.5 / 0.6), "2.0": pytest.approx(1.5)}
+    assert s["elastic_goodput_vs_best_static"]["per_rate"] == {"0.5": pytest.approx(0.5 / 0.6),
+                                                              "2.0": pytest.approx(1.5)}
     assert s["long_pcp2_vs_dp2_lowest_rate"] == pytest.approx(0.55)  # rate 0.5, not 2.0
     assert s["mixed"]["2.0"]["dcp2"] == {"short_ttft_p50_ms": 150.0, "long_ttft_p50_ms": None, "goodput_rps": 0.0}
     assert s["captured_tpot_vs_eager"] == {"mixed@2.0": pytest.approx(0.9), "fixed@2.0": pytest.approx(1.1)}

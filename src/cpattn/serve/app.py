@@ -257,7 +257,8 @@ def metrics_text(stats: Any, aborted: int, histograms: Any = None) -> str:
         lines += [f"{name}{label} {getattr(s, field)}" for label, s in roles]
     if hasattr(stats, "handed_off"):
         lines += ["# HELP cpattn_handed_off_requests_total requests the prefill role handed to the decode role",
-                  "# TYPE cpattn_handed_off_requests_total counter", f"cpattn_handed_off_requests_total {stats.handed_off}"]
+                  "# TYPE cpattn_handed_off_requests_total counter",
+                  f"cpattn_handed_off_requests_total {stats.handed_off}"]
     lines += ["# HELP cpattn_aborted_requests_total requests aborted because their client went away",
               "# TYPE cpattn_aborted_requests_total counter", f"cpattn_aborted_requests_total {aborted}"]
     for name, text, attr in _HISTOGRAMS if histograms is not None else ():

@@ -306,7 +306,8 @@ def build_engine(a, sched):
         from cpattn.engine.pd_engine import PDEngine
         from cpattn.engine.pooling import PoolSpec
 
-        pool = None if a.kv_pool in (None, "memory") else PoolSpec(a.kv_pool, model=a.model or f"{a.model_type}-seed{a.seed}")
+        label = a.model or f"{a.model_type}-seed{a.seed}"
+        pool = None if a.kv_pool in (None, "memory") else PoolSpec(a.kv_pool, model=label)
         return PDEngine(family, params, cfg, pcp_size=a.prefill_context_parallel_size,
                         dcp_size=a.decode_context_parallel_size, block_size=a.block_size, scheduler=sched,
                         kv_pool=pool, graph_mode=graph["graph_mode"], graph_backend=graph["graph_backend"],
