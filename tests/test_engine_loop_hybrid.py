@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine import engine_configs, generate
-from cpattn.engine.drafters import NgramDrafter
 from cpattn.engine.llm import LLMEngine
 from cpattn.models import qwen3_5, qwen3_next as qn
 
@@ -145,7 +144,6 @@ def test_refused_at_construction():
     cases = [(dict(scheduler=sched(enable_prefix_caching=True)), "enable_prefix_caching=True"),
              (dict(scheduler=SchedulerConfig()), "enable_prefix_caching=True"),  # the paged defaults
              (dict(scheduler=sched(), kv_pool="mem"), "kv_pool"),
-             (dict(scheduler=sched(), drafter=NgramDrafter(), num_speculative_tokens=2), "drafter"),
              (dict(scheduler=sched(), graph_mode="FULL_DECODE_ONLY", graph_backend="inductor"), "graph backend")]
     for kw, what in cases:
         with pytest.raises(ValueError, match=what) as e:

@@ -20,7 +20,12 @@ eager / captured step) whose step function also carries the linear layers' state
 What the step loop cannot do for a hybrid model is refused when the engine is built
 (:func:`hybrid_scheduler_config`): prefix caching and a KV pool (cached whole blocks carry KV rows, not a
 snapshot of the linear states at block boundaries: snapshots would cost one state copy per block per request,
-not done), drafters (verifying drafts needs the state at every draft position). PCP (``pcp_size =
+not done) and drafters that read the target's hidden states (MTP / Eagle3 / DSpark: the forward returns
+none). Token drafters (n-gram, a draft model) work: a decode row of ``1 + d`` tokens (the last token and d
+drafts) runs the linear layers token by token, leaving the state after each position in per-position
+buffers (``pending``, [slots, 1 + k, ...]) instead of the slot; once acceptance is known (a drafts) the
+runner commits the state after position a, the last accepted token's, to the slot, so the rejected drafts
+leave no trace (their KV is rolled back by the scheduler). PCP (``pcp_size =
 dcp_size``): a step's prefill chunks (of at least ``pcp_min_tokens`` new tokens) run split head-tail over the
 group (:meth:`HybridStepRunner._pcp_chunks`): the attention layers by ring / all-gather attention with the
 cached context gathered from the DCP shards as a replicated prefix (as :mod:`cpattn.engine.runner_pcp`), the
@@ -28,7 +33,7 @@ linear layers by the exact scan (:class:`~cpattn.linear.pcp_step.PCPLinearStep`)
 slot; every rank ends with the same states, written back to the slots, and the new KV rows go to their DCP
 owners by the paged hand-off. The step's decodes (and shorter chunks) then run the DCP step.
 Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph backend (persistent
-buffers, padding rows write nothing) replays uniform decode steps.
+buffers, padding rows write nothing) replays uniform decode steps, of 1 + k tokens a row with drafts.
 
 Example
 -------
@@ -66,7 +71,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.config import SchedulerConfig
 from cpattn.dcp import DCPMeta, plan_tensors
-from cpattn.engine.backends.hybrid import SlotStates, hybrid_prefill
+from cpattn.engine.backends.hybrid import SlotStates, commit_positions, hybrid_prefill, pending_states
 from cpattn.engine.backends.paged import handoff as paged_handoff
 from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import step_fields
@@ -98,10 +103,10 @@ def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | No
     if kv_pool is not None:
         raise ValueError(f"kv_pool: {name} is a hybrid model ({why}), so a pool cannot serve its prefixes; "
                          "pass kv_pool=None")
-    if drafter is not None:
-        raise ValueError(f"drafter: speculative decoding ({getattr(drafter, 'method', type(drafter).__name__)}) "
-                         f"for {name} needs the linear layers' state at every draft position, which the step loop "
-                         "does not keep; pass drafter=None and num_speculative_tokens=0")
+    if drafter is not None and getattr(drafter, "hidden_layers", None) is not None:
+        raise ValueError(f"drafter: {getattr(drafter, 'method', type(drafter).__name__)} reads the target's hidden "
+                         f"states, which the {name} forward does not return; use a token drafter (NgramDrafter, a "
+                         "draft model) or pass drafter=None")
     if scheduler is None:
         return SchedulerConfig(enable_prefix_caching=False)
     if scheduler.enable_prefix_caching:
@@ -111,10 +116,13 @@ def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | No
 
 
 def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFamily, cfg: Any, group: Group,
-                     merge: str, decode: bool | None = None):
+                     merge: str, decode: bool | None = None, width: int | None = None):
     """One step of the hybrid runner: :func:`cpattn.engine.decode.decode_step`'s DCP attention over
     ``state["shard"]`` plus :class:`SlotStates` over ``state["states"]`` rows ``batch["slots"]``.
     decode: every row one token (None: read from ``cu_seqlens_q``, a host sync: eager steps only).
+    With drafts (``state["pending"]`` and ``batch["verify"]`` [B] bool, the rows carrying drafts): those rows
+    leave the state after each position in ``state["pending"]`` (:class:`SlotStates`); ``width``: a captured
+    program whose every row is ``width`` = 1 + k tokens (None: the verify rows read from the batch, a host sync).
     Returns (logits [T, V], argmax [T])."""
     shard: PagedShard = state["shard"]
     cu = batch["cu_seqlens_q"]
@@ -128,14 +136,23 @@ def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: Mod
     attn = DCPStep(group, shard, meta, merge)
     if decode is None:
         decode = bool((ql == 1).all())
-    lin = SlotStates(state["states"], batch["slots"], batch["seq_lens"] - ql == 0, cu, decode)
+    verify, only = None, False
+    if "verify" in batch:
+        if width is not None:  # a captured 1 + k program: every row verifies, padding rows own no tokens
+            verify, only = (torch.arange(ql.shape[0], device=ql.device), width), True
+        else:
+            rows = batch["verify"].nonzero().flatten()
+            verify = (rows, int(ql[rows].max())) if rows.numel() else None
+    lin = SlotStates(state["states"], batch["slots"], batch["seq_lens"] - ql == 0, cu, decode, verify=verify,
+                     pending=state.get("pending"), only=only)
     logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
     return logits, logits.argmax(-1)
 
 
 class HybridStepRunner(StepRunner):
     """One rank's hybrid model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`
-    (``pcp``: prefill chunks run PCP, see the module doc; ``hidden_layers`` and drafts refused).
+    (``pcp``: prefill chunks run PCP, see the module doc; ``num_speculative_tokens`` = k: decode rows of
+    1 + k tokens verified with per-position states, see the module doc; ``hidden_layers`` refused).
 
     ``live``: requests holding a slot; ``states``: the slots' linear-layer states.
     """
@@ -151,9 +168,9 @@ class HybridStepRunner(StepRunner):
         if family.cache != "hybrid":
             raise ValueError(f"HybridStepRunner runs families declaring cache='hybrid'; {family.name} declares "
                              f"cache={family.cache!r}: use cpattn.engine.runner.StepRunner")
-        if hidden_layers is not None or num_speculative_tokens:
-            raise ValueError(f"hidden_layers={hidden_layers}, num_speculative_tokens={num_speculative_tokens}: the "
-                             f"{family.name} step loop keeps no per-draft-position states; run without a drafter")
+        if hidden_layers is not None:
+            raise ValueError(f"hidden_layers={hidden_layers}: the {family.name} forward returns no hidden states for "
+                             "a drafter; use a token drafter (NgramDrafter, a draft model) or none")
         if capture not in (None, "eager"):
             raise ValueError(f"graph backend {capture!r}: the {family.name} decode step is not capturable by a "
                              "compiler; use graph_backend='eager' (or 'auto') or graph_mode='NONE'")
@@ -169,14 +186,20 @@ class HybridStepRunner(StepRunner):
         self.slots: dict[Hashable, int] = {}
         self.seen: dict[Hashable, int] = {}  # tokens each slot's states have absorbed
         self._free = list(range(max_num_seqs))
+        self.k = k = num_speculative_tokens
         self._step = functools.partial(hybrid_loop_step, family=self.family, cfg=cfg, group=group, merge=merge)
         self._state = {"params": params, "shard": self.shard, "states": self.states}
+        if k:  # the state after each of a verify row's 1 + k positions, committed at the accepted one
+            self._state["pending"] = pending_states(self.states, 1 + k)
         if capture is not None:
             fields = {**step_fields(self.max_blocks), "slots": Field("request", (), torch.int64, pad=-1)}
-            self.graph = DecodeRunner(functools.partial(self._step, decode=True), self._state, fields,
-                                      num_speculative_tokens=0,
+            if k:
+                fields["verify"] = Field("request", (), torch.bool, pad=False)
+            step = functools.partial(self._step, decode=False, width=1 + k) if k else \
+                functools.partial(self._step, decode=True)
+            self.graph = DecodeRunner(step, self._state, fields, num_speculative_tokens=k,
                                       capture_sizes=list(capture_sizes) if capture_sizes else None,
-                                      max_size=max_num_seqs, backend=capture).capture()
+                                      max_size=max_num_seqs * (1 + k), backend=capture).capture()
 
     @property
     def live(self) -> int:
@@ -194,9 +217,13 @@ class HybridStepRunner(StepRunner):
             self._free.append(slot)
 
     def batch(self, out: SchedulerOutput, width: int | None = None) -> dict[str, torch.Tensor]:
-        """:meth:`StepRunner.batch` plus ``slots`` [B]: each row's state slot."""
-        return {**super().batch(out, width), "slots": torch.tensor([self.slots[r] for r in out.req_ids],
-                                                                   dtype=torch.int64)}
+        """:meth:`StepRunner.batch` plus ``slots`` [B]: each row's state slot (and, with drafts, ``verify`` [B]:
+        the rows carrying drafts)."""
+        got = {**super().batch(out, width), "slots": torch.tensor([self.slots[r] for r in out.req_ids],
+                                                                  dtype=torch.int64)}
+        if self.k:
+            got["verify"] = torch.tensor([bool(d) for d in out.draft_tokens], dtype=torch.bool)
+        return got
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""
@@ -212,9 +239,9 @@ class HybridStepRunner(StepRunner):
             elif self.seen.get(rid) != ctx:
                 raise RuntimeError(f"request {rid!r}: its linear states hold {self.seen.get(rid)} tokens but the "
                                    f"step continues after {ctx}")
-            if out.draft_tokens[b]:
-                raise RuntimeError(f"request {rid!r}: {len(out.draft_tokens[b])} drafts; the hybrid step loop "
-                                   "runs no drafter")
+            if out.draft_tokens[b] and not self.k:
+                raise RuntimeError(f"request {rid!r}: {len(out.draft_tokens[b])} drafts; this hybrid runner was "
+                                   "built with num_speculative_tokens=0")
         pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
             if self.pcp else []
         if pre:  # the long chunks under PCP, then the decodes and short chunks through the DCP step
@@ -230,6 +257,13 @@ class HybridStepRunner(StepRunner):
             res = StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), None)
         else:
             res = super().execute(out)
+        rows = [b for b, d in enumerate(out.draft_tokens) if d]
+        if rows:  # each verify row keeps the state after its last accepted token (the bonus token's input)
+            acc = [len(res.outputs[out.req_ids[b]].sampled) - 1 for b in rows]
+            commit_positions(self.states, self._state["pending"],
+                             torch.tensor([self.slots[out.req_ids[b]] for b in rows]), torch.tensor(acc))
+            for b, a in zip(rows, acc):
+                self.seen[out.req_ids[b]] -= len(out.draft_tokens[b]) - a  # rejected drafts: not absorbed
         for b, rid in enumerate(out.req_ids):
             self.seen[rid] += out.query_lens[b]
         return res
