@@ -107,7 +107,9 @@ def test_hidden_state_drafters_still_refused():
 
 
 def test_draft_model_drafts_give_the_greedy_tokens():
-    """A draft model (a tiny dense Qwen3 over the same vocabulary) is a token drafter too: lossless."""
+    """A draft model (a tiny dense Qwen3 over the same vocabulary) is a token drafter too: lossless. A random
+    draft model's drafts are (nearly) all rejected, so this covers its path and the rollback; the n-gram tests
+    above cover acceptance."""
     from cpattn.drafters.draft_model import ModelDrafter
     from cpattn.models import qwen3
 
