@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -162,15 +163,40 @@ def spawn(
                          "every rank was ended") from None
 
 
+def start_method() -> str:
+    """How ranks start: ``forkserver`` where the platform has it (the server imports torch once, and every
+    rank forks from it in a fraction of a second instead of importing torch itself, 2-3 s on 2 cores),
+    else ``spawn``; ``CPATTN_START_METHOD=spawn`` asks for spawn. A forked rank takes this process's
+    environment, ``sys.path`` and working directory at its start (:func:`cpattn.comm.launch_rank._worker`),
+    as a spawned one would.
+
+    >>> start_method() in ("forkserver", "spawn")
+    True
+    """
+    want = os.environ.get("CPATTN_START_METHOD", "forkserver")
+    if want not in ("forkserver", "spawn"):
+        raise ValueError(f"CPATTN_START_METHOD={want!r}; use forkserver or spawn")
+    return want if want in mp.get_all_start_methods() else "spawn"
+
+
+def _context():
+    method = start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])  # read when the server first starts
+    return ctx
+
+
 def _run(world_size, fn, args, kwargs, backend, threads, timeout_s, collective_timeout_s) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    here = (dict(os.environ), list(sys.path), os.getcwd())
     beats = ctx.Array("d", world_size, lock=False)  # monotonic time of each rank's last heartbeat; 0: none yet
     with tempfile.TemporaryDirectory(prefix="cpattn-spawn-") as out_dir:
         procs = [
             ctx.Process(
                 target=_worker,
                 args=(r, world_size, os.getpid(), backend, threads, collective_timeout_s, out_dir, beats, fn, args,
-                      kwargs),
+                      kwargs, here),
                 daemon=True,
             )
             for r in range(world_size)

@@ -53,11 +53,27 @@ def _collective_timeout(e: BaseException) -> bool:
     return isinstance(e, backend_error) or (isinstance(e, RuntimeError) and re.search(r"timed? ?out", str(e), re.I))
 
 
-def _worker(rank, world_size, parent, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs):
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _worker(rank, world_size, parent, backend, threads, timeout_s, out_dir, beats, fn, args, kwargs, here=None):
     os.setpgrp()  # own process group: the parent ends this rank and everything it started at once
-    _die_with_parent()
-    if os.getppid() != parent:  # the parent died while this rank started (before the death signal was armed)
+    _die_with_parent()  # forked from a forkserver: its death (which follows the parent's) ends this rank
+    if not _alive(parent):  # the parent died while this rank started (before the death signal was armed)
         os._exit(1)
+    if here is not None:  # the spawning process's environment, import path and directory, now
+        env, path, cwd = here
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+        os.chdir(cwd)
     threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True, name="cpattn-heartbeat").start()
     os.dup2(2, 1)  # stdout belongs to the parent
     sys.stdout = sys.stderr
