@@ -33,8 +33,7 @@ def test_quick_json_run_has_every_row_finite_times_and_hand_counted_bytes(capsys
     data = json.loads(out.out)  # pure JSON on stdout; the text report went to stderr
     assert "Prefill TTFT" in out.err and "Decode TPOT" in out.err
     cfg = hybrid.bench_config()
-    n = data["config"]["prefill"]
-    assert (n, data["config"]["context"]) == (2048, 4096)
+    assert (data["config"]["prefill"], data["config"]["context"]) == (2048, 4096)
     dtypes = ["float32", "bfloat16"]
     for part in ("prefill", "scan", "decode"):
         assert [r["dtype"] for r in data[part]] == dtypes, part
@@ -53,6 +52,8 @@ def test_quick_json_run_has_every_row_finite_times_and_hand_counted_bytes(capsys
     n_lin, n_full = cfg.layer_types.count("linear_attention"), cfg.layer_types.count("full_attention")
     for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
         rows = {r["what"]: r for r in data["bytes"] if r["dtype"] == dtype}
+        n = data["config"]["prefill_by_dtype"][dtype]
+        assert n == 2048 and [r["tokens"] for r in data["prefill"] if r["dtype"] == dtype] == [n]
         hand = _hand(cfg, n, itemsize)
         for what, per in hand.items():
             layers = n_full if what.startswith("attention") else n_lin

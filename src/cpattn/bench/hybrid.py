@@ -7,8 +7,9 @@ on rank 0 while the other ranks wait, the samples of both taken in interleaved r
 sample the slowest rank's. Ratios are PCP / one rank (or DCP / one rank) per round: median [low-high].
 
 Part 1 -- prefill TTFT (first-token logits of a ``--prefill-tokens`` prompt; default 16384, 2048 with
-``--quick``): PCP 2 (head-tail; the attention layer by ring attention, the linear layers by the scan of
-chunk summaries over the same local tokens) vs one rank. Checked: the first token equal, the first-token
+``--quick``; bf16 at most 4096 unless ``--prefill-tokens`` is given): PCP 2 (head-tail; the attention
+layer by ring attention, the linear layers by the scan of chunk summaries over the same local tokens) vs
+one rank. Checked: the first token equal, the first-token
 logits' relative difference printed.
 
 Part 2 -- what the scan's extra pass costs, one linear layer's delta rule at the same length: the plain
@@ -27,11 +28,11 @@ Part 4 -- decode TPOT at ``--context`` tokens (default 32768, 4096 with ``--quic
 one rank, the same seeded cache rows placed in both. Checked: the next token equal.
 
 Both dtypes, fp32 and bf16 (as the models run; this CPU has no bf16 matmul units, so bf16 mostly times
-conversions).
+conversions: its prefill defaults to 4K, and ``--prefill-tokens 16384`` runs 16K, ~15 minutes on 2 cores).
 
 Usage::
 
-    cpattn bench hybrid                 # 16K prefill, 32K decode, fp32 and bf16: minutes
+    cpattn bench hybrid                 # 16K prefill (bf16: 4K), 32K decode, fp32 and bf16: minutes
     cpattn bench hybrid --quick         # 2K prefill, 4K decode, 2 rounds: under a minute
     cpattn bench hybrid --json -        # JSON alone on stdout, the text report on stderr
 """
@@ -42,6 +43,7 @@ from cpattn.bench import harness
 from cpattn.config import cli_args as cli
 
 DTYPES = ("float32", "bfloat16")
+BF16_PREFILL = 4096  # bf16's default prefill length (see main)
 PREFILL_COLUMNS = ["dtype", "tokens", "one_s", "pcp_s", "pcp/one [low-high]", "token_equal", "logits_rel"]
 SCAN_COLUMNS = ["dtype", "tokens", "plain_full_ms", "plain_half_ms", "scan_ms", "scan/plain_half [low-high]"]
 BYTES_COLUMNS = ["dtype", "what", "layers", "bytes_per_layer", "bytes", "hand_count"]
@@ -221,8 +223,9 @@ def bench_rank(group, cfg_over: dict, sizes: dict) -> dict:
         dtype = NAMES[name]
         params = _params(cfg, dtype)
         torch.manual_seed(0)
-        out[name] = {"prefill": prefill_part(group, cfg, params, sizes["prefill"], sizes["reps"]),
-                     "scan": scan_part(group, cfg, dtype, sizes["prefill"], sizes["reps"]),
+        n = sizes["prefill_by_dtype"][name]
+        out[name] = {"prefill": prefill_part(group, cfg, params, n, sizes["reps"]),
+                     "scan": scan_part(group, cfg, dtype, n, sizes["reps"]),
                      "decode": decode_part(group, cfg, params, sizes["context"], sizes["reps"])}
     return out
 
@@ -241,17 +244,18 @@ def rows_of(res: list[dict], cfg, sizes: dict, pcp: int) -> dict[str, list[dict]
         r0 = res[0][name]
         p, s, d = r0["prefill"], r0["scan"], r0["decode"]
         ratio = harness.Comparison(p["samples"]).ratio("pcp", "one")
-        pre.append({"dtype": name, "tokens": sizes["prefill"], "pcp": pcp, "one_s": p["samples"]["one"].median,
+        tokens = sizes["prefill_by_dtype"][name]
+        pre.append({"dtype": name, "tokens": tokens, "pcp": pcp, "one_s": p["samples"]["one"].median,
                     "pcp_s": p["samples"]["pcp"].median, "ratio": ratio.as_dict(),
                     "pcp/one [low-high]": _spread(ratio), "token_equal": p["token_equal"],
                     "logits_rel": p["logits_rel"], "order": p["order"]})
         sr = harness.Comparison(s["samples"]).ratio("scan", "plain_half")
-        scan.append({"dtype": name, "tokens": sizes["prefill"],
+        scan.append({"dtype": name, "tokens": tokens,
                      "plain_full_ms": 1e3 * s["samples"]["plain_full"].median,
                      "plain_half_ms": 1e3 * s["samples"]["plain_half"].median,
                      "scan_ms": 1e3 * s["samples"]["scan"].median, "ratio": sr.as_dict(),
                      "scan/plain_half [low-high]": _spread(sr), "order": s["order"]})
-        hand = hand_bytes(cfg, sizes["prefill"], pcp, NAMES[name].itemsize)
+        hand = hand_bytes(cfg, tokens, pcp, NAMES[name].itemsize)
         sent = max((x[name]["prefill"]["sent"] for x in res), key=lambda v: sum(v.values()))
         state = max(x[name]["scan"]["state_bytes"] for x in res)
         halo = max(x[name]["scan"]["halo_bytes"] for x in res)
@@ -298,10 +302,13 @@ def main(argv=None) -> int:
         cli.bad_value(p.prog, "--prefill-tokens", sizes["prefill"], f"a multiple of {2 * args.ranks} (2 x ranks: "
                       "head-tail chunks of equal size, so the hand byte counts are exact)", "pass e.g. 16384")
     sizes["dtypes"] = dtypes
+    # bf16 without --prefill-tokens: at most BF16_PREFILL (this CPU has no bf16 matmul units: 16K takes ~15 min)
+    sizes["prefill_by_dtype"] = {d: sizes["prefill"] if d == "float32" or args.prefill_tokens
+                                 else min(sizes["prefill"], BF16_PREFILL) for d in dtypes}
     cfg = bench_config()
     with harness.Report(args) as out:
         res = harness.ranks(args.ranks, bench_rank, {}, sizes, timeout_s=args.timeout,
-                            label=f"hybrid prefill {sizes['prefill']} / decode {sizes['context']}, {'+'.join(dtypes)}")
+                            label=f"hybrid prefill {sizes['prefill_by_dtype']} / decode {sizes['context']}")
         rows = rows_of(res, cfg, sizes, args.ranks)
         n = args.ranks
         out.line(f"Qwen3-Next (bench_config: {cfg.num_hidden_layers} layers {'/'.join(t[0] for t in cfg.layer_types)}"
@@ -309,9 +316,9 @@ def main(argv=None) -> int:
                  f"{cfg.head_dim}, linear {cfg.linear_num_key_heads}/{cfg.linear_num_value_heads} heads x "
                  f"{cfg.linear_key_head_dim}); gloo, {n} ranks x 1 thread; medians of {sizes['reps']} interleaved "
                  f"rounds (slowest rank), ratios per round median [low-high]")
-        out.line(f"\nPrefill TTFT, {sizes['prefill']:,} tokens: PCP {n} vs one rank (issue target pcp/one <= 0.58)")
+        out.line(f"\nPrefill TTFT (tokens per dtype in the table): PCP {n} vs one rank (issue target pcp/one <= 0.58)")
         out.table(rows["prefill"], PREFILL_COLUMNS)
-        out.line(f"\nOne linear layer's delta rule, {sizes['prefill']:,} tokens: plain chunked op (whole sequence, and "
+        out.line(f"\nOne linear layer's delta rule at the prefill's length: plain chunked op (whole sequence, and "
                  f"one rank's 1/{n}) vs the PCP scan (augmented pass + summary all-gather + combine)")
         out.table(rows["scan"], SCAN_COLUMNS)
         out.line(f"\nBytes sent per rank in one PCP {n} prefill (group counters; hand_count from the config)")
