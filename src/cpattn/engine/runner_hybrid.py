@@ -71,7 +71,8 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.config import SchedulerConfig
 from cpattn.dcp import DCPMeta, plan_tensors
-from cpattn.engine.backends.hybrid import SlotStates, commit_positions, hybrid_prefill, pending_states
+from cpattn.engine.backends.hybrid import hybrid_prefill
+from cpattn.engine.backends.hybrid_states import SlotStates, commit_positions, pending_states
 from cpattn.engine.backends.paged import handoff as paged_handoff
 from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import step_fields
