@@ -1,5 +1,5 @@
 """The report of ``cpattn bench serve``: its table, the summary that sets elastic CP beside the static
-layouts (issue 26's comparisons), and the latency-vs-rate plot.
+layouts (the serving comparisons its docs state), and the latency-vs-rate plot.
 
 >>> _median([3.0, None, 1.0, 2.0]), _ratio(1.0, 0), _ms(123.4)
 (2.0, None, '123')
