@@ -62,7 +62,8 @@ def _median(xs: list) -> float | None:
 
 
 def summary(payload: dict) -> dict:
-    """The goal comparisons of one run (docs/serve.md) (None where a layout or class is missing; nothing divides by 0).
+    """The goal comparisons of one run, as docs/serve.md states them (None where a layout or class is
+    missing; nothing divides by 0).
 
     ``mixed``: per rate, per layout, short / long TTFT p50 (ms) and goodput (req/s); ``elastic_short_vs_dp2``
     / ``elastic_long_vs_pcp2`` / ``elastic_goodput_vs_best_static``: per rate and their median over rates;
