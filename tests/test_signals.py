@@ -1,7 +1,8 @@
-"""Stopping the launcher stops its ranks (issue 23, point 15): a real `cpattn demo`, signalled from here.
+"""Stopping the launcher stops its ranks : a real `cpattn demo`, signalled from here.
 
-The demo's ranks are found in /proc while it runs (children of the demo started by multiprocessing's
-spawn); after SIGTERM or SIGINT to the demo alone, none of them may be left alive.
+The demo's ranks are found in /proc while it runs (processes of the demo's tree started by multiprocessing's
+spawn, or forked by its forkserver); after SIGTERM or SIGINT to the demo alone, none of them (nor the
+forkserver) may be left alive.
 """
 
 import os
@@ -33,8 +34,19 @@ def _alive(pid):
         return False
 
 
+def _parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _ranks(tree):
-    return [p for p in tree if "multiprocessing.spawn" in _cmdline(p)]
+    """The rank processes: spawned (their own interpreter) or forked by the launcher's forkserver (children of
+    the server, whose command line they keep)."""
+    return [p for p in tree if "multiprocessing.spawn" in _cmdline(p) or
+            ("multiprocessing.forkserver" in _cmdline(p) and "multiprocessing.forkserver" in _cmdline(_parent(p)))]
 
 
 @pytest.mark.parametrize("signum, after_s", [(signal.SIGTERM, 0.0), (signal.SIGINT, 1.5)],

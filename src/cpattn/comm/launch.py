@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -190,13 +191,16 @@ def _context():
 def _run(world_size, fn, args, kwargs, backend, threads, timeout_s, collective_timeout_s) -> list:
     ctx = _context()
     here = (dict(os.environ), list(sys.path), os.getcwd())
+    job = (fn, args, kwargs)
+    if ctx.get_start_method() == "forkserver":  # by value: a forkserver takes at most 256 fds per process, and
+        job = (None, pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL), None)  # tensors in args would each be
+        # an fd (torch shares storages by fd); the rank unpickles this process's own bytes
     beats = ctx.Array("d", world_size, lock=False)  # monotonic time of each rank's last heartbeat; 0: none yet
     with tempfile.TemporaryDirectory(prefix="cpattn-spawn-") as out_dir:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, os.getpid(), backend, threads, collective_timeout_s, out_dir, beats, fn, args,
-                      kwargs, here),
+                args=(r, world_size, os.getpid(), backend, threads, collective_timeout_s, out_dir, beats, *job, here),
                 daemon=True,
             )
             for r in range(world_size)

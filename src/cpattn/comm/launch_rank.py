@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import re
 import signal
 import sys
@@ -74,6 +75,8 @@ def _worker(rank, world_size, parent, backend, threads, timeout_s, out_dir, beat
         os.environ.update(env)
         sys.path[:] = path
         os.chdir(cwd)
+    if fn is None:  # the job by value (a forkserver start): bytes this rank's own parent pickled
+        fn, args, kwargs = pickle.loads(args)  # noqa: S301
     threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True, name="cpattn-heartbeat").start()
     os.dup2(2, 1)  # stdout belongs to the parent
     sys.stdout = sys.stderr
