@@ -38,3 +38,15 @@ def gloo_rank(group, family: str, cfg, seed: int, schedule: list[dict], engine_k
                        scheduler=SchedulerConfig(**engine_kwargs.pop("scheduler")), **engine_kwargs)
     ids, steps = run_schedule(engine, schedule)
     return {i: list(engine.scheduler.requests[rid].output) for i, rid in ids.items()}
+
+
+def run_arrivals(engine: LLMEngine, reqs: list[dict], params: list) -> tuple[list[list[int]], int]:
+    """Add ``reqs[i]["prompt"]`` with ``params[i]`` at step ``reqs[i]["arrive"]``, step until drained; (each
+    request's output tokens in arrival order, preemptions). Asserts no block leaked."""
+    ids, step = [], 0
+    while len(ids) < len(reqs) or engine.has_unfinished():
+        ids += [engine.add_request(r["prompt"], params[i]) for i, r in enumerate(reqs) if r["arrive"] == step]
+        engine.step()
+        step += 1
+    assert engine.stats.blocks_used == 0
+    return [list(engine.scheduler.requests[i].output) for i in ids], engine.stats.preemptions

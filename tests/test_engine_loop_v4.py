@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from engine_loop_cases import run_schedule
+from engine_loop_cases import run_arrivals, run_schedule
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -185,14 +185,7 @@ def test_seeded_sampling_is_the_same_whatever_the_layout_and_preemptions():
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5, top_k=40, seed=100 + i) for i in range(4)]
 
     def run(layout, num_blocks):
-        eng = engine(layout, num_blocks=num_blocks)
-        ids, step = [], 0
-        while len(ids) < len(reqs) or eng.has_unfinished():
-            ids += [eng.add_request(r["prompt"], params[i]) for i, r in enumerate(reqs) if r["arrive"] == step]
-            eng.step()
-            step += 1
-        assert eng.stats.blocks_used == 0
-        return [list(eng.scheduler.requests[i].output) for i in ids], eng.stats.preemptions
+        return run_arrivals(engine(layout, num_blocks=num_blocks), reqs, params)
 
     one, none = run("one", 64)
     assert none == 0
