@@ -48,7 +48,7 @@ def capture_vs_eager(group, name: str):
     runner = make_runner(group, family, params, cfg, shards[0], num_speculative_tokens=0, max_requests=4,
                          capture_sizes=list(CAPTURE_SIZES), backend="aot_eager")
     first = out.first_logits.argmax(-1)
-    lens = torch.tensor(prompts.query_lens)
+    lens = torch.tensor(prompts.prompt_lens)
     res = []
     for b in range(1, 5):
         batch = {"tokens": first[:b], "seq_lens": lens[:b] + 1, "block_table": shards[0].block_table[:b]}

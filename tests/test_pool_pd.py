@@ -55,7 +55,7 @@ def prefilled(monkeypatch):
 
     def counting(pg, family, params, cfg, p, *args):
         prefix = args[2]
-        seen.append(sum(p.query_lens) - (sum(prefix.context_lens) if prefix is not None else 0))
+        seen.append(sum(p.prompt_lens) - (sum(prefix.context_lens) if prefix is not None else 0))
         return real(pg, family, params, cfg, p, *args)
 
     monkeypatch.setattr(driver, "prefill_fn", counting)

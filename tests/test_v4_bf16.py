@@ -50,7 +50,7 @@ def engine_logits(group, params, cfg, prompts: list[torch.Tensor], forced: list[
     cache = STAGES.new_cache(cfg, params, p, FORCED, dec, 0, group)
     STAGES.place(cache, STAGES.collect(pg, out))
     prog = STAGES.decode_program(group, params, cfg, cache)
-    lens, steps = list(p.query_lens), []
+    lens, steps = list(p.prompt_lens), []
     for j in range(FORCED):
         tokens = torch.stack([f[j] for f in forced])  # [B]: each request's token at position lens[b]
         steps.append(prog.step(prog.state, prog.batch([0, 1], lens, tokens))[0])

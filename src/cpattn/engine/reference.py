@@ -50,10 +50,10 @@ def reference_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts
     p = prompts if isinstance(prompts, Prompts) else Prompts.of(prompts)
     dtype = param_dtype(params)
     steps = max_new_tokens - 1
-    cache = DenseKVCache.empty(family.kv_layouts(cfg), batch=p.num_requests, max_len=max(p.query_lens) + steps,
+    cache = DenseKVCache.empty(family.kv_layouts(cfg), batch=p.num_requests, max_len=max(p.prompt_lens) + steps,
                                dtype=dtype, device=p.tokens.device)
     t0 = time.perf_counter()
-    step = cache.step(list(p.query_lens))
+    step = cache.step(list(p.prompt_lens))
     prompt_logits = as_logits(family.forward(params, cfg, p.tokens, step))  # [T, V]
     cache = step.finish()
     first_logits = prompt_logits[torch.tensor(p.cu_seqlens[1:]) - 1]  # [B, V]

@@ -150,7 +150,7 @@ class V4Stages:
         k = int(num_speculative_tokens)
         dtype = param_dtype(params)
         lay = cfg.layout(max_rewind=k, block_size=decode_cfg.cache.block_size)
-        cache = V4Cache.empty(lay, batch=prompts.num_requests, max_len=max(prompts.query_lens) + steps + k,
+        cache = V4Cache.empty(lay, batch=prompts.num_requests, max_len=max(prompts.prompt_lens) + steps + k,
                               dtype=dtype, dcp_rank=group.rank, dcp_size=group.size,
                               interleave_size=decode_cfg.cache.cp_kv_cache_interleave_size)
         return V4DecodeCache(cache)
@@ -187,7 +187,7 @@ class V4Stages:
         torch.distributed's world) and seed this rank's cache. Returns the first-token logits [B, V] and
         what arrived."""
         c = holder.cache
-        h, first, got = recv_handoff(c.layout, prompts.query_lens, c.window[0].dtype, src, world)
+        h, first, got = recv_handoff(c.layout, prompts.prompt_lens, c.window[0].dtype, src, world)
         self.place(holder, h)
         return first, HandoffFacts(bytes_received=got)
 

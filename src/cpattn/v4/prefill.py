@@ -191,5 +191,5 @@ def v4_prefill(group: Group, forward: Callable[..., Any], params: dict, cfg: Any
         first = group.all_reduce(first.index_copy(0, reqs, logits))  # each request's row comes from one rank
     if hidden is not None:
         hidden = {name: gather_unshard(group, h, plan.pcp) for name, h in hidden.items()}
-    return V4PrefillOut(plan.pcp, first, full, hidden, step.tail(), step.gathered(), tuple(prompts.query_lens),
+    return V4PrefillOut(plan.pcp, first, full, hidden, step.tail(), step.gathered(), tuple(prompts.prompt_lens),
                         group.stats.total_sent() - before)

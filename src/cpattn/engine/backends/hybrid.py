@@ -163,13 +163,12 @@ def hybrid_prefill(group: Group, family, params: dict, cfg: Any, prompts, *, alg
     A chunk continuing its requests (the step loop's PCP chunks): ``prefix`` (the cached KV rows of each
     request's first ``prefix.context_lens[b]`` tokens, as the paged prefill takes it) together with
     ``states``, every request's linear-layer states after those tokens (zeros where the context is 0);
-    only the new tokens are computed. A prefix without states is refused (cached blocks carry no states)."""
+    only the new tokens are computed. A prefix without states is refused (cached blocks carry no states).
+    hidden_layers: also return the hidden states a drafter reads (``{name: [T, H]}`` of the new tokens, request
+    order, gathered over the group), as the paged prefill does."""
     if prefix is not None and states is None:
         _refuse(family, "a cached prefix (prefix caching)", "the cached whole blocks carry KV rows but no "
                 "snapshot of the linear layers' states at block boundaries", "run without a prefix")
-    if hidden_layers is not None:
-        _refuse(family, f"hidden_layers={tuple(hidden_layers)}", "the forward returns no hidden states for a "
-                "drafter", "run without a drafter that reads them")
     layouts = family.kv_layouts(cfg)
     ctx = None if prefix is None else prefix.context_lens
     prompts = prompts if prefix is None else prompts.suffix(ctx)  # the new tokens
@@ -182,7 +181,7 @@ def hybrid_prefill(group: Group, family, params: dict, cfg: Any, prompts, *, alg
         states = family.recurrent_cache(cfg, batch=prompts.num_requests, dtype=param_dtype(params),
                                         device=emb.device)
     if group.size == 1:
-        lin = _RequestOrder(states.step(list(prompts.query_lens)), plan)
+        lin = _RequestOrder(states.step(list(prompts.prompt_lens)), plan)
     else:
         r = group.rank
         lin = PCPLinearStep(group, ScanLayout.head_tail(group.size), [plan.cu_a[r], plan.cu_b[r]], states)
@@ -190,8 +189,10 @@ def hybrid_prefill(group: Group, family, params: dict, cfg: Any, prompts, *, alg
     idx = plan.token_index[group.rank]
     last = torch.tensor(cu[1:]) - 1  # [B] each request's last prompt token
     rows_end, reqs = (idx[:, None] == last[None, :]).nonzero(as_tuple=True)
-    logits = as_logits(family.forward(params, cfg, mine, attn, lin,
-                                      logits_index=None if prompt_logits else rows_end))
+    extra = {} if hidden_layers is None else {"hidden_layers": tuple(hidden_layers)}
+    out = family.forward(params, cfg, mine, attn, lin, logits_index=None if prompt_logits else rows_end, **extra)
+    logits, hidden = out if hidden_layers is not None else (out, None)
+    logits = as_logits(logits)
     full = None
     if prompt_logits:
         full = gather_unshard(group, logits, plan)  # [T, V] request order
@@ -199,9 +200,11 @@ def hybrid_prefill(group: Group, family, params: dict, cfg: Any, prompts, *, alg
     else:
         first = torch.zeros(prompts.num_requests, logits.shape[-1], dtype=logits.dtype, device=logits.device)
         first = group.all_reduce(first.index_copy(0, reqs, logits))
+    if hidden is not None:
+        hidden = {name: gather_unshard(group, h, plan) for name, h in hidden.items()}  # [T, H] request order
     kv = [attn.kv[j] for j in range(len(layouts))]
     rows = pack_rows(layouts, [x.k for x in kv], [x.v for x in kv], [x.k_index for x in kv])  # [T_r, F]
-    return HybridPrefillOut(plan, rows, first, full, None, group.stats.total_sent() - before, states=lin.finish())
+    return HybridPrefillOut(plan, rows, first, full, hidden, group.stats.total_sent() - before, states=lin.finish())
 
 
 def hybrid_decode_step(state: dict, batch: dict[str, torch.Tensor], *, family, cfg: Any, group: Group, merge: str):

@@ -135,7 +135,7 @@ class PagedBackend:
     def new_cache(self, family, cfg: Any, params: dict, prompts, steps: int, decode_cfg, num_speculative_tokens: int,
                   group: Group | None = None) -> PagedShard:
         return PagedShard.empty(family.kv_layouts(cfg),
-                                capacity=cache_capacity(list(prompts.query_lens), steps, num_speculative_tokens),
+                                capacity=cache_capacity(list(prompts.prompt_lens), steps, num_speculative_tokens),
                                 dcp_size=decode_cfg.parallel.dcp_size, block_size=decode_cfg.cache.block_size,
                                 interleave_size=decode_cfg.cache.cp_kv_cache_interleave_size,
                                 dtype=param_dtype(params))
@@ -167,7 +167,7 @@ class PagedBackend:
     def recv(self, world: Group, cache: PagedShard, prompts, cfg: Any, *, prefill_ranks: list[int],
              decode_group: Group, dtype: torch.dtype, start: list[int] | None = None):
         """``start``: per request, the whole blocks this rank holds already (a cached prefix): not sent."""
-        received, first, facts = recv_blocks(list(prompts.query_lens), decode_rank=decode_group.rank,
+        received, first, facts = recv_blocks(list(prompts.prompt_lens), decode_rank=decode_group.rank,
                                              decode_size=decode_group.size, prefill_ranks=prefill_ranks,
                                              block_size=cache.block_size, width=row_width(cache.layouts),
                                              dtype=dtype, vocab_size=cfg.vocab_size, world=world, start=start)
