@@ -83,7 +83,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
              scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
              graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None, poison: bool = False,
              seed: int = 0, on_step: Callable[[str, LLMEngine, list[RequestOutput]], None] | None = None,
-             max_steps: int = 100_000) -> dict[int, RequestOutput]:
+             max_steps: int = 100_000,
+             before_step: Callable[[str, LLMEngine], None] | None = None) -> dict[int, RequestOutput]:
     """The step loop on this rank of ``world`` (module doc): ``{arrival index: final RequestOutput}`` of
     the requests this rank's role finished.
 
@@ -99,6 +100,9 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     graph_mode / graph_backend / capture_sizes: the decoding engine's capture.
     seed: draws the seed of each arrival that brings none. on_step: called after each step of this
         rank's engine with (role: "colocated" / "prefill" / "decode", engine, the step's outputs).
+    before_step: called with (role, engine) once the step's requests are added, just before the engine
+        steps (a step's time is from here to ``on_step``; every rank of a role calls both hooks each step,
+        so a hook may run a collective over its role's ranks, e.g. a barrier).
     """
     arrivals = [a if isinstance(a, Arrival) else Arrival(*a) for a in arrivals]
     sampling = _seeded(arrivals, seed)
@@ -139,6 +143,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
                 for i, tok in _receive(world):
                     engine.add_request(arrivals[i].prompt, sampling[i], request_id=i)
                     first[i] = tok
+            if before_step is not None:
+                before_step(role, engine)
             outs = engine.step() if engine.has_unfinished() else []
             if on_step is not None:
                 on_step(role, engine, outs)
