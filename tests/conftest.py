@@ -1,7 +1,7 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import ref.py and the *_cases.py modules by name
+sys.path.insert(0, os.path.dirname(__file__))  # tests import ref/ (the oracles) and the *_cases.py modules by name
 
 
 import pytest  # noqa: E402

@@ -1,4 +1,4 @@
-"""dcp_decode / DCPContext against the float64 dense oracle (tests/oracle.py).
+"""dcp_decode / DCPContext against the float64 dense oracle (tests/ref/dense.py).
 
 Each case builds the whole sequences' K/V, deals them to N NaN-poisoned
 paged caches through the DCP slot mapping, runs the sharded step on the

@@ -1,6 +1,6 @@
 """DSA ops (indexer_scores, topk_indices, sparse_mla_attention_with_lse) against a float64 oracle.
 
-The oracle ``ref.dsa`` (tests/ref.py) is written plainly, the way Hugging Face transformers'
+The oracle ``ref.dsa`` (tests/ref/sparse.py) is written plainly, the way Hugging Face transformers'
 DeepSeek-V3.2 attention does it: indexer scores over every key, additive
 causal -inf mask, top-k of min(index_topk, keys) columns, an additive -inf
 mask scattered from the top-k, dense softmax over all keys. One deliberate
@@ -27,6 +27,7 @@ from cpattn.dsa import dsa_attention
 import ref
 from ref import attention as dense_oracle
 from ref import req_pos
+from ref import topk_rows as plain_topk  # Python sort by (score desc, column asc); -inf/NaN dropped; -1 pads
 
 NEG = float("-inf")
 
@@ -114,16 +115,6 @@ def test_indexer_bad_arguments_are_named():
 
 
 # ----------------------------------------------------------------------------- topk_indices
-def plain_topk(scores, k):
-    """Python sort by (score desc, column asc) per row; -inf/NaN columns dropped; -1 pads."""
-    out = []
-    for row in scores.tolist():
-        cols = [c for c, s in enumerate(row) if s == s and s != NEG]
-        cols.sort(key=lambda c: (-row[c], c))
-        out.append((cols[:k] + [-1] * k)[:k])
-    return torch.tensor(out, dtype=torch.int32).view(len(out), k)
-
-
 @settings(max_examples=30, deadline=None)
 @given(t=st.integers(0, 6), s=st.integers(0, 12), k=st.integers(1, 15), seed=st.integers(0, 10**6))
 def test_topk_ties_total_order(t, s, k, seed):
@@ -239,7 +230,7 @@ def test_dsa_matches_hf_oracle(dtype):
 
 
 def test_dsa_equals_dense_mla_when_all_keys_fit():
-    """Visible length <= topk: DSA is dense absorbed MLA (tests/oracle.py attention, one KV head)."""
+    """Visible length <= topk: DSA is dense absorbed MLA (tests/ref/dense.py attention, one KV head)."""
     lens, ctx = [6, 11, 1], [4, 0, 7]
     b = make_batch(lens, ctx, seed=4)
     scale = mla_softmax_scale(24, 40, 1.0)

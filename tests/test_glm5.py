@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_oracle import NEW_TOKENS, PROMPT_LENS, VOCAB, Reference, forward_logits, perturbed, rel_err  # noqa: E402
 from near_tie import check_choices  # noqa: E402
+from ref import topk_order  # noqa: E402
 
 import cpattn  # noqa: E402
 from cpattn.comm.launch import spawn  # noqa: E402
@@ -210,7 +211,7 @@ def oracle(x, lens, topk, scale):
             t = at + i
             keys = range(at, at + i + 1)
             s = [float((x["wi"][t] * (x["qi"][t] @ x["ki"][k]).relu()).sum()) for k in keys]
-            chosen = sorted(range(i + 1), key=lambda j: (-s[j], j))[:topk]
+            chosen = topk_order(s, topk)
             for out, kv in zip(outs, (x["kv0"], x["kv1"])):
                 lat = kv[[at + j for j in chosen], 0]  # [k, d]
                 p = torch.softmax(x["q"][t] @ lat.T * scale, -1)  # [h, k]

@@ -1,7 +1,7 @@
 """Graph-captured decode programs: capture sizes, padding, eager fallback, backends, DCP in graphs.
 
 Oracle: a float64 dense causal forward of the demo program over each whole
-sequence, written plainly here (rope, rmsnorm) on top of tests/oracle.py.
+sequence, written plainly here (rope, rmsnorm) on top of tests/ref/dense.py.
 Captured results are also compared with the eager step on a copy of the
 same state (equal within 1e-6 in fp32).
 """

@@ -10,7 +10,7 @@ import torch
 
 from cpattn.ops import mla_preprocess_npu, registry
 from cpattn.ops.mla_preprocess import mla_preprocess, mla_weights
-from cpattn.ops.mla_preprocess_ref import mla_preprocess_ref
+from ref.mlapo import mla_preprocess_ref
 
 T, H, HQ, NOPE, ROPE, R, RQ, NB, BS = 6, 32, 4, 16, 8, 24, 20, 4, 4
 SLOTS = [13, -1, 2, 7, -1, 0]  # two rows write nothing (another DCP rank's tokens / padding)

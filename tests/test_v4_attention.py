@@ -1,6 +1,6 @@
 """One V4 attention layer on one device (:class:`cpattn.v4.step.V4Step`) against the float64 oracle.
 
-The oracle (:func:`cpattn.ops.v4_ref.v4_attention_ref`) sees each request's
+The oracle (:func:`ref.v4.v4_attention_ref` (tests/ref/v4.py)) sees each request's
 whole sequence at once: entries pooled window by window, every query's
 keys listed explicitly (window, visible entries or the indexer's top-k),
 the sink as one more logit. The step sees the same tokens in chunks --
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from cpattn.ops.compressor import gated_pool
-from cpattn.ops.v4_ref import gated_pool_ref, indexer_topk_ref, v4_attention_ref
 from cpattn.v4.attention import Compression, LayerInput
 from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.step import V4Step
+from ref.v4 import gated_pool_ref, indexer_topk_ref, v4_attention_ref
 
 H, D, HI, DI = 4, 16, 16, 8
 WINDOW, CSA, HCA, TOPK = 8, 4, 16, 3

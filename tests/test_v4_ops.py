@@ -14,8 +14,8 @@ import torch
 from cpattn.ops import registry
 from cpattn.ops.compressor import gated_pool
 from cpattn.ops.rows import write_rows
-from cpattn.ops.v4_ref import gated_pool_ref, window_attention_ref
 from cpattn.ops.window_attention import window_attention_with_lse
+from ref.v4 import gated_pool_ref, window_attention_ref
 
 NAN = float("nan")
 

@@ -34,7 +34,7 @@ Outputs, all new tensors in the hidden dtype:
 Implementations: the CPU kernel (host-indexed cache write) and a
 device-generic body (sync-free write, see :func:`cpattn.ops.rows.scatter_rows`)
 that is also the op's CPU decomposition under torch.compile; the float64
-oracle is :mod:`cpattn.ops.mla_preprocess_ref`; an Ascend kernel on
+oracle the tests use is ``tests/ref/mlapo.py``; an Ascend kernel on
 ``torch_npu.npu_mla_prolog_v3`` is in :mod:`cpattn.ops.mla_preprocess_npu`
 (untested on hardware).
 """

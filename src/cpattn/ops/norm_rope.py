@@ -1,8 +1,8 @@
 """RMSNorm and RoPE as the models compute them, shared by the model files and the fused ops.
 
 One definition, so a fused op (:func:`cpattn.ops.mla_preprocess`) and the
-model code it replaces round identically. The float64 oracles are in
-:mod:`cpattn.ops.mla_preprocess_ref`.
+model code it replaces round identically. The float64 oracles the tests
+check it against are in ``tests/ref/mlapo.py``.
 """
 
 from __future__ import annotations

@@ -20,5 +20,5 @@ tables are in docs/deepseek_v4.md.
 
 The ops live in the one registry: :mod:`cpattn.ops.compressor`,
 :mod:`cpattn.ops.window_attention`, :mod:`cpattn.ops.rows`
-(float64 references in :mod:`cpattn.ops.v4_ref`).
+(the tests' float64 references are in ``tests/ref/v4.py``).
 """

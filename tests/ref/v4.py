@@ -1,8 +1,8 @@
-"""Plain float64 references for the DeepSeek-V4 attention ops (the "ref.py" next to the kernels).
+"""Plain float64 references for the DeepSeek-V4 attention ops (until 0.x: ``cpattn.ops.v4_ref``).
 
 Slow and obvious: loops over windows and query rows, an explicit list of the
-keys each row sees, a softmax over all of them. Nothing here is used by the
-fast paths; tests compare the ops and the whole V4 attention against these.
+keys each row sees, a softmax over all of them. Nothing in the library uses
+them; tests compare the ops and the whole V4 attention against these.
 
 - :func:`gated_pool_ref` -- one compressed entry per window: a per-channel
   softmax over the window's slots of ``gate + position_bias``, weighting
@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from .topk import topk_order
 
 F64 = torch.float64
 
@@ -154,7 +156,6 @@ def indexer_topk_ref(
             return []
         s = torch.relu(q_index[p].double() @ index_keys[:n_vis].double().T)  # [H_I, E]
         score = (weights[p].double()[:, None] * s).sum(0)  # [E]
-        order = sorted(range(n_vis), key=lambda e: (-float(score[e]), e))
-        return order[: min(topk, n_vis)]
+        return topk_order(score.tolist(), topk)
 
     return selected
