@@ -31,6 +31,7 @@ Example
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -165,33 +166,64 @@ def _pair_blocks(lens_blocks: list[int], p: int, prefill_size: int, d: int, deco
             and j % prefill_size == p]
 
 
+def send_block_pairs(world: Group, payload: Callable[[int, int], torch.Tensor], nblocks: list[int], *,
+                     prefill_rank: int, prefill_size: int, decode_ranks: list[int],
+                     start: list[int] | None = None) -> list[int]:
+    """Send this prefill rank's share of whole blocks point to point: block j of request b (``start[b] <= j <
+    nblocks[b]``, j % P == ``prefill_rank``) goes to decode rank j % N, ``payload(b, j) -> [block_size, F]``.
+
+    One message per decode rank that gets any ([n, block_size, F], its blocks in request then block order),
+    decode ranks in order, to ranks ``decode_ranks`` of ``world``; :func:`recv_block_pairs` takes them
+    prefill ranks in order, so the sends and receives form no cycle. Returns the bytes sent per request.
+    """
+    sent = [0] * len(nblocks)
+    for d, dst in enumerate(decode_ranks):
+        mine = _pair_blocks(nblocks, prefill_rank, prefill_size, d, len(decode_ranks), start)
+        if mine:
+            rows = [payload(b, j) for b, j in mine]
+            world.send(torch.stack(rows), dst)  # [n, block_size, F]
+            for (b, _), row in zip(mine, rows):
+                sent[b] += row.nbytes
+    return sent
+
+
+def recv_block_pairs(world: Group, nblocks: list[int], *, decode_rank: int, decode_size: int,
+                     prefill_ranks: list[int], block_size: int, width: int, dtype: torch.dtype,
+                     start: list[int] | None = None) -> dict[tuple[int, int], torch.Tensor]:
+    """What :func:`send_block_pairs` sent this decode rank: ``{(request, global block): payload [block_size, F]}``
+    (blocks j % N == ``decode_rank`` of ``[start[b], nblocks[b])``), from ranks ``prefill_ranks`` of ``world``."""
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    p = len(prefill_ranks)
+    for i, src in enumerate(prefill_ranks):
+        mine = _pair_blocks(nblocks, i, p, decode_rank, decode_size, start)
+        if mine:
+            got.update(zip(mine, world.recv((len(mine), block_size, width), dtype, src).unbind(0)))
+    return got
+
+
 def send_blocks(blocks: list[torch.Tensor], first_logits: torch.Tensor | None, *, prefill_rank: int,
                 prefill_size: int, decode_ranks: list[int], world: Group | None = None,
                 start: list[int] | None = None) -> HandoffFacts:
     """Send this prefill rank's share of the blocks (block j of every request when j % P == rank) to the
     decode ranks (ranks ``decode_ranks`` of ``world``) point to point (:meth:`~cpattn.comm.group.Group.send`);
-    prefill rank 0 also sends every decode rank the first-token logits [B, V].
+    prefill rank 0 first sends every decode rank the first-token logits [B, V].
 
-    One message per decode rank (its blocks stacked, [n, block_size, F], after the logits), decode ranks
-    in order; :func:`recv_blocks` takes them prefill ranks in order, so the sends and receives form no
-    cycle. world: the group ``decode_ranks`` index (default: torch.distributed's world). start: per request,
-    the global index of its first block in ``blocks`` (the whole blocks of a cached prefix, which the decode
-    ranks hold already: a prefill that started from it computed only the blocks after it); default 0.
+    The blocks go as :func:`send_block_pairs` sends them. world: the group ``decode_ranks`` index (default:
+    torch.distributed's world). start: per request, the global index of its first block in ``blocks`` (the
+    whole blocks of a cached prefix, which the decode ranks hold already: a prefill that started from it
+    computed only the blocks after it); default 0.
     """
     world = _world(world)
-    sent, nbytes = 0, 0
     start = list(start) if start else [0] * len(blocks)
     nb = [s + int(blk.shape[0]) for s, blk in zip(start, blocks)]
-    for d, dst in enumerate(decode_ranks):
-        if first_logits is not None:
+    if first_logits is not None:
+        for dst in decode_ranks:
             world.send(first_logits, dst)
-        mine = _pair_blocks(nb, prefill_rank, prefill_size, d, len(decode_ranks), start)
-        if mine:
-            payload = torch.stack([blocks[b][j - start[b]] for b, j in mine])  # [n, block_size, F]
-            world.send(payload, dst)
-            sent += len(mine)
-            nbytes += payload.nbytes
-    return HandoffFacts(blocks_sent=sent, bytes_sent=nbytes)
+    sent = send_block_pairs(world, lambda b, j: blocks[b][j - start[b]], nb, prefill_rank=prefill_rank,
+                            prefill_size=prefill_size, decode_ranks=decode_ranks, start=start)
+    n = sum(len(_pair_blocks(nb, prefill_rank, prefill_size, d, len(decode_ranks), start))
+            for d in range(len(decode_ranks)))
+    return HandoffFacts(blocks_sent=n, bytes_sent=sum(sent))
 
 
 def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, prefill_ranks: list[int],
@@ -208,13 +240,8 @@ def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, p
     first_logits = world.recv((len(prompt_lens), vocab_size), acc_dtype(dtype), prefill_ranks[0])  # as the prefill's
     nb = [-(-m // block_size) for m in prompt_lens]
     start = list(start) if start else [0] * len(nb)
-    got: dict[tuple[int, int], torch.Tensor] = {}
-    p = len(prefill_ranks)
-    for i, src in enumerate(prefill_ranks):
-        mine = _pair_blocks(nb, i, p, decode_rank, decode_size, start)
-        if mine:
-            payload = world.recv((len(mine), block_size, width), dtype, src)
-            got.update(zip(mine, payload.unbind(0)))
+    got = recv_block_pairs(world, nb, decode_rank=decode_rank, decode_size=decode_size, prefill_ranks=prefill_ranks,
+                           block_size=block_size, width=width, dtype=dtype, start=start)
     received = [(b, j // decode_size, got[(b, j)]) for b in range(len(nb)) for j in range(start[b], nb[b])
                 if j % decode_size == decode_rank]
     nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in received)

@@ -55,8 +55,7 @@ from cpattn.engine.drafters import check_drafter
 from cpattn.engine.elastic import resolve as resolve_pcp
 from cpattn.engine.outputs import EngineStats, RequestOutput, drain
 from cpattn.engine.driver import engine_configs
-from cpattn.engine.pool_tier import PoolTier
-from cpattn.engine.pooling import open_for_run, release
+from cpattn.engine.connector import Side, from_args as connector_args
 from cpattn.engine.proposer import Proposer
 from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.sampling import SamplingParams, token_logprobs
@@ -109,6 +108,8 @@ class LLMEngine:
         releases a pool the engine opened. kv_role: "kv_both" (fetch and store), "kv_producer" (the
         same: the pool is also its prefix cache) or "kv_consumer" (fetch only: a P/D decode role, whose
         ranks never race the producer's stores).
+        kv_connector: instead of ``kv_pool``, any :class:`~cpattn.engine.connector.KVConnector` (a pool, the
+        P/D connector, their sum); the engine binds its own copy (``engine.connector``).
     drafter: a drafter (:class:`~cpattn.engine.drafters.NgramDrafter`, a draft model, or an MTP /
         Eagle3 / DSpark head, which gets the target's hidden states) with ``num_speculative_tokens`` =
         k >= 1 (or the config's); None: plain decode.
@@ -128,7 +129,7 @@ class LLMEngine:
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
                  poison: bool = False, seed: int | None = None, kv_role: str = "kv_both",
-                 pcp_policy: str = "always", pcp_min_tokens: int | None = None) -> None:
+                 pcp_policy: str = "always", pcp_min_tokens: int | None = None, kv_connector=None) -> None:
         family = get_family(model)
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role={kv_role!r}; pass one of {', '.join(KV_ROLES)} (vLLM's kv_transfer_config roles)")
@@ -144,12 +145,12 @@ class LLMEngine:
         if v4:
             from cpattn.engine.runner_v4 import v4_scheduler_config  # here: cpattn.v4 imports cpattn.engine
 
-            sched = v4_scheduler_config(family, scheduler, kv_pool=kv_pool, drafter=drafter)
+            sched = v4_scheduler_config(family, scheduler, kv_pool=kv_pool or kv_connector, drafter=drafter)
         hybrid = family.backend.name == "hybrid"  # Qwen3-Next / Qwen3.5: paged KV + state slots (runner_hybrid)
         if hybrid:
             from cpattn.engine.runner_hybrid import HybridStepRunner, hybrid_scheduler_config
 
-            sched = hybrid_scheduler_config(family, scheduler, kv_pool=kv_pool, drafter=drafter)
+            sched = hybrid_scheduler_config(family, scheduler, kv_pool=kv_pool or kv_connector, drafter=drafter)
         k = config.speculative.num_speculative_tokens
         if drafter is None and k:
             raise ValueError(f"num_speculative_tokens={k} needs a drafter: pass drafter= (e.g. NgramDrafter()) or k=0")
@@ -165,16 +166,15 @@ class LLMEngine:
         block, inter = config.cache.block_size, config.cache.cp_kv_cache_interleave_size
         nb = num_blocks if num_blocks is not None else _default_blocks(sched, block * n)
         self.family, self.config, self.scheduler_config = family, config, sched
-        self.pool, self._opened_pool, tier = None, False, None
-        if kv_pool is not None:
-            if not sched.enable_prefix_caching:
-                raise ValueError("kv_pool: the pool is the prefix cache's second tier; enable_prefix_caching=True")
-            if n > 1 and inter != block:
-                raise ValueError(f"kv_pool with dcp_size={n} needs whole blocks per rank: interleave_size = "
-                                 f"block_size ({block}); got {inter}")
-            self.pool, self._opened_pool = open_for_run(kv_pool, family, cfg, params, block)
-            tier = PoolTier(self.pool, n, rank=None if world is None else world.rank)
-        self.tier2, self.kv_role = tier, kv_role
+        self.connector = connector_args(kv_pool, kv_connector)  # the scheduler's second tier (cpattn.engine.connector)
+        if self.connector is not None:
+            barrier = None if world is None or n == 1 else (lambda: world.all_reduce(torch.zeros(1)))
+            self.connector = self.connector.bind(Side(
+                family, cfg, params, block, inter, n, None if world is None else world.rank, kv_role,
+                sched.enable_prefix_caching, barrier=barrier,
+                read=lambda r, bid: self.runners[0 if self._mesh is None else r].shard.read_block(bid)))
+        self.pool = getattr(self.connector, "pool", None)
+        self.tier2, self.kv_role = self.connector, kv_role
         self.blocks = BlockManager(nb, block, dcp_size=n, interleave_size=inter,
                                    identity=None if self.pool is None else self.pool.identity,
                                    enable_caching=sched.enable_prefix_caching)
@@ -183,8 +183,7 @@ class LLMEngine:
         sched_cls = V4Scheduler if v4 else Scheduler  # V4: whole prompts only
         self.scheduler = sched_cls(self.blocks, max_num_batched_tokens=sched.max_num_batched_tokens,
                                    max_num_seqs=sched.max_num_seqs, enable_chunked_prefill=sched.enable_chunked_prefill,
-                                   num_speculative_tokens=k, tier2=tier)
-        self._stored: dict[Hashable, int] = {}  # whole blocks of each request already in the pool
+                                   num_speculative_tokens=k, tier2=self.connector)
         self._hidden: dict[Hashable, tuple[int, dict]] = {}  # target hidden rows not yet given to the drafter
         self.max_model_len = sched.max_model_len or nb * block * n
         self.proposer = Proposer(drafter, k, max_num_seqs=sched.max_num_seqs, max_len=self.max_model_len + k + 1) \
@@ -295,10 +294,8 @@ class LLMEngine:
         self._counts["bytes_sent"] += results[0].bytes_sent
         self.last_step = (out, results[0].replayed)
         self._counts["pcp_steps"] += results[0].pcp_rows > 0
-        if self.tier2 is not None and self.kv_role != "kv_consumer":
-            self._store(out)
-            if self._mesh is None and self._groups[0].size > 1:  # every rank's blocks stored before any looks up
-                self._groups[0].all_reduce(torch.zeros(1))
+        if self.connector is not None:  # the worker side: a pool stores, the P/D producer stages its blocks
+            self.connector.save(out, self.scheduler.requests)
         reqs = self.scheduler.requests
         outs = [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
                               reqs[rid].status == "finished", reqs[rid].finish_reason,
@@ -318,22 +315,10 @@ class LLMEngine:
             if new:
                 self._logprobs[rid] += token_logprobs(logits[rid][:len(new)], new, self._num_logprobs[rid])
 
-    def _store(self, out) -> None:
-        """Put every whole block that became computed this step into the pool (each rank its own)."""
-        size = self.blocks.block_size
-        for b, rid in enumerate(out.req_ids):
-            req = self.scheduler.requests[rid]
-            lo, hi = self._stored.get(rid, 0), req.num_computed // size
-            if hi > lo:
-                self.tier2.store(req.tokens, range(lo, hi), out.block_tables[b],
-                                 lambda r, bid: self.runners[0 if self._mesh is None else r].shard.read_block(bid))
-                self._stored[rid] = hi
-
     def close(self) -> None:
-        """Release the KV pool if this engine opened it (idempotent)."""
-        if self._opened_pool and self.pool is not None:
-            release(self.pool)
-            self._opened_pool = False
+        """Release what the KV connector opened (a pool from a PoolSpec; idempotent)."""
+        if self.connector is not None:
+            self.connector.close()
 
     def _keep_hidden(self, out, hidden: dict | None) -> None:
         """Gather each request's final hidden rows (position order) until its next proposal; a row
@@ -385,7 +370,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         pool = {} if self.tier2 is None else {"pool_hit_tokens": self.scheduler.tier2_hit_tokens,
-                                              "pool_blocks_stored": self.tier2.stored_blocks}
+                                              "pool_blocks_stored": self.connector.stored_blocks}
         return EngineStats(steps=s.steps, prefix_hit_tokens=s.prefix_hit_tokens, **pool,
                            prefix_query_tokens=s.prefix_query_tokens, preemptions=s.preemptions,
                            blocks_used=s.blocks_used, blocks_free=s.blocks_free, running=s.running,
