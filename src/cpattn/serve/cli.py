@@ -30,12 +30,15 @@ Exit status: 0 stopped by a signal; 1 the port is taken or the server failed; 2 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 from cpattn.config import cli_args as cli
 from cpattn.serve import flags
+from cpattn.serve.run import build_engine, describe  # noqa: F401 - their home until run.py (no torch at import)
 
 PROG = "cpattn serve"
+BACKENDS = ("uni", "mp", "external_launcher")
 NEEDS = ("fastapi", "uvicorn")
 SCHEDULER_FLAGS = {"max_num_batched_tokens": "--max-num-batched-tokens", "max_num_seqs": "--max-num-seqs",
                    "enable_chunked_prefill": "--enable-chunked-prefill", "max_model_len": "--max-model-len"}
@@ -109,6 +112,11 @@ def parser():
     p.add_argument("--seed", type=cli.nonnegative_int, default=0, help="seed of the random weights")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=port, default=8000, help="TCP port")
+    p.add_argument("--distributed-executor-backend", choices=BACKENDS, default=None,
+                   help="where the DCP ranks run (vLLM's flag): uni, threads of this process; mp, --dcp gloo rank "
+                        "processes this command starts (rank 0 serves HTTP, the others follow its steps); "
+                        "external_launcher, the ranks torchrun started (torchrun --nproc-per-node N -m cpattn "
+                        "serve ...; rank 0 serves). Default: external_launcher under torchrun, else uni")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning",
                    help="uvicorn's log level")
     return p
@@ -131,12 +139,50 @@ def missing_packages(names=NEEDS) -> list[str]:
     return out
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun(env=None) -> bool:
+    """Whether this process is a torchrun worker (its rendezvous variables are set).
+
+    >>> under_torchrun({}), under_torchrun({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+    (False, True)
+    """
+    env = os.environ if env is None else env
+    return all(k in env for k in TORCHRUN_ENV)
+
+
+def check_backend(a) -> str:
+    """``--distributed-executor-backend`` resolved (default: external_launcher under torchrun, else uni)
+    and checked against the layout, or a one-line usage error (exit 2)."""
+    role = (a.kv_transfer_config or {}).get("kv_role")
+    backend = a.distributed_executor_backend or ("external_launcher" if under_torchrun() else "uni")
+    flag, dcp = "--distributed-executor-backend", a.decode_context_parallel_size
+    if backend != "uni" and role == "kv_both":
+        cli.bad_value(PROG, flag, f"{backend} with --kv-transfer-config kv_role kv_both",
+                      "real ranks serve one engine; P/D over real ranks is two servers, kv_producer and "
+                      "kv_consumer, sharing --kv-pool (docs/serve.md)", "drop the flag, or start the two servers")
+    if backend == "external_launcher":
+        if not under_torchrun():
+            cli.bad_value(PROG, flag, "external_launcher outside torchrun", "external_launcher ranks are started "
+                          f"by torchrun", f"torchrun --nproc-per-node {dcp} -m cpattn serve ..., or use mp")
+        if int(os.environ["WORLD_SIZE"]) != dcp:
+            cli.bad_value(PROG, flag, f"torchrun's WORLD_SIZE={os.environ['WORLD_SIZE']} with --dcp={dcp}",
+                          "the engine spans the world: one rank per DCP rank",
+                          f"torchrun --nproc-per-node {dcp}, or --dcp {os.environ['WORLD_SIZE']}")
+    elif backend == "mp" and under_torchrun():
+        cli.bad_value(PROG, flag, "mp under torchrun", "torchrun started the ranks already",
+                      "drop the flag (external_launcher is the default under torchrun)")
+    return backend
+
+
 def check_args(a):
     """The SchedulerConfig of the flags, or a one-line usage error (exit 2); no torch imported."""
     from cpattn.config import ConfigError, SchedulerConfig
 
     pcp, dcp = a.prefill_context_parallel_size, a.decode_context_parallel_size
-    pd = a.kv_transfer_config is not None
+    role = (a.kv_transfer_config or {}).get("kv_role")
+    pd, one_role = role == "kv_both", role in ("kv_producer", "kv_consumer")
     if a.pcp_policy != "always" and pcp < 2:
         cli.bad_value(PROG, "--pcp-policy", f"--pcp-policy {a.pcp_policy} with --pcp={pcp}",
                       "a PCP policy chooses between PCP and DCP prefill, so it needs --pcp > 1",
@@ -144,16 +190,20 @@ def check_args(a):
     if a.pcp_min_tokens is not None and a.pcp_policy != "elastic":
         cli.bad_value(PROG, "--pcp-min-tokens", f"--pcp-min-tokens {a.pcp_min_tokens} with --pcp-policy "
                       f"{a.pcp_policy}", "the threshold of the elastic policy", "add --pcp-policy elastic")
-    if pd and a.pcp_policy != "always":
+    if role is not None and a.pcp_policy != "always":
         cli.bad_value(PROG, "--pcp-policy", f"--pcp-policy {a.pcp_policy} with --kv-transfer-config",
                       "the P/D prefill role runs every chunk PCP over its --pcp ranks", "drop --pcp-policy")
-    if pd and a.speculative_config is not None:
+    if role is not None and a.speculative_config is not None:
         cli.bad_value(PROG, "--speculative-config", "a drafter with --kv-transfer-config",
                       "the P/D decode role builds no drafter yet", "drop --speculative-config (or the P/D flag)")
-    if a.kv_pool is not None and not pd:
+    if a.kv_pool is not None and role is None:
         cli.bad_value(PROG, "--kv-pool", repr(a.kv_pool), "the KV pool is P/D's connector, read with "
                       "--kv-transfer-config", "add --kv-transfer-config '{\"kv_role\": \"kv_both\", "
                       "\"kv_connector\": \"CpattnPoolConnector\"}'")
+    if one_role and a.kv_pool in (None, "memory"):
+        cli.bad_value(PROG, "--kv-pool", f"{a.kv_pool or 'none'} with kv_role {role}",
+                      "a producer server and a consumer server are two processes, so they share a pool both open",
+                      "add --kv-pool lmdb:DIR (the same DIR for both servers) or mooncake:HOST:PORT")
     if not pd and pcp not in (1, dcp):
         fix = f"use --pcp {dcp} (or 1)" if dcp > 1 else f"use --pcp {pcp} --dcp {pcp}, or --pcp 1"
         cli.bad_value(PROG, "--prefill-context-parallel-size/--pcp", f"--pcp={pcp} with --dcp={dcp}",
@@ -161,6 +211,7 @@ def check_args(a):
                       "(P/D, a PCP prefill role and a DCP decode role: add --kv-transfer-config)", fix)
     if a.compilation_config is not None and a.compilation_config["graph_backend"] != "auto":
         cli.check_backend(PROG, "--compilation-config backend", a.compilation_config["graph_backend"])
+    a.distributed_executor_backend = check_backend(a)
     try:
         return SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                                enable_chunked_prefill=a.enable_chunked_prefill, max_model_len=a.max_model_len)
@@ -176,73 +227,33 @@ def main(argv=None) -> int:
         cli.usage_error(PROG, f"needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
                               "installed; fix: pip install 'cpattn[serve]' (or pip install fastapi uvicorn)")
     sched = check_args(a)
+    backend = a.distributed_executor_backend
     tokenizer = check_model(a.model) if a.model is not None else None
-    from cpattn.pool.server import port_in_use
+    if backend != "external_launcher" or os.environ.get("RANK") == "0":  # only rank 0 listens
+        from cpattn.pool.server import port_in_use
 
+        try:
+            taken = port_in_use(a.host, a.port)
+        except OSError as e:  # an address this machine does not have, a name that does not resolve
+            cli.usage_error(PROG, f"argument --host: saw {a.host!r}, which cannot be bound here "
+                                  f"({e.strerror or e}); fix: pass an address of this machine, e.g. 127.0.0.1")
+        if taken:
+            print(f"{PROG}: error: {a.host}:{a.port} is already in use; pick another --port", file=sys.stderr)
+            return 1
+    from cpattn.serve import run
+
+    if backend == "mp":
+        from cpattn.serve.launch import launch
+
+        return launch(a, sched)
+    if backend == "external_launcher":
+        from cpattn.serve.launch import torchrun_rank
+
+        return torchrun_rank(a, sched)
     try:
-        taken = port_in_use(a.host, a.port)
-    except OSError as e:  # an address this machine does not have, a name that does not resolve
-        cli.usage_error(PROG, f"argument --host: saw {a.host!r}, which cannot be bound here ({e.strerror or e}); "
-                              "fix: pass an address of this machine, e.g. 127.0.0.1")
-    if taken:
-        print(f"{PROG}: error: {a.host}:{a.port} is already in use; pick another --port", file=sys.stderr)
-        return 1
-
-    import uvicorn
-
-    from cpattn.config import ConfigError
-    from cpattn.serve.app import build_app
-    from cpattn.serve.engine_loop import EngineLoop
-
-    try:
-        engine = build_engine(a, sched)
-    except ConfigError as e:
-        cli.speak_problems(PROG, e.problems, CONFIG_FLAGS)
-    except (ValueError, RuntimeError) as e:  # a family the step loop cannot run (raised on a DCP rank: wrapped)
-        cause = e if isinstance(e, ValueError) else e.__cause__
-        if not isinstance(cause, ValueError):
-            raise
-        flag = "--model" if a.model else "--model-type"
-        cli.usage_error(PROG, f"argument {flag}: saw {a.model or a.model_type!r}: {cause}")
-    name = a.served_model_name or a.model or f"cpattn-{a.model_type}"
-    loop = EngineLoop(engine)
-    try:
-        app = build_app(loop, name, max_model_len=engine.max_model_len)
-        if tokenizer is not None:  # text prompts in, text out (cpattn.serve.tokenize)
-            from cpattn.serve.tokenize import TextMiddleware
-
-            app = TextMiddleware(app, tokenizer)
-        print(f"{PROG}: {name} ({describe(a, engine)}) on http://{a.host}:{a.port}/v1 ; Ctrl-C stops it",
-              file=sys.stderr, flush=True)
-        server = _Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False))
-        server.run()
-    finally:
-        loop.stop()
-        if a.kv_transfer_config is not None:
-            engine.close()  # P/D: both roles, and the pool it opened (an LMDB environment, a Mooncake client)
-    if not server.started:
-        print(f"{PROG}: the HTTP server did not start (see uvicorn's message above)", file=sys.stderr)
-        return 1
-    if loop.error is not None:
-        print(f"{PROG}: the engine loop failed: {type(loop.error).__name__}: {loop.error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _Server(config):
-    """A ``uvicorn.Server`` that stops on SIGINT / SIGTERM and lets the command exit 0 (uvicorn itself
-    re-raises the signal once it has shut down, so the process would die of it)."""
-    import signal
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
-            self.should_exit = True
-
-    return Server(config)
+        return run.serve(a, sched, tokenizer)
+    except run.EngineRefused as e:
+        cli.usage_error(PROG, str(e))
 
 
 def check_model(model_dir: str):
@@ -258,64 +269,4 @@ def check_model(model_dir: str):
         cli.usage_error(PROG, f"argument --model: {e}")
 
 
-def describe(a, engine) -> str:
-    """The start line's summary of what is served.
 
-    >>> from types import SimpleNamespace as NS
-    >>> a = NS(model=None, model_type="qwen3", prefill_context_parallel_size=2, decode_context_parallel_size=2,
-    ...        compilation_config={"graph_mode": "FULL_DECODE_ONLY"}, speculative_config=None)
-    >>> describe(a, None)
-    'qwen3, embedded, PCP 2 + DCP 2, FULL_DECODE_ONLY'
-    """
-    parts = [a.model_type if a.model is None else "checkpoint", "embedded" if a.model is None else a.model]
-    pcp, dcp = a.prefill_context_parallel_size, a.decode_context_parallel_size
-    if getattr(a, "kv_transfer_config", None) is not None:
-        parts.append(f"P/D: prefill PCP {pcp} -> decode DCP {dcp} via KV pool {a.kv_pool or 'memory'}")
-    else:
-        parts.append(f"PCP {pcp} + DCP {dcp}" if pcp > 1 else f"DCP {dcp}")
-        if pcp > 1 and getattr(a, "pcp_policy", "always") == "elastic":
-            runners = getattr(engine, "runners", None)
-            n = runners[0].pcp_min_tokens if runners else a.pcp_min_tokens
-            parts.append("elastic PCP" if n is None else f"elastic: PCP for chunks of >= {n} tokens")
-    if a.compilation_config is not None and a.compilation_config["graph_mode"] != "NONE":
-        parts.append(a.compilation_config["graph_mode"])
-    if a.speculative_config is not None:
-        parts.append(f"{a.speculative_config['method']} k={a.speculative_config['num_speculative_tokens']}")
-    return ", ".join(parts)
-
-
-def build_engine(a, sched):
-    """The LLMEngine of the flags: the embedded model of ``--model-type`` (seeded, as the demo builds it) or
-    the checkpoint of ``--model``, with the layout, graph mode and drafter of the flags."""
-    import warnings
-
-    from cpattn.bench.demo_setup import Spec, load_model
-    from cpattn.config import GuideCompatWarning
-    from cpattn.engine.llm import LLMEngine
-
-    family, cfg, params = load_model(Spec(model_dir=a.model, model_type=a.model_type, dtype=a.dtype, seed=a.seed))
-    sched = sched if family.cache != "hybrid" else type(sched)(**{**vars(sched), "enable_prefix_caching": False})
-    graph = a.compilation_config or {"graph_mode": "NONE", "capture_sizes": None, "graph_backend": "auto"}
-    spec, drafter, k = a.speculative_config, None, 0
-    if spec is not None:
-        from cpattn.drafters.ngram import NgramDrafter
-
-        drafter = NgramDrafter(max_ngram=spec["max_ngram"], min_ngram=spec["min_ngram"])
-        k = spec["num_speculative_tokens"]
-    if a.kv_transfer_config is not None:  # P/D: the prefill role on --pcp ranks, the decode role on --dcp
-        from cpattn.engine.pd_engine import PDEngine
-        from cpattn.engine.pooling import PoolSpec
-
-        label = a.model or f"{a.model_type}-seed{a.seed}"
-        pool = None if a.kv_pool in (None, "memory") else PoolSpec(a.kv_pool, model=label)
-        return PDEngine(family, params, cfg, pcp_size=a.prefill_context_parallel_size,
-                        dcp_size=a.decode_context_parallel_size, block_size=a.block_size, scheduler=sched,
-                        kv_pool=pool, graph_mode=graph["graph_mode"], graph_backend=graph["graph_backend"],
-                        capture_sizes=graph["capture_sizes"])
-    with warnings.catch_warnings():  # PCP + DCP in one engine is exact here; vLLM-Ascend's refusal is a note
-        warnings.simplefilter("ignore", GuideCompatWarning)
-        return LLMEngine(family, params, cfg, scheduler=sched, dcp_size=a.decode_context_parallel_size,
-                         pcp_size=a.prefill_context_parallel_size, block_size=a.block_size,
-                         graph_mode=graph["graph_mode"], capture_sizes=graph["capture_sizes"],
-                         graph_backend=graph["graph_backend"], drafter=drafter, num_speculative_tokens=k,
-                         pcp_policy=a.pcp_policy, pcp_min_tokens=a.pcp_min_tokens)

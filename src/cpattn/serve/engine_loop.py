@@ -107,8 +107,9 @@ class EngineLoop:
     """The engine's own thread (module docstring). ``stop()`` ends it; pending requests then get a
     RuntimeError."""
 
-    def __init__(self, engine: Any, *, idle_wait_s: float = 0.5) -> None:
+    def __init__(self, engine: Any, *, idle_wait_s: float = 0.5, mirror: Any = None) -> None:
         self.engine = engine
+        self.mirror = mirror  # real ranks: sends each turn's engine calls to the other ranks (serve.ranks)
         self.error: BaseException | None = None
         self.stats = engine.stats  # the engine's counters after the latest step (set by the engine thread)
         self.aborted = 0  # requests aborted because their client went away
@@ -148,10 +149,15 @@ class EngineLoop:
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stopping.is_set():
+            while True:
                 busy = self.engine.has_unfinished()
-                self._drain(block=not busy)
-                if self._stopping.is_set() or not self.engine.has_unfinished():
+                calls = self._drain(block=not busy)
+                stop = self._stopping.is_set()  # decided once: the other ranks hear the same
+                if self.mirror is not None:
+                    self.mirror.send(calls, stop)  # every turn, even empty: the other ranks step when this one does
+                if stop:
+                    break
+                if not self.engine.has_unfinished():
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
@@ -170,38 +176,44 @@ class EngineLoop:
                 if item[0] == "add":
                     item[4].request_id.set_exception(RuntimeError(f"the engine loop has stopped ({why})"))
 
-    def _drain(self, block: bool) -> None:
-        """Apply every pending add / abort; wait for one first if the engine is idle."""
+    def _drain(self, block: bool) -> list[tuple]:
+        """Apply every pending add / abort; wait for one first if the engine is idle. Returns the engine
+        calls made, in order: ``("add", rid, prompt, params)`` (accepted ones only) and ``("abort", rid)``."""
+        calls: list[tuple] = []
         try:
             item = self._inbox.get(timeout=self._idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return calls
         while True:
-            self._apply(item)
+            call = self._apply(item)
+            if call is not None:
+                calls.append(call)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return calls
 
-    def _apply(self, item: tuple) -> None:
+    def _apply(self, item: tuple) -> tuple | None:
         if item[0] == "add":
             _, rid, prompt, params, sub = item
             try:
                 self.engine.add_request(prompt, params, request_id=rid)
             except ValueError as e:
                 sub.request_id.set_exception(e)
-                return
+                return None
             self._subs[rid] = sub
             self._times[rid] = [time.monotonic(), None]
             self.stats = self.engine.stats
             sub.request_id.set_result(rid)
-        elif item[0] == "abort":
-            if item[1] in self._subs:
-                self.engine.abort_request(item[1])
-                self._subs.pop(item[1])
-                self._times.pop(item[1], None)
-                self.aborted += 1
-                self.stats = self.engine.stats
+            return ("add", rid, prompt, params)
+        if item[0] == "abort" and item[1] in self._subs:
+            self.engine.abort_request(item[1])
+            self._subs.pop(item[1])
+            self._times.pop(item[1], None)
+            self.aborted += 1
+            self.stats = self.engine.stats
+            return ("abort", item[1])
+        return None
 
     def _deliver(self, rid: Any, item: Any) -> None:
         sub = self._subs.get(rid)

@@ -128,7 +128,7 @@ def speculative_config(text: str) -> dict:
     return {"method": method.lower(), "num_speculative_tokens": k, "max_ngram": hi, "min_ngram": lo}
 
 
-KV_CONNECTORS = ("CpattnPoolConnector",)  # the KV pool between the two roles of one server (PDEngine)
+KV_CONNECTORS = ("CpattnPoolConnector",)  # the KV pool between the two roles (one server or two)
 VLLM_CONNECTORS = ("NixlConnector", "MooncakeConnector", "MooncakeConnectorV1", "LMCacheConnectorV1",
                    "P2pNcclConnector", "SharedStorageConnector", "MultiConnector", "OffloadingConnector")
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -137,17 +137,21 @@ PCP_POLICIES = ("always", "elastic")
 
 
 def kv_transfer_config(text: str) -> dict:
-    """``--kv-transfer-config JSON`` (vLLM's shape) -> ``{"kv_connector", "kv_role"}``: P/D in one server.
+    """``--kv-transfer-config JSON`` (vLLM's shape) -> ``{"kv_connector", "kv_role"}``.
 
-    ``kv_connector`` "CpattnPoolConnector" (the KV pool of ``--kv-pool``; default) and ``kv_role``
-    "kv_both": this server runs both roles (:class:`cpattn.engine.pd_engine.PDEngine`), the prefill role
-    on ``--pcp`` ranks and the decode role on ``--dcp`` ranks. A producer-only or consumer-only server
-    (vLLM's two-process P/D) is refused: its peer is not served yet.
+    ``kv_connector`` "CpattnPoolConnector" (the KV pool of ``--kv-pool``; default) and ``kv_role``:
+    "kv_both", this server runs both roles (:class:`cpattn.engine.pd_engine.PDEngine`), the prefill role
+    on ``--pcp`` ranks and the decode role on ``--dcp`` ranks; "kv_producer", a prefill server that stores
+    every request's KV blocks in the pool (send it each request with ``max_tokens`` 1); "kv_consumer", a
+    decode server that fetches a prompt's blocks from the pool before computing the rest (vLLM's
+    two-server P/D; the two share ``--kv-pool lmdb:DIR`` or ``mooncake:HOST:PORT``).
 
-    >>> kv_transfer_config('{"kv_role": "kv_producer"}')  # doctest: +ELLIPSIS
+    >>> kv_transfer_config('{"kv_role": "kv_producer"}')
+    {'kv_connector': 'CpattnPoolConnector', 'kv_role': 'kv_producer'}
+    >>> kv_transfer_config('{"kv_role": "both"}')  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    argparse.ArgumentTypeError: saw kv_role="kv_producer"; rule: "kv_both" (one cpattn serve process runs ...
+    argparse.ArgumentTypeError: saw kv_role="both"; rule: one of kv_both (...), kv_producer, kv_consumer ...
     """
     value = _object(text)
     _unknown(value, KV_TRANSFER_KEYS)
@@ -158,12 +162,11 @@ def kv_transfer_config(text: str) -> dict:
                                          f"{', '.join(KV_CONNECTORS)} (the KV pool of --kv-pool); fix: "
                                          '"kv_connector": "CpattnPoolConnector"')
     role = value.get("kv_role")
-    if role != "kv_both":
-        why = ("; a producer-only or consumer-only server needs its peer server, which is not served yet"
-               if role in KV_ROLES else "")
-        raise argparse.ArgumentTypeError(f"saw kv_role={json.dumps(role)}; rule: \"kv_both\" (one cpattn serve "
-                                         f"process runs the prefill role on --pcp ranks and the decode role on "
-                                         f"--dcp ranks){why}; fix: \"kv_role\": \"kv_both\"")
+    if role not in KV_ROLES:
+        raise argparse.ArgumentTypeError(f"saw kv_role={json.dumps(role)}; rule: one of kv_both (one server runs "
+                                         "the prefill role on --pcp ranks and the decode role on --dcp ranks), "
+                                         "kv_producer, kv_consumer (a prefill server and a decode server sharing "
+                                         "--kv-pool); fix: \"kv_role\": \"kv_both\"")
     return {"kv_connector": conn, "kv_role": role}
 
 

@@ -1,0 +1,119 @@
+"""``cpattn serve`` on real ranks: rank 0 serves HTTP, every rank runs the same engine steps.
+
+The engine is deterministic (:mod:`cpattn.engine.llm`: the scheduler and
+block manager are host-side, so every rank's copy makes the same choices
+from the same calls), so only what arrives from outside has to travel:
+each turn of rank 0's :class:`~cpattn.serve.engine_loop.EngineLoop`, its
+:class:`Mirror` sends the engine calls that turn made (``("add", rid,
+prompt, params)`` for accepted requests, ``("abort", rid)``) and whether
+the loop stops, to every other rank, *before* the turn's step. The other
+ranks run :func:`follow`: receive a turn, make the same calls, step when
+the engine has unfinished work (rank 0 steps exactly then too), until a
+turn says stop. An idle rank 0 still sends an empty turn every
+``idle_wait_s`` (0.5 s), so no follower waits out a collective timeout.
+
+A turn travels as JSON (``{"calls": [...], "stop": bool}``, UTF-8 bytes
+in a uint8 tensor, after an int64 length) over the world's
+:meth:`~cpattn.comm.group.Group.send` / ``recv``: request data from
+clients is never unpickled. :func:`params_json` / :func:`params_from` turn a
+:class:`~cpattn.engine.sampling.SamplingParams` into JSON and back exactly
+(floats by their repr).
+
+Example (the simulated mesh: the same code as gloo ranks)
+-------
+>>> import cpattn, torch
+>>> def rank(g):
+...     if g.rank == 0:
+...         Mirror(g).send([("add", "req-0", [1, 2], SamplingParams(max_tokens=2, temperature=0.5))], False)
+...         return Mirror(g).send([], True)
+...     return [receive(g), receive(g)]
+>>> cpattn.simulate(2, rank)[1][0]["calls"][0][3]
+SamplingParams(max_tokens=2, stop_token_ids=(), temperature=0.5, top_p=1.0, top_k=0, seed=None, logprobs=None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.engine.sampling import SamplingParams
+
+
+def params_json(p: SamplingParams) -> dict:
+    """A SamplingParams as a JSON-able dict.
+
+    >>> params_json(SamplingParams(max_tokens=3, stop_token_ids=(7,)))["stop_token_ids"]
+    [7]
+    """
+    d = dataclasses.asdict(p)
+    d["stop_token_ids"] = list(d["stop_token_ids"])
+    return d
+
+
+def params_from(d: dict) -> SamplingParams:
+    """The SamplingParams of :func:`params_json`'s dict.
+
+    >>> p = SamplingParams(max_tokens=3, stop_token_ids=(7,), temperature=0.7, top_p=0.9, seed=2**62)
+    >>> params_from(json.loads(json.dumps(params_json(p)))) == p
+    True
+    """
+    return SamplingParams(**{**d, "stop_token_ids": tuple(d["stop_token_ids"])})
+
+
+def _wire(calls: list[tuple]) -> list[list]:
+    out = []
+    for c in calls:
+        out.append(["add", c[1], list(c[2]), params_json(c[3])] if c[0] == "add" else ["abort", c[1]])
+    return out
+
+
+class Mirror:
+    """Rank 0's side: ``send(calls, stop)`` gives one turn to every other rank of ``world`` (module doc)."""
+
+    def __init__(self, world: Group) -> None:
+        self.world = world
+        self.turns = 0  # turns sent
+
+    def send(self, calls: list[tuple], stop: bool) -> None:
+        data = json.dumps({"calls": _wire(calls), "stop": bool(stop)}).encode()
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        for dst in range(1, self.world.size):
+            self.world.send(size, dst)
+            self.world.send(body, dst)
+        self.turns += 1
+
+
+def receive(world: Group) -> dict:
+    """One turn from rank 0: ``{"calls": [(kind, rid, prompt, SamplingParams) | (kind, rid)], "stop": bool}``."""
+    n = int(world.recv((1,), torch.int64, 0).item())
+    msg = json.loads(world.recv((n,), torch.uint8, 0).numpy().tobytes().decode())
+    calls = [("add", c[1], c[2], params_from(c[3])) if c[0] == "add" else ("abort", c[1]) for c in msg["calls"]]
+    return {"calls": calls, "stop": bool(msg["stop"])}
+
+
+def follow(engine: Any, world: Group) -> int:
+    """A rank other than 0: make rank 0's engine calls and steps until it stops; returns the steps run.
+
+    A call that rank 0 made but this rank refuses means the ranks diverged: a RuntimeError."""
+    steps = 0
+    while True:
+        turn = receive(world)
+        for call in turn["calls"]:
+            if call[0] == "add":
+                try:
+                    engine.add_request(call[2], call[3], request_id=call[1])
+                except ValueError as e:
+                    raise RuntimeError(f"rank {world.rank}: request {call[1]!r} was accepted by rank 0 but refused "
+                                       f"here ({e}); the ranks diverged") from e
+            else:
+                engine.abort_request(call[1])
+        if turn["stop"]:
+            return steps
+        if engine.has_unfinished():
+            engine.step()
+            steps += 1
