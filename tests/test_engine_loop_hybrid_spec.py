@@ -93,17 +93,16 @@ def test_captured_decode_with_drafts_replays():
     assert eng.stats.replayed_steps > 0 and eng.stats.accepted_tokens > 0, eng.stats
 
 
-def test_hidden_state_drafters_still_refused():
-    cfg, params = model()
-
-    class Head(NgramDrafter):  # any drafter that reads the target's hidden states
+def test_a_drafter_reading_hidden_states_is_served():
+    """A drafter declaring ``hidden_layers`` (was refused) gets the target's rows; MTP: tests/test_hybrid_mtp.py."""
+    class Head(NgramDrafter):  # n-gram drafts, and the residual stream after layer 1 handed to each proposal
         hidden_layers = (1,)
 
-    from cpattn.engine.llm import LLMEngine
-    with pytest.raises(ValueError, match="drafter: .*hidden states") as e:
-        LLMEngine("qwen3_next", params, cfg, block_size=4, num_blocks=16, scheduler=sched(), drafter=Head(),
-                  num_speculative_tokens=2)
-    assert "\n" not in str(e.value)
+    reqs = prompts()
+    eng = engine("dcp2", num_blocks=32, drafter=Head(), num_speculative_tokens=2)
+    got = run(eng, reqs, [SamplingParams(max_tokens=TOKENS)] * len(reqs))
+    assert got == [greedy(tuple(p)) for p in reqs]
+    assert eng.stats.accepted_tokens > 0, eng.stats
 
 
 def test_draft_model_drafts_give_the_greedy_tokens():

@@ -11,7 +11,8 @@ one of them a single token (shorter than the PCP size). Checked:
 - prompt logits close to HF's (HF computes its norms, softmax and delta rule in float32 even for a float64
   model, so that bound is float32's), and PCP's equal to our one device's to float64 rounding (1e-12);
 - every DCP rank holds all the states (replicated): the reported bytes are the attention share plus them;
-- the one-line refusals: the step loop, a cached prefix, speculative decoding, a KV pool in the demo;
+- speculative decoding (n-gram drafts, the MTP module) gives HF's tokens too, P/D included;
+- the one-line refusals: the step loop, a cached prefix, a KV pool in the demo;
 - the Qwen3.5 families (``qwen3_5``: split projections, dense MLPs; ``qwen3_5_moe``: MoE in every layer), float64
   text models: PCP 2 -> DCP 2 tokens equal HF ``generate``;
 - ``cpattn demo --model-type qwen3_next`` refuses a KV pool before any rank starts (exit 2). Its stages run in
@@ -134,14 +135,23 @@ def test_a_cached_prefix_is_refused_in_one_line():
                                 decode=dec, prefix=prefix)
 
 
-def test_speculative_decoding_is_refused_in_one_line():
+@pytest.mark.parametrize("pcp,dcp,pd,method", [(1, 2, False, "ngram"), (2, 2, False, "mtp"), (2, 2, True, "mtp")],
+                         ids=["dcp2-ngram", "pcp2-dcp2-mtp", "pd-2-2-mtp"])
+@pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")  # MTP with PCP on a GQA model: a note
+def test_speculative_decoding_gives_hf_generate_tokens(pcp, dcp, pd, method):
+    """Drafts in the fixed-batch path (n-gram; Qwen3-Next's MTP module, random weights: it reads the prompt's
+    hidden states from the prefill, across P/D too, and each step's verified rows): HF's greedy tokens."""
+    from cpattn.drafters.qwen3_next_mtp import Qwen3NextMTPDrafter
     from cpattn.engine.drafters import NgramDrafter
 
-    cfg, params, prompts, _, _ = reference()
-    pre, dec = driver.engine_configs("qwen3_next", cfg, num_speculative_tokens=2, speculative_method="ngram")
-    with pytest.raises(ValueError, match=r"^speculative decoding \(ngram\) for qwen3_next: .* every draft position"):
-        driver.generate("qwen3_next", params, cfg, prompts, 3, prefill=pre, decode=dec,
-                        drafter=NgramDrafter(max_ngram=2))
+    cfg, params, prompts, _, hf_tokens = reference()
+    drafter = NgramDrafter(max_ngram=2) if method == "ngram" else Qwen3NextMTPDrafter.random(cfg, params, std=0.2)
+    pre, dec = driver.engine_configs("qwen3_next", cfg, pcp_size=pcp, dcp_size=dcp, block_size=4,
+                                     interleave_size=4 if pd else 1, pd=pd, num_speculative_tokens=2,
+                                     speculative_method=method)
+    gen = driver.generate("qwen3_next", params, cfg, prompts, NEW, prefill=pre, decode=dec, drafter=drafter)
+    assert torch.equal(gen.tokens, hf_tokens), f"{method} PCP {pcp} DCP {dcp} P/D {pd}: {gen.tokens} vs {hf_tokens}"
+    assert gen.stats.drafted > 0
 
 
 QWEN35 = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,

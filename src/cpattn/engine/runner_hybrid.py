@@ -20,11 +20,12 @@ eager / captured step) whose step function also carries the linear layers' state
 What the step loop cannot do for a hybrid model is refused when the engine is built
 (:func:`hybrid_scheduler_config`): prefix caching and a KV pool (cached whole blocks carry KV rows, not a
 snapshot of the linear states at block boundaries: snapshots would cost one state copy per block per request,
-not done) and drafters that read the target's hidden states (MTP / Eagle3 / DSpark: the forward returns
-none). Token drafters (n-gram, a draft model) work: a decode row of ``1 + d`` tokens (the last token and d
-drafts) runs the linear layers token by token, leaving the state after each position in per-position
-buffers (``pending``, [slots, 1 + k, ...]) instead of the slot; once acceptance is known (a drafts) the
-runner commits the state after position a, the last accepted token's, to the slot, so the rejected drafts
+not done). Drafters work, token drafters (n-gram, a draft model) and those that read the target's hidden
+states (``hidden_layers``: Qwen3-Next's MTP module, :mod:`cpattn.drafters.qwen3_next_mtp`; the step returns
+each row's final hidden rows, a chunk's every row and a decode's last token and accepted drafts, under PCP
+too): a decode row of ``1 + d`` tokens (the last token and d drafts) runs the linear layers token by token,
+leaving the state after each position in per-position buffers (``pending``, [slots, 1 + k, ...]) instead
+of the slot; once acceptance is known (a drafts) the runner commits the state after position a, the last accepted token's, to the slot, so the rejected drafts
 leave no trace (their KV is rolled back by the scheduler). PCP (``pcp_size =
 dcp_size``): a step's prefill chunks (of at least ``pcp_min_tokens`` new tokens) run split head-tail over the
 group (:meth:`HybridStepRunner._pcp_chunks`): the attention layers by ring / all-gather attention with the
@@ -84,6 +85,7 @@ from cpattn.engine.runner_pcp import cached_rows, rows_of
 from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner, Field
+from cpattn.layout.rows import cu_seqlens
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.family import ModelFamily, get_family, param_dtype
 
@@ -92,7 +94,8 @@ def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | No
                             drafter=None) -> SchedulerConfig:
     """The scheduler config of a hybrid engine, or a one-line ValueError naming what it cannot do.
 
-    ``scheduler=None`` gives the defaults with prefix caching off (chunked prefill stays on).
+    ``scheduler=None`` gives the defaults with prefix caching off (chunked prefill stays on). Every drafter is
+    served (``drafter`` is kept for the callers; it refuses nothing).
 
     >>> from cpattn.models.family import get_family
     >>> c = hybrid_scheduler_config(get_family("qwen3_next"), None)
@@ -104,10 +107,6 @@ def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | No
     if kv_pool is not None:
         raise ValueError(f"kv_pool: {name} is a hybrid model ({why}), so a pool cannot serve its prefixes; "
                          "pass kv_pool=None")
-    if drafter is not None and getattr(drafter, "hidden_layers", None) is not None:
-        raise ValueError(f"drafter: {getattr(drafter, 'method', type(drafter).__name__)} reads the target's hidden "
-                         f"states, which the {name} forward does not return; use a token drafter (NgramDrafter, a "
-                         "draft model) or pass drafter=None")
     if scheduler is None:
         return SchedulerConfig(enable_prefix_caching=False)
     if scheduler.enable_prefix_caching:
@@ -117,14 +116,16 @@ def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | No
 
 
 def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFamily, cfg: Any, group: Group,
-                     merge: str, decode: bool | None = None, width: int | None = None):
+                     merge: str, decode: bool | None = None, width: int | None = None,
+                     hidden_layers: tuple | None = None):
     """One step of the hybrid runner: :func:`cpattn.engine.decode.decode_step`'s DCP attention over
     ``state["shard"]`` plus :class:`SlotStates` over ``state["states"]`` rows ``batch["slots"]``.
     decode: every row one token (None: read from ``cu_seqlens_q``, a host sync: eager steps only).
     With drafts (``state["pending"]`` and ``batch["verify"]`` [B] bool, the rows carrying drafts): those rows
     leave the state after each position in ``state["pending"]`` (:class:`SlotStates`); ``width``: a captured
     program whose every row is ``width`` = 1 + k tokens (None: the verify rows read from the batch, a host sync).
-    Returns (logits [T, V], argmax [T])."""
+    Returns (logits [T, V], argmax [T]), plus the hidden states ``{name: [T, H]}`` a drafter reads as a third
+    output with ``hidden_layers``."""
     shard: PagedShard = state["shard"]
     cu = batch["cu_seqlens_q"]
     ql = cu[1:] - cu[:-1]  # [B]
@@ -146,14 +147,19 @@ def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: Mod
             verify = (rows, int(ql[rows].max())) if rows.numel() else None
     lin = SlotStates(state["states"], batch["slots"], batch["seq_lens"] - ql == 0, cu, decode, verify=verify,
                      pending=state.get("pending"), only=only)
-    logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
-    return logits, logits.argmax(-1)
+    if hidden_layers is None:
+        logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
+        return logits, logits.argmax(-1)
+    logits, hidden = family.forward(state["params"], cfg, tokens, attn, lin, hidden_layers=hidden_layers)
+    logits = as_logits(logits)
+    return logits, logits.argmax(-1), hidden
 
 
 class HybridStepRunner(StepRunner):
     """One rank's hybrid model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`
     (``pcp``: prefill chunks run PCP, see the module doc; ``num_speculative_tokens`` = k: decode rows of
-    1 + k tokens verified with per-position states, see the module doc; ``hidden_layers`` refused).
+    1 + k tokens verified with per-position states, see the module doc; ``hidden_layers``: the hidden states
+    a drafter reads, in ``StepResult.hidden`` as StepRunner gives them).
 
     ``live``: requests holding a slot; ``states``: the slots' linear-layer states.
     """
@@ -169,9 +175,6 @@ class HybridStepRunner(StepRunner):
         if family.cache != "hybrid":
             raise ValueError(f"HybridStepRunner runs families declaring cache='hybrid'; {family.name} declares "
                              f"cache={family.cache!r}: use cpattn.engine.runner.StepRunner")
-        if hidden_layers is not None:
-            raise ValueError(f"hidden_layers={hidden_layers}: the {family.name} forward returns no hidden states for "
-                             "a drafter; use a token drafter (NgramDrafter, a draft model) or none")
         if capture not in (None, "eager"):
             raise ValueError(f"graph backend {capture!r}: the {family.name} decode step is not capturable by a "
                              "compiler; use graph_backend='eager' (or 'auto') or graph_mode='NONE'")
@@ -188,7 +191,9 @@ class HybridStepRunner(StepRunner):
         self.seen: dict[Hashable, int] = {}  # tokens each slot's states have absorbed
         self._free = list(range(max_num_seqs))
         self.k = k = num_speculative_tokens
-        self._step = functools.partial(hybrid_loop_step, family=self.family, cfg=cfg, group=group, merge=merge)
+        self.hidden_layers = hidden_layers  # a drafter's (MTP): StepRunner._forward hands each row's rows back
+        self._step = functools.partial(hybrid_loop_step, family=self.family, cfg=cfg, group=group, merge=merge,
+                                       hidden_layers=hidden_layers)
         self._state = {"params": params, "shard": self.shard, "states": self.states}
         if k:  # the state after each of a verify row's 1 + k positions, committed at the accepted one
             self._state["pending"] = pending_states(self.states, 1 + k)
@@ -248,14 +253,15 @@ class HybridStepRunner(StepRunner):
         if pre:  # the long chunks under PCP, then the decodes and short chunks through the DCP step
             super().execute(rows_of(out, []))  # the fresh blocks' poisoning
             sent, t0 = self.group.stats.total_sent(), time.perf_counter()
-            outputs, rows = self._pcp_chunks(rows_of(out, pre))
+            outputs, rows, hidden = self._pcp_chunks(rows_of(out, pre))
             times = [0.0, time.perf_counter() - t0, 0.0]
             dec = [b for b in range(len(out.req_ids)) if b not in set(pre)]
             if dec:
-                o, r, _, more, _ = self._forward(rows_of(out, dec), graph=False)
+                o, r, _, more, h = self._forward(rows_of(out, dec), graph=False)
                 outputs, rows = {**outputs, **o}, {**rows, **r}
+                hidden = None if hidden is None else {**hidden, **h}
                 times = [a + b for a, b in zip(times, more)]
-            res = StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), None)
+            res = StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), hidden)
         else:
             res = super().execute(out)
         rows = [b for b, d in enumerate(out.draft_tokens) if d]
@@ -273,7 +279,8 @@ class HybridStepRunner(StepRunner):
         """The step's prefill chunks under PCP (every row a prefill): the attention layers by ring /
         all-gather attention over the chunk with its cached context as a replicated prefix, the linear layers
         by the scan continuing each request's slot; the new KV rows placed by the paged hand-off, the states
-        written back to the slots. Returns ({req_id: ModelOutput}, {req_id: logits [1, V]})."""
+        written back to the slots. Returns ({req_id: ModelOutput}, {req_id: logits [1, V]}, {req_id: {name:
+        [q, H]}} every new row's hidden states, or None without ``hidden_layers``)."""
         g = self.group
         table = self.batch(out, max(len(ids) for ids in out.block_tables))["block_table"]
         view = replace(self.shard, block_table=table)
@@ -290,7 +297,7 @@ class HybridStepRunner(StepRunner):
 
         init = RecurrentCache(tuple(map(take, self.states.conv)), tuple(map(take, self.states.state)))
         res = hybrid_prefill(g, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms,
-                             prefix=prefix, states=init)
+                             prefix=prefix, states=init, hidden_layers=self.hidden_layers)
         paged_handoff(g, g, g, view, res, self.algorithms)
         for dst, src in zip((*self.states.conv, *self.states.state), (*res.states.conv, *res.states.state)):
             dst[slots] = src.to(dst.dtype)
@@ -299,8 +306,11 @@ class HybridStepRunner(StepRunner):
         if any(out.sampling):  # None: a greedy row
             chosen = choose(first, chosen, sampled_positions(out, last_only=True))
         outputs, logits = {}, {}
+        hidden, cu = (None if res.hidden is None else {}), cu_seqlens(out.query_lens)
         for b, rid in enumerate(out.req_ids):
             outputs[rid] = ModelOutput((chosen[b],)) if out.samples[b] else ModelOutput()
             if out.samples[b]:
                 logits[rid] = first[b:b + 1]
-        return outputs, logits
+            if hidden is not None:  # request order, the new rows only
+                hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
+        return outputs, logits, hidden

@@ -41,10 +41,12 @@ float32 (float64 for float64 params), gates in float32.
 a per-request recurrent state for the linear ones), so
 :func:`cpattn.engine.generate` runs it with PCP prefill and DCP decode.
 
-Not supported yet: MTP layers (``mtp.*`` are ignored), padding masks (the
-step carries each request's own tokens), the step loop (``LLMEngine``),
-prefix caching, the KV pool and speculative decoding (they need state
-snapshots); image / video inputs. Qwen3.5-MoE (``qwen3_5_moe``: split
+The checkpoint's MTP module (``mtp.*``) is not part of the target's params
+(:func:`param_name` drops it): :class:`cpattn.drafters.qwen3_next_mtp.Qwen3NextMTPDrafter`
+loads it as a drafter, fed by ``forward(..., hidden_layers=())``'s
+``hidden["norm"]``. Not supported: padding masks (the step carries each
+request's own tokens), prefix caching and the KV pool (they need state
+snapshots: :mod:`cpattn.engine.runner_hybrid`); image / video inputs. Qwen3.5-MoE (``qwen3_5_moe``: split
 projections, MoE in every layer) is this forward too; :mod:`cpattn.models.qwen3_5`
 and :mod:`cpattn.models.qwen3_5_moe` declare the Qwen3.5 families.
 
@@ -185,7 +187,8 @@ def forward(
     lin,
     *,
     logits_index: torch.Tensor | None = None,
-) -> torch.Tensor:
+    hidden_layers: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, dict]:
     """Logits of one step's packed tokens.
 
     Arguments
@@ -197,12 +200,21 @@ def forward(
     lin: the step of the linear layers' states (slot j = the j-th linear
         layer): ``conv`` and ``delta`` (:class:`cpattn.linear.state.RecurrentStep`).
     logits_index: optional [T'] rows to project to the vocabulary.
+    hidden_layers: optional layer indices (a tuple, possibly empty); then ``(logits, hidden)`` is returned
+        with ``hidden[i]`` [T, H] the residual stream after layer i and ``hidden["norm"]`` [T, H] the
+        final-normed state (what an MTP drafter reads: :mod:`cpattn.drafters.qwen3_next_mtp`).
 
     Returns
     -------
-    logits: [T or T', vocab_size] in the params' dtype.
+    logits: [T or T', vocab_size] in the params' dtype (and ``hidden``).
     """
     p, eps = params, cfg.rms_norm_eps
+    keep = () if hidden_layers is None else tuple(hidden_layers)
+    bad = [i for i in keep if not (isinstance(i, int) and 0 <= i < cfg.num_hidden_layers)]
+    if bad:
+        raise ValueError(f"hidden_layers {bad} are not layer indices of this {cfg.num_hidden_layers}-layer model; "
+                         f"use 0..{cfg.num_hidden_layers - 1}")
+    hidden: dict = {}
     cos, sin = rope_tables(cfg, attn.positions, p["model.embed_tokens.weight"].dtype)
     h = F.embedding(tokens, p["model.embed_tokens.weight"])  # [T, H]
     slots = {"full_attention": 0, "linear_attention": 0}
@@ -216,8 +228,14 @@ def forward(
         else:
             h = h + linear_block(p, cfg, i, j, x, lin)
         h = h + mlp_block(p, cfg, i, rms_norm_1p(h, p[pre + "post_attention_layernorm.weight"], eps))
+        if i in keep:
+            hidden[i] = h
     h = rms_norm_1p(h, p["model.norm.weight"], eps)
-    return F.linear(h if logits_index is None else h[logits_index], lm_head(p, cfg))
+    logits = F.linear(h if logits_index is None else h[logits_index], lm_head(p, cfg))
+    if hidden_layers is None:
+        return logits
+    hidden["norm"] = h
+    return logits, hidden
 
 
 def kv_layouts(cfg: Qwen3NextConfig) -> tuple[KVLayout, ...]:

@@ -37,10 +37,15 @@ Hand-offs carry the states with the KV: on the same ranks every decode rank
 takes them from its own prefill result (the same on every prefill rank);
 across P/D prefill rank 0 sends them point to point after the blocks.
 
+Speculative decoding (any drafter; those reading hidden states get them from
+the prefill and every step): each decode step carries 1 + k tokens per
+request, the linear layers keep the state after every position in per-position
+buffers (``HybridCache.pending``) and :meth:`HybridProgram.commit` keeps the
+one after the last accepted token.
+
 What the kind refuses, each in one line: a cached prefix (prefix caching) and
 the KV pool (their whole blocks carry no state snapshot at block boundaries),
-speculative decoding (verification needs the state at every draft position),
-hidden states for drafters, and compiler graph backends (the decode step
+and compiler graph backends (the decode step
 gathers the active requests' states by index; the "eager" runner with
 persistent buffers and padding works). The step loop
 (:class:`~cpattn.engine.llm.LLMEngine`) runs paged-cache families only.
@@ -87,7 +92,7 @@ from cpattn.linear.layout import ScanLayout
 from cpattn.linear.pcp_step import PCPLinearStep
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.family import param_dtype
-from cpattn.engine.backends.hybrid_states import SlotStates
+from cpattn.engine.backends.hybrid_states import SlotStates, commit_positions, pending_states
 
 
 def _refuse(family, what: str, why: str, fix: str) -> None:
@@ -109,6 +114,8 @@ class HybridCache:
 
     shard: PagedShard
     states: RecurrentCache
+    pending: tuple | None = None  # with drafts: the states after each of 1 + k positions (pending_states)
+    width: int = 1  # tokens per request of a decode step: 1 + k
 
     @property
     def block_table(self) -> torch.Tensor:
@@ -122,9 +129,16 @@ class HybridCache:
         """Bytes of the linear layers' states on this rank (every request's: fixed, whatever the context)."""
         return self.states.state_bytes()
 
+    def pending_bytes(self) -> int:
+        """Bytes of the per-draft-position state buffers (0 without drafts): 1 + k states per request."""
+        if self.pending is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (*self.pending[0], *self.pending[1]))
+
     def kv_bytes(self) -> int:
-        """Both kinds: this rank's attention KV share plus the replicated states."""
-        return self.attention_kv_bytes() + self.state_bytes()
+        """Both kinds: this rank's attention KV share plus the replicated states (and, with drafts, their
+        per-position buffers)."""
+        return self.attention_kv_bytes() + self.state_bytes() + self.pending_bytes()
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The state tensors in a fixed order (conv of every linear layer, then recurrent)."""
@@ -207,49 +221,79 @@ def hybrid_prefill(group: Group, family, params: dict, cfg: Any, prompts, *, alg
     return HybridPrefillOut(plan, rows, first, full, hidden, group.stats.total_sent() - before, states=lin.finish())
 
 
-def hybrid_decode_step(state: dict, batch: dict[str, torch.Tensor], *, family, cfg: Any, group: Group, merge: str):
-    """One decode step (one token per request row): DCP attention over ``state["shard"]`` and the linear layers'
-    recurrent op on ``state["states"]`` rows ``batch["requests"]`` (both updated in place).
-    Returns (logits [T, V], argmax [T])."""
+def hybrid_decode_step(state: dict, batch: dict[str, torch.Tensor], *, family, cfg: Any, group: Group, merge: str,
+                       width: int = 1, hidden_layers: tuple | None = None):
+    """One decode step of ``width`` = 1 + k tokens per request row (the last token and k drafts): DCP attention
+    over ``state["shard"]`` and the linear layers' recurrent op on ``state["states"]`` rows ``batch["requests"]``
+    (both updated in place; with drafts the states after each position go to ``state["pending"]`` instead, the
+    slot untouched until :meth:`HybridProgram.commit`). Returns (logits [T, V], argmax [T]), plus the hidden
+    states ``{name: [T, H]}`` with ``hidden_layers``."""
     shard: PagedShard = state["shard"]
     cu = batch["cu_seqlens_q"]
     ql = cu[1:] - cu[:-1]
     tokens, rows = batch["tokens"], batch["requests"]
-    if tokens.shape[0] != rows.shape[0]:
-        raise ValueError(f"batch: {tokens.shape[0]} tokens for {rows.shape[0]} request rows; the hybrid decode "
-                         "step takes one token per request (no drafts)")
+    if tokens.shape[0] != rows.shape[0] * width:
+        raise ValueError(f"batch: {tokens.shape[0]} tokens for {rows.shape[0]} request rows; this hybrid decode "
+                         f"step takes {width} (1 + k) tokens per request")
     tensors = plan_tensors(batch["seq_lens"], ql, batch["block_table"], num_tokens=tokens.shape[0],
                            dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size)
     meta = DCPMeta(dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size,
                    block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
     attn = DCPStep(group, shard, meta, merge)
-    lin = SlotStates(state["states"], rows, torch.zeros_like(rows, dtype=torch.bool), None, decode=True)
-    logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
-    return logits, logits.argmax(-1)
+    start = torch.zeros_like(rows, dtype=torch.bool)
+    if width == 1:
+        lin = SlotStates(state["states"], rows, start, None, decode=True)
+    else:  # every row verifies its drafts position by position (padding rows: slot -1, no token of theirs)
+        lin = SlotStates(state["states"], rows, start, cu, decode=False, pending=state["pending"], only=True,
+                         verify=(torch.arange(rows.shape[0], device=rows.device), width))
+    if hidden_layers is None:
+        logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
+        return logits, logits.argmax(-1)
+    logits, hidden = family.forward(state["params"], cfg, tokens, attn, lin, hidden_layers=hidden_layers)
+    logits = as_logits(logits)
+    return logits, logits.argmax(-1), hidden
 
 
 class HybridProgram:
     """The hybrid decode program: :func:`hybrid_decode_step` over a :class:`HybridCache`; inputs ``tokens``,
-    ``seq_lens``, ``block_table`` (as the paged program) and ``requests`` (each row's request, pad -1)."""
+    ``seq_lens``, ``block_table`` (as the paged program) and ``requests`` (each row's request, pad -1).
 
-    def __init__(self, family, cfg: Any, group: Group, params: dict, cache: HybridCache, *, merge: str = "ag_rs"):
+    With drafts (a cache built with ``num_speculative_tokens`` = k: ``cache.pending``) every step carries
+    1 + k tokens per request and leaves the linear states after each position in ``cache.pending``;
+    :meth:`commit` then keeps, per request, the state after its last accepted token (the attention layers'
+    rejected rows lie past ``seq_lens``, as in the paged program)."""
+
+    def __init__(self, family, cfg: Any, group: Group, params: dict, cache: HybridCache, *, merge: str = "ag_rs",
+                 hidden_layers: tuple | None = None):
         self.cache = cache
-        self.step = functools.partial(hybrid_decode_step, family=family, cfg=cfg, group=group, merge=merge)
+        self.width = cache.width
+        self.step = functools.partial(hybrid_decode_step, family=family, cfg=cfg, group=group, merge=merge,
+                                      width=self.width, hidden_layers=hidden_layers)
         self.state = {"params": params, "shard": cache.shard, "states": cache.states}
+        if cache.pending is not None:
+            self.state["pending"] = cache.pending
         self.fields = {**step_fields(cache.block_table.shape[1]),
                        "requests": Field("request", (), torch.int64, pad=-1)}
         self.device = cache.block_table.device
+        self._context: dict[int, int] = {}  # each request's cached tokens before the step in flight
 
     def batch(self, requests: list[int], context_lens: list[int], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One token per request after ``context_lens`` cached tokens: seq_lens, block_table, requests."""
-        if tokens.numel() != len(requests):
-            raise ValueError(f"tokens: {tokens.numel()} for {len(requests)} requests; the hybrid decode step takes "
-                             "one token per request (speculative decoding is not supported for hybrid models)")
-        return {"tokens": tokens, "seq_lens": torch.tensor([c + 1 for c in context_lens]),
+        """1 + k tokens per request (the last one, then its drafts) after ``context_lens`` cached tokens:
+        seq_lens, block_table, requests."""
+        if tokens.numel() != len(requests) * self.width:
+            raise ValueError(f"tokens: {tokens.numel()} for {len(requests)} requests; this hybrid decode program "
+                             f"takes {self.width} per request (1 + k, the k its cache was built for)")
+        self._context = dict(zip(requests, context_lens))
+        return {"tokens": tokens, "seq_lens": torch.tensor([c + self.width for c in context_lens]),
                 "block_table": self.cache.block_table[list(requests)], "requests": torch.tensor(list(requests))}
 
     def commit(self, requests: list[int], seq_lens: list[int]) -> None:
-        """Nothing to do: one token per request, every step kept."""
+        """After verification (``seq_lens``: each request's kept tokens): the state after its last accepted
+        token becomes its state (nothing to do without drafts: every step kept)."""
+        if self.cache.pending is None:
+            return
+        acc = [s - self._context[r] - 1 for r, s in zip(requests, seq_lens)]  # accepted drafts, 0 .. k
+        commit_positions(self.cache.states, self.cache.pending, torch.tensor(list(requests)), torch.tensor(acc))
 
 
 class HybridBackend:
@@ -259,14 +303,8 @@ class HybridBackend:
     per_token_kv = False
 
     def check_run(self, family, *, drafter=None) -> None:
-        """What the driver asks before any rank starts: a drafter is refused (see :meth:`new_cache`)."""
-        if drafter is not None:
-            self._refuse_drafts(family, getattr(drafter, "method", type(drafter).__name__))
-
-    @staticmethod
-    def _refuse_drafts(family, what) -> None:
-        _refuse(family, f"speculative decoding ({what})", "verifying drafts needs the linear layers' state at "
-                "every draft position, which the cache does not keep", "run without a drafter")
+        """What the driver asks before any rank starts: nothing is refused (drafts are verified with the states
+        after every draft position: :class:`HybridProgram`)."""
 
     def prefill(self, group: Group, family, params: dict, cfg: Any, prompts, *, algorithms: Algorithms = Algorithms(),
                 prompt_logits: bool = False, prefix=None, hidden_layers=None) -> HybridPrefillOut:
@@ -275,12 +313,11 @@ class HybridBackend:
 
     def new_cache(self, family, cfg: Any, params: dict, prompts, steps: int, decode_cfg, num_speculative_tokens: int,
                   group: Group | None = None) -> HybridCache:
-        if num_speculative_tokens:
-            self._refuse_drafts(family, f"num_speculative_tokens={num_speculative_tokens}")
-        shard = PAGED.new_cache(family, cfg, params, prompts, steps, decode_cfg, 0, group)
+        k = num_speculative_tokens
+        shard = PAGED.new_cache(family, cfg, params, prompts, steps, decode_cfg, k, group)
         dev = params["model.embed_tokens.weight"].device
         states = family.recurrent_cache(cfg, batch=prompts.num_requests, dtype=param_dtype(params), device=dev)
-        return HybridCache(shard, states)
+        return HybridCache(shard, states, pending_states(states, 1 + k) if k else None, 1 + k)
 
     def collect(self, prefill_group: Group, out: HybridPrefillOut) -> tuple[Rows, RecurrentCache]:
         return PAGED.collect(prefill_group, out), out.states
@@ -327,10 +364,7 @@ class HybridBackend:
 
     def program(self, group: Group, family, params: dict, cfg: Any, cache: HybridCache, *, merge: str = "ag_rs",
                 hidden_layers: tuple | None = None) -> HybridProgram:
-        if hidden_layers is not None:
-            _refuse(family, f"hidden_layers={tuple(hidden_layers)}", "the decode step returns no hidden states "
-                    "for a drafter", "run without a drafter that reads them")
-        return HybridProgram(family, cfg, group, params, cache, merge=merge)
+        return HybridProgram(family, cfg, group, params, cache, merge=merge, hidden_layers=hidden_layers)
 
 
 HYBRID = HybridBackend()
