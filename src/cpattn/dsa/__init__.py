@@ -51,12 +51,13 @@ The softmax scale is always the model's (``qk_head_dim**-0.5 * mscale**2``,
 from cpattn.dsa.cp import OUTPUTS_CP, DSACache, dsa_cp_attention, dsa_cp_sparse_attention
 from cpattn.dsa.cp_plan import SPLITS, DSACPPlan, dsa_cp_plan, dsa_cp_work
 from cpattn.dsa.dcp import (
-    OUTPUTS_DCP, ShardedKeys, dcp_shard_keys, dsa_dcp_attention, dsa_dcp_topk, exchange_topk, select_topk_candidates,
+    OUTPUTS_DCP, ShardedKeys, dcp_shard_keys, dsa_dcp_attention, dsa_dcp_topk, exchange_topk, global_topk,
+    select_topk_candidates,
 )
 from cpattn.dsa.single import dsa_attention
 
 __all__ = [
     "dsa_attention", "DSACPPlan", "dsa_cp_plan", "dsa_cp_work", "DSACache",
     "dsa_cp_attention", "dsa_cp_sparse_attention", "ShardedKeys", "dcp_shard_keys", "select_topk_candidates",
-    "exchange_topk", "dsa_dcp_topk", "dsa_dcp_attention", "SPLITS", "OUTPUTS_CP", "OUTPUTS_DCP",
+    "exchange_topk", "global_topk", "dsa_dcp_topk", "dsa_dcp_attention", "SPLITS", "OUTPUTS_CP", "OUTPUTS_DCP",
 ]

@@ -1,8 +1,10 @@
 """DSA over a key-sharded (DCP) cache: each rank's local top-k candidates, one all-gather, the exact global
-top-k re-selected in the strict order (score desc, id asc), sparse MLA over the owned keys merged by LSE."""
+top-k re-selected in the strict order (score desc, id asc) (:func:`global_topk`), sparse MLA over the owned
+keys merged by LSE."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +136,37 @@ def exchange_topk(cand_s: torch.Tensor, cand_i: torch.Tensor, topk: int, *, grou
     return select_topk_candidates(cand_s, cand_i, topk)
 
 
+def global_topk(scores: torch.Tensor, to_global: Callable[[torch.Tensor], torch.Tensor], topk: int, *,
+                group: Group) -> torch.Tensor:
+    """The exact global top-k of key-sharded scores: this rank's local top-k, then :func:`exchange_topk`.
+
+    The one key-sharded top-k: :func:`dsa_dcp_topk` (packed keys, any ownership) and
+    :func:`cpattn.dsa.paged.sharded_topk` (a paged DCP shard, static shapes) score their own
+    keys their own way and select through it.
+
+    scores: [T, M] this rank's scores of its own keys (-inf: not visible; NaN counts as -inf), the same T
+    queries on every rank; to_global: local columns [T, k] (>= 0, < M) -> their global ids [T, k] int,
+    ascending with the column within a row (so the local tie order, column asc, is the global one, id asc);
+    topk: k. Returns global ids [T, topk] int64 (score desc, id asc; -1 padded), identical on every rank.
+    One all-gather of ``T * topk`` (score, id) pairs; static shapes, no host sync.
+
+    >>> import torch, cpattn
+    >>> s = torch.tensor([[1.0, 3.0, 2.0, 3.0]])  # one query's scores of global keys 0..3
+    >>> def rank(g):  # rank r holds keys r, r + 2 (columns 0, 1)
+    ...     return global_topk(s[:, g.rank::2], lambda j: 2 * j + g.rank, 3, group=g).tolist()
+    >>> cpattn.simulate(2, rank)
+    [[[1, 3, 2]], [[1, 3, 2]]]
+    """
+    local = topk_indices(scores, topk).long()  # [T, k] local columns, -1 padded
+    live, at = local >= 0, local.clamp(min=0)
+    if scores.shape[1]:
+        cand_s = torch.where(live, scores.gather(1, at), float("-inf"))  # [T, k] in the scores' dtype
+        cand_i = torch.where(live, to_global(at).long(), -1)  # [T, k]
+    else:  # no key on this rank
+        cand_s, cand_i = torch.full(local.shape, float("-inf"), dtype=scores.dtype, device=scores.device), local
+    return exchange_topk(cand_s, cand_i, topk, group=group)[0]
+
+
 def dsa_dcp_topk(
     q_index: torch.Tensor,
     w_index: torch.Tensor,
@@ -209,13 +242,9 @@ def dsa_dcp_topk(
     visible = torch.searchsorted(comp, req * big + positions.long(), right=True) - start  # [T] local prefix
     lens = (cu_k[1:] - cu_k[:-1]).tolist()
     scores = indexer_scores(q_index, w_index, keys.k_index, start, visible, max(lens, default=0))  # [T, M]
-    local = topk_indices(scores, topk).long()  # [T, k] request-local rows
-    live = local >= 0
-    cand_s = torch.where(live, scores.gather(1, local.clamp(min=0)) if scores.shape[1] else
-                         torch.zeros_like(local, dtype=scores.dtype), float("-inf"))  # [T, k]
-    row = (start[:, None] + local).clamp(min=0)
-    cand_i = torch.where(live, keys.ids.long()[row] if keys.ids.numel() else torch.zeros_like(local), -1)
-    gids, _ = exchange_topk(cand_s, cand_i, topk, group=group)  # [T, k] global ids
+    ids = keys.ids.long()
+    last = max(ids.numel() - 1, 0)
+    gids = global_topk(scores, lambda j: ids[(start[:, None] + j).clamp(max=last)], topk, group=group)  # [T, k]
     # selected keys this rank owns -> local rows
     target = req[:, None] * big + gids  # [T, k]
     if comp.numel():

@@ -47,9 +47,9 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta
-from cpattn.dsa import exchange_topk
+from cpattn.dsa import global_topk
 from cpattn.ops import merge_attn_states
-from cpattn.ops.dsa import indexer_scores, sparse_mla_attention_with_lse, topk_indices
+from cpattn.ops.dsa import indexer_scores, sparse_mla_attention_with_lse
 
 
 def local_slots(block_table: torch.Tensor, requests: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -125,7 +125,9 @@ def sharded_topk(q_index: torch.Tensor, w_index: torch.Tensor, index_cache: torc
     of each row (-1: padding); visible: [T] local keys row t sees (0 for
     padding). Every row scores every local index of the table's width, keeps
     its local top-k, and :func:`cpattn.dsa.exchange_topk` re-selects the
-    global top-k. Returns (global ids [T, topk], owned slots [T, topk]).
+    global top-k (:func:`cpattn.dsa.global_topk`, which
+    :func:`cpattn.dsa.dsa_dcp_topk` uses over packed keys too). Returns
+    (global ids [T, topk], owned slots [T, topk]).
     """
     t, bs, d = q_index.shape[0], index_cache.shape[1], index_cache.shape[-1]
     slots = local_slots(block_table, requests, bs)  # [T, L]
@@ -134,10 +136,7 @@ def sharded_topk(q_index: torch.Tensor, w_index: torch.Tensor, index_cache: torc
     keys = flat[slots.clamp(0, flat.shape[0] - 1)].reshape(t * width, d)  # [T*L, D_I]: row t's keys at t*L
     start = torch.arange(t, device=keys.device) * width  # [T]
     scores = indexer_scores(q_index, w_index, keys, start, visible.long(), width)  # [T, L]
-    local = topk_indices(scores, topk).long()  # [T, k] local indices, -1 padded
-    cand_s = torch.where(local >= 0, scores.gather(1, local.clamp(min=0)), float("-inf"))  # [T, k] scores' dtype
-    cand_i = global_ids(local, rank, size, interleave_size)  # [T, k]
-    gids, _ = exchange_topk(cand_s, cand_i, topk, group=group)  # [T, k]
+    gids = global_topk(scores, lambda j: global_ids(j, rank, size, interleave_size), topk, group=group)  # [T, k]
     return gids, owned_slots(gids, requests, block_table, rank=rank, size=size, interleave_size=interleave_size,
                              block_size=bs)
 
