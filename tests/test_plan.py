@@ -17,8 +17,10 @@ from cpattn.plan import Layout, Options, get_model, get_profile, layouts, predic
 from cpattn.plan.costs import causal_pairs, collective_time, expected_experts, flash_tile_pairs
 from cpattn.plan.profiles import ASCEND_910C, B200, CPU_DEFAULT, H200, Link, Profile
 from cpattn.plan.specs import from_hf_config
-from cpattn.plan.validate import (EchoGroup, concurrent_share, count_ops, graph_program_ops, predict_dcp,
-                                  predict_graph, predict_pcp, profile_gaps, ring_pairs, table)
+from cpattn.bench.perf.validate import table
+from cpattn.plan.bench_model import (concurrent_share, predict_dcp, predict_graph, predict_pcp, profile_gaps,
+                                     ring_pairs)
+from cpattn.plan.opcount import EchoGroup, count_ops, graph_program_ops
 
 
 # ----------------------------------------------------------------------------- profiles and shapes
@@ -96,7 +98,7 @@ def test_flash_tile_pairs_walk_the_kernel_tiles(lq, lk):
 
 def test_efficiency_curves_and_one_size_profiles_agree():
     """A one-size profile (no curves) is the curve model with a flat curve at its rate per computed pair."""
-    from cpattn.plan.validate import LEGACY_ATTN_TOKENS, _attn
+    from cpattn.plan.bench_model import LEGACY_ATTN_TOKENS, _attn
 
     n = LEGACY_ATTN_TOKENS
     legacy = dataclasses.replace(CPU_DEFAULT, curves={})
@@ -256,7 +258,7 @@ def test_decode_flops_per_device_count_pcp_copies_and_dp_shares():
 
 
 def test_pcp_anchor_uses_the_published_configurations():
-    from cpattn.plan.anchors import PCP_PUBLISHED, pcp_anchor
+    from cpattn.bench.perf.anchors import PCP_PUBLISHED, pcp_anchor
 
     want = {(get_model(m).name, c): 1 - p / b for m, (_, cells) in PCP_PUBLISHED.items() for c, b, p in cells}
     rows = pcp_anchor()
@@ -270,11 +272,11 @@ def test_pcp_anchor_uses_the_published_configurations():
 def test_pcp_terms_is_deprecated_and_unused_by_the_library(capsys):
     import warnings
 
-    from cpattn.plan.anchors import pcp_terms, ttft_terms
+    from cpattn.bench.perf.anchors import pcp_terms, ttft_terms
     from cpattn.plan.cli import main
 
     for call in (lambda: pcp_terms(), lambda: ttft_terms([32768, 65536, 131072], [6.0, 17.0, 57.0])):
-        with pytest.warns(DeprecationWarning, match="absolute anchors: cpattn.plan.anchors.pcp_anchor"):
+        with pytest.warns(DeprecationWarning, match="absolute anchors: cpattn.bench.perf.anchors.pcp_anchor"):
             call()
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # the anchors command no longer calls it
@@ -284,7 +286,7 @@ def test_pcp_terms_is_deprecated_and_unused_by_the_library(capsys):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_pcp_terms_solve_each_column_exactly():  # the deprecated alias still answers as before, for one release
-    from cpattn.plan.anchors import pcp_anchor, pcp_terms, ttft_terms
+    from cpattn.bench.perf.anchors import pcp_anchor, pcp_terms, ttft_terms
 
     # R1's published columns solved by hand (elimination on c = 1, 2, 4 x 32K)
     assert np.allclose(ttft_terms([32768, 65536, 131072], [9.3, 22.8, 73.2]), [3.6, 1.8, 3.9])
@@ -393,7 +395,7 @@ def _dcp_small(group, ctx, reps):
 @pytest.mark.slow
 def test_small_calibrated_case_predicts_and_measures(tmp_path):
     from cpattn.comm.launch import spawn
-    from cpattn.plan.calibrate import calibrate, summary
+    from cpattn.bench.perf.calibrate import calibrate, summary
     from cpattn.plan.profiles import load_profile, save_profile
 
     prof = calibrate(quick=True)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cpattn.plan.anchors import LLAMA_PUBLISHED_S, PCP_PUBLISHED, dcp_anchor, llama_anchor, pcp_anchor
+from cpattn.bench.perf.anchors import LLAMA_PUBLISHED_S, PCP_PUBLISHED, dcp_anchor, llama_anchor, pcp_anchor
 
 
 def test_pcp_anchor_reports_absolute_factors_per_cell():

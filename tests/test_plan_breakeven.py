@@ -10,7 +10,7 @@ from cpattn.config import ConfigError
 from cpattn.plan import Layout, get_model, get_profile, pcp_break_even
 from cpattn.plan.breakeven import bench_break_even, pcp_ttfts
 from cpattn.plan.profiles import CPU_DEFAULT, Link, load_profile
-from cpattn.plan.validate import predict_pcp
+from cpattn.plan.bench_model import predict_pcp
 
 H200 = get_profile("h200")
 
@@ -67,7 +67,7 @@ def test_cli_prints_the_break_even_per_pcp_layout(capsys):
 # ----------------------------------------------------------------------------- calibrate never overwrites
 @pytest.fixture
 def default_profile(tmp_path, monkeypatch):
-    import cpattn.plan.calibrate as cal
+    import cpattn.bench.perf.calibrate as cal
     import cpattn.plan.profiles as profiles
 
     path = tmp_path / "cache" / "cpu_profile.json"

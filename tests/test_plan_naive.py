@@ -2,7 +2,7 @@
 
 import json
 
-from cpattn.plan.validate import table
+from cpattn.bench.perf.validate import table
 
 
 def test_table_prices_the_naive_guess_against_the_measurement():
@@ -33,7 +33,7 @@ def test_cli_validate_shows_the_naive_column(tmp_path, capsys):
 
 
 def test_where_the_model_earns_its_keep_names_the_rows_that_depart_from_one_over_p():
-    from cpattn.plan.validate import where_the_model_earns_its_keep
+    from cpattn.bench.perf.validate import where_the_model_earns_its_keep
 
     rows = table([("dcp merge-bound", 0.9, 0.85, 0.5), ("dcp merge-bound, unmeasured", 0.8, None, 0.5),
                   ("pcp near 1/P", 0.52, 0.6, 0.5), ("dcp wrong", 0.9, 0.5, 0.5), ("graph", 2.0, 2.1)])

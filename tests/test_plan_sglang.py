@@ -25,7 +25,7 @@ def test_break_even_refuses_a_baseline_the_engine_refuses():
 
 
 def test_sglang_anchor_reports_predicted_and_published():
-    from cpattn.plan.anchors import SGLANG_PUBLISHED, sglang_cp_anchor
+    from cpattn.bench.perf.anchors import SGLANG_PUBLISHED, sglang_cp_anchor
 
     a = sglang_cp_anchor()
     assert a["published"] == SGLANG_PUBLISHED == {"slower_below": 4096, "slowdown": (0.15, 0.21), "break_even": 8192}

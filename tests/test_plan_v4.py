@@ -107,7 +107,7 @@ def test_v4_prices_per_layer_and_pcp_splits_the_attention():
 
 
 def test_v4_anchor_reports_absolute_factors_and_reductions():
-    from cpattn.plan.anchors import V4_PUBLISHED, v4_anchor
+    from cpattn.bench.perf.anchors import V4_PUBLISHED, v4_anchor
 
     rows = v4_anchor()
     assert [(r["context"], r["published_base_s"], r["published_pcp_s"]) for r in rows] == V4_PUBLISHED

@@ -15,10 +15,10 @@ Modules (one idea each):
 - :mod:`~cpattn.plan.objective` -- the recommendation for ttft / tpot / throughput / goodput, ties as ties;
 - :mod:`~cpattn.plan.arrival` -- goodput under Poisson arrivals (an M/D/1 queue on the prefill);
 - :mod:`~cpattn.plan.breakeven` -- the prompt length above which PCP lowers TTFT (``pcp_break_even``);
-- :mod:`~cpattn.plan.calibrate` -- microbenchmarks that fit the CPU profile;
-- :mod:`~cpattn.plan.validate` -- predicted vs measured ratios of ``cpattn bench pcp / dcp / graph``;
-- :mod:`~cpattn.plan.anchors` -- the published anchors (PCP, DCP, Llama3 1M, DeepSeek-V4 PCP2, SGLang CP), predicted;
-- :mod:`~cpattn.plan.cli` -- ``cpattn plan`` and its subcommands.
+- :mod:`~cpattn.plan.bench_model` -- this machine's benchmarks (``cpattn bench pcp / dcp / graph``) priced;
+- :mod:`~cpattn.plan.cli` -- ``cpattn plan`` (its subcommands calibrate / validate / anchors run the
+  benchmark-side experiments of :mod:`cpattn.bench.perf`: the microbenchmarks that fit the CPU profile,
+  predicted vs measured ratios, the published anchors predicted).
 
 Example
 -------

@@ -10,7 +10,7 @@ quadratic, the exchange and the per-step latencies are not). Both layouts
 go through the engine's rule check (:func:`cpattn.plan.rules.check_layout`).
 
 :func:`bench_break_even` is the same question for ``cpattn bench pcp`` on a
-calibrated CPU profile (attention alone: :func:`cpattn.plan.validate.predict_pcp`),
+calibrated CPU profile (attention alone: :func:`cpattn.plan.bench_model.predict_pcp`),
 the one a run of the benchmark at lengths around it can check.
 
 Example
@@ -82,14 +82,14 @@ def _first(wins, step: int, high: int) -> int | None:
 def bench_break_even(prof, *, heads: int = 32, kv_heads: int = 8, head_dim: int = 128, pcp: int = 2,
                      clock: str = "wall", max_tokens: int = 1 << 17) -> int | None:
     """The shortest ``cpattn bench pcp`` request (tokens, a multiple of ``2 * pcp * 16``) whose predicted
-    ring time is below one rank's (:func:`cpattn.plan.validate.predict_pcp` ratio < 1), or None.
+    ring time is below one rank's (:func:`cpattn.plan.bench_model.predict_pcp` ratio < 1), or None.
 
     >>> from cpattn.plan.profiles import CPU_DEFAULT
     >>> n = bench_break_even(CPU_DEFAULT)
     >>> n is None or n % 64 == 0
     True
     """
-    from cpattn.plan.validate import predict_pcp
+    from cpattn.plan.bench_model import predict_pcp
 
     step = 2 * pcp * 16
 

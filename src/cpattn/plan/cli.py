@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``cpattn plan ARGV``; return the exit status (0 ok, 2 usage error)."""
     argv = list(argv or [])
     if argv and argv[0] in SUBCOMMANDS:
-        from cpattn.plan import cli_tools
+        from cpattn.bench.perf import cli as experiments  # benchmark-side: calibrate, validate, anchors
 
-        return getattr(cli_tools, f"_{argv[0]}")(argv[1:])
+        return getattr(experiments, f"_{argv[0]}")(argv[1:])
     return _plan(argv)
 
 
