@@ -83,7 +83,7 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
              scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
              graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None, poison: bool = False,
              seed: int = 0, on_step: Callable[[str, LLMEngine, list[RequestOutput]], None] | None = None,
-             max_steps: int = 100_000,
+             max_steps: int = 100_000, merge: str = "local_ag",
              before_step: Callable[[str, LLMEngine], None] | None = None) -> dict[int, RequestOutput]:
     """The step loop on this rank of ``world`` (module doc): ``{arrival index: final RequestOutput}`` of
     the requests this rank's role finished.
@@ -97,7 +97,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
         dcp_size: the consumer's ranks (colocated: ``world.size``, the default).
     block_size, interleave_size (P/D: ``block_size``), scheduler, num_blocks, poison: per engine, as
         :class:`~cpattn.engine.llm.LLMEngine`. kv_pool: the prefix cache's second tier; P/D's connector.
-    graph_mode / graph_backend / capture_sizes: the decoding engine's capture.
+    graph_mode / graph_backend / capture_sizes: the decoding engine's capture; merge: its DCP merge
+        (:data:`cpattn.engine.paged_cache.STEP_MERGES`).
     seed: draws the seed of each arrival that brings none. on_step: called after each step of this
         rank's engine with (role: "colocated" / "prefill" / "decode", engine, the step's outputs).
     before_step: called with (role, engine) once the step's requests are added, just before the engine
@@ -108,7 +109,7 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     sampling = _seeded(arrivals, seed)
     last = max((a.step for a in arrivals), default=0)
     common = dict(block_size=block_size, scheduler=scheduler, num_blocks=num_blocks, poison=poison, kv_pool=kv_pool)
-    decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes)
+    decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge)
     if not pd:
         if dcp_size not in (None, world.size):
             raise ValueError(f"dcp_size={dcp_size} on a world of {world.size} ranks: colocated, the engine spans "
