@@ -67,6 +67,7 @@ from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill  # noqa: F
 from cpattn.engine.pooling import PoolFacts, load_owned, load_prefix, open_for_run, release, store_blocks
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.result import Generation, RunFacts
+from cpattn.layout.rows import cu_seqlens, request_of
 
 
 def engine_configs(model: ModelFamily | str, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 4,
@@ -166,8 +167,8 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
         return _disaggregated(world, family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
                               on_step, prefix=prefix, pool=pool)
     steps = max_new_tokens - 1
-    psize, nsize = prefill.parallel.pcp_size, decode.parallel.dcp_size
-    pg, dg = stage_group(world, psize), stage_group(world, nsize)
+    pcp_size, dcp_size = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    pg, dg = stage_group(world, pcp_size), stage_group(world, dcp_size)
     world.all_reduce(torch.zeros(1)) if world.size > 1 else None  # start together: times are from here
     sent0 = world.stats.total_sent()
     t0 = time.perf_counter()
@@ -180,8 +181,8 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     shard = new_shard(family, cfg, params, p, steps, decode, drafter, dg)
     facts = handoff_stage(world, family, pg, dg, shard, out, algorithms, prefix)
     ttft = time.perf_counter() - t0
-    if pool is not None and (nsize > 1 or world.rank == 0):  # a replicated decode cache is stored once
-        stored = store_blocks(shard, p, pool, rank=dg.rank, dcp_size=nsize, skip=pfacts.hit_blocks)
+    if pool is not None and (dcp_size > 1 or world.rank == 0):  # a replicated decode cache is stored once
+        stored = store_blocks(shard, p, pool, rank=dg.rank, dcp_size=dcp_size, skip=pfacts.hit_blocks)
         pfacts = dataclasses.replace(pfacts, blocks_stored=stored.blocks_stored, bytes_stored=stored.bytes_stored,
                                      store_s=stored.store_s)
     if opened:
@@ -241,18 +242,18 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
 
     Every rank returns decode rank 0's tokens and logits; prompt logits (``prompt_logits``) stay on the
     prefill ranks (None on decode ranks). A decode rank whose own tokens differ from rank 0's raises."""
-    psize, nsize = prefill_cfg.parallel.pcp_size, decode_cfg.parallel.dcp_size
+    pcp_size, dcp_size = prefill_cfg.parallel.pcp_size, decode_cfg.parallel.dcp_size
     bs = decode_cfg.cache.block_size
     _pd_prefix(family, prefix, bs)
-    decode_ranks = list(range(psize, psize + nsize))
-    pg = world.split(list(range(psize)))  # every world rank splits both groups, in the same order
+    decode_ranks = list(range(pcp_size, pcp_size + dcp_size))
+    pg = world.split(list(range(pcp_size)))  # every world rank splits both groups, in the same order
     dg = world.split(decode_ranks)
     steps, vocab, backend = max_new_tokens - 1, cfg.vocab_size, family.backend
     world.all_reduce(torch.zeros(1))
     t0 = time.perf_counter()
     pool, opened = _open_pool(pool, family, cfg, params, decode_cfg)
     pfacts = PoolFacts()
-    if world.rank < psize:
+    if world.rank < pcp_size:
         if pool is not None:
             prefix, pfacts = load_prefix(world, p, pool)
         if opened:
@@ -273,16 +274,16 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
         shard = new_shard(family, cfg, params, p, steps, decode_cfg, drafter, dg)
         held = None  # whole blocks per request this rank's cache holds before the hand-off
         if pool is not None:
-            placed, held, pfacts = load_owned(world, p, pool, rank=dg.rank, dcp_size=nsize)
+            placed, held, pfacts = load_owned(world, p, pool, rank=dg.rank, dcp_size=dcp_size)
             place_blocks(shard, placed)
         elif prefix is not None:
             ctx = prefix.context_lens
-            req = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(ctx, dtype=torch.int64))
+            req = request_of(cu_seqlens(ctx))  # [R] request of each prefix row
             pos = torch.cat([torch.arange(c) for c in ctx])
-            place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=nsize)
+            place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=dcp_size)
             held = [c // bs for c in ctx]
         extra = {} if held is None else {"start": held}
-        first_logits, facts = backend.recv(world, shard, p, cfg, prefill_ranks=list(range(psize)), decode_group=dg,
+        first_logits, facts = backend.recv(world, shard, p, cfg, prefill_ranks=list(range(pcp_size)), decode_group=dg,
                                            dtype=dtype, **extra)
         ctx = tuple(n * bs for n in held) if held is not None else (0,) * p.num_requests
         layers = hidden_layers(drafter)
@@ -292,7 +293,7 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
             hidden = recv_hidden(names, p.cu_seqlens[-1] - sum(ctx), dtype, 0, world)
         ttft = time.perf_counter() - t0
         if pool is not None:  # decode rank d owns global blocks j % N == d: each block stored once
-            stored = store_blocks(shard, p, pool, rank=dg.rank, dcp_size=nsize, skip=tuple(held))
+            stored = store_blocks(shard, p, pool, rank=dg.rank, dcp_size=dcp_size, skip=tuple(held))
             pfacts = dataclasses.replace(pfacts, blocks_stored=stored.blocks_stored,
                                          bytes_stored=stored.bytes_stored, store_s=stored.store_s)
             if opened:
@@ -320,11 +321,11 @@ def _simulated_pd(family, params, cfg, p: Prompts, max_new_tokens, prefill, deco
     """P/D on a simulated world of P + N ranks, the per-rank code of a torch.distributed run; decode rank 0's
     Generation with prefill rank 0's prompt logits and prefill time. The prefill ranks wait for the decode
     in the final all-reduce, so a rank may wait longer than the default 120 s on a slow decode."""
-    psize = prefill.parallel.pcp_size
-    gens = simulate(psize + decode.parallel.dcp_size, _disaggregated, family, params, cfg, p, max_new_tokens, prefill,
-                    decode, algorithms, drafter, None, prompt_logits, timeout_s=1800.0)
-    first, dec = gens[0], gens[psize]
-    for r, g in enumerate(gens[psize + 1:], 1):
+    pcp_size = prefill.parallel.pcp_size
+    gens = simulate(pcp_size + decode.parallel.dcp_size, _disaggregated, family, params, cfg, p, max_new_tokens,
+                    prefill, decode, algorithms, drafter, None, prompt_logits, timeout_s=1800.0)
+    first, dec = gens[0], gens[pcp_size]
+    for r, g in enumerate(gens[pcp_size + 1:], 1):
         if g.stats.draft_digest != dec.stats.draft_digest:
             raise RuntimeError(f"DCP rank {r} drafted differently from rank 0; the replicated drafters diverged")
     facts = dataclasses.replace(dec.facts, prefill_s=first.facts.prefill_s,
@@ -344,8 +345,8 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
     point to point. Checked before any rank starts. Returns decode rank 0's
     :class:`~cpattn.engine.result.Generation` (every rank's tokens are checked equal).
     """
-    psize, nsize = prefill.parallel.pcp_size, decode.parallel.dcp_size
-    family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, psize + nsize,
+    pcp_size, dcp_size = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, pcp_size + dcp_size,
                          "simulated")
     steps = max_new_tokens - 1
     if decode.kv_transfer.kv_role == "kv_consumer":
@@ -359,7 +360,7 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
         return out, backend.collect(g, out), g.stats.total_sent()  # the hand-off payload, the same on every rank
 
     t0 = time.perf_counter()
-    out, collected, sent = simulate(psize, prefill_rank)[0]
+    out, collected, sent = simulate(pcp_size, prefill_rank)[0]
     prefill_s = time.perf_counter() - t0
 
     def decode_rank(g):
@@ -371,7 +372,7 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
                        "decode": g.stats.total_sent()}, kv_bytes=shard.kv_bytes(), runner=dec.runner)
         return _generation(out.first_logits, dec, out.prompt_logits, run)
 
-    gens = simulate(nsize, decode_rank)
+    gens = simulate(dcp_size, decode_rank)
     for r, g in enumerate(gens[1:], 1):
         if not torch.equal(g.tokens, gens[0].tokens):
             raise RuntimeError(f"DCP rank {r} generated different tokens than rank 0; the ranks diverged")

@@ -78,22 +78,22 @@ def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillO
     prefix: the cached prefix the prefill started from (every rank holds it);
     each decode rank keeps the prefix rows it owns.
     """
-    psize, nsize = pg.size, dg.size
+    pcp_size, dcp_size = pg.size, dg.size
     if prefix is not None:
         ctx = prefix.context_lens
         req = request_of(cu_seqlens(ctx))
         pos = torch.cat([torch.arange(c) for c in ctx]) if sum(ctx) else torch.zeros(0, dtype=torch.int64)
-        place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=nsize)
-    if psize > 1 and nsize > 1:  # both over the world: rows go straight to their owners
-        rows, req, pos, facts = exchange(world, out.rows, out.plan, prefill_size=psize, decode_size=nsize,
+        place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=dcp_size)
+    if pcp_size > 1 and dcp_size > 1:  # both over the world: rows go straight to their owners
+        rows, req, pos, facts = exchange(world, out.rows, out.plan, prefill_size=pcp_size, decode_size=dcp_size,
                                          interleave_size=shard.interleave_size, width=row_width(shard.layouts),
                                          dtype=out.rows.dtype, method=algorithms.handoff)
-        place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=nsize)
+        place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=dcp_size)
         return facts
     before = pg.stats.total_sent()
     rows = gather_unshard(pg, out.rows, out.plan)  # [T, F] request order, on every rank
     req, pos = request_order(out.plan, rows.shape[0], out.plan.context_lens)
-    place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=nsize)
+    place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=dcp_size)
     return HandoffFacts(rows_kept=rows.shape[0], bytes_sent=pg.stats.total_sent() - before)
 
 
