@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import sys
 import threading
 import time
@@ -215,3 +216,41 @@ def _start_line(srv) -> str:
             assert lines[-1], lines
         srv._start = lines[-1]
     return srv._start
+
+
+@pytest.mark.slow
+@needs_serving
+def test_torchrun_rank_0_serves_and_the_other_follows(embedded):
+    """``torchrun --nproc-per-node 2 -m cpattn serve --dcp 2``: external_launcher is the default under
+    torchrun; rank 0 serves (its start line says so), the tokens equal one device's, and SIGTERM to
+    torchrun (which passes it on to its workers) ends every process."""
+    import shutil
+
+    torchrun = shutil.which("torchrun") or str(pathlib.Path(sys.executable).with_name("torchrun"))
+    port, master = _free_port(), _free_port()
+    srv = Served([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(master),
+                  "-m", "cpattn", "serve", "--model-type", "qwen3", "--dcp", "2", "--block-size", "4",
+                  "--max-num-batched-tokens", "8", "--max-model-len", "256", "--port", str(port)], port)
+    try:
+        assert "2 gloo ranks (external_launcher)" in _start_line(srv)
+        client = srv.client()
+        r = client.completions.create(model=NAME, prompt=[P1, P2], max_tokens=5, temperature=0)
+        assert [_ids(c) for c in sorted(r.choices, key=lambda c: c.index)] == \
+            [_greedy(embedded, P1, 5), _greedy(embedded, P2, 5)]
+    finally:
+        from cpattn.comm.listeners import process_tree
+
+        tree = process_tree(srv.proc.pid)
+        srv.stop()  # torchrun's own exit status after a signal is not 0 (it raises SignalException)
+        deadline = time.monotonic() + 60
+        while any(map(_alive, tree[1:])) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in tree[1:] if _alive(p)], "a torchrun worker outlived it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False

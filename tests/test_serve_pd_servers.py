@@ -1,0 +1,72 @@
+"""Two-server P/D: a ``kv_producer`` server and a ``kv_consumer`` server sharing ``--kv-pool lmdb:DIR``.
+
+vLLM's disaggregated-prefill client flow, with the real ``openai`` client: each request goes to the
+producer with ``max_tokens=1`` (it prefills -- PCP 2 here -- and stores the prompt's whole KV blocks
+in the pool), then unchanged to the consumer (DCP 2 on two gloo rank processes, ``mp``), which
+fetches those blocks, computes the tail and decodes. Greedy tokens equal one device's, a seeded
+sampled request equals the thread-mesh engine's (what the one-process P/D server gives: token i is a
+function of the logits, the seed and i), and ``/metrics`` shows the KV crossing the pool: blocks
+stored by the producer, prompt tokens fetched by the consumer.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from test_serve_flags import Served, _free_port, _greedy, _metrics, embedded, needs_serving  # noqa: F401
+from test_serve_ranks import _thread_mesh_tokens
+
+NAME = "cpattn-qwen3"
+LONG = [2, 71, 82, 81, 82, 84, 59, 4, 5, 23, 53, 60, 28, 74, 71, 35, 26, 62, 31, 7, 9, 11, 13, 17, 19, 21, 23, 29]
+SHORT = [3, 14, 15, 92, 65, 35, 89, 79, 32]
+
+
+def _role(role: str, pool: str, argv: list[str]) -> Served:
+    port = _free_port()
+    kv = f'{{"kv_connector": "CpattnPoolConnector", "kv_role": "{role}"}}'
+    return Served([sys.executable, "-m", "cpattn", "serve", "--model-type", "qwen3", "--block-size", "4",
+                   "--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--max-model-len", "256",
+                   "--kv-transfer-config", kv, "--kv-pool", pool, *argv, "--port", str(port)], port)
+
+
+def _ids(choice) -> list[int]:
+    return list(choice.model_extra["token_ids"])
+
+
+@pytest.mark.slow
+@needs_serving
+def test_producer_then_consumer_serves_one_device_tokens(tmp_path, embedded):
+    from cpattn.engine.llm import SamplingParams
+
+    pool = f"lmdb:{tmp_path / 'pool'}"
+    producer = _role("kv_producer", pool, ["--pcp", "2", "--dcp", "2"])
+    try:
+        consumer = _role("kv_consumer", pool, ["--dcp", "2", "--distributed-executor-backend", "mp"])
+    except BaseException:
+        producer.stop()
+        raise
+    try:
+        pc, cc = producer.client(), consumer.client()
+
+        def disagg(prompt, n, **kw):  # the client flow: prefill on the producer, then the whole request
+            first = _ids(pc.completions.create(model=NAME, prompt=prompt, max_tokens=1, **kw).choices[0])
+            return first, _ids(cc.completions.create(model=NAME, prompt=prompt, max_tokens=n, **kw).choices[0])
+
+        for prompt, n in ((LONG, 6), (SHORT, 5)):
+            first, got = disagg(prompt, n, temperature=0)
+            assert got == _greedy(embedded, prompt, n) and first == got[:1], (prompt, first, got)
+        m_p, m_c = _metrics(producer.base), _metrics(consumer.base)
+        assert m_p["cpattn_kv_pool_blocks_stored_total"] >= len(LONG) // 4 + len(SHORT) // 4, m_p
+        assert m_p["cpattn_pcp_steps_total"] > 0, m_p  # the producer's prefills ran PCP
+        # the consumer fetched every whole block but the one holding the last prompt token (recomputed)
+        assert m_c["cpattn_kv_pool_hit_tokens_total"] == (len(LONG) - 1) // 4 * 4 + (len(SHORT) - 1) // 4 * 4, m_c
+        assert m_c["cpattn_kv_pool_blocks_stored_total"] == 0, m_c  # a consumer only fetches
+        ask = dict(temperature=1.0, top_p=0.9, seed=11)
+        first, got = disagg(LONG[::-1], 6, **ask)
+        assert got == _thread_mesh_tokens(embedded, LONG[::-1], SamplingParams(max_tokens=6, **ask))
+        stream = cc.completions.create(model=NAME, prompt=LONG[::-1], max_tokens=6, stream=True, **ask)
+        assert sum((_ids(c.choices[0]) for c in stream if c.choices), []) == got
+    finally:
+        codes = (consumer.stop(), producer.stop())
+        assert codes == (0, 0), (consumer.proc.stderr.read(), producer.proc.stderr.read())
