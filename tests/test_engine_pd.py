@@ -1,4 +1,5 @@
-"""P/D in the step loop (PDEngine: a PCP prefill engine, a DCP decode engine, the KV pool between them).
+"""P/D in the step loop (PDEngine: a PCP prefill engine, a DCP decode engine, a KV connector between them: the
+KV pool, or the P/D connector handing whole blocks over directly).
 
 The oracle is that of tests/test_engine_loop.py: one-device greedy generation of each request alone. Fresh blocks
 are NaN-poisoned on both roles, so a block the consumer neither fetched nor computed shows in its tokens.
@@ -11,7 +12,8 @@ import torch
 from test_engine_loop import expected, model
 
 from cpattn.config import SchedulerConfig
-from cpattn.engine.llm import SamplingParams
+from cpattn.engine.llm import LLMEngine, SamplingParams
+from cpattn.engine.connector_pd import MemoryLink, PDConnector
 from cpattn.engine.pd_engine import PDEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,17 +48,22 @@ def serve(pd: PDEngine, reqs: list[dict]) -> dict:
     return final
 
 
-@pytest.mark.parametrize("family,p,d,heads", [("qwen3", 1, 1, None), ("qwen3", 2, 1, None), ("qwen3", 1, 2, None),
-                                              ("qwen3", 2, 2, None), ("qwen3", 3, 2, 6),
-                                              ("deepseek_v32", 2, 2, None)], ids=str)
-def test_pd_roles_give_one_device_greedy_tokens(family, p, d, heads):
-    """P and D of different sizes share the pool's blocks (keyed per block, not per rank); a DSA model's
-    prefill runs DSA-CP; arrivals, a stop token and a max_tokens=1 request (never handed off)."""
+LAYOUTS = [("qwen3", 1, 1, None), ("qwen3", 2, 1, None), ("qwen3", 1, 2, None), ("qwen3", 2, 2, None),
+           ("qwen3", 3, 2, 6), ("deepseek_v32", 2, 2, None)]
+
+
+@pytest.mark.parametrize("connector", ["pool", "direct"])
+@pytest.mark.parametrize("family,p,d,heads", LAYOUTS, ids=str)
+def test_pd_roles_give_one_device_greedy_tokens(family, p, d, heads, connector):
+    """P and D of different sizes share the pool's blocks (keyed per block, not per rank), or get them from the
+    P/D connector (block j from producer rank j % P to consumer rank j % D); a DSA model's prefill runs DSA-CP;
+    arrivals, a stop token and a max_tokens=1 request (never handed off)."""
     cfg, params = model(family, heads)
     reqs = schedule(cfg.vocab_size)
     reqs[2]["stop"] = (expected(family, reqs[2], heads)[2],)  # stops at its third token
+    direct = {"kv_connector": PDConnector()} if connector == "direct" else {}
     pd = PDEngine(family, params, cfg, pcp_size=p, dcp_size=d, block_size=BLOCK, num_blocks=40, poison=True,
-                  scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3))
+                  scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3), **direct)
     final = serve(pd, reqs)
     for i, r in enumerate(reqs):
         assert list(final[i].token_ids) == expected(family, r, heads), f"request {i}"
@@ -70,13 +77,38 @@ def test_pd_roles_give_one_device_greedy_tokens(family, p, d, heads):
     assert s.decode.pool_hit_tokens > 0
     for role in (s.prefill, s.decode):
         assert (role.blocks_used, role.running, role.waiting) == (0, 0, 0), role
+    if connector == "direct":  # every handed-off prompt's whole spans, counted by hand, went over; nothing else
+        row = sum(lay.row_width for lay in pd.prefill.family.kv_layouts(cfg)) * 8  # float64 bytes per token
+        sent = pd.prefill.connector.stats.bytes_by_request
+        assert sent == {i: (len(r["prompt"]) - 1) // span * d * BLOCK * row for i, r in enumerate(reqs)
+                        if r["max_tokens"] > 1}, sent
+        assert s.decode.pool_blocks_stored == 0 and pd.pool is None
     pd.close()
 
 
-def test_the_decode_role_replays_captured_steps():
+def test_the_direct_connector_moves_kv_rows_of_the_hand_count():
+    """Qwen3's row is layers x (K and V) x KV heads x head dim: a 19-token prompt to a 2-rank consumer moves
+    spans 0 and 1 (16 tokens, 4 blocks), 4 * block_size rows; the consumer computes tokens 16..18 itself."""
+    cfg, params = model("qwen3")
+    pd = PDEngine("qwen3", params, cfg, pcp_size=2, dcp_size=2, block_size=BLOCK, num_blocks=24, poison=True,
+                  kv_connector=PDConnector())
+    prompt = list(range(1, 20))
+    out = pd.generate([prompt], SamplingParams(max_tokens=3))
+    assert list(out[0].token_ids) == expected("qwen3", dict(prompt=prompt, max_tokens=3))
+    row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 8
+    st = pd.prefill.connector.stats
+    assert st.bytes_by_request == {0: 4 * BLOCK * row} and st.blocks_sent == 4
+    assert pd.decode.connector.stats.blocks_received == 4 and pd.stats.decode.pool_hit_tokens == 16
+    assert pd.decode.connector._inbox == {}  # dropped once the request ran
+    pd.close()
+
+
+@pytest.mark.parametrize("connector", ["pool", "direct"])
+def test_the_decode_role_replays_captured_steps(connector):
     cfg, params = model("qwen3")
     reqs = schedule(cfg.vocab_size, seed=4)
-    pd = PDEngine("qwen3", params, cfg, pcp_size=2, dcp_size=2, block_size=BLOCK, num_blocks=40,
+    direct = {"kv_connector": PDConnector()} if connector == "direct" else {}
+    pd = PDEngine("qwen3", params, cfg, pcp_size=2, dcp_size=2, block_size=BLOCK, num_blocks=40, **direct,
                   graph_mode="FULL_DECODE_ONLY", graph_backend="eager",
                   scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3))
     final = serve(pd, reqs)
@@ -99,9 +131,11 @@ def test_a_first_token_the_roles_disagree_on_is_an_error(monkeypatch):
         pd.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=3))
 
 
-def test_an_abort_in_either_role_frees_its_blocks():
+@pytest.mark.parametrize("connector", ["pool", "direct"])
+def test_an_abort_in_either_role_frees_its_blocks(connector):
     cfg, params = model("qwen3")
-    pd = PDEngine("qwen3", params, cfg, pcp_size=2, dcp_size=2, block_size=BLOCK, num_blocks=24,
+    direct = {"kv_connector": PDConnector()} if connector == "direct" else {}
+    pd = PDEngine("qwen3", params, cfg, pcp_size=2, dcp_size=2, block_size=BLOCK, num_blocks=24, **direct,
                   scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2))
     a = pd.add_request(list(range(1, 30)), SamplingParams(max_tokens=5))  # 29 tokens: four prefill steps
     b = pd.add_request([3, 4, 5], SamplingParams(max_tokens=8))
@@ -115,6 +149,8 @@ def test_an_abort_in_either_role_frees_its_blocks():
     s = pd.stats
     assert (s.prefill.blocks_used, s.decode.blocks_used, s.prefill.running, s.decode.running) == (0, 0, 0, 0)
     assert not pd.abort_request(b)
+    if connector == "direct":  # nothing staged or waiting is left behind
+        assert pd.prefill.connector._outbox == {} and pd.decode.connector._inbox == {}
 
 
 def test_bad_setups_are_refused():
@@ -124,3 +160,9 @@ def test_bad_setups_are_refused():
     pd = PDEngine("qwen3", params, cfg, block_size=BLOCK, num_blocks=4)
     with pytest.raises(ValueError, match="max_model_len"):
         pd.add_request(list(range(20)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="not both"):
+        PDEngine("qwen3", params, cfg, kv_pool=pd.pool, kv_connector=PDConnector())
+    with pytest.raises(ValueError, match="PDConnector has no link"):
+        LLMEngine("qwen3", params, cfg, kv_role="kv_producer", kv_connector=PDConnector())
+    with pytest.raises(ValueError, match="kv_role='kv_both'"):
+        LLMEngine("qwen3", params, cfg, kv_connector=PDConnector().linked(MemoryLink(1)))

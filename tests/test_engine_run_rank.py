@@ -12,10 +12,13 @@ from test_engine_loop import expected, model
 
 import cpattn
 from cpattn.config import SchedulerConfig
-from cpattn.engine.llm import SamplingParams
+from cpattn.engine.connector import PoolConnector
+from cpattn.engine.connector_pd import PDConnector
+from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.pd_engine import memory_pool
 from cpattn.engine.pooling import PoolSpec
 from cpattn.engine.run_rank import Arrival, run_rank
+from cpattn.models.family import get_family
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]  # PCP + DCP in one engine
@@ -60,23 +63,82 @@ def test_colocated_ranks_give_one_device_tokens(world, pcp):
     assert merged(per_rank) == want("qwen3", arr, heads)
 
 
+def sent_by_hand(arr, d: int, row_bytes: int, found=None) -> dict:
+    """Bytes the P/D connector must move per handed-off request, counted by hand: the prompt's whole spans of
+    BLOCK * d tokens (at least one token left for the consumer), less the leading ``found[i]`` blocks a pool
+    holds (rounded down to whole spans)."""
+    out = {}
+    for i, a in enumerate(arr):
+        if a.params.max_tokens > 1:
+            usable = (len(a.prompt) - 1) // (BLOCK * d) * d
+            skip = min((found or {}).get(i, 0) // d * d, usable)
+            out[i] = (usable - skip) * BLOCK * row_bytes
+    return out
+
+
+def connectors_of(per_rank_engines: dict, role: str) -> list:
+    return [e.connector for (r, _), e in sorted(per_rank_engines.items()) if r == role]
+
+
+@pytest.mark.parametrize("connector", ["pool", "direct"])
 @pytest.mark.parametrize("family,p,d", [("qwen3", 1, 1), ("qwen3", 2, 1), ("qwen3", 1, 2), ("qwen3", 2, 2),
                                         ("deepseek_v32", 2, 2)], ids=str)
-def test_pd_roles_give_one_device_tokens(family, p, d):
+def test_pd_roles_give_one_device_tokens(family, p, d, connector):
+    """Through the pool, or (no kv_pool) the P/D connector: each producer rank sends its whole blocks to their
+    consumer ranks over the world's send / recv; the bytes per request are the hand count of the blocks moved."""
     cfg, params = model(family)
     arr = arrivals(cfg.vocab_size)
-    steps = {"prefill": 0, "decode": 0}
+    steps, engines = {"prefill": 0, "decode": 0}, {}
 
     def count(role, engine, outs):
         steps[role] += bool(outs)
+        engines[(role, id(engine))] = engine
 
+    pool = {"kv_pool": memory_pool(family, cfg, params, BLOCK)} if connector == "pool" else {}
     per_rank = cpattn.simulate(p + d, run_rank, family, params, cfg, arr, pd=True, pcp_size=p, dcp_size=d,
-                               block_size=BLOCK, scheduler=SCHED, poison=True,
-                               kv_pool=memory_pool(family, cfg, params, BLOCK), on_step=count)
+                               block_size=BLOCK, scheduler=SCHED, poison=True, on_step=count, **pool)
     assert merged(per_rank) == want(family, arr)
     assert set(per_rank[0]) == {3}  # only the max_tokens=1 request ends on the producer
     assert set(per_rank[p]) == {0, 1, 2, 4}
     assert steps["prefill"] > 0 and steps["decode"] > 0
+    if connector == "direct":
+        row = sum(lay.row_width for lay in get_family(family).kv_layouts(cfg)) * 8  # float64 bytes per token
+        producers, consumers = connectors_of(engines, "prefill"), connectors_of(engines, "decode")
+        assert len(producers) == p and len(consumers) == d
+        total = {}
+        for c in producers:  # each producer rank counts the blocks it held; together, the hand count
+            for i, n in c.stats.bytes_by_request.items():
+                total[i] = total.get(i, 0) + n
+        assert total == sent_by_hand(arr, d, row)
+        assert sum(c.stats.bytes_received for c in consumers) == sum(total.values())
+        assert all(c._inbox == {} and c._outbox == {} for c in producers + consumers)
+
+
+def test_pool_plus_pd_sends_only_what_the_pool_lacks():
+    """A pool holding the shared 10-token prefix (stored by an earlier one-device run) composed with the P/D
+    connector: the consumer fetches those spans from the pool, the producer sends only the blocks after them."""
+    cfg, params = model("qwen3")
+    arr = arrivals(cfg.vocab_size)
+    pool = memory_pool("qwen3", cfg, params, BLOCK)
+    warm = LLMEngine("qwen3", params, cfg, block_size=BLOCK, kv_pool=pool)
+    warm.generate([arr[0].prompt[:10]], SamplingParams(max_tokens=1))  # its first 2 whole blocks into the pool
+    assert warm.stats.pool_blocks_stored == 2
+    engines = {}
+    per_rank = cpattn.simulate(4, run_rank, "qwen3", params, cfg, arr, pd=True, pcp_size=2, dcp_size=2,
+                               block_size=BLOCK, scheduler=SCHED, poison=True,
+                               kv_connector=PoolConnector(pool, store=False) + PDConnector(),
+                               on_step=lambda role, e, outs: engines.setdefault((role, id(e)), e))
+    assert merged(per_rank) == want("qwen3", arr)
+    row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 8
+    total = {}
+    for c in connectors_of(engines, "prefill"):
+        for i, n in c.member(PDConnector).stats.bytes_by_request.items():
+            total[i] = total.get(i, 0) + n
+    assert total == sent_by_hand(arr, 2, row, found={0: 2, 2: 2})  # requests 0 and 2 share the stored prefix
+    assert total[0] < sent_by_hand(arr, 2, row)[0]
+    decode = connectors_of(engines, "decode")
+    assert all(e.stats.pool_hit_tokens >= 8 for (r, _), e in engines.items() if r == "decode")
+    assert all(c.stored_blocks == 0 for c in decode)  # store=False: the pool is read only here
 
 
 def test_bad_layouts_are_refused():
@@ -84,8 +146,11 @@ def test_bad_layouts_are_refused():
     arr = arrivals(cfg.vocab_size)
     with pytest.raises(RuntimeError, match="ValueError: pd=True: pcp_size=1 \\+ dcp_size=1"):
         cpattn.simulate(3, run_rank, "qwen3", params, cfg, arr, pd=True)
-    with pytest.raises(RuntimeError, match="ValueError: pd=True needs kv_pool"):
-        cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, pd=True)
+    with pytest.raises(RuntimeError, match="ValueError: pass kv_pool= or kv_connector=, not both"):
+        cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, pd=True, kv_pool=memory_pool("qwen3", cfg, params, 4),
+                        kv_connector=PDConnector())
+    with pytest.raises(RuntimeError, match="ValueError: PDConnector on an engine of kv_role='kv_both'"):
+        cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, kv_connector=PDConnector())
     with pytest.raises(RuntimeError, match="ValueError: dcp_size=1 on a world of 2 ranks: colocated"):
         cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, dcp_size=1)
 
@@ -119,3 +184,33 @@ def test_gloo_ranks_give_the_simulated_tokens(tmp_path):
     assert t0 == t1 and {**t0, **t2} == sim
     whole = sum((len(a.prompt) - 1) // BLOCK * BLOCK for a in arr if a.params.max_tokens > 1)
     assert hits >= whole - 10  # each handed-off prompt's whole blocks (request 2's first 10 tokens may be on device)
+
+
+def gloo_sent(group, cfg, arr, kwargs):
+    """A spawned rank of a P/D run with the P/D connector: its final tokens and the bytes its connector sent
+    (producer) or received (consumer) per request."""
+    from cpattn.models.family import get_family
+
+    params = get_family("qwen3").init_params(cfg, seed=1, dtype=torch.float64)
+    seen = []
+    finals = run_rank(group, "qwen3", params, cfg, arr, **kwargs, on_step=lambda role, e, outs: seen.append(e))
+    st = seen[-1].connector.stats
+    return {i: list(o.token_ids) for i, o in finals.items()}, dict(st.bytes_by_request), st.bytes_received
+
+
+@pytest.mark.slow
+def test_gloo_ranks_send_blocks_rank_to_rank():
+    """P/D 2 -> 1 with no pool in spawned processes: the producer's ranks send their whole blocks to the consumer
+    over gloo send / recv. The tokens equal the simulated run's and one device's; the bytes are the hand count."""
+    from cpattn.comm.launch import spawn
+
+    cfg, params = model("qwen3")
+    arr = arrivals(cfg.vocab_size)
+    pd = dict(pd=True, pcp_size=2, dcp_size=1, block_size=BLOCK, scheduler=SCHED, poison=True)
+    sim = merged(cpattn.simulate(3, run_rank, "qwen3", params, cfg, arr, **pd))
+    assert sim == want("qwen3", arr)
+    (t0, s0, _), (t1, s1, _), (t2, _, received) = spawn(3, gloo_sent, cfg, arr, pd)
+    assert t0 == t1 and {**t0, **t2} == sim
+    row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 8
+    hand = sent_by_hand(arr, 1, row)
+    assert {i: s0.get(i, 0) + s1.get(i, 0) for i in hand} == hand and received == sum(hand.values())

@@ -1,4 +1,4 @@
-"""P/D in the step loop: a prefill engine and a decode engine joined by the KV pool as their connector.
+"""P/D in the step loop: a prefill engine and a decode engine joined by a KV connector (a pool by default).
 
 The guide's disaggregated layout serves a request in two roles. The **producer**
 is an :class:`~cpattn.engine.llm.LLMEngine` of ``pcp_size`` ranks (one engine,
@@ -17,6 +17,11 @@ pool blocks, whose keys chain the token hash and the weights' identity.
 Blocks are keyed per ``block_size`` tokens, not per rank, so a producer of P
 ranks and a consumer of D ranks share them whatever P and D are. Both sides
 need ``interleave_size = block_size``, which is the pool tier's rule.
+
+With ``kv_connector=PDConnector()`` (:mod:`cpattn.engine.connector_pd`) no pool sits between
+them: when the producer finishes a request, its whole blocks go straight to the consumer (in
+memory here, rank to rank in :func:`~cpattn.engine.run_rank.run_rank`).
+``PoolConnector(pool, store=False) + PDConnector()`` sends only the blocks the pool does not hold.
 
 The first token comes from the producer, which gives the TTFT. The consumer
 samples it again from its recomputed tail, using the same per-request seed,
@@ -46,6 +51,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpattn.config import GuideCompatWarning, SchedulerConfig
+from cpattn.engine.connector import Handoff, PoolConnector
+from cpattn.engine.connector_pd import MemoryLink, moves_blocks
 from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams, drain
 from cpattn.engine.pooling import open_for_run, release
 from cpattn.models.family import get_family
@@ -98,7 +105,8 @@ class PDEngine:
     scheduler: both roles' :class:`~cpattn.config.SchedulerConfig`; prefix caching stays on (the pool
         is its second tier).
     kv_pool: the connector: a :class:`~cpattn.engine.pooling.PoolSpec` (LMDB, Mooncake) or an open pool;
-        None: an in-process dict pool.
+        None: an in-process dict pool. kv_connector: instead, a
+        :class:`~cpattn.engine.connector.KVConnector` (``PDConnector()``: blocks handed over directly).
     graph_mode / graph_backend / capture_sizes: the consumer's decode capture (the producer runs eagerly,
         as a step with a prefill chunk does). seed: draws the seed of each request that brings none,
         given to both roles so their first tokens agree. num_blocks / poison / merge: as
@@ -108,17 +116,23 @@ class PDEngine:
     def __init__(self, model, params: dict, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
-                 poison: bool = False, merge: str = "local_ag", seed: int = 0) -> None:
+                 poison: bool = False, merge: str = "local_ag", seed: int = 0, kv_connector=None) -> None:
         family = get_family(model)
         sched = scheduler or SchedulerConfig()
         if not sched.enable_prefix_caching:
             raise ValueError("scheduler.enable_prefix_caching=False: P/D hands the KV over through the prefix "
                              "cache's second tier; leave prefix caching on")
-        if kv_pool is None:
-            self.pool, self._opened = memory_pool(family, cfg, params, block_size), False
-        else:
-            self.pool, self._opened = open_for_run(kv_pool, family, cfg, params, block_size)
-        common = dict(block_size=block_size, interleave_size=block_size, scheduler=sched, kv_pool=self.pool,
+        self.pool, self._opened = None, False
+        if kv_connector is None:
+            if kv_pool is None:
+                self.pool = memory_pool(family, cfg, params, block_size)
+            else:
+                self.pool, self._opened = open_for_run(kv_pool, family, cfg, params, block_size)
+            kv_connector = PoolConnector(self.pool)
+        elif kv_pool is not None:
+            raise ValueError("pass kv_pool= or kv_connector=, not both (compose them: PoolConnector(pool) + PDConnector())")
+        connector = kv_connector.linked(MemoryLink(dcp_size))
+        common = dict(block_size=block_size, interleave_size=block_size, scheduler=sched, kv_connector=connector,
                       num_blocks=num_blocks, poison=poison, merge=merge)
         with warnings.catch_warnings():  # the one-engine PCP + DCP warning's own fix is this P/D pair
             warnings.simplefilter("ignore", GuideCompatWarning)
@@ -126,6 +140,7 @@ class PDEngine:
                                      **common)
         self.decode = LLMEngine(family, params, cfg, dcp_size=dcp_size, graph_mode=graph_mode, kv_role="kv_consumer",
                                 graph_backend=graph_backend, capture_sizes=capture_sizes, **common)
+        self.pool = self.pool or self.prefill.pool  # the pool a given connector holds, if any
         self.max_model_len = min(self.prefill.max_model_len, self.decode.max_model_len)
         self._rng = random.Random(seed)
         self._params: dict[Hashable, SamplingParams] = {}
@@ -157,7 +172,7 @@ class PDEngine:
     def step(self) -> list[RequestOutput]:
         """One producer step, then one consumer step: the :class:`RequestOutput` of every row either ran
         (a handed-off request shows its first token, unfinished, until the consumer carries on)."""
-        outputs = []
+        outputs, handed = [], []
         for o in self.prefill.step() if self.prefill.has_unfinished() else []:
             p = self._params.get(o.request_id)
             if not o.finished or p is None:  # a chunk in progress, or aborted meanwhile
@@ -166,10 +181,17 @@ class PDEngine:
                 del self._params[o.request_id]
                 outputs.append(o)
             else:
-                self.decode.add_request(list(o.prompt_token_ids), p, request_id=o.request_id)
-                self._first[o.request_id] = o.token_ids[0]
-                self._handed_off += 1
+                handed.append(Handoff(o.request_id, tuple(o.prompt_token_ids), o.token_ids[0]))
                 outputs.append(dataclasses.replace(o, finished=False, finish_reason=None))
+        if self.prefill.connector is not None:
+            ask = moves_blocks(self.prefill.connector)
+            handed = [dataclasses.replace(h, found=self.prefill.connector.found(h.tokens)) if ask else h for h in handed]
+            self.prefill.connector.send(handed)
+            self.decode.connector.recv(handed)
+        for h in handed:
+            self.decode.add_request(list(h.tokens), self._params[h.request_id], request_id=h.request_id)
+            self._first[h.request_id] = h.first_token
+            self._handed_off += 1
         for o in self.decode.step() if self.decode.has_unfinished() else []:
             check_first(o, self._first)
             if o.finished:

@@ -9,19 +9,25 @@ Both give the same tokens. The layout decides each rank's role:
   chunks run PCP over the same ranks.
 - **P/D** (``pd=True``, ``world.size = pcp_size + dcp_size``): ranks ``0 .. P-1`` are the producer
   engine, which prefills with PCP and stops at the first token. Ranks ``P ..`` are the consumer
-  engine, which decodes with DCP. The KV goes through ``kv_pool``, a store every rank opens (a
-  :class:`~cpattn.engine.pooling.PoolSpec`: LMDB or Mooncake; on the simulated mesh an open
-  in-process pool works too). This is :class:`~cpattn.engine.pd_engine.PDEngine` spread over a world.
+  engine, which decodes with DCP. The KV goes through the KV connector
+  (:mod:`cpattn.engine.connector`). By default that is the P/D connector: each producer rank sends
+  the whole blocks it holds to their consumer ranks over ``world``. With ``kv_pool`` it is a store
+  every rank opens (a :class:`~cpattn.engine.pooling.PoolSpec`: LMDB or Mooncake; on the simulated
+  mesh an open in-process pool works too), or both composed. This is
+  :class:`~cpattn.engine.pd_engine.PDEngine` spread over a world.
 
 One world step runs in this order:
 
 1. Every rank adds this step's arrivals. The list is the same on every rank; the producer, or
    the colocated engine, takes them.
-2. The producer ranks step. Each stores its whole blocks, then they meet at a barrier.
-3. Producer rank 0 tells every consumer rank which requests finished their prefill, and their
-   first tokens: a count, then ``[n, 2]`` rows.
-4. The consumer ranks add those requests and step. A consumer that samples a different first
-   token is a ``RuntimeError``.
+2. The producer ranks step. A pool connector stores each rank's whole blocks, then they meet at
+   a barrier. The P/D connector stages the whole blocks of the requests that finished.
+3. Producer rank 0 tells every other rank which requests finished their prefill, their first
+   tokens and the blocks a pool holds of them: a count, then ``[n, 3]`` rows. Then each producer
+   rank sends its blocks of those requests, except the ones the pool holds, to their consumer
+   ranks (:func:`~cpattn.engine.connector_pd.producer_hand_off`).
+4. The consumer ranks receive them, add those requests and step. A consumer that samples a
+   different first token is a ``RuntimeError``.
 5. An all-reduce over the world of "work left" ends the loop on every rank in the same step.
 
 Each rank returns ``{arrival index: RequestOutput}`` for the requests its role finished.
@@ -38,8 +44,11 @@ Example
 >>> pool = memory_pool("qwen3", cfg, params, 4)
 >>> pd = cpattn.simulate(3, run_rank, "qwen3", params, cfg, arrivals, pd=True, pcp_size=2, dcp_size=1,
 ...                      block_size=4, kv_pool=pool)
+>>> direct = cpattn.simulate(3, run_rank, "qwen3", params, cfg, arrivals, pd=True, pcp_size=2, block_size=4)
 >>> [o.token_ids for o in colocated[0].values()] == [o.token_ids for o in pd[2].values()], pd[0]
 (True, {})
+>>> [o.token_ids for o in direct[2].values()] == [o.token_ids for o in pd[2].values()]
+True
 """
 
 from __future__ import annotations
@@ -55,6 +64,8 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.config import GuideCompatWarning, SchedulerConfig
+from cpattn.engine.connector import from_args as connector_args
+from cpattn.engine.connector_pd import GroupLink, PDConnector, consumer_hand_off, producer_hand_off
 from cpattn.engine.llm import LLMEngine, RequestOutput, SamplingParams
 from cpattn.engine.pd_engine import check_first, hands_off
 
@@ -84,7 +95,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
              graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None, poison: bool = False,
              seed: int = 0, on_step: Callable[[str, LLMEngine, list[RequestOutput]], None] | None = None,
              max_steps: int = 100_000, merge: str = "local_ag",
-             before_step: Callable[[str, LLMEngine], None] | None = None) -> dict[int, RequestOutput]:
+             before_step: Callable[[str, LLMEngine], None] | None = None,
+             kv_connector=None) -> dict[int, RequestOutput]:
     """The step loop on this rank of ``world`` (module doc): ``{arrival index: final RequestOutput}`` of
     the requests this rank's role finished.
 
@@ -96,7 +108,11 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     pd: P/D roles; pcp_size: the producer's ranks (colocated: 1, or ``world.size`` for PCP chunks);
         dcp_size: the consumer's ranks (colocated: ``world.size``, the default).
     block_size, interleave_size (P/D: ``block_size``), scheduler, num_blocks, poison: per engine, as
-        :class:`~cpattn.engine.llm.LLMEngine`. kv_pool: the prefix cache's second tier; P/D's connector.
+        :class:`~cpattn.engine.llm.LLMEngine`. kv_pool: the prefix cache's second tier (P/D: the
+        connector both roles open). kv_connector: any :class:`~cpattn.engine.connector.KVConnector`
+        instead; P/D without either: :class:`~cpattn.engine.connector_pd.PDConnector`, blocks sent
+        producer rank to consumer rank over ``world`` (``PoolConnector(pool) + PDConnector()``: the
+        blocks found in the pool are not sent).
     graph_mode / graph_backend / capture_sizes: the decoding engine's capture; merge: its DCP merge
         (:data:`cpattn.engine.paged_cache.STEP_MERGES`).
     seed: draws the seed of each arrival that brings none. on_step: called after each step of this
@@ -108,7 +124,9 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     arrivals = [a if isinstance(a, Arrival) else Arrival(*a) for a in arrivals]
     sampling = _seeded(arrivals, seed)
     last = max((a.step for a in arrivals), default=0)
-    common = dict(block_size=block_size, scheduler=scheduler, num_blocks=num_blocks, poison=poison, kv_pool=kv_pool)
+    connector = connector_args(kv_pool, kv_connector)
+    common = dict(block_size=block_size, scheduler=scheduler, num_blocks=num_blocks, poison=poison,
+                  kv_connector=connector)
     decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge)
     if not pd:
         if dcp_size not in (None, world.size):
@@ -122,8 +140,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
         if world.size != pcp_size + dcp:
             raise ValueError(f"pd=True: pcp_size={pcp_size} + dcp_size={dcp} ranks, but the world has {world.size}; "
                              "start pcp_size + dcp_size ranks")
-        if kv_pool is None:
-            raise ValueError("pd=True needs kv_pool: the connector both roles open (e.g. PoolSpec('lmdb:DIR'))")
+        link = GroupLink(world, range(pcp_size), range(pcp_size, pcp_size + dcp))
+        common["kv_connector"] = (connector or PDConnector()).linked(link)
         producer = world.split(range(pcp_size))
         consumer = world.split(range(pcp_size, pcp_size + dcp))
         role, group = ("prefill", producer) if producer is not None else ("decode", consumer)
@@ -141,9 +159,9 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
                         p = dataclasses.replace(sampling[i], max_tokens=1) if pd else sampling[i]
                         engine.add_request(a.prompt, p, request_id=i)
             if pd and role == "decode":
-                for i, tok in _receive(world):
-                    engine.add_request(arrivals[i].prompt, sampling[i], request_id=i)
-                    first[i] = tok
+                for h in consumer_hand_off(world, engine.connector, lambda i: arrivals[i].prompt):
+                    engine.add_request(arrivals[h.request_id].prompt, sampling[h.request_id], request_id=h.request_id)
+                    first[h.request_id] = h.first_token
             if before_step is not None:
                 before_step(role, engine)
             outs = engine.step() if engine.has_unfinished() else []
@@ -159,8 +177,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
                     handed.append((o.request_id, o.token_ids[0]))
                 else:
                     final[o.request_id] = o
-            if pd and role == "prefill" and world.rank == 0:
-                _send(world, handed, range(pcp_size, world.size))
+            if pd and role == "prefill":
+                producer_hand_off(world, engine.connector, [(i, arrivals[i].prompt, tok) for i, tok in handed])
             left = step < last or engine.has_unfinished() or bool(handed)
             if not world.all_reduce(torch.tensor([float(left)])).item():
                 return final
@@ -175,15 +193,3 @@ def _engine(model, params, cfg, group: Group, *, pcp_size: int = 1, **kwargs) ->
             warnings.simplefilter("ignore", GuideCompatWarning)
         return LLMEngine(model, params, cfg, world=group, dcp_size=group.size, pcp_size=pcp_size, **kwargs)
 
-
-def _send(world: Group, handed: list[tuple[int, int]], to: range) -> None:
-    rows = torch.tensor(handed, dtype=torch.int64).reshape(-1, 2)
-    for dst in to:
-        world.send(torch.tensor([len(handed)], dtype=torch.int64), dst)
-        if handed:
-            world.send(rows, dst)
-
-
-def _receive(world: Group) -> list[tuple[int, int]]:
-    n = int(world.recv((1,), torch.int64, 0).item())
-    return [] if not n else [tuple(r) for r in world.recv((n, 2), torch.int64, 0).tolist()]
