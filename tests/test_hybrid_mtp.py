@@ -14,6 +14,7 @@ checks the drafter's cached catch-up-and-chain; a random head checks losslessnes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -77,14 +78,16 @@ def fixed(reqs, k, drafter, *, pcp=1, dcp=1, **kw):
                     prompt_logits=False)
 
 
-@pytest.mark.parametrize(("pcp", "dcp", "k"), [(1, 1, 1), (1, 1, 3), (2, 2, 2), (3, 1, 2)])
-def test_fixed_batch_identity_mtp_is_lossless_and_accepts_the_repeats(pcp, dcp, k):
+@pytest.mark.parametrize(("pcp", "dcp", "k", "graph"), [(1, 1, 1, "NONE"), (1, 1, 3, "NONE"), (2, 2, 2, "NONE"),
+                                                    (3, 1, 2, "NONE"), (1, 2, 2, "FULL_DECODE_ONLY")])
+def test_fixed_batch_identity_mtp_is_lossless_and_accepts_the_repeats(pcp, dcp, k, graph):
     reqs = prompts()
-    out = fixed(reqs, k, identity_head(), pcp=pcp, dcp=dcp)
+    out = fixed(reqs, k, identity_head(), pcp=pcp, dcp=dcp, graph_mode=graph, graph_backend="eager")
     want = [greedy(tuple(p)) for p in reqs]
     assert out.tokens.tolist() == [w[:TOKENS] for w in want]
     expected = sum(repeat_acceptance(w, TOKENS, k) for w in want)
     assert out.stats.accepted == expected > 0, (out.stats.accepted, expected)
+    assert (out.stats.graph_steps > 0) == (graph != "NONE"), out.stats
 
 
 @pytest.mark.parametrize(("dcp", "k", "graph"), [(1, 2, "NONE"), (2, 3, "NONE"), (2, 2, "FULL_DECODE_ONLY")])
@@ -211,3 +214,48 @@ def test_forward_hidden_states_are_the_final_normed_rows():
     logits, hidden = qn.forward(params, cfg, toks, *mk(), hidden_layers=(1,))
     assert torch.equal(logits, plain) and sorted(hidden, key=str) == [1, "norm"]
     torch.testing.assert_close(torch.nn.functional.linear(hidden["norm"], lm_head(params, cfg)), plain)
+
+
+def test_qwen3_5_mtp_in_the_step_loop_is_lossless():
+    """Qwen3.5 (split projections, dense MLPs: the MTP layer's MLP is dense too) on DCP 2."""
+    from test_engine_loop_hybrid import reference
+
+    cfg, params = model("qwen3_5")
+    d = Qwen3NextMTPDrafter.random(cfg, params, model="qwen3_5", seed=1, std=0.2)
+    assert "mtp.layers.0.mlp.gate_proj.weight" in d.params and "mtp.layers.0.mlp.gate.weight" not in d.params
+    reqs = [prompt(9, 31), prompt(5, 32)]
+    eng = engine("dcp2", num_blocks=32, family="qwen3_5", drafter=d, num_speculative_tokens=2)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=6)) for p in reqs]
+    while eng.has_unfinished():
+        eng.step()
+    assert [list(eng.scheduler.requests[i].output) for i in ids] == [reference(tuple(p), "qwen3_5") for p in reqs]
+    assert eng.stats.drafted_tokens > 0
+
+
+@pytest.mark.slow  # builds and saves a transformers model (~7 s on 2 shared cores)
+def test_from_checkpoint_reads_the_composite_qwen3_5_form(tmp_path):
+    """The Hub's Qwen3.5 form (``save_pretrained`` of ``Qwen3_5ForConditionalGeneration``: a nested
+    ``text_config``, the text weights under ``model.language_model.``, a vision tower) with ``mtp.*`` beside it
+    in its own safetensors file: the module loads with the language model's embedding and head."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    text = dict(vocab_size=64, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=3,
+                num_key_value_heads=1, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=12,
+                linear_num_key_heads=1, linear_num_value_heads=3, layer_types=["linear_attention", "full_attention"],
+                eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=48, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                  vision_config=vision))
+    hf.save_pretrained(tmp_path)
+    cfg = qn.Qwen3NextConfig.from_hf(hf.config.to_dict())
+    target = qn.load_params(hf.state_dict())
+    d = Qwen3NextMTPDrafter.random(cfg, target, model="qwen3_5", seed=7)
+    save_file({n: t.contiguous() for n, t in d.params.items() if n.startswith("mtp.")},
+              str(tmp_path / "mtp.safetensors"))
+    back = Qwen3NextMTPDrafter.from_checkpoint(tmp_path)
+    assert back.model == "qwen3_5" and dataclasses.asdict(back.cfg) == dataclasses.asdict(cfg)
+    assert sorted(back.params) == sorted(d.params)
+    assert all(torch.equal(back.params[n], d.params[n]) for n in d.params)

@@ -8,6 +8,8 @@ logical PCP size 1 (:mod:`cpattn.engine.drafters` has the protocol):
 
 - :mod:`~cpattn.drafters.mtp` -- DeepSeek's multi-token-prediction module
   (DeepSeek-V3 / V3.2 / GLM-5 targets), straight from a DeepSeek-V3-format checkpoint;
+- :mod:`~cpattn.drafters.qwen3_next_mtp` -- Qwen3-Next's MTP module (``mtp.*``: hybrid
+  Qwen3-Next / Qwen3.5 targets), one gated-attention layer over the target's hidden state;
 - :mod:`~cpattn.drafters.eagle3` -- EAGLE-3: low/mid/high target layers fused
   by an fc layer, one decoder layer, a reduced draft vocabulary (``d2t``);
 - :mod:`~cpattn.drafters.dspark` -- DSpark: a parallel draft block over the
