@@ -39,7 +39,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.logits import acc_dtype
-from cpattn.layout.dcp import dcp_owner
+from cpattn.layout.dcp import dcp_owner, owned_blocks, reshard_kv_blocks
 from cpattn.layout.rows import request_of
 
 METHODS = ("a2a", "allgather")
@@ -136,9 +136,10 @@ def request_blocks(rows: torch.Tensor, cu_seqlens: list[int], block_size: int) -
 def deal_blocks(blocks: list[torch.Tensor], *, decode_size: int) -> list[list[tuple[int, int, torch.Tensor]]]:
     """Per decode rank d: ``(request, local block, payload [block_size, F])`` for each block j with j % N == d."""
     out: list[list] = [[] for _ in range(decode_size)]
-    for b, blk in enumerate(blocks):
-        for j in range(blk.shape[0]):
-            out[j % decode_size].append((b, j // decode_size, blk[j]))
+    for b, blk in enumerate(blocks):  # [n_b, block_size, F]: whole blocks, interleave = block size
+        parts = reshard_kv_blocks(blk, dcp_size=decode_size, interleave_size=blk.shape[1], block_size=blk.shape[1])
+        for d, part in enumerate(parts):
+            out[d].extend((b, i, payload) for i, payload in enumerate(part))
     return out
 
 
@@ -162,8 +163,8 @@ def _pair_blocks(lens_blocks: list[int], p: int, prefill_size: int, d: int, deco
     """(request, global block) pairs prefill rank p sends decode rank d, in request then block order: blocks
     ``[start[b], lens_blocks[b])`` of request b (``start``: blocks the decode ranks already hold, default none)."""
     start = start or [0] * len(lens_blocks)
-    return [(b, j) for b, nb in enumerate(lens_blocks) for j in range(start[b], nb) if j % decode_size == d
-            and j % prefill_size == p]
+    return [(b, j) for b, nb in enumerate(lens_blocks) for j in owned_blocks(nb, d, decode_size, start=start[b])
+            if j % prefill_size == p]
 
 
 def send_block_pairs(world: Group, payload: Callable[[int, int], torch.Tensor], nblocks: list[int], *,
@@ -242,8 +243,8 @@ def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, p
     start = list(start) if start else [0] * len(nb)
     got = recv_block_pairs(world, nb, decode_rank=decode_rank, decode_size=decode_size, prefill_ranks=prefill_ranks,
                            block_size=block_size, width=width, dtype=dtype, start=start)
-    received = [(b, j // decode_size, got[(b, j)]) for b in range(len(nb)) for j in range(start[b], nb[b])
-                if j % decode_size == decode_rank]
+    received = [(b, j // decode_size, got[(b, j)]) for b in range(len(nb))
+                for j in owned_blocks(nb[b], decode_rank, decode_size, start=start[b])]
     nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in received)
     return received, first_logits, HandoffFacts(blocks_received=len(received), bytes_received=nbytes)
 

@@ -49,6 +49,7 @@ from cpattn.comm.group import Group
 from cpattn.engine.batch import Prompts
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill_steps import Prefix
+from cpattn.layout.dcp import owned_blocks
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def _load(world: Group, prompts: Prompts, pool, rank: int | None = None, dcp_siz
     found = _agreed(world, hits(lists, pool))  # every rank must start from the same prefix
     bs, counts, got = pool.identity.block_size, [], {}
     for b, (p, n) in enumerate(zip(lists, found)):
-        js = list(range(n)) if rank is None else list(range(rank, n, dcp_size))
+        js = list(range(n)) if rank is None else list(owned_blocks(n, rank, dcp_size))
         keys = pool.keys(p)
         loaded = pool.load([keys[j] for j in js]) if js else []
         got.update({(b, j): t.reshape(bs, -1) for j, t in zip(js, loaded)})
@@ -245,10 +246,8 @@ def store_blocks(shard: PagedShard, prompts: Prompts, pool, *, rank: int, dcp_si
     for b, p in enumerate(prompts.lists()):
         chain = pool.keys(p)
         keys, payloads = [], []
-        for j, key in enumerate(chain):
-            if j < (skip[b] if skip else 0) or j % dcp_size != rank:
-                continue
-            keys.append(key)
+        for j in owned_blocks(len(chain), rank, dcp_size, start=skip[b] if skip else 0):
+            keys.append(chain[j])
             payloads.append(shard.read_block(int(shard.block_table[b, j // dcp_size]))[None])  # [1, B, F]
         if chain:  # the whole chain is renewed with the new blocks, root last, whatever rank stored which
             stored += pool.store(keys, payloads, chain=chain)
