@@ -141,6 +141,7 @@ class BlockManager:
         self._key: list[str | None] = [None] * num_blocks
         self._cached: dict[str, int] = {}  # key -> block id
         self._tables: dict[Hashable, list[int]] = {}
+        self._tuples: dict[Hashable, tuple[int, ...]] = {}  # table_ids' tuples, dropped when a table changes
         self._cached_upto: dict[Hashable, int] = {}  # spans of each request cache_blocks has looked at
         self._hits = self._queries = self._evictions = 0
         self._fresh: list[int] = []  # handed out since the last take_fresh(): their rows are stale
@@ -152,6 +153,8 @@ class BlockManager:
         >>> BlockManager(8, 4, dcp_size=2, dcp_rank=1, interleave_size=2).blocks_for(10)  # local 4
         1
         """
+        if self.dcp_rank == 0:  # rank 0's share: ceil(S / span) (the module docstring), without local_len
+            return -(-num_tokens // self.span)
         n = local_len(num_tokens, self.dcp_size, self.dcp_rank, self.interleave_size)
         return -(-n // self.block_size)
 
@@ -171,6 +174,19 @@ class BlockManager:
     def block_table(self, req_id: Hashable) -> list[int]:
         """A copy of the request's block ids in column order ([] if it holds none)."""
         return list(self._tables.get(req_id, ()))
+
+    def table_ids(self, req_id: Hashable) -> tuple[int, ...]:
+        """The request's block ids as a tuple, the same object until its table changes (a step loop
+        hands it on each step; a runner tells an unchanged row by identity).
+
+        >>> bm = BlockManager(4, 2); _ = bm.allocate("a", 3)
+        >>> t = bm.table_ids("a"); t, bm.table_ids("a") is t, bm.allocate("a", 4), bm.table_ids("a") is t
+        ((0, 1), True, True, True)
+        """
+        t = self._tuples.get(req_id)
+        if t is None:
+            t = self._tuples[req_id] = tuple(self._tables.get(req_id, ()))
+        return t
 
     def refcount(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -234,9 +250,19 @@ class BlockManager:
         Returns False, changing nothing, when the free queue is too short. New blocks come from
         the head of the free queue; a block taken that still had a key is evicted (its key forgotten).
         """
-        if not self.can_allocate(req_id, num_tokens, prefix):
+        if prefix is None:  # the common case (a running request grows): one count, no queue walk
+            table = self._tables.get(req_id)
+            need = self.blocks_for(num_tokens) - (0 if table is None else len(table))
+            if need <= 0:
+                if table is None:
+                    self._tables[req_id] = []
+                return True
+            if need > len(self._free):
+                return False
+        elif not self.can_allocate(req_id, num_tokens, prefix):
             return False
         table = self._tables.setdefault(req_id, [])
+        self._tuples.pop(req_id, None)
         if prefix is not None and prefix.block_ids:
             for b in prefix.block_ids:
                 if self._ref[b] == 0:
@@ -296,10 +322,13 @@ class BlockManager:
         table = self._tables.get(req_id)
         if table:
             keep = self.blocks_for(num_tokens)
-            self._release(table[keep:])
-            del table[keep:]
+            if keep < len(table):
+                self._release(table[keep:])
+                del table[keep:]
+                self._tuples.pop(req_id, None)
 
     def free(self, req_id: Hashable) -> None:
         """Release every block of the request (finished, aborted or preempted); unknown ids are a no-op."""
         self._release(self._tables.pop(req_id, []))
+        self._tuples.pop(req_id, None)
         self._cached_upto.pop(req_id, None)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import time
+from itertools import chain
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,9 +66,13 @@ from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
+from cpattn.engine.step_inputs import BlockTableRows, LogitRows
 from cpattn.graphs.runner import DecodeRunner
-from cpattn.layout.rows import cu_seqlens, request_of
+from cpattn.layout.rows import cu_seqlens
 from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
+
+
+_NOTHING = ModelOutput()  # a partial chunk's row: nothing sampled
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,7 @@ class StepRunner:
         self.spare = num_blocks
         self.shard = PagedShard(layouts, k, v, ki, torch.zeros(0, self.max_blocks, dtype=torch.int64), block_size,
                                 interleave_size)
+        self._tables = BlockTableRows(self.max_blocks, self.spare, rows=max_num_seqs)
         self.poison = poison
         self.hidden_layers = hidden_layers
         self._step = functools.partial(decode_step, family=self.family, cfg=cfg, group=group, merge=merge,
@@ -149,21 +155,15 @@ class StepRunner:
                                       max_size=max(q, max_num_seqs * q), backend=capture).capture()
 
     def batch(self, out: SchedulerOutput, width: int | None = None) -> dict[str, torch.Tensor]:
-        """The step's inputs: tokens [T], seq_lens [B], block_table [B, width] (spare-padded; default
-        ``max_blocks``, the captured programs' width; an eager step passes its own longest table)."""
-        w = width or self.max_blocks
-        for b, ids in enumerate(out.block_tables):
-            if len(ids) > self.max_blocks:
-                raise ValueError(f"request {out.req_ids[b]!r} holds {len(ids)} blocks; the runner was built for "
-                                 f"max_model_len covering {self.max_blocks}: raise max_model_len")
-        lens = [len(ids) for ids in out.block_tables]
-        table = torch.full((len(lens), w), self.spare, dtype=torch.int64)
-        if sum(lens):  # one scatter of every row's ids, not a copy per row
-            cu = cu_seqlens(lens)
-            req = request_of(cu)
-            col = torch.arange(cu[-1]) - torch.tensor(cu[:-1])[req]
-            table[req, col] = torch.tensor([i for ids in out.block_tables for i in ids], dtype=torch.int64)
-        tokens = torch.tensor([t for ids in out.input_ids for t in ids], dtype=torch.int64)
+        """The step's inputs: tokens [T], seq_lens [B], block_table [B, width] (spare-padded).
+
+        ``width`` None: the captured programs' ``max_blocks``, and ``block_table`` is a view of the runner's
+        persistent table (:class:`~cpattn.engine.step_inputs.BlockTableRows`: only changed rows are
+        written), valid until the next call; an eager step passes its own longest table and gets a copy."""
+        table = self._tables.update(out.block_tables, out.req_ids)
+        if width is not None:
+            table = table[:, :width].clone()
+        tokens = torch.tensor(list(chain.from_iterable(out.input_ids)), dtype=torch.int64)
         return {"tokens": tokens, "seq_lens": torch.tensor(out.seq_lens, dtype=torch.int64), "block_table": table}
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -214,26 +214,31 @@ class StepRunner:
         logits, greedy = res[0], res[1]
         full = res[2] if self.hidden_layers is not None else None  # {name: [T, ...]}
         t2 = time.perf_counter()
-        outputs, rows, hidden = {}, {}, ({} if full is not None else None)
+        outputs, spans, hidden = {}, {}, ({} if full is not None else None)
         chosen = greedy.tolist()  # one device->host copy; acceptance is plain list work
         if any(out.sampling):  # None: a greedy row
             chosen = choose(logits, chosen, sampled_positions(out))
-        end = 0
-        for b, rid in enumerate(out.req_ids):
-            begin, end = end, end + out.query_lens[b]
-            if not out.samples[b]:
-                outputs[rid] = ModelOutput()
+        end, samples, draft_tokens = 0, out.samples, out.draft_tokens
+        for b, (rid, q) in enumerate(zip(out.req_ids, out.query_lens)):
+            begin, end = end, end + q
+            if not samples[b]:
+                outputs[rid] = _NOTHING
                 if full is not None:
                     hidden[rid] = {n: h[begin:end] for n, h in full.items()}
                 continue
-            drafts = out.draft_tokens[b]
-            d = len(drafts)
-            g = chosen[end - 1 - d:end]  # [1 + d]: the target's choice after the last token and each draft
-            a = 0
-            while a < d and drafts[a] == g[a]:  # accept_drafts, on host ints
-                a += 1
-            outputs[rid] = ModelOutput(tuple(g[: a + 1]))
-            rows[rid] = logits[end - 1 - d:end - d + a]
+            drafts = draft_tokens[b]
+            if drafts:
+                d = len(drafts)
+                g = chosen[end - 1 - d:end]  # [1 + d]: the target's choice after the last token and each draft
+                a = 0
+                while a < d and drafts[a] == g[a]:  # accept_drafts, on host ints
+                    a += 1
+                outputs[rid] = ModelOutput(tuple(g[: a + 1]))
+            else:
+                d = a = 0
+                outputs[rid] = ModelOutput((chosen[end - 1],))
+            spans[rid] = (end - 1 - d, end - d + a)
             if full is not None:  # rejected drafts' rows are not final
                 hidden[rid] = {n: h[begin:end - d + a] for n, h in full.items()}
+        rows = LogitRows(logits, spans)
         return outputs, rows, replayed, [t1 - t0, t2 - t1, time.perf_counter() - t2], hidden

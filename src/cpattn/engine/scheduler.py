@@ -56,6 +56,7 @@ Example
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class SchedulerOutput:
     def num_scheduled_tokens(self) -> int:
         return sum(self.query_lens)
 
-    @property
+    @functools.cached_property
     def eager_reason(self) -> str | None:
         """Why this step cannot replay a captured decode graph (FULL_DECODE_ONLY), or None if it can."""
         if not self.req_ids:
@@ -253,14 +254,17 @@ class Scheduler:
         if self._pending is not None and self._pending.req_ids:
             raise ValueError("schedule() called twice: call update() with the last step's outputs first")
         budget, rows, preempted = self.max_num_batched_tokens, [], []
+        running, allocate = self.running, self.blocks.allocate
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             todo = len(req.tokens) - req.num_computed
-            drafts = req.drafts[:self._max_drafts(req)] if self._is_decode(req, req.num_computed) else []
+            drafts = req.drafts
+            if drafts:  # only a decode verifies drafts; as many as max_tokens and the budget leave room for
+                drafts = drafts[:self._max_drafts(req)] if self._is_decode(req, req.num_computed) else ()
+                drafts = drafts[:max(min(todo + len(drafts), budget) - todo, 0)]
             num_new = min(todo + len(drafts), budget)
-            drafts = drafts[:max(num_new - todo, 0)]
-            while not self.blocks.allocate(req.req_id, req.num_computed + num_new):
+            while not allocate(req.req_id, req.num_computed + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.req_id)
@@ -306,31 +310,38 @@ class Scheduler:
         step = self._pending
         if step is None:
             raise ValueError("update() without a scheduled step: call schedule() first")
-        extra = [r for r in outputs if r not in step.req_ids]
+        scheduled = set(step.req_ids)
+        extra = [r for r in outputs if r not in scheduled]
         if extra:
             raise ValueError(f"outputs hold requests {extra!r} that the last step did not schedule")
         rows = []  # validate every row before committing any
+        requests = self.requests
         for b, rid in enumerate(step.req_ids):
-            if self.requests[rid].status != "running":  # aborted since the step was scheduled
+            req = requests[rid]
+            if req.status != "running":  # aborted since the step was scheduled
                 continue
-            if rid not in outputs:
+            out = outputs.get(rid)
+            if out is None:
                 raise ValueError(f"outputs miss request {rid!r}, scheduled in row {b} of the last step")
-            out = outputs[rid]
             out = out if isinstance(out, ModelOutput) else ModelOutput(tuple(out))
-            sampled, drafts = list(out.sampled), list(step.draft_tokens[b])
-            if (len(sampled) > len(drafts) + 1 or bool(sampled) != step.samples[b]
-                    or sampled[:len(sampled) - 1] != drafts[:len(sampled) - 1]):
+            sampled, drafts = list(out.sampled), step.draft_tokens[b]
+            n = len(sampled)
+            if (n > len(drafts) + 1 or bool(n) != step.samples[b]
+                    or (drafts and sampled[:n - 1] != list(drafts[:n - 1]))):  # no drafts: nothing to compare
                 want = f"1 to {len(drafts) + 1} tokens" if step.samples[b] else "no token (a partial prefill chunk)"
-                raise ValueError(f"request {rid!r} sampled {sampled}; with drafts {drafts} it must get {want}: "
+                raise ValueError(f"request {rid!r} sampled {sampled}; with drafts {list(drafts)} it must get {want}: "
                                  "the accepted drafts, in order, then one bonus token")
-            rows.append((b, self.requests[rid], sampled, len(drafts), list(out.drafts)))
+            rows.append((b, req, sampled, len(drafts), list(out.drafts)))
         self._pending = None
         done = []
+        caching, span = self.blocks.enable_caching, self.blocks.span
         for b, req, sampled, num_drafts, next_drafts in rows:
             req.num_computed = step.seq_lens[b] - (num_drafts - max(len(sampled) - 1, 0))  # rejected drop out
             reason = self._append(req, sampled)
-            self.blocks.extend_keys(req.keys, req.tokens)
-            self.blocks.cache_blocks(req.req_id, req.keys, req.num_computed)
+            if caching:
+                if len(req.tokens) // span > len(req.keys):  # a span filled up: its key
+                    self.blocks.extend_keys(req.keys, req.tokens)
+                self.blocks.cache_blocks(req.req_id, req.keys, req.num_computed)
             if reason:
                 self.running.remove(req)
                 self._finish(req, reason)
@@ -375,26 +386,25 @@ class Scheduler:
         return None
 
     def _output(self, rows, preempted) -> SchedulerOutput:
+        """The step's :class:`SchedulerOutput`: one pass over ``rows`` of (request, context, new tokens,
+        drafts); block tables are the block manager's shared tuples (:meth:`BlockManager.table_ids`)."""
         finished, self._finished_since = tuple(self._finished_since), []
+        table_ids = self.blocks.table_ids
+        ids, qs, ctxs, seqs, tables, inputs, drafts, prefill, samples, loads, sampling, num_output = (
+            [None] * len(rows) for _ in range(12))
+        for b, (r, c, n, d) in enumerate(rows):
+            toks, rid, d = r.tokens, r.req_id, tuple(d)
+            total, end = len(toks), c + n - len(d)
+            ids[b], qs[b], ctxs[b], seqs[b], tables[b] = rid, n, c, c + n, table_ids(rid)
+            inputs[b], drafts[b] = tuple(toks[c:end]) + d if d else tuple(toks[c:end]), d
+            prefill[b] = not (total > r.num_prompt and c == total - 1)  # not _is_decode(r, c)
+            samples[b] = end == total
+            loads[b], r.loads = r.loads, ()
+            sampling[b], num_output[b] = r.sampling, total - r.num_prompt
         return SchedulerOutput(
-            req_ids=tuple(r.req_id for r, *_ in rows),
-            query_lens=tuple(n for _, _, n, _ in rows),
-            context_lens=tuple(c for _, c, _, _ in rows),
-            seq_lens=tuple(c + n for _, c, n, _ in rows),
-            block_tables=tuple(tuple(self.blocks.block_table(r.req_id)) for r, *_ in rows),
-            input_ids=tuple(tuple(r.tokens[c:c + n - len(d)]) + tuple(d) for r, c, n, d in rows),
-            draft_tokens=tuple(tuple(d) for *_, d in rows),
-            is_prefill=tuple(not self._is_decode(r, c) for r, c, _, _ in rows),
-            samples=tuple(c + n - len(d) == len(r.tokens) for r, c, n, d in rows),
-            preempted=tuple(preempted),
-            finished=finished,
-            fresh_blocks=tuple(self.blocks.take_fresh()),
-            loads=tuple(self._take_loads(r) for r, *_ in rows),
-            sampling=tuple(r.sampling for r, *_ in rows),
-            num_output=tuple(len(r.tokens) - r.num_prompt for r, *_ in rows),
+            req_ids=tuple(ids), query_lens=tuple(qs), context_lens=tuple(ctxs), seq_lens=tuple(seqs),
+            block_tables=tuple(tables), input_ids=tuple(inputs), draft_tokens=tuple(drafts),
+            is_prefill=tuple(prefill), samples=tuple(samples), preempted=tuple(preempted), finished=finished,
+            fresh_blocks=tuple(self.blocks.take_fresh()), loads=tuple(loads), sampling=tuple(sampling),
+            num_output=tuple(num_output),
         )
-
-    @staticmethod
-    def _take_loads(req: Request) -> tuple:
-        loads, req.loads = req.loads, ()
-        return loads

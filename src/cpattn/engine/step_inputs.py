@@ -1,0 +1,108 @@
+"""Host-side inputs of a runner step that persist across steps: the block table rows, and the logits rows
+each sampled token came from, sliced only when asked for.
+
+A step loop's batch changes little from one step to the next: the same requests in the same rows, a block
+id appended to a row every ``block_size * dcp_size`` tokens. :class:`BlockTableRows` keeps one
+``[rows, width]`` int64 table and, per row, the block ids it holds (the tuple it was given); a step writes
+only the rows whose tables changed -- an unchanged row (the same tuple object, as
+:meth:`cpattn.engine.blocks.BlockManager.table_ids` hands out, or an equal one) costs one comparison, a
+grown row its new columns, any other row is rewritten -- in one indexed write for the whole step.
+(vLLM's persistent input batch keeps its block tables the same way; the code is ours.)
+
+Example
+-------
+>>> rows = BlockTableRows(width=4, pad=9)
+>>> rows.update([(0, 1), (2,)]).tolist()
+[[0, 1, 9, 9], [2, 9, 9, 9]]
+>>> rows.update([(0, 1, 3), (5, 6)]).tolist()    # row 0 grew (one cell written), row 1 was replaced
+[[0, 1, 3, 9], [5, 6, 9, 9]]
+>>> rows.writes                                   # cells written so far
+6
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+
+import torch
+
+
+class BlockTableRows:
+    """A persistent ``[rows, width]`` int64 block table padded with ``pad`` (module docstring).
+
+    :meth:`update` returns a view of its first B rows, valid until the next call: copy it to keep it.
+    ``writes`` counts the cells written (a test's window into the incremental path).
+    """
+
+    def __init__(self, width: int, pad: int, rows: int = 8) -> None:
+        self.width, self.pad = width, pad
+        self.table = torch.full((max(rows, 1), width), pad, dtype=torch.int64)
+        self._held: list[tuple] = [()] * self.table.shape[0]
+        self.writes = 0
+
+    def update(self, tables: Sequence[Sequence[int]], req_ids: Sequence[Hashable] = ()) -> torch.Tensor:
+        """Rows ``0 .. B-1`` hold ``tables[b]`` (block ids, padded); returns ``table[:B]`` [B, width].
+
+        req_ids: named in the error for a table wider than ``width``.
+        """
+        n_rows, width = len(tables), self.width
+        if n_rows > self.table.shape[0]:  # grow (doubling), the rows held so far kept
+            grown = torch.full((max(n_rows, 2 * self.table.shape[0]), width), self.pad, dtype=torch.int64)
+            grown[: self.table.shape[0]] = self.table
+            self._held += [()] * (grown.shape[0] - self.table.shape[0])
+            self.table = grown
+        held, flat, vals = self._held, [], []
+        for b, ids in enumerate(tables):
+            old = held[b]
+            if ids is old:
+                continue
+            ids = tuple(ids)
+            n, n_old = len(ids), len(old)
+            if n == n_old and ids == old:
+                held[b] = ids
+                continue
+            if n > width:
+                who = f"request {req_ids[b]!r}" if b < len(req_ids) else f"row {b}"
+                raise ValueError(f"{who} holds {n} blocks; the runner was built for max_model_len covering "
+                                 f"{width}: raise max_model_len")
+            start = n_old if n >= n_old and ids[:n_old] == old else 0
+            base = b * width
+            flat.extend(range(base + start, base + n))
+            vals.extend(ids[start:])
+            if n < n_old:  # a shorter table: the cells past it go back to the pad
+                flat.extend(range(base + n, base + n_old))
+                vals.extend([self.pad] * (n_old - n))
+            held[b] = ids
+        if flat:
+            self.table.view(-1)[torch.tensor(flat, dtype=torch.int64)] = torch.tensor(vals, dtype=torch.int64)
+            self.writes += len(flat)
+        return self.table[:n_rows]
+
+
+class LogitRows(Mapping):
+    """``{req_id: logits[lo:hi]}`` over one step's logits, each slice made when looked up.
+
+    logits: [T, V]; spans: ``{req_id: (lo, hi)}`` -- the rows the request's sampled tokens came from.
+
+    >>> rows = LogitRows(torch.arange(6.).view(3, 2), {"a": (2, 3)})
+    >>> list(rows), rows["a"].tolist(), len(rows)
+    (['a'], [[4.0, 5.0]], 1)
+    """
+
+    __slots__ = ("logits", "spans")
+
+    def __init__(self, logits: torch.Tensor, spans: dict) -> None:
+        self.logits, self.spans = logits, spans
+
+    def __getitem__(self, req_id: Hashable) -> torch.Tensor:
+        lo, hi = self.spans[req_id]
+        return self.logits[lo:hi]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.spans)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.spans
