@@ -259,3 +259,28 @@ def test_from_checkpoint_reads_the_composite_qwen3_5_form(tmp_path):
     assert back.model == "qwen3_5" and dataclasses.asdict(back.cfg) == dataclasses.asdict(cfg)
     assert sorted(back.params) == sorted(d.params)
     assert all(torch.equal(back.params[n], d.params[n]) for n in d.params)
+
+
+def test_step_loop_mtp_with_preemption():
+    """A pool too small for every request: a preempted request recomputes and its hidden rows start over."""
+    reqs = prompts()
+    eng = engine("dcp2", num_blocks=5, drafter=identity_head(), num_speculative_tokens=2)
+    assert run(eng, reqs) == [greedy(tuple(p))[:TOKENS] for p in reqs]
+    assert eng.stats.preemptions > 0 and eng.stats.accepted_tokens > 0, eng.stats
+
+
+def test_step_loop_mtp_with_seeded_sampling():
+    """temperature > 0: the tokens do not depend on the drafts (as without a drafter)."""
+    reqs = prompts()
+
+    def sampled(eng):
+        ids = [eng.add_request(p, SamplingParams(max_tokens=TOKENS, temperature=0.3, seed=7 + i))
+               for i, p in enumerate(reqs)]
+        while eng.has_unfinished():
+            eng.step()
+        return [list(eng.scheduler.requests[i].output) for i in ids]
+
+    plain = sampled(engine("one", num_blocks=64))
+    assert plain != [greedy(tuple(p))[:TOKENS] for p in reqs]  # not greedy
+    eng = engine("dcp2", num_blocks=32, drafter=identity_head(), num_speculative_tokens=2)
+    assert sampled(eng) == plain and eng.stats.drafted_tokens > 0
