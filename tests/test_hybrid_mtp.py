@@ -24,7 +24,7 @@ from test_engine_loop_hybrid import LAYOUTS, engine, model, prompt, sched
 from cpattn.drafters.qwen3_next_mtp import Qwen3NextMTPDrafter, as_layer, block_config, mtp_logits_features
 from cpattn.engine import engine_configs, generate
 from cpattn.engine.drafters import NgramDrafter, TargetHidden
-from cpattn.engine.llm import SamplingParams
+from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.models import qwen3_next as qn
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -284,3 +284,26 @@ def test_step_loop_mtp_with_seeded_sampling():
     assert plain != [greedy(tuple(p))[:TOKENS] for p in reqs]  # not greedy
     eng = engine("dcp2", num_blocks=32, drafter=identity_head(), num_speculative_tokens=2)
     assert sampled(eng) == plain and eng.stats.drafted_tokens > 0
+
+
+def gloo_mtp_rank(group) -> tuple[list[list[int]], int]:
+    """One real rank of PCP 2 + DCP 2 with the identity MTP head: (tokens per request, accepted drafts)."""
+    cfg, params = model()
+    eng = LLMEngine("qwen3_next", params, cfg, world=group, dcp_size=group.size, pcp_size=group.size, block_size=4,
+                    num_blocks=32, scheduler=sched(max_num_batched_tokens=8), drafter=identity_head(),
+                    num_speculative_tokens=2)
+    return run(eng, prompts()), eng.stats.accepted_tokens
+
+
+@pytest.mark.slow
+def test_gloo_ranks_with_mtp_give_the_simulated_run():
+    """Under real processes every rank drafts from its own copy of the hidden states: the same tokens and the
+    same accepted count as the simulated run, and the greedy tokens."""
+    from cpattn.comm.launch import spawn
+
+    per_rank = spawn(2, gloo_mtp_rank)
+    eng = engine("pcp2_dcp2", num_blocks=32, drafter=identity_head(), num_speculative_tokens=2,
+                 scheduler=sched(max_num_batched_tokens=8))
+    sim = run(eng, prompts()), eng.stats.accepted_tokens
+    assert per_rank[0] == per_rank[1] == sim
+    assert sim[0] == [greedy(tuple(p))[:TOKENS] for p in prompts()] and sim[1] > 0
