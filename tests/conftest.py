@@ -10,7 +10,8 @@ import torch  # noqa: E402
 
 @pytest.hookimpl(trylast=True)  # after the plugins register their own markers (skipif, parametrize, ...)
 def pytest_configure(config):
-    """Fail loudly on ``-m`` naming a marker nobody registered (``-m "not slwo"`` would otherwise run everything).
+    """Fail loudly on ``-m`` naming a marker nobody registered (``-m "not slwo"`` would otherwise run everything);
+    then pick the lane's Hypothesis profile (tests/lanes.py).
 
     A misspelt mark in a test file (``@pytest.mark.slwo``) is caught by ``--strict-markers`` in pyproject's addopts.
     """
@@ -22,6 +23,22 @@ def pytest_configure(config):
     if unknown:
         raise pytest.UsageError(f"-m {expr!r}: unknown marker {', '.join(unknown)}; registered: "
                                 f"{', '.join(sorted(known))} (pyproject.toml [tool.pytest.ini_options] markers)")
+    if not config.getoption("hypothesis_profile", None):  # an explicit --hypothesis-profile is left alone
+        _hypothesis_profile(expr)
+
+
+def _hypothesis_profile(expr: str) -> None:
+    """``fast`` when ``-m`` deselects a test marked only ``slow``, else ``full``; ``HYPOTHESIS_PROFILE`` wins."""
+    from _pytest.mark.expression import Expression
+    from hypothesis import settings
+
+    fast = bool(expr) and not Expression.compile(expr).evaluate(lambda name, **kw: name == "slow")
+    name = os.environ.setdefault("HYPOTHESIS_PROFILE", "fast" if fast else "full")
+    settings.register_profile("full", deadline=None)
+    settings.register_profile("fast", max_examples=25, deadline=None)
+    if name not in ("full", "fast"):
+        raise pytest.UsageError(f"HYPOTHESIS_PROFILE={name!r}: use 'full' (every example) or 'fast' (fewer)")
+    settings.load_profile(name)
 
 
 @pytest.fixture(scope="module")

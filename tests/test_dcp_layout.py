@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lanes import examples
 
 from cpattn.layout.dcp import (
     dcp_local_index,
@@ -33,7 +34,7 @@ def deal(seq_len, n, interleave_size):
 sizes = st.tuples(st.integers(1, 8), st.sampled_from([1, 2, 4, 16]), st.integers(0, 300))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(sizes)
 def test_owner_local_index_and_lens_match_a_plain_deal(args):
     n, inter, s = args
@@ -47,7 +48,7 @@ def test_owner_local_index_and_lens_match_a_plain_deal(args):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.integers(1, 8), st.sampled_from([1, 2, 8]), st.lists(st.integers(0, 200), min_size=1, max_size=5))
 def test_local_lens_batched_and_prefix_visibility(n, inter, seq_lens):
     lens = dcp_local_lens(torch.tensor(seq_lens), n, inter)
@@ -63,7 +64,7 @@ def test_local_lens_batched_and_prefix_visibility(n, inter, seq_lens):
         assert lens[b].tolist() == [owner.count(r) for r in range(n)]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     st.integers(1, 8),
     st.sampled_from([(1, 4), (2, 4), (4, 4), (2, 16), (16, 16)]),

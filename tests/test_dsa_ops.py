@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lanes import examples
 
 from cpattn.ops import dsa_ref
 from cpattn.ops.dsa import (
@@ -115,7 +116,7 @@ def test_indexer_bad_arguments_are_named():
 
 
 # ----------------------------------------------------------------------------- topk_indices
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(t=st.integers(0, 6), s=st.integers(0, 12), k=st.integers(1, 15), seed=st.integers(0, 10**6))
 def test_topk_ties_total_order(t, s, k, seed):
     g = torch.Generator().manual_seed(seed)

@@ -16,6 +16,7 @@ import torch
 from engine_loop_cases import run_arrivals, run_schedule
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lanes import examples
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine import engine_configs, generate
@@ -213,7 +214,7 @@ def test_property_arrivals_and_lengths(reqs, num_blocks, seed):
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests, num_blocks=st.integers(12, 24), seed=st.integers(0, 50),
        layout=st.sampled_from(list(LAYOUTS)))
 def test_property_arrivals_and_lengths_all_layouts(reqs, num_blocks, seed, layout):

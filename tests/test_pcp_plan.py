@@ -3,6 +3,7 @@
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lanes import examples
 
 from cpattn import pcp_plan, pcp_shard, pcp_unshard
 from cpattn.layout.pcp import causal_pairs, contiguous_causal_pairs
@@ -10,7 +11,7 @@ from cpattn.layout.pcp import causal_pairs, contiguous_causal_pairs
 lens_st = st.lists(st.integers(0, 70), min_size=1, max_size=5)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(lens=lens_st, p=st.integers(1, 8), ctx=st.integers(0, 9))
 def test_every_token_owned_once_and_unshard_inverts_shard(lens, p, ctx):
     cu = [0]
@@ -28,7 +29,7 @@ def test_every_token_owned_once_and_unshard_inverts_shard(lens, p, ctx):
         assert torch.equal(plan.positions[r], (offset + ctx)[plan.token_index[r]])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(lens=lens_st, p=st.integers(1, 8))
 def test_causal_work_is_balanced_within_one_chunk(lens, p):
     cu = [0]

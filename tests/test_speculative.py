@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lanes import examples
 import spec_pd_cases
 from near_tie import check_tokens
 from spec_pd_cases import prompts, spec_cases
@@ -145,7 +146,7 @@ def test_accept_drafts_against_a_loop():
         assert accept_drafts(drafts, greedy).tolist() == want
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=20), st.integers(1, 4))
 def test_ngram_lookup_property(history, k):
     """k tokens; when the last token occurred before, the draft starts with what followed its latest match."""
