@@ -166,3 +166,25 @@ def test_bad_setups_are_refused():
         LLMEngine("qwen3", params, cfg, kv_role="kv_producer", kv_connector=PDConnector())
     with pytest.raises(ValueError, match="kv_role='kv_both'"):
         LLMEngine("qwen3", params, cfg, kv_connector=PDConnector().linked(MemoryLink(1)))
+
+
+def test_an_abort_while_waiting_on_the_consumer_drops_its_received_blocks():
+    """One sequence at a time: b is handed over while a decodes, waits on the consumer with its blocks received,
+    and is aborted there; nothing stays staged or received, and a's tokens are one device's."""
+    cfg, params = model("qwen3")
+    pd = PDEngine("qwen3", params, cfg, pcp_size=2, dcp_size=1, block_size=BLOCK, num_blocks=24, poison=True,
+                  kv_connector=PDConnector(), scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=1))
+    pa, pb = list(range(1, 10)), list(range(20, 31))
+    a = pd.add_request(pa, SamplingParams(max_tokens=6))
+    b = pd.add_request(pb, SamplingParams(max_tokens=4))
+    while pd.stats.handed_off < 2:
+        pd.step()
+    assert pd.decode.scheduler.requests[b].status == "waiting" and tuple(pb) in pd.decode.connector._inbox
+    assert pd.abort_request(b)
+    assert pd.decode.connector._inbox == {}
+    final = {}
+    while pd.has_unfinished():
+        final.update({o.request_id: o for o in pd.step() if o.finished})
+    assert list(final[a].token_ids) == expected("qwen3", dict(prompt=pa, max_tokens=6))
+    assert pd.decode.connector._inbox == {} and pd.prefill.connector._outbox == {}
+    assert pd.stats.decode.blocks_used == 0

@@ -123,6 +123,9 @@ class KVConnector:
     def recv(self, handed: Sequence[Handoff]) -> None:
         """Consumer: take the KV of ``handed`` before they are added (every consumer rank, the same list)."""
 
+    def request_finished(self, request_id: Hashable) -> None:
+        """Forget what is held for a request that will not run on (an abort)."""
+
     def close(self) -> None:
         """Release what the bound copy opened (idempotent)."""
 
@@ -251,6 +254,10 @@ class MultiConnector(KVConnector):
     def recv(self, handed) -> None:
         for c in self.connectors:
             c.recv(handed)
+
+    def request_finished(self, request_id) -> None:
+        for c in self.connectors:
+            c.request_finished(request_id)
 
     @property
     def stored_blocks(self) -> int:

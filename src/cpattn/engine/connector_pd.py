@@ -229,6 +229,18 @@ class PDConnector(KVConnector):
         self._stats.blocks_loaded += len(spans) * (n if self.side.rank is None else 1)
         return spans
 
+    def request_finished(self, request_id) -> None:
+        self._outbox.pop(request_id, None)
+        self._drop(request_id)
+
+    def _drop(self, rid) -> None:
+        key = self._waiting.pop(rid, None)
+        entry = None if key is None else self._inbox.get(key)
+        if entry is not None:
+            entry["refs"].discard(rid)
+            if not entry["refs"]:
+                del self._inbox[key]
+
     def _admitted(self, out, requests) -> None:
         """Drop the inbox entries of requests that ran a step (or were aborted while waiting)."""
         if not self._waiting:
@@ -237,12 +249,7 @@ class PDConnector(KVConnector):
         for rid in list(self._waiting):
             req = requests.get(rid)
             if req is not None and (rid in ran or req.status == "finished"):
-                key = self._waiting.pop(rid)
-                entry = self._inbox.get(key)
-                if entry is not None:
-                    entry["refs"].discard(rid)
-                    if not entry["refs"]:
-                        del self._inbox[key]
+                self._drop(rid)
 
 
 # -- the hand-off of one world step (run_rank): which requests, their first tokens, then their blocks ----------

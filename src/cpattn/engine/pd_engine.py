@@ -164,6 +164,8 @@ class PDEngine:
     def abort_request(self, request_id: Hashable) -> bool:
         """Stop a request in whichever role holds it; False if it had already finished."""
         self._params.pop(request_id, None)
+        if self.decode.connector is not None and request_id in self.decode.scheduler.requests:
+            self.decode.connector.request_finished(request_id)  # blocks received for it, if it never ran
         return self.prefill.abort_request(request_id) or self.decode.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
