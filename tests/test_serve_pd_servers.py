@@ -6,7 +6,8 @@ in the pool), then unchanged to the consumer (DCP 2 on two gloo rank processes, 
 fetches those blocks, computes the tail and decodes. Greedy tokens equal one device's, a seeded
 sampled request equals the thread-mesh engine's (what the one-process P/D server gives: token i is a
 function of the logits, the seed and i), and ``/metrics`` shows the KV crossing the pool: blocks
-stored by the producer, prompt tokens fetched by the consumer.
+stored by the producer, prompt tokens fetched by the consumer. Then the same through
+``python -m cpattn.serve.proxy`` (one endpoint; vLLM's disaggregated-prefill proxy shape).
 """
 
 from __future__ import annotations
@@ -67,6 +68,36 @@ def test_producer_then_consumer_serves_one_device_tokens(tmp_path, embedded):
         assert got == _thread_mesh_tokens(embedded, LONG[::-1], SamplingParams(max_tokens=6, **ask))
         stream = cc.completions.create(model=NAME, prompt=LONG[::-1], max_tokens=6, stream=True, **ask)
         assert sum((_ids(c.choices[0]) for c in stream if c.choices), []) == got
+        _through_the_proxy(producer, consumer, embedded)
     finally:
         codes = (consumer.stop(), producer.stop())
         assert codes == (0, 0), (consumer.proc.stderr.read(), producer.proc.stderr.read())
+
+
+def _through_the_proxy(producer: Served, consumer: Served, embedded) -> None:
+    """``python -m cpattn.serve.proxy`` in front of the pair: the same flow for a client of one endpoint."""
+    import openai
+
+    port = _free_port()
+    proxy = Served([sys.executable, "-m", "cpattn.serve.proxy", "--prefill", producer.base.split("//")[1],
+                    "--decode", consumer.base.split("//")[1], "--port", str(port)], port)
+    try:
+        client = proxy.client()
+        assert [m.id for m in client.models.list().data] == [NAME]
+        prompt = SHORT + LONG[:11]  # 20 tokens, new to both servers
+        steps, before = _metrics(producer.base)["cpattn_steps_total"], _metrics(consumer.base)
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0)
+        assert _ids(r.choices[0]) == _greedy(embedded, prompt, 5)
+        chunks = [_ids(c.choices[0]) for c in client.completions.create(
+            model=NAME, prompt=prompt[::-1], max_tokens=4, stream=True, temperature=0) if c.choices]
+        assert sum(chunks, []) == _greedy(embedded, prompt[::-1], 4) and len(chunks) == 4
+        assert _metrics(producer.base)["cpattn_steps_total"] > steps  # the prefills ran on the producer
+        after = _metrics(consumer.base)
+        pool, device = (after[k] - before[k] for k in ("cpattn_kv_pool_hit_tokens_total",
+                                                        "cpattn_prefix_hit_tokens_total"))
+        assert pool + device == 2 * 16 and pool >= 16, (pool, device)  # 4 blocks each; SHORT's 2 were on device
+        with pytest.raises(openai.BadRequestError) as e:  # the producer's 400, passed through
+            client.completions.create(model=NAME, prompt=[1, 2, 512], max_tokens=2)
+        assert "outside the vocabulary" in e.value.body["message"]
+    finally:
+        assert proxy.stop() == 0, proxy.proc.stderr.read()
