@@ -111,14 +111,14 @@ def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
     return out
 
 
-def pd_rank(world, params, cfg, prompts, block_size, reps, prefill_size):
+def pd_rank(world, params, cfg, prompts, block_size, reps, pcp_size):
     """Median ready time of this rank over reps (decode ranks: KV placed; prefill ranks: prefill done)."""
     from cpattn.engine.classic import pd_generate_on_rank
 
     times, last = [], None
     for rep in range(reps + 1):
-        last = pd_generate_on_rank(world, "qwen3", params, cfg, prompts, 1, prefill_size=prefill_size,
-                                   decode_size=world.size - prefill_size, block_size=block_size)
+        last = pd_generate_on_rank(world, "qwen3", params, cfg, prompts, 1, pcp_size=pcp_size,
+                                   dcp_size=world.size - pcp_size, block_size=block_size)
         if rep:
             times.append(last.facts.prefill_s if last.facts.role == "prefill" else last.facts.ttft_s)
     kind = last.facts.role

@@ -31,9 +31,11 @@ torch.Size([2, 4])
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 from typing import Any
 
+from cpattn._deprecation import renamed_kwargs
 from cpattn.comm.group import Group
 from cpattn.config import EngineConfig
 from cpattn.engine import driver
@@ -60,6 +62,22 @@ def _graph(graph) -> dict:
     return {"graph_mode": "FULL_DECODE_ONLY", "graph_backend": graph if isinstance(graph, str) else "eager"}
 
 
+def _on_group(group: Group, fn: str, name: str, size: int | None, old: str, flag: bool | None) -> int:
+    """A size of a run on every rank of ``group``: ``group.size`` (default) or 1; ``old``: its deprecated bool."""
+    n = group.size
+    if flag is not None:
+        if size is not None:
+            raise TypeError(f"{fn}() got {old}= and {name}=; pass {name}= only ({old} is its deprecated form)")
+        warnings.warn(f"{fn}({old}=True/False) is deprecated; pass {name}={n} (over the group) or {name}=1",
+                      DeprecationWarning, stacklevel=3)
+        size = n if flag else 1
+    size = n if size is None else size
+    if size not in (1, n):
+        raise ValueError(f"{fn}: {name}={size}, but a run on every rank of a group of {n} takes {name} = {n} "
+                         f"(over the group) or 1 (each rank alone)")
+    return size
+
+
 def generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, pcp_size: int = 1,
              dcp_size: int = 1, pcp_method: str = "ring", block_size: int = 4, interleave_size: int = 1,
              dcp_merge: str = "ag_rs", dsa_split: str = "balanced") -> Generation:
@@ -76,19 +94,22 @@ def generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, 
 
 
 def generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
-                     pcp: bool = True, dcp: bool = True, pcp_method: str = "ring", block_size: int = 4,
-                     interleave_size: int = 1, dcp_merge: str = "ag_rs", dsa_split: str = "balanced") -> Generation:
+                     pcp_size: int | None = None, dcp_size: int | None = None, pcp_method: str = "ring",
+                     block_size: int = 4, interleave_size: int = 1, dcp_merge: str = "ag_rs",
+                     dsa_split: str = "balanced", pcp: bool | None = None, dcp: bool | None = None) -> Generation:
     """:func:`generate` as one rank of a real (or simulated) group; run it on every rank.
 
-    ``pcp``: prefill split over the group (else every rank prefills alone);
-    ``dcp``: decode cache sharded over the group (else every rank decodes alone).
+    ``pcp_size``: ``group.size`` (default: the prefill split over the group) or 1 (every rank prefills
+    alone); ``dcp_size``: ``group.size`` (default: the decode cache sharded over the group) or 1 (every
+    rank decodes alone). ``pcp`` / ``dcp`` (bools) are their deprecated forms.
 
     Example
     -------
     >>> gens = spawn(2, generate_on_rank, "qwen3", params, cfg, [[1, 2, 3]], 8)  # doctest: +SKIP
     """
-    n = group.size
-    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=n if pcp else 1, dcp_size=n if dcp else 1,
+    pcp_size = _on_group(group, "generate_on_rank", "pcp_size", pcp_size, "pcp", pcp)
+    dcp_size = _on_group(group, "generate_on_rank", "dcp_size", dcp_size, "dcp", dcp)
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=dcp_size,
                                      block_size=block_size, interleave_size=interleave_size)
     return driver.generate_on_rank(group, _family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
                                    decode=dec, algorithms=Algorithms(pcp_method=pcp_method, dsa_split=dsa_split,
@@ -116,15 +137,17 @@ def speculative_generate(model, params: dict, cfg: Any, prompts: list, max_new_t
 
 
 def speculative_generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
-                                 drafter=None, num_speculative_tokens: int = 0, pcp: bool = True,
+                                 drafter=None, num_speculative_tokens: int = 0, pcp_size: int | None = None,
                                  pcp_method: str = "ring", block_size: int = 4, interleave_size: int = 1,
                                  dcp_merge: str = "ag_rs", graph=False,
-                                 capture_sizes: list[int] | None = None) -> Generation:
-    """:func:`speculative_generate` as one rank of a real group (PCP prefill and DCP decode over ``group``)."""
+                                 capture_sizes: list[int] | None = None, pcp: bool | None = None) -> Generation:
+    """:func:`speculative_generate` as one rank of a real group (DCP decode over ``group``; PCP prefill over
+    it with ``pcp_size = group.size``, the default, or on every rank alone with 1; ``pcp``: deprecated bool)."""
     check_drafter(drafter, num_speculative_tokens, settings=False)
     k = num_speculative_tokens if drafter is not None else 0
     n = group.size
-    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=n if pcp else 1, dcp_size=n, block_size=block_size,
+    pcp_size = _on_group(group, "speculative_generate_on_rank", "pcp_size", pcp_size, "pcp", pcp)
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=n, block_size=block_size,
                                      interleave_size=interleave_size, num_speculative_tokens=k,
                                      capture_sizes=capture_sizes, **_graph(graph))
     return driver.generate_on_rank(group, _family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
@@ -132,30 +155,32 @@ def speculative_generate_on_rank(group: Group, model, params: dict, cfg: Any, pr
                                    algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge), drafter=drafter)
 
 
-def pd_configs(model, cfg: Any, *, prefill_size: int, decode_size: int, block_size: int,
+@renamed_kwargs(prefill_size="pcp_size", decode_size="dcp_size")
+def pd_configs(model, cfg: Any, *, pcp_size: int, dcp_size: int, block_size: int,
                interleave_size: int | None = None, decode_pcp_size: int = 1) -> tuple[EngineConfig, EngineConfig]:
     """The P/D pair's configs (kv_producer, kv_consumer); the interleave defaults to the block size.
 
     >>> from cpattn.models import qwen3
     >>> cfg = qwen3.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
     ...                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    >>> prod, cons = pd_configs("qwen3", cfg, prefill_size=2, decode_size=2, block_size=4)
+    >>> prod, cons = pd_configs("qwen3", cfg, pcp_size=2, dcp_size=2, block_size=4)
     >>> prod.kv_transfer.kv_role, cons.kv_transfer.kv_role, cons.parallel.pcp_size
     ('kv_producer', 'kv_consumer', 1)
     """
     inter = block_size if interleave_size is None else interleave_size
-    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=prefill_size, dcp_size=decode_size,
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=dcp_size,
                                      block_size=block_size, interleave_size=inter, pd=True)
     return pre, (dec if decode_pcp_size == 1 else dec.replace(pcp_size=decode_pcp_size))
 
 
-def disagg_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, prefill_size: int,
-                    decode_size: int, block_size: int = 4, pcp_method: str = "ring", drafter=None,
+@renamed_kwargs(prefill_size="pcp_size", decode_size="dcp_size")
+def disagg_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, pcp_size: int,
+                    dcp_size: int, block_size: int = 4, pcp_method: str = "ring", drafter=None,
                     num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs", graph=False) -> Generation:
-    """P/D on simulated meshes: prefill on ``prefill_size`` ranks, whole blocks dealt in memory, decode on ``decode_size``."""
+    """P/D on simulated meshes: prefill on ``pcp_size`` ranks, whole blocks dealt in memory, decode on ``dcp_size``."""
     check_drafter(drafter, num_speculative_tokens, settings=False)
     k = num_speculative_tokens if drafter is not None else 0
-    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=prefill_size, dcp_size=decode_size,
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=dcp_size,
                                      block_size=block_size, interleave_size=block_size, num_speculative_tokens=k,
                                      pd=True, **_graph(graph))
     return driver.generate(_family(model), params, cfg, prompts, max_new_tokens, prefill=pre,
@@ -163,21 +188,22 @@ def disagg_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens
                            algorithms=Algorithms(pcp_method=pcp_method, dcp_merge=dcp_merge), drafter=drafter)
 
 
+@renamed_kwargs(prefill_size="pcp_size", decode_size="dcp_size")
 def pd_generate_on_rank(world: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
-                        prefill_size: int, decode_size: int, block_size: int = 4, pcp_method: str = "ring",
+                        pcp_size: int, dcp_size: int, block_size: int = 4, pcp_method: str = "ring",
                         drafter=None, num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs",
                         graph=False) -> Generation:
-    """One rank of a P/D pair in a torch.distributed world of ``prefill_size + decode_size`` processes.
+    """One rank of a P/D pair in a torch.distributed world of ``pcp_size + dcp_size`` processes.
 
     World ranks < P prefill and send whole blocks (isend/irecv), the rest decode.
     ``facts.handoff`` says what this rank sent or received.
     """
     check_drafter(drafter, num_speculative_tokens, settings=False)
     k = num_speculative_tokens if drafter is not None else 0
-    if world.size != prefill_size + decode_size:
-        raise ValueError(f"the world has {world.size} ranks but prefill_size + decode_size = "
-                         f"{prefill_size} + {decode_size} = {prefill_size + decode_size}")
-    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=prefill_size, dcp_size=decode_size,
+    if world.size != pcp_size + dcp_size:
+        raise ValueError(f"the world has {world.size} ranks but pcp_size + dcp_size = "
+                         f"{pcp_size} + {dcp_size} = {pcp_size + dcp_size}")
+    pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=dcp_size,
                                      block_size=block_size, interleave_size=block_size, num_speculative_tokens=k,
                                      pd=True, **_graph(graph))
     return driver.generate_on_rank(world, _family(model), params, cfg, prompts, max_new_tokens, prefill=pre,

@@ -25,7 +25,7 @@ Example
 -------
 >>> import torch
 >>> blocks = request_blocks(torch.arange(10.)[:, None], [0, 10], block_size=4)
->>> [b.shape for b in blocks], [[(b, j) for b, j, _ in r] for r in deal_blocks(blocks, decode_size=2)]
+>>> [b.shape for b in blocks], [[(b, j) for b, j, _ in r] for r in deal_blocks(blocks, dcp_size=2)]
 ([torch.Size([3, 4, 1])], [[(0, 0), (0, 1)], [(0, 0)]])
 """
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpattn._deprecation import renamed_kwargs
 from cpattn.comm.group import Group
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.logits import acc_dtype
@@ -67,23 +68,24 @@ def row_owners(plan, rank: int, *, dcp_size: int, interleave_size: int):
     return req, pos, dcp_owner(pos, dcp_size, interleave_size)
 
 
-def exchange(world: Group, rows: torch.Tensor | None, plan, *, prefill_size: int, decode_size: int,
+@renamed_kwargs(prefill_size="pcp_size", decode_size="dcp_size")
+def exchange(world: Group, rows: torch.Tensor | None, plan, *, pcp_size: int, dcp_size: int,
              interleave_size: int, width: int, dtype: torch.dtype, method: str = "a2a"):
     """Move prefill rows to their DCP owners over ``world`` (engines on the same ranks).
 
     rows: this rank's [T_r, F] prefill rows (None on a rank outside the
-    prefill group, i.e. rank >= prefill_size); plan: the prefill plan (the
+    prefill group, i.e. rank >= pcp_size); plan: the prefill plan (the
     same on every rank). Returns (rows [R, F], request [R], position [R],
     :class:`HandoffFacts`) of the R tokens this rank owns as a decode rank
-    (R = 0 on ranks >= decode_size).
+    (R = 0 on ranks >= dcp_size).
     """
     if method not in METHODS:
         raise ValueError(f"hand-off method must be one of {METHODS}; got {method!r}")
     w, r = world.size, world.rank
-    if prefill_size not in (1, w) or decode_size not in (1, w):
+    if pcp_size not in (1, w) or dcp_size not in (1, w):
         raise ValueError(f"engines on the same {w} ranks need prefill and decode sizes of 1 or {w}; "
-                         f"got prefill_size={prefill_size}, decode_size={decode_size}")
-    moves = [row_owners(plan, j, dcp_size=decode_size, interleave_size=interleave_size) if j < prefill_size
+                         f"got pcp_size={pcp_size}, dcp_size={dcp_size}")
+    moves = [row_owners(plan, j, dcp_size=dcp_size, interleave_size=interleave_size) if j < pcp_size
              else None for j in range(w)]
     if rows is None:
         rows = torch.zeros(0, width, dtype=dtype)
@@ -133,11 +135,12 @@ def request_blocks(rows: torch.Tensor, cu_seqlens: list[int], block_size: int) -
     return out
 
 
-def deal_blocks(blocks: list[torch.Tensor], *, decode_size: int) -> list[list[tuple[int, int, torch.Tensor]]]:
+@renamed_kwargs(decode_size="dcp_size")
+def deal_blocks(blocks: list[torch.Tensor], *, dcp_size: int) -> list[list[tuple[int, int, torch.Tensor]]]:
     """Per decode rank d: ``(request, local block, payload [block_size, F])`` for each block j with j % N == d."""
-    out: list[list] = [[] for _ in range(decode_size)]
+    out: list[list] = [[] for _ in range(dcp_size)]
     for b, blk in enumerate(blocks):  # [n_b, block_size, F]: whole blocks, interleave = block size
-        parts = reshard_kv_blocks(blk, dcp_size=decode_size, interleave_size=blk.shape[1], block_size=blk.shape[1])
+        parts = reshard_kv_blocks(blk, dcp_size=dcp_size, interleave_size=blk.shape[1], block_size=blk.shape[1])
         for d, part in enumerate(parts):
             out[d].extend((b, i, payload) for i, payload in enumerate(part))
     return out
@@ -158,17 +161,18 @@ def _world(world: Group | None) -> Group:
     return DistGroup()
 
 
-def _pair_blocks(lens_blocks: list[int], p: int, prefill_size: int, d: int, decode_size: int,
+def _pair_blocks(lens_blocks: list[int], p: int, pcp_size: int, d: int, dcp_size: int,
                  start: list[int] | None = None) -> list[tuple[int, int]]:
     """(request, global block) pairs prefill rank p sends decode rank d, in request then block order: blocks
     ``[start[b], lens_blocks[b])`` of request b (``start``: blocks the decode ranks already hold, default none)."""
     start = start or [0] * len(lens_blocks)
-    return [(b, j) for b, nb in enumerate(lens_blocks) for j in owned_blocks(nb, d, decode_size, start=start[b])
-            if j % prefill_size == p]
+    return [(b, j) for b, nb in enumerate(lens_blocks) for j in owned_blocks(nb, d, dcp_size, start=start[b])
+            if j % pcp_size == p]
 
 
+@renamed_kwargs(prefill_size="pcp_size")
 def send_block_pairs(world: Group, payload: Callable[[int, int], torch.Tensor], nblocks: list[int], *,
-                     prefill_rank: int, prefill_size: int, decode_ranks: list[int],
+                     prefill_rank: int, pcp_size: int, decode_ranks: list[int],
                      start: list[int] | None = None) -> list[int]:
     """Send this prefill rank's share of whole blocks point to point: block j of request b (``start[b] <= j <
     nblocks[b]``, j % P == ``prefill_rank``) goes to decode rank j % N, ``payload(b, j) -> [block_size, F]``.
@@ -179,7 +183,7 @@ def send_block_pairs(world: Group, payload: Callable[[int, int], torch.Tensor], 
     """
     sent = [0] * len(nblocks)
     for d, dst in enumerate(decode_ranks):
-        mine = _pair_blocks(nblocks, prefill_rank, prefill_size, d, len(decode_ranks), start)
+        mine = _pair_blocks(nblocks, prefill_rank, pcp_size, d, len(decode_ranks), start)
         if mine:
             rows = [payload(b, j) for b, j in mine]
             world.send(torch.stack(rows), dst)  # [n, block_size, F]
@@ -188,7 +192,8 @@ def send_block_pairs(world: Group, payload: Callable[[int, int], torch.Tensor], 
     return sent
 
 
-def recv_block_pairs(world: Group, nblocks: list[int], *, decode_rank: int, decode_size: int,
+@renamed_kwargs(decode_size="dcp_size")
+def recv_block_pairs(world: Group, nblocks: list[int], *, decode_rank: int, dcp_size: int,
                      prefill_ranks: list[int], block_size: int, width: int, dtype: torch.dtype,
                      start: list[int] | None = None) -> dict[tuple[int, int], torch.Tensor]:
     """What :func:`send_block_pairs` sent this decode rank: ``{(request, global block): payload [block_size, F]}``
@@ -196,14 +201,15 @@ def recv_block_pairs(world: Group, nblocks: list[int], *, decode_rank: int, deco
     got: dict[tuple[int, int], torch.Tensor] = {}
     p = len(prefill_ranks)
     for i, src in enumerate(prefill_ranks):
-        mine = _pair_blocks(nblocks, i, p, decode_rank, decode_size, start)
+        mine = _pair_blocks(nblocks, i, p, decode_rank, dcp_size, start)
         if mine:
             got.update(zip(mine, world.recv((len(mine), block_size, width), dtype, src).unbind(0)))
     return got
 
 
+@renamed_kwargs(prefill_size="pcp_size")
 def send_blocks(blocks: list[torch.Tensor], first_logits: torch.Tensor | None, *, prefill_rank: int,
-                prefill_size: int, decode_ranks: list[int], world: Group | None = None,
+                pcp_size: int, decode_ranks: list[int], world: Group | None = None,
                 start: list[int] | None = None) -> HandoffFacts:
     """Send this prefill rank's share of the blocks (block j of every request when j % P == rank) to the
     decode ranks (ranks ``decode_ranks`` of ``world``) point to point (:meth:`~cpattn.comm.group.Group.send`);
@@ -221,13 +227,14 @@ def send_blocks(blocks: list[torch.Tensor], first_logits: torch.Tensor | None, *
         for dst in decode_ranks:
             world.send(first_logits, dst)
     sent = send_block_pairs(world, lambda b, j: blocks[b][j - start[b]], nb, prefill_rank=prefill_rank,
-                            prefill_size=prefill_size, decode_ranks=decode_ranks, start=start)
-    n = sum(len(_pair_blocks(nb, prefill_rank, prefill_size, d, len(decode_ranks), start))
+                            pcp_size=pcp_size, decode_ranks=decode_ranks, start=start)
+    n = sum(len(_pair_blocks(nb, prefill_rank, pcp_size, d, len(decode_ranks), start))
             for d in range(len(decode_ranks)))
     return HandoffFacts(blocks_sent=n, bytes_sent=sum(sent))
 
 
-def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, prefill_ranks: list[int],
+@renamed_kwargs(decode_size="dcp_size")
+def recv_blocks(prompt_lens: list[int], *, decode_rank: int, dcp_size: int, prefill_ranks: list[int],
                 block_size: int, width: int, dtype: torch.dtype, vocab_size: int, world: Group | None = None,
                 start: list[int] | None = None):
     """Receive this decode rank's blocks (and the first-token logits from prefill rank 0) over ``world``
@@ -241,10 +248,10 @@ def recv_blocks(prompt_lens: list[int], *, decode_rank: int, decode_size: int, p
     first_logits = world.recv((len(prompt_lens), vocab_size), acc_dtype(dtype), prefill_ranks[0])  # as the prefill's
     nb = [-(-m // block_size) for m in prompt_lens]
     start = list(start) if start else [0] * len(nb)
-    got = recv_block_pairs(world, nb, decode_rank=decode_rank, decode_size=decode_size, prefill_ranks=prefill_ranks,
+    got = recv_block_pairs(world, nb, decode_rank=decode_rank, dcp_size=dcp_size, prefill_ranks=prefill_ranks,
                            block_size=block_size, width=width, dtype=dtype, start=start)
-    received = [(b, j // decode_size, got[(b, j)]) for b in range(len(nb))
-                for j in owned_blocks(nb[b], decode_rank, decode_size, start=start[b])]
+    received = [(b, j // dcp_size, got[(b, j)]) for b in range(len(nb))
+                for j in owned_blocks(nb[b], decode_rank, dcp_size, start=start[b])]
     nbytes = sum(buf.numel() * buf.element_size() for _, _, buf in received)
     return received, first_logits, HandoffFacts(blocks_received=len(received), bytes_received=nbytes)
 

@@ -85,7 +85,7 @@ def handoff(world: Group, pg: Group, dg: Group, shard: PagedShard, out: PrefillO
         pos = torch.cat([torch.arange(c) for c in ctx]) if sum(ctx) else torch.zeros(0, dtype=torch.int64)
         place_rows(shard, prefix.rows, req, pos, rank=dg.rank, dcp_size=dcp_size)
     if pcp_size > 1 and dcp_size > 1:  # both over the world: rows go straight to their owners
-        rows, req, pos, facts = exchange(world, out.rows, out.plan, prefill_size=pcp_size, decode_size=dcp_size,
+        rows, req, pos, facts = exchange(world, out.rows, out.plan, pcp_size=pcp_size, dcp_size=dcp_size,
                                          interleave_size=shard.interleave_size, width=row_width(shard.layouts),
                                          dtype=out.rows.dtype, method=algorithms.handoff)
         place_rows(shard, rows, req, pos, rank=dg.rank, dcp_size=dcp_size)
@@ -161,14 +161,14 @@ class PagedBackend:
         blocks = request_blocks(rows, out.plan.cu_seqlens.tolist(), block_size)
         start = [c // block_size for c in out.plan.context_lens] if out.plan.context_lens else None
         return send_blocks(blocks, out.first_logits if prefill_group.rank == 0 else None,
-                           prefill_rank=prefill_group.rank, prefill_size=prefill_group.size,
+                           prefill_rank=prefill_group.rank, pcp_size=prefill_group.size,
                            decode_ranks=decode_ranks, world=world, start=start)
 
     def recv(self, world: Group, cache: PagedShard, prompts, cfg: Any, *, prefill_ranks: list[int],
              decode_group: Group, dtype: torch.dtype, start: list[int] | None = None):
         """``start``: per request, the whole blocks this rank holds already (a cached prefix): not sent."""
         received, first, facts = recv_blocks(list(prompts.prompt_lens), decode_rank=decode_group.rank,
-                                             decode_size=decode_group.size, prefill_ranks=prefill_ranks,
+                                             dcp_size=decode_group.size, prefill_ranks=prefill_ranks,
                                              block_size=cache.block_size, width=row_width(cache.layouts),
                                              dtype=dtype, vocab_size=cfg.vocab_size, world=world, start=start)
         place_blocks(cache, received)
