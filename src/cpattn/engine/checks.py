@@ -113,8 +113,8 @@ def passing_layouts(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode
     return found
 
 
-def nearest_sizes(fits, pcp: int, dcp: int, *, shown: int = 3) -> list[tuple[int, int]]:
-    """Up to ``shown`` (pcp, dcp) pairs nearest ``(pcp, dcp)`` for which ``fits(pcp, dcp)`` is True (a
+def nearest_sizes(fits, pcp_size: int, dcp_size: int, *, shown: int = 3) -> list[tuple[int, int]]:
+    """Up to ``shown`` (pcp_size, dcp_size) pairs nearest the given ones for which ``fits(p, n)`` is True (a
     command's whole check, e.g. the demo's), to offer as the fix of a refused layout.
 
     >>> nearest_sizes(lambda p, n: 4 % n == 0 and p in (1, max(p, n)) and n in (1, max(p, n)), 3, 2)
@@ -122,12 +122,14 @@ def nearest_sizes(fits, pcp: int, dcp: int, *, shown: int = 3) -> list[tuple[int
     """
     import warnings
 
-    span = range(1, max(8, 2 * max(pcp, dcp)) + 1)
+    span = range(1, max(8, 2 * max(pcp_size, dcp_size)) + 1)
     found = []
-    for p, n in sorted(((p, n) for p in span for n in span), key=lambda pn: (abs(pn[0] - pcp) + abs(pn[1] - dcp), pn)):
+    near = sorted(((p, n) for p in span for n in span),
+                  key=lambda pn: (abs(pn[0] - pcp_size) + abs(pn[1] - dcp_size), pn))
+    for p, n in near:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if (p, n) != (pcp, dcp) and fits(p, n):
+            if (p, n) != (pcp_size, dcp_size) and fits(p, n):
                 found.append((p, n))
         if len(found) == shown:
             break
