@@ -194,6 +194,10 @@ def test_from_checkpoint_reads_the_mtp_tensors(tmp_path):
     assert back.model == "qwen3_next" and back.cfg == cfg
     assert sorted(back.params) == sorted(d.params)
     assert all(torch.equal(back.params[n], d.params[n]) for n in d.params)
+    from cpattn.engine.drafters import DRAFTERS
+
+    routed = DRAFTERS["mtp"].from_checkpoint(tmp_path / "full")  # the registry's "mtp" reads a hybrid checkpoint
+    assert isinstance(routed, Qwen3NextMTPDrafter) and sorted(routed.params) == sorted(d.params)
     no_mtp = {n: t for n, t in d.params.items() if not n.startswith("mtp.")}
     checkpoint.save(tmp_path / "bare", no_mtp, config)
     with pytest.raises(ValueError, match="no mtp") as e:

@@ -158,7 +158,8 @@ class MTPDrafter:
 
     @classmethod
     def from_checkpoint(cls, path, *, dtype: torch.dtype | None = None, target=None) -> MTPDrafter:
-        """The MTP module of a DeepSeek-V3-format checkpoint directory (config.json + safetensors).
+        """The MTP module of a DeepSeek-V3-format checkpoint directory (config.json + safetensors); a
+        Qwen3-Next / Qwen3.5 checkpoint gives :class:`~cpattn.drafters.qwen3_next_mtp.Qwen3NextMTPDrafter`.
 
         Loads only ``model.layers.{N}.*``. The module's embedding and head are its own
         ``model.layers.{N}.embed_tokens`` / ``shared_head.head`` (``cpattn train-draft`` writes both), else
@@ -170,6 +171,10 @@ class MTPDrafter:
 
         config = checkpoint.read_config(path)
         family = get_family(config)
+        from cpattn.drafters import qwen3_next_mtp
+
+        if family.name in qwen3_next_mtp.TARGETS:  # a hybrid checkpoint's mtp.* module: its own drafter
+            return qwen3_next_mtp.Qwen3NextMTPDrafter.from_checkpoint(path, dtype=dtype, target=target)
         cfg = family.config_class.from_hf(config)
         n = cfg.num_hidden_layers
         if not config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0)):
