@@ -28,10 +28,10 @@ def test_block_pairs_reach_rank_j_mod_d(p, d):
 
     def rank(g):
         if g.rank < p:
-            sent = send_block_pairs(g, payload, nblocks, prefill_rank=g.rank, prefill_size=p,
+            sent = send_block_pairs(g, payload, nblocks, prefill_rank=g.rank, pcp_size=p,
                                     decode_ranks=list(range(p, p + d)), start=start)
             return "sent", sent
-        got = recv_block_pairs(g, nblocks, decode_rank=g.rank - p, decode_size=d, prefill_ranks=list(range(p)),
+        got = recv_block_pairs(g, nblocks, decode_rank=g.rank - p, dcp_size=d, prefill_ranks=list(range(p)),
                                block_size=B, width=F, dtype=torch.float32, start=start)
         return "got", {k: int(v[0, 0]) for k, v in got.items()} | {"same": all(bool((v == v[0, 0]).all())
                                                                               for v in got.values())}

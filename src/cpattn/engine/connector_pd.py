@@ -109,12 +109,12 @@ class GroupLink:
     def send(self, conn: PDConnector, handed, nblocks, start) -> list[int]:
         s = conn.side
         return send_block_pairs(self.world, lambda b, j: conn._outbox[handed[b].request_id][j], nblocks,
-                                prefill_rank=s.rank, prefill_size=s.dcp_size, decode_ranks=self.consumers,
+                                prefill_rank=s.rank, pcp_size=s.dcp_size, decode_ranks=self.consumers,
                                 start=start)
 
     def recv(self, conn: PDConnector, handed, nblocks, start) -> dict:
         s = conn.side
-        return recv_block_pairs(self.world, nblocks, decode_rank=s.rank, decode_size=s.dcp_size,
+        return recv_block_pairs(self.world, nblocks, decode_rank=s.rank, dcp_size=s.dcp_size,
                                 prefill_ranks=self.producers, block_size=s.block_size, width=conn.width,
                                 dtype=conn.dtype, start=start)
 
