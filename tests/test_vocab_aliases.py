@@ -68,3 +68,15 @@ def test_on_rank_sizes_replace_the_pcp_dcp_bools():
     assert torch.equal(new, old) and torch.equal(new, simulate(2, run)[0])  # PCP over the group: same tokens
     with pytest.raises(RuntimeError, match="pcp_size=3, but a run on every rank of a group of 2"):  # simulate wraps
         simulate(2, run, pcp_size=3)
+
+
+def test_dsa_cp_size():
+    from cpattn.dsa import dsa_cp_plan
+
+    plan = dsa_cp_plan([0, 8], 2)
+    assert plan.dsa_cp_size == 2
+    with pytest.warns(DeprecationWarning, match="dsa_cp_size"):
+        assert plan.cp_size == 2
+    with pytest.warns(DeprecationWarning, match="pass dsa_cp_size="):
+        old = dsa_cp_plan([0, 8], cp_size=2, split="balanced")
+    assert [t.tolist() for t in old.token_index] == [[0, 1, 6, 7], [2, 3, 4, 5]]

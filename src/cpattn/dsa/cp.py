@@ -183,9 +183,10 @@ def _check_cp(q, latent, named, plan, group, output) -> None:
     if output not in OUTPUTS_CP:
         raise ValueError(f"output must be one of {OUTPUTS_CP}; got {output!r}")
     if not isinstance(plan, DSACPPlan):
-        raise ValueError(f"plan must be a DSACPPlan from dsa_cp_plan(cu_seqlens, cp_size); got {type(plan).__name__}")
-    if group.size != plan.cp_size:
-        raise ValueError(f"the plan is for {plan.cp_size} ranks but the group has {group.size}; rebuild the plan")
+        raise ValueError(f"plan must be a DSACPPlan from dsa_cp_plan(cu_seqlens, dsa_cp_size); got "
+                         f"{type(plan).__name__}")
+    if group.size != plan.dsa_cp_size:
+        raise ValueError(f"the plan is for {plan.dsa_cp_size} ranks but the group has {group.size}; rebuild the plan")
     r, n = group.rank, group.size
     _, h, d = q.shape
     for name, x in named:

@@ -3,10 +3,12 @@ every token's entry lives in the replicated cache, and the work per rank."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from cpattn._deprecation import renamed_kwargs
 from cpattn.layout.pcp import pcp_plan
 from cpattn.layout.rows import request_of
 from cpattn.ops import checks
@@ -22,7 +24,7 @@ class DSACPPlan:
     ``positions[r]`` [T_r] absolute positions, ``requests[r]`` [T_r] request
     ids, ``num_tokens[r]`` = T_r, ``max_visible[r]`` = max(pos) + 1 (0 if none).
 
-    Global: ``cp_size`` N, ``split``, ``query_lens`` (new tokens) / ``context_lens`` [B],
+    Global: ``dsa_cp_size`` N, ``split``, ``query_lens`` (new tokens) / ``context_lens`` [B],
     ``cu_seqlens`` [B+1], ``restore_index`` [T] (``cat(parts)[restore_index]``
     is request order), ``gather_rows`` [T] (row of token i in the padded
     rank-major all-gather buffer ``[N * max_tokens]``), ``cache_starts`` [B]
@@ -30,7 +32,7 @@ class DSACPPlan:
     is written to: ``start + ctx + offset``), ``cache_size`` (rows needed).
     """
 
-    cp_size: int
+    dsa_cp_size: int
     split: str
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
@@ -47,14 +49,21 @@ class DSACPPlan:
     cache_size: int
 
     @property
+    def cp_size(self) -> int:
+        """Deprecated name of :attr:`dsa_cp_size`."""
+        warnings.warn("DSACPPlan.cp_size is deprecated; use DSACPPlan.dsa_cp_size", DeprecationWarning, stacklevel=2)
+        return self.dsa_cp_size
+
+    @property
     def max_tokens(self) -> int:
         """Largest T_r: the padded per-rank size of the all-gather."""
         return max(self.num_tokens)
 
 
+@renamed_kwargs(cp_size="dsa_cp_size")
 def dsa_cp_plan(
     cu_seqlens: torch.Tensor | list[int],
-    cp_size: int,
+    dsa_cp_size: int,
     *,
     context_lens: torch.Tensor | list[int] | None = None,
     cache_starts: list[int] | None = None,
@@ -66,7 +75,7 @@ def dsa_cp_plan(
     ---------
     cu_seqlens: [B+1] cumulative new-token counts (prefill chunks, or 1 per
         request in decode).
-    cp_size: N ranks.
+    dsa_cp_size: N, the DSA-CP group's ranks (``cp_size=`` is its deprecated keyword).
     context_lens: [B] cached tokens before each request's new ones (prefix
         caching / chunked prefill / decode); positions start there.
     cache_starts: [B] first row of each request in the replicated cache;
@@ -84,7 +93,7 @@ def dsa_cp_plan(
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
-    cp_size = checks.integer("cp_size", cp_size, at_least=1)
+    dsa_cp_size = checks.integer("dsa_cp_size", dsa_cp_size, at_least=1)
     cu = checks.int_list("cu_seqlens", cu_seqlens)
     checks.cumulative("cu_seqlens", cu)
     seq = [b - a for a, b in zip(cu, cu[1:])]
@@ -103,9 +112,10 @@ def dsa_cp_plan(
     pos_of = torch.arange(n_tok) - torch.tensor(cu[:-1], dtype=torch.int64)[req_of] + torch.tensor(
         ctx, dtype=torch.int64)[req_of] if n_tok else torch.zeros(0, dtype=torch.int64)  # [T]
     if split == "balanced":
-        token_index = list(pcp_plan(cu, cp_size, context_lens=ctx).token_index)
+        token_index = list(pcp_plan(cu, dsa_cp_size, context_lens=ctx).token_index)
     else:
-        token_index = [torch.arange(r * n_tok // cp_size, (r + 1) * n_tok // cp_size) for r in range(cp_size)]
+        n = dsa_cp_size
+        token_index = [torch.arange(r * n_tok // n, (r + 1) * n_tok // n) for r in range(n)]
     num = [int(t.numel()) for t in token_index]
     order = torch.cat(token_index)
     restore = torch.empty_like(order)
@@ -117,7 +127,7 @@ def dsa_cp_plan(
     cache_rows = starts_t[req_of] + pos_of if n_tok else torch.zeros(0, dtype=torch.int64)
     size = max([s + c + n for s, c, n in zip(cache_starts, ctx, seq)], default=0)
     return DSACPPlan(
-        cp_size=cp_size,
+        dsa_cp_size=dsa_cp_size,
         split=split,
         query_lens=tuple(seq),
         context_lens=tuple(ctx),
