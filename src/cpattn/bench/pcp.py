@@ -27,11 +27,11 @@ import platform
 import statistics
 from dataclasses import asdict, dataclass
 
-
-from cpattn.config import cli_args as cli
-from cpattn.bench.common import Progress, Samples, measure, ratio, table, write_json
+from cpattn.bench import harness
+from cpattn.bench.harness import Comparison, Samples
 from cpattn.bench.pcp_breakdown import breakdown
 from cpattn.bench.pcp_model import model_rank, model_report
+from cpattn.config import cli_args as cli
 
 # the default run, and the run the ring targets are stated for (8K tokens, MHA 16 x 128, fp32, P = 2)
 FULL_SIZE = dict(pcp=2, seq_lens=(16384,), heads=32, kv_heads=8, head_dim=128)
@@ -112,7 +112,7 @@ def _ranks(group, spec: Spec, methods: tuple[str, ...], peer: bool):
     if peer and len(spec.seq_lens) == 1 and spec.seq_lens[0] % (2 * group.size) == 0 and spec.head_dim == spec.v_head_dim:
         for rotate in ("alltoall", "allgather"):
             runs[f"torch-ring({rotate})"] = lambda r=rotate: _torch_ring(group, q, k, v, r)
-    samples = measure(runs, spec.reps, group=group, warmup=0)
+    samples = harness.compare(runs, spec.reps, group=group, warmup=0).samples  # interleaved rounds
     sent = {}
     for m in methods:
         group.stats.reset()
@@ -130,15 +130,11 @@ def run(world_size: int, spec: Spec, methods=("ring", "allgather"), peer=False, 
         timeout_s: float = cli.TIMEOUT_S) -> dict:
     """One rank vs ``world_size`` gloo ranks (one thread each), interleaved; collect every number."""
     import torch
-    from cpattn.comm.launch import spawn
     from cpattn.layout.pcp import causal_pairs, contiguous_causal_pairs, pcp_plan, pcp_unshard
 
-    bar = Progress(1, enabled=progress)
-    bar.note(f"running {world_size} gloo ranks: one-rank baseline and {', '.join(methods)}, {spec.reps} rounds")
     # while rank 0 alone runs the one-rank baseline the others wait in a barrier: give collectives room
-    ranks = spawn(world_size, _ranks, spec, tuple(methods), peer, threads=1, timeout_s=timeout_s,
-                  collective_timeout_s=max(timeout_s, ONE_RANK_WAIT_S))
-    bar.step("done")
+    ranks = _spawn(world_size, _ranks, spec, tuple(methods), peer, timeout_s=timeout_s, progress=progress,
+                   label=f"one-rank baseline and {', '.join(methods)}, {spec.reps} rounds")
     plan = pcp_plan(spec.inputs()[3], world_size)
     out = pcp_unshard([r["out"] for r in ranks], plan)
     single = ranks[0]["single"]
@@ -148,12 +144,13 @@ def run(world_size: int, spec: Spec, methods=("ring", "allgather"), peer=False, 
     zig = [flops(causal_pairs(plan, r)) for r in range(world_size)]
     cont = [flops(contiguous_causal_pairs(list(spec.seq_lens), world_size, r)) for r in range(world_size)]
     samples = ranks[0]["samples"]  # already the slowest rank's, sample by sample
+    c = Comparison(samples)
     base = samples["one rank"]
     rows = []
     for name, s in samples.items():
         if name == "one rank":
             continue
-        r, rc = ratio(s, base), ratio(s, base, clock="cpu")
+        r, rc = c.ratio(name, "one rank"), c.ratio(name, "one rank", clock="cpu")
         rows.append({"method": name, "time_s": s.median, "vs_one_rank": r.median, "vs_one_rank_low": r.low,
                      "vs_one_rank_high": r.high, "vs_one_rank_best": r.best, "cpu_vs_one_rank": rc.median,
                      "cpu_vs_one_rank_low": rc.low, "cpu_vs_one_rank_high": rc.high,
@@ -164,8 +161,8 @@ def run(world_size: int, spec: Spec, methods=("ring", "allgather"), peer=False, 
     if peers and "ring" in samples:  # the fastest peer on each clock (CPU time: robust to a loaded machine)
         best = min(peers, key=lambda n: samples[n].median)
         best_cpu = min(peers, key=lambda n: statistics.median(samples[n].cpu or samples[n].wall))
-        vs_peer = {"peer": best, **ratio(samples["ring"], samples[best]).as_dict(),
-                   "cpu": {"peer": best_cpu, **ratio(samples["ring"], samples[best_cpu], clock="cpu").as_dict()}}
+        vs_peer = {"peer": best, **c.ratio("ring", best).as_dict(),
+                   "cpu": {"peer": best_cpu, **c.ratio("ring", best_cpu, clock="cpu").as_dict()}}
     return {
         "spec": asdict(spec), "world_size": world_size, "single_rank_time_s": base.median,
         "ring_vs_torch_ring": vs_peer,
@@ -197,11 +194,28 @@ def report(result: dict) -> str:
               f"{r['cpu_vs_one_rank_high']:.3g}]"} for r in result["rows"]]
     cols = ["method", "time_s", "vs one rank [low-high]", "best", "CPU time vs one", "bytes_sent_per_rank",
             f"max|diff| vs {first}"]
-    return head + table(shown, cols)
+    return head + harness.table(shown, cols)
 
 
-def parser(prog: str, doc_defaults: dict):
-    p = cli.parser(prog, __doc__)
+def _spawn(n: int, fn, *args, timeout_s: float, progress: bool, label: str):
+    """``fn`` on ``n`` gloo ranks of one thread (:func:`cpattn.bench.harness.ranks`, its progress line on stderr;
+    none under ``--no-progress``); collectives may wait :data:`ONE_RANK_WAIT_S` for rank 0's one-rank run."""
+    kw = dict(timeout_s=timeout_s, collective_timeout_s=max(timeout_s, ONE_RANK_WAIT_S))
+    if progress:
+        return harness.ranks(n, fn, *args, label=label, **kw)
+    from cpattn.comm.launch import spawn
+
+    return spawn(n, fn, *args, threads=1, **kw)
+
+
+def parser(prog: str, doc_defaults: dict, quick: str | None = None):
+    """The flags of ``cpattn prefill`` and ``cpattn bench pcp`` (``quick``: ``--quick``'s help, bench only)."""
+    if quick is not None:
+        p = harness.parser(prog, __doc__, quick=quick, timeout=True)
+    else:
+        p = cli.parser(prog, __doc__)
+        cli.add_json(p)
+        cli.add_timeout(p)
     cli.add_parallel(p, pcp=doc_defaults["pcp"],
                      helps={"pcp": "PCP ranks: gloo processes, one thread each"})
     p.add_argument("--seq-lens", type=cli.int_list, default=",".join(map(str, doc_defaults["seq_lens"])), metavar="N,N,...",
@@ -216,8 +230,6 @@ def parser(prog: str, doc_defaults: dict):
     cli.add_dtype(p)
     p.add_argument("--reps", type=cli.positive_int, default=doc_defaults["reps"],
                    help="interleaved timing rounds (each: one rank, then every method)")
-    cli.add_json(p)
-    cli.add_timeout(p)
     cli.add_progress(p)
     return p
 
@@ -245,15 +257,15 @@ def prefill_main(argv=None) -> int:
     prog = "cpattn prefill"
     a = parser(prog, dict(pcp=2, seq_lens=(3072, 1000, 37), heads=8, kv_heads=2, reps=1)).parse_args(argv)
     _validate(prog, a)
-    with cli.report_to(a.json):
+    with harness.Report(a) as out:
         result = run(a.prefill_context_parallel_size, _spec(a), _methods(a), peer=False,
                      progress=not a.no_progress, timeout_s=a.timeout)
-        print(report(result))
+        out.line(report(result))
         tol = 1e-4 if a.dtype in ("float32", "float64") else 5e-2
         ok = result["max_abs_err_vs_single_rank"] <= tol * max(1.0, result["output_max_abs"])
         result["exact"] = ok
-        print(f"\nexact vs single rank (tolerance {tol:g}): {'yes' if ok else 'NO'}")
-    write_json(a.json, result)
+        out.line(f"\nexact vs single rank (tolerance {tol:g}): {'yes' if ok else 'NO'}")
+        out.payload = result
     return 0 if ok else 1
 
 
@@ -266,8 +278,8 @@ def bench_main(argv=None) -> int:
     """``cpattn bench pcp``: 16K-token causal GQA prefill, ours (ring, all-gather) vs PyTorch's ring attention."""
     prog = "cpattn bench pcp"
     p = parser(prog, dict(pcp=FULL_SIZE["pcp"], seq_lens=FULL_SIZE["seq_lens"], heads=FULL_SIZE["heads"],
-                          kv_heads=FULL_SIZE["kv_heads"], reps=3))
-    cli.add_quick(p, "4K tokens instead of 16K, 2K-token model prompt (the targets apply to the full-size run only)")
+                          kv_heads=FULL_SIZE["kv_heads"], reps=3),
+               quick="4K tokens instead of 16K, 2K-token model prompt (the targets apply to the full-size run only)")
     p.add_argument("--model-prompt-len", type=cli.nonnegative_int, default=8192,
                    help="tokens of the demo model's prompt for the whole-model TTFT part (0: skip it)")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
@@ -277,12 +289,10 @@ def bench_main(argv=None) -> int:
         a.seq_lens = (4096,)
         a.model_prompt_len = min(a.model_prompt_len, 2048)
     _validate(prog, a)
-    from cpattn.comm.launch import spawn
-
-    with cli.report_to(a.json):
+    with harness.Report(a) as out:
         result = run(a.prefill_context_parallel_size, _spec(a), _methods(a), peer=True,
                      progress=not a.no_progress, timeout_s=a.timeout)
-        print(report(result))
+        out.line(report(result))
         ring = next((r for r in result["rows"] if r["method"] == "ring"), None)
         peer = result["ring_vs_torch_ring"]
         if ring and peer:
@@ -299,22 +309,23 @@ def bench_main(argv=None) -> int:
                          f"<= {TARGETS['ring_vs_torch_ring']}x PyTorch's ring are for the run "
                          f"--seq-lens {TARGET_SIZE['seq_lens'][0]} --heads {TARGET_SIZE['heads']} --kv-heads "
                          f"{TARGET_SIZE['kv_heads']}: P = {TARGET_SIZE['pcp']}, head dim {TARGET_SIZE['head_dim']}, fp32)")
-            print(line)
+            out.line(line)
             result["targets_apply"] = _targets_apply(a)
         if a.breakdown and len(a.seq_lens) == 1 and a.prefill_context_parallel_size == 2:
             result["breakdown"] = breakdown(_spec(a), a.reps)
-            print("\nwhere a P = 2 ring rank's time goes (one process, each piece alone, CPU ms, best of "
-                  f"{a.reps} interleaved rounds; of one rank = piece / the one-rank call):")
-            print(table(result["breakdown"], ["piece", "cpu_ms", "of_one_rank"]))
+            out.line("\nwhere a P = 2 ring rank's time goes (one process, each piece alone, CPU ms, best of "
+                     f"{a.reps} interleaved rounds; of one rank = piece / the one-rank call):")
+            out.table(result["breakdown"], ["piece", "cpu_ms", "of_one_rank"])
             for r in range(2):
                 tot = sum(x["of_one_rank"] for x in result["breakdown"] if x["piece"].startswith(f"rank {r}"))
-                print(f"rank {r}: the pieces sum to {tot:.3f} of one rank (before the transfer and the other rank's "
-                      "load on the shared cores)")
+                out.line(f"rank {r}: the pieces sum to {tot:.3f} of one rank (before the transfer and the other "
+                         "rank's load on the shared cores)")
         if a.model_prompt_len:
             method = _methods(a)[0]
-            res = spawn(a.prefill_context_parallel_size, model_rank, a.model_prompt_len, a.reps, method, threads=1,
-                        timeout_s=a.timeout, collective_timeout_s=max(a.timeout, ONE_RANK_WAIT_S))[0]
+            res = _spawn(a.prefill_context_parallel_size, model_rank, a.model_prompt_len, a.reps, method,
+                         timeout_s=a.timeout, progress=not a.no_progress,
+                         label=f"the demo model's {a.model_prompt_len}-token prefill, one rank vs PCP")[0]
             result["model"] = model_report(res, a.model_prompt_len, a.prefill_context_parallel_size, method)
-            print(f"target: <= {TARGETS['model_ttft_vs_one']} of one rank at 8192 tokens")
-    write_json(a.json, result)
+            out.line(f"target: <= {TARGETS['model_ttft_vs_one']} of one rank at 8192 tokens")
+        out.payload = result
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cpattn.bench.common import measure
+from cpattn.bench import harness
 
 if TYPE_CHECKING:
     from cpattn.bench.pcp import Spec
@@ -51,6 +51,6 @@ def breakdown(spec: Spec, reps: int) -> list[dict]:
         }
     fns = {"one rank": lambda: attention_with_lse(q_all, k_all, v_all, cu, cu, causal=True)}
     fns.update({f"rank {r}: {name}": fn for r in out for name, fn in out[r].items()})
-    s = measure(fns, reps, warmup=1)
+    s = harness.compare(fns, reps, warmup=1).samples  # interleaved rounds
     one = min(s["one rank"].cpu)
     return [{"piece": n, "cpu_ms": 1e3 * min(x.cpu), "of_one_rank": min(x.cpu) / one} for n, x in s.items()]

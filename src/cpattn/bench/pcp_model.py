@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from cpattn.bench.common import Samples, measure, ratio
+from cpattn.bench import harness
+from cpattn.bench.harness import Comparison, Samples
 
 
 def model_rank(group, prompt_len: int, reps: int, method: str):
     """The demo's embedded tiny Qwen3: one prompt's whole prefill (TTFT: every layer, the first token's logits)
     on one rank vs PCP over the group, interleaved; the non-attention work is split with the tokens."""
     import torch
-    from cpattn.bench.demo_run import EMBEDDED_STD
+    from cpattn.bench.demo_setup import EMBEDDED_STD
     from cpattn.comm.sim import SimMesh
     from cpattn.engine.batch import Prompts
     from cpattn.models.family import get_family
@@ -26,7 +27,7 @@ def model_rank(group, prompt_len: int, reps: int, method: str):
     runs = {"one": (lambda: prefill(solo, fam, params, cfg, batch, algorithms=algo).first_logits)
             if group.rank == 0 else (lambda: None),
             "pcp": lambda: prefill(group, fam, params, cfg, batch, algorithms=algo).first_logits}
-    s = measure(runs, reps, group=group, warmup=1)
+    s = harness.compare(runs, reps, group=group, warmup=1).samples  # interleaved rounds
     diff = None
     if group.rank == 0:
         diff = (s["one"].result - s["pcp"].result).abs().max().item()
@@ -36,7 +37,8 @@ def model_rank(group, prompt_len: int, reps: int, method: str):
 
 def model_report(res: dict, prompt_len: int, world: int, method: str) -> dict:
     s = res["samples"]
-    r, rc = ratio(s["pcp"], s["one"]), ratio(s["pcp"], s["one"], clock="cpu")
+    c = Comparison(s)
+    r, rc = c.ratio("pcp", "one"), c.ratio("pcp", "one", clock="cpu")
     print(f"\nWhole-model PCP prefill (the demo's tiny Qwen3, {res['layers']} layers, one {prompt_len}-token prompt, "
           f"{method}): TTFT on {world} gloo ranks / one rank = {r} (median [low-high] of per-round wall ratios, "
           f"best {r.best:.3f}); CPU time {rc}; one rank {1e3 * s['one'].median:.0f} ms, PCP "
