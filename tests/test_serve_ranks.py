@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import sys
 import threading
@@ -64,7 +65,6 @@ def _mirrored(g, family, params, cfg, jobs):
     return got, engine.stats.steps, engine.stats.blocks_used, mirror.turns
 
 
-@pytest.mark.slow  # an engine on two simulated ranks, its requests stepped to the end: seconds
 def test_a_follower_makes_rank_0s_calls_and_steps(embedded):
     import cpattn
 
@@ -254,3 +254,43 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except OSError:
         return False
+
+
+@pytest.mark.slow
+@needs_serving
+def test_mp_server_exits_1_naming_a_rank_that_died():
+    """SIGKILL to rank 1: the next request is a 503 (never a hang), and the command exits 1 with one
+    line naming rank 1 (spawn's watch ends rank 0)."""
+    import signal
+
+    import openai
+    from cpattn.comm.listeners import listening, process_tree
+
+    port = _free_port()
+    srv = Served([sys.executable, "-m", "cpattn", "serve", "--model-type", "qwen3", "--dcp", "2", "--block-size", "4",
+                  "--distributed-executor-backend", "mp", "--port", str(port)], port)
+    try:
+        tree = process_tree(srv.proc.pid)
+        rank0 = {x.pid for x in listening(tree) if x.port == port}
+        forkserver_children = [p for p in tree[1:] if p not in rank0 and _parent(p) not in (srv.proc.pid, None)]
+        assert len(rank0) == 1 and len(forkserver_children) == 1, (tree, rank0, forkserver_children)
+        os.kill(forkserver_children[0], signal.SIGKILL)
+        time.sleep(1)
+        with pytest.raises(openai.APIStatusError) as e:
+            srv.client().completions.create(model=NAME, prompt=P1, max_tokens=3)
+        assert e.value.status_code == 503, e.value
+        assert srv.proc.wait(60) == 1
+        err = srv.proc.stderr.read()
+        assert "cpattn serve: the ranks failed: " in err and "rank 1 was killed by SIGKILL" in err, err
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None

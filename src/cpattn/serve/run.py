@@ -171,9 +171,8 @@ def serve(a, sched, tokenizer=None, world=None, stop_file: str | None = None) ->
                              name="cpattn-stop-file").start()
         server.run()
     finally:
-        loop.stop()
-        if mirror is None or (a.kv_transfer_config or {}).get("kv_role") is not None:
-            engine.close()  # the pool it opened (an LMDB environment, a Mooncake client); P/D: both roles
+        loop.stop()  # on real ranks: the last turn tells the other ranks to stop
+        engine.close()  # the pool it opened (an LMDB environment, a Mooncake client); P/D: both roles
     if server is None or not server.started:
         print(f"{PROG}: the HTTP server did not start (see uvicorn's message above)", file=sys.stderr)
         return 1
