@@ -4,8 +4,8 @@ vLLM's disaggregated-prefill client flow, with the real ``openai`` client: each 
 producer with ``max_tokens=1`` (it prefills -- PCP 2 here -- and stores the prompt's whole KV blocks
 in the pool), then unchanged to the consumer (DCP 2 on two gloo rank processes, ``mp``), which
 fetches those blocks, computes the tail and decodes. Greedy tokens equal one device's, a seeded
-sampled request equals the thread-mesh engine's (what the one-process P/D server gives: token i is a
-function of the logits, the seed and i), and ``/metrics`` shows the KV crossing the pool: blocks
+sampled request equals the thread-mesh engine's and the one-process P/D server's engine's (token i is
+a function of the logits, the seed and i), and ``/metrics`` shows the KV crossing the pool: blocks
 stored by the producer, prompt tokens fetched by the consumer. Then the same through
 ``python -m cpattn.serve.proxy`` (one endpoint; vLLM's disaggregated-prefill proxy shape).
 """
@@ -65,13 +65,29 @@ def test_producer_then_consumer_serves_one_device_tokens(tmp_path, embedded):
         assert m_c["cpattn_kv_pool_blocks_stored_total"] == 0, m_c  # a consumer only fetches
         ask = dict(temperature=1.0, top_p=0.9, seed=11)
         first, got = disagg(LONG[::-1], 6, **ask)
-        assert got == _thread_mesh_tokens(embedded, LONG[::-1], SamplingParams(max_tokens=6, **ask))
+        want = SamplingParams(max_tokens=6, **ask)
+        assert got == _thread_mesh_tokens(embedded, LONG[::-1], want) == _one_process_pd(embedded, LONG[::-1], want)
         stream = cc.completions.create(model=NAME, prompt=LONG[::-1], max_tokens=6, stream=True, **ask)
         assert sum((_ids(c.choices[0]) for c in stream if c.choices), []) == got
         _through_the_proxy(producer, consumer, embedded)
     finally:
         codes = (consumer.stop(), producer.stop())
         assert codes == (0, 0), (consumer.proc.stderr.read(), producer.proc.stderr.read())
+
+
+def _one_process_pd(embedded, prompt, params) -> list[int]:
+    """The tokens of the engine the one-process P/D server runs (kv_both: PCP 2 prefill -> DCP 2 decode)."""
+    from cpattn.config import SchedulerConfig
+    from cpattn.engine.outputs import drain
+    from cpattn.engine.pd_engine import PDEngine
+
+    family, cfg, p = embedded
+    engine = PDEngine(family, p, cfg, pcp_size=2, dcp_size=2, block_size=4,
+                      scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=256))
+    try:
+        return list(drain(engine, [prompt], params)[0].token_ids)
+    finally:
+        engine.close()
 
 
 def _through_the_proxy(producer: Served, consumer: Served, embedded) -> None:
