@@ -10,6 +10,7 @@ import torch
 
 from cpattn._deprecation import renamed_kwargs
 from cpattn.layout.pcp import pcp_plan
+from cpattn.layout import rows as packed
 from cpattn.layout.rows import request_of
 from cpattn.ops import checks
 
@@ -99,11 +100,8 @@ def dsa_cp_plan(
     seq = [b - a for a, b in zip(cu, cu[1:])]
     ctx = [0] * len(seq) if context_lens is None else checks.int_list("context_lens", context_lens)
     checks.nonnegative("context_lens", ctx, len(seq), "one per request")
-    if cache_starts is None:
-        cache_starts, acc = [], 0
-        for c, n in zip(ctx, seq):
-            cache_starts.append(acc)
-            acc += c + n
+    if cache_starts is None:  # requests back to back
+        cache_starts = packed.cu_seqlens(c + n for c, n in zip(ctx, seq))[:-1]
     cache_starts = checks.int_list("cache_starts", cache_starts)
     checks.nonnegative("cache_starts", cache_starts, len(seq), "one per request")
     _check_disjoint(cache_starts, [c + n for c, n in zip(ctx, seq)])
