@@ -61,7 +61,11 @@ def test_demo_graph_mode_matches_single_device(tmp_path, capsys, expected_tokens
     assert out["engines"]["decode"]["cp_kv_cache_interleave_size"] == out["engines"]["decode"]["block_size"] == 4
     par = out["rows"][1]
     assert par["KV_bytes_per_rank"] < out["rows"][0]["KV_bytes_per_rank"]
-    assert par["prefill_sent"] > 0 and par["handoff_sent"] > 0 and par["decode_sent_per_step"] > 0
+    # the step loop: the prefill step sends each KV row to its DCP owner (no separate hand-off)
+    assert out["composition"] == "step loop"
+    assert par["prefill_sent"] > 0 and par["handoff_sent"] == 0 and par["decode_sent_per_step"] > 0
+    assert len(out["ttft_samples_ms"]) == 1 and out["tpot_ms"]["graph"]["low"] <= out["tpot_ms"]["graph"]["median"]
+    assert out["graph_vs_eager"]["median"] > 0
     printed = capsys.readouterr().out
     assert "TTFT_ms" in printed and "TPOT_ms" in printed and "18/18 identical" in printed
 
@@ -118,9 +122,9 @@ SLOW_DEMO_FAMILIES = {"deepseek_v4", "qwen3_next", "glm_moe_dsa", "deepseek_v32"
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_DEMO_FAMILIES else m
                                         for m in _offered_model_types()])
 def test_demo_runs_every_offered_model_type(model_type, one_thread):
-    """The demo's own stages for every embedded family (DeepSeek-V4's own cache, prefill and hand-off included),
-    PCP=2 -> DCP=2 with the decode step through the graph runner, on 2 simulated ranks: the demo's checks pass
-    (every token equals its one-device run) and the report says what ran."""
+    """The demo's step loop (``run_rank``) for every embedded family (DeepSeek-V4's and Qwen3-Next's own runners
+    included), PCP=2 + DCP=2 with the decode step through the graph runner, on 2 simulated ranks: the demo's checks
+    pass (every token equals its one-device run), the engine counted what ran, and the report says so."""
     import cpattn
     from cpattn.bench import demo_report, demo_run
 
@@ -134,5 +138,11 @@ def test_demo_runs_every_offered_model_type(model_type, one_thread):
     assert set(s["checks"]) == {"graph", "eager"}
     assert all(c["equal_tokens"] == c["total_tokens"] == 6 for c in s["checks"].values())
     assert s["graph"]["all_steps_replayed"] and s["rows"][1]["decode_sent_per_step"] > 0
-    assert s["rows"][1]["handoff_sent"] > 0 and s["rows"][1]["prefill_sent"] > 0
+    assert s["composition"] == "step loop" and s["rows"][1]["handoff_sent"] == 0 and s["rows"][1]["prefill_sent"] > 0
+    # the engine's own counters: step 0 (the prefill of both prompts) eager, each decode step replayed
+    assert {k: s["engine_stats"]["graph"][k] for k in ("steps", "eager_steps", "replayed_steps", "preemptions",
+                                                       "blocks_used")} == dict(steps=3, eager_steps=1,
+                                                                               replayed_steps=2, preemptions=0,
+                                                                               blocks_used=0)
+    assert s["engine_stats"]["eager"]["eager_steps"] == 3 and s["engine_stats"]["eager"]["replayed_steps"] == 0
     assert f"cpattn demo: {model_type} (" in demo_report.report(s)

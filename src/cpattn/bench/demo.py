@@ -1,36 +1,37 @@
 """``cpattn demo``: a long prompt prefilled with PCP, decoded with DCP in graph mode, checked token for token.
 
 The main job end to end, on P real gloo processes (or under ``torchrun``),
-composed from the engine's stages (:mod:`cpattn.engine`):
+through the engine's step loop (:func:`cpattn.engine.run_rank` on every
+rank, timed by its ``before_step`` / ``on_step`` hooks; :mod:`cpattn.bench.demo_loop`):
 
 1. **Reference.** Rank 0 runs the model on one device (dense KV cache,
    eager, :func:`cpattn.engine.reference.reference_generate`): the greedy
    tokens every parallel run must reproduce, and the single-device TTFT / TPOT.
-2. **Prefill engine (PCP).** Every prompt is split head-tail over the ranks
-   (:func:`cpattn.pcp_plan`), each rank runs the whole model on its tokens
-   with :func:`cpattn.pcp_prefill` attention (DSA models: DSA-CP); the first
-   token comes from the last prompt row of each request
-   (:func:`cpattn.engine.prefill.prefill`). TTFT is this phase.
-3. **KV hand-off.** ``cp_kv_cache_interleave_size == block_size``, so every
-   cache block of B consecutive tokens belongs to one decode rank (block k ->
-   rank k % N); each prefill row goes straight to its owner in one
-   all-to-all (:func:`cpattn.engine.handoff.exchange`).
-4. **Decode engine (DCP, FULL_DECODE_ONLY).** One decode step of the whole
-   model (embedding, every layer with ``write_kv`` + :func:`cpattn.dcp.dcp_decode`,
-   lm_head, argmax) is a pure ``step(state, batch)``
-   (:func:`cpattn.engine.decode.decode_step`); a
-   :class:`cpattn.graphs.DecodeRunner` captures it per capture size with
-   the chosen backend ("cpu" = torch.compile inductor, fullgraph) and replays
-   it for every uniform decode batch. The DCP metadata (positions, local
-   lengths, slot mappings) is computed inside the step from the persistent
-   ``seq_lens`` / ``block_table`` buffers by :func:`cpattn.dcp.plan_tensors`.
-   The same step also runs eagerly on a second cache, side by side.
+2. **Step 0: the prefill (PCP).** Every prompt arrives at step 0 with a token
+   budget that holds the whole batch, so step 0 prefills every prompt: each is
+   split head-tail over the ranks (:func:`cpattn.pcp_plan`), each rank runs the
+   whole model on its tokens with PCP attention (DSA models: DSA-CP; DeepSeek-V4
+   and Qwen3-Next through their own runners), and every KV row goes to the
+   blocks of its DCP owner in the same step (``cp_kv_cache_interleave_size ==
+   block_size``: block k -> rank k % N). The first tokens come from this step:
+   TTFT is its time (median over ``--reps`` fresh runs).
+3. **Decode steps (DCP, FULL_DECODE_ONLY).** Every later step is a uniform
+   decode of the batch: one decode step of the whole model (embedding, every
+   layer with ``write_kv`` + :func:`cpattn.dcp.dcp_decode`, lm_head, argmax) is
+   a pure ``step(state, batch)``; a :class:`cpattn.graphs.DecodeRunner`
+   captures it per capture size with the chosen backend ("cpu" = torch.compile
+   inductor, fullgraph) and replays it for every step. The same batch also runs
+   eagerly in a second run, side by side: TPOT is the median decode step.
 
 Two engine configs are built and validated first
-(:func:`cpattn.engine.driver.engine_configs`): a prefill engine
-(``pcp_size=P``, ``kv_role="kv_producer"``) and a decode engine
+(:func:`cpattn.engine.driver.engine_configs`): vLLM-Ascend's P/D pair, a prefill
+engine (``pcp_size=P``, ``kv_role="kv_producer"``) and a decode engine
 (``tp_size=dcp_size=N``, ``pcp_size=1``, ``kv_role="kv_consumer"``), since
-the guide forbids PCP and DCP in one engine. Both share the ranks.
+the guide forbids PCP and DCP in one engine; cpattn runs them as one step-loop
+engine on the same ranks (exactly: the tokens are checked). ``--pcp P --dcp 1``
+(P > 1), which that engine cannot lay out on P ranks, runs the fixed-batch
+composition instead (:mod:`cpattn.bench.demo_fixed`: PCP prefill, an all-to-all
+hand-off, then the decode), and the report says which ran.
 
 Exit status 0 only when every parallel run's tokens equal the reference's.
 Checkpoints of other families (``--model``) run too; a family whose decode
@@ -106,7 +107,8 @@ def parser():
     cli.add_dtype(p, help="parameter and KV-cache data type")
     p.add_argument("--seed", type=cli.nonnegative_int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--no-eager-row", action="store_true", help="skip the eager DCP decode run next to the graph one")
-    p.add_argument("--reps", type=cli.positive_int, default=3, help="prefills timed per run (TTFT is the median)")
+    p.add_argument("--reps", type=cli.positive_int, default=3,
+                   help="fresh runs whose step 0 (the prefill of the whole batch) is timed; TTFT is the median")
     p.add_argument("--threads", type=cli.positive_int, default=1, help="intra-op threads per rank")
     p.add_argument("--kv-pool", metavar="SPEC", default=None,
                    help="also time requests through a KV pool, cold vs warm (a shared 7/8 prefix), after a warm-up: "

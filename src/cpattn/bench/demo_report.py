@@ -16,6 +16,7 @@ import platform
 import torch
 
 from cpattn.bench.common import Samples, ratio, safe_div, table
+from cpattn.bench.harness import paired, spread
 from cpattn.bench.demo_run import Spec, flat, shareable_blocks
 
 COLUMNS = ["run", "ranks", "TTFT_ms", "TPOT_ms", "KV_bytes_per_rank", "prefill_sent", "handoff_sent",
@@ -45,6 +46,7 @@ def summarize(res: dict, ref: dict, spec: Spec, engines) -> dict:
                      "TPOT_x": safe_div(ref["tpot_s"], run["tpot_s"]),
                      "tokens": f"{checks[name]['equal_tokens']}/{checks[name]['total_tokens']} equal"})
     graph = res["runs"].get("graph")
+    eager = res["runs"].get("eager")
     out = {
         "spec": dataclasses.asdict(spec), "model": res["model"], "config": res["config"],
         "engines": {"prefill": flat(engines[0]), "decode": flat(engines[1])},
@@ -55,6 +57,13 @@ def summarize(res: dict, ref: dict, spec: Spec, engines) -> dict:
         "decode_backend": res["decode_backend"],
         "whole_step_captured": res["whole_step_captured"] and graph is not None and res["decode_backend"] != "eager",
         "torch": torch.__version__, "machine": platform.machine(),
+        "composition": res.get("composition", "fixed batch"),
+        "ttft_ms": spread([1e3 * t for t in res["ttft_samples"]]).as_dict(),
+        "tpot_ms": {name: r.get("tpot_spread_ms") for name, r in res["runs"].items()},
+        "decode_step_ms": {name: [1e3 * t for t in r["step_s"]] for name, r in res["runs"].items() if "step_s" in r},
+        "engine_stats": {name: r["engine_stats"] for name, r in res["runs"].items() if "engine_stats" in r},
+        "graph_vs_eager": paired(eager["step_s"], graph["step_s"]).as_dict()
+        if graph is not None and eager is not None and "step_s" in graph and graph["step_s"] else None,
     }
     if graph is not None:
         st, steps = graph["stats"], spec.max_new_tokens - 1
@@ -126,6 +135,22 @@ def pool_lines(p: dict, spec: dict) -> list[str]:
     return lines
 
 
+def spread_lines(s: dict) -> list[str]:
+    """TTFT and TPOT as median [low-high] (the table shows the medians), and the per-step graph / eager ratio."""
+    def fmt(d: dict) -> str:
+        return f"{d['median']:.2f} ms [{d['low']:.2f}-{d['high']:.2f}]"
+
+    t = s["ttft_ms"]
+    parts = [f"TTFT {fmt(t)} over {len(s['ttft_samples_ms'])} fresh run(s)"]
+    parts += [f"TPOT {name} {fmt(d)}" for name, d in s.get("tpot_ms", {}).items() if d]
+    lines = ["; ".join(parts) + " (median [low-high], the slowest rank's)"]
+    g = s.get("graph_vs_eager")
+    if g:
+        lines.append(f"eager / graph decode step time, paired by step: {g['median']:.2f}x [{g['low']:.2f}-{g['high']:.2f}]"
+                     " (> 1: the replayed step is faster)")
+    return lines
+
+
 def first_mismatch(same: torch.Tensor, ref: dict) -> dict | None:
     """Where tokens first differ, with the reference's top-2 logit margin there (a near tie shows up as ~0)."""
     bad = (~same).nonzero()
@@ -146,14 +171,22 @@ def report(s: dict) -> str:
                                               "num_key_value_heads", "vocab_size") if k in c)
     src = spec["model_dir"] or f"embedded tiny random-init model (seed {spec['seed']}, nothing downloaded)"
     inter = s["engines"]["decode"]["cp_kv_cache_interleave_size"]
+    loop = s.get("composition") == "step loop"
     lines = [
         f"cpattn demo: {s['model']} ({sizes}), {spec['dtype']}; {src}",
         f"prompts: {s['prompt_lens']} tokens, {spec['max_new_tokens']} new tokens each (greedy); "
         f"{max(spec['pcp'], spec['dcp'])} gloo ranks",
-        f"prefill engine: pcp_size={spec['pcp']} (kv_producer); decode engine: tp=dcp={spec['dcp']}, pcp=1 "
-        f"(kv_consumer); block_size={spec['block_size']}, cp_kv_cache_interleave_size={inter}"
-        + (" (whole blocks handed over)" if inter == spec["block_size"] else ""),
     ]
+    if loop:
+        lines.append(f"step loop (cpattn.engine.run_rank), one engine on the ranks: every prompt at step 0, which "
+                     f"prefills the batch with pcp_size={spec['pcp']}; later steps decode with tp=dcp={spec['dcp']}; "
+                     f"block_size={spec['block_size']}, cp_kv_cache_interleave_size={inter}; checked as "
+                     "vLLM-Ascend's P/D pair (a kv_producer PCP engine, a kv_consumer DCP engine), which it would "
+                     "run as two engines")
+    else:
+        lines.append(f"prefill engine: pcp_size={spec['pcp']} (kv_producer); decode engine: tp=dcp={spec['dcp']}, "
+                     f"pcp=1 (kv_consumer); block_size={spec['block_size']}, cp_kv_cache_interleave_size={inter}"
+                     + (" (whole blocks handed over)" if inter == spec["block_size"] else ""))
     g = s.get("graph")
     if g:
         if s["whole_step_captured"]:
@@ -170,7 +203,11 @@ def report(s: dict) -> str:
                      f"padded rows {st['padded_tokens']}")
     else:
         lines.append("graph mode none: decode steps run eagerly")
-    lines.append(f"KV hand-off into the decode caches (whole blocks to their DCP owners): {s['handoff_ms']:.1f} ms")
+    if loop:
+        lines.append("KV hand-off: none apart from the prefill step, which sends each KV row to its DCP owner's "
+                     "blocks (its time is in TTFT, its bytes in prefill_sent)")
+    else:
+        lines.append(f"KV hand-off into the decode caches (whole blocks to their DCP owners): {s['handoff_ms']:.1f} ms")
     lines.append("")
     lines.append(table(s["rows"], COLUMNS))
     lines.append("(bytes sent per rank; _x = speedup vs the 1-device run, > 1 is faster)")
@@ -180,6 +217,7 @@ def report(s: dict) -> str:
         lines.append(f"graph replay vs eager decode step: {safe_div(runs['eager']['TPOT_ms'], graph_row['TPOT_ms']):.2f}x;"
                      f" KV per rank vs 1 device: "
                      f"{safe_div(graph_row['KV_bytes_per_rank'], s['rows'][0]['KV_bytes_per_rank']):.2f}x")
+    lines += spread_lines(s)
     if "pool" in s:
         lines += pool_lines(s["pool"], spec)
     lines.append("")

@@ -1,8 +1,9 @@
-"""What ``cpattn demo`` runs on each rank, composed from the engine's stages (see :mod:`cpattn.bench.demo`).
+"""What ``cpattn demo`` runs (see :mod:`cpattn.bench.demo`): the one-device reference, and the parallel run per rank.
 
 :func:`reference` is the one-device run (in the parent process, before any
-rank starts); :func:`demo_rank` the parallel run on one rank: PCP prefill
-(timed), the KV hand-off into the DCP decode cache, the decode captured
+rank starts); :func:`demo_rank` the parallel run on one rank: the step loop
+(:func:`cpattn.engine.run_rank`, timed by its hooks, :mod:`cpattn.bench.demo_loop`):
+the whole batch prefilled in step 0 (TTFT), then decode steps captured
 (FULL_DECODE_ONLY) and eager side by side; :func:`pool_rank` the KV-pool
 phase (a cold request that stores its blocks, then a warm one sharing its
 prefix).
@@ -16,29 +17,23 @@ Example
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-import time
 from typing import Any
 
 import torch
 
-from cpattn.bench.common import Progress
 from cpattn.bench.demo_pool import POOL_NEW_TOKENS, pool_rank, pool_requests, shareable_blocks
 from cpattn.bench.demo_setup import (EMBEDDED_STD, Spec, engine_configs, flat, graph_backend, load_model,
                                      model_config, prompts)
 from cpattn.comm.group import Group
-from cpattn.engine import decode_stage, driver
-from cpattn.engine.batch import Prompts
-from cpattn.models.family import ModelFamily
-from cpattn.engine.options import Algorithms
+from cpattn.engine import driver
 from cpattn.engine.reference import Reference, reference_generate
-from cpattn.graphs import capture_sizes, pick_size
+from cpattn.models.family import ModelFamily
 
 # the run's parts live beside it (demo_setup, demo_pool); their names stay importable from here
 __all__ = ["EMBEDDED_STD", "POOL_NEW_TOKENS", "Spec", "demo_rank", "engine_configs", "flat", "graph_backend",
            "load_model", "model_config", "one_device", "pool_rank", "pool_requests", "prompts", "reference",
-           "shareable_blocks"]
+           "shareable_blocks", "through_step_loop"]
 
 
 # -- the one-device reference (parent process) ----------------------------------------------------
@@ -80,122 +75,25 @@ def reference(spec: Spec) -> dict:
 # -- one rank of the parallel run --------------------------------------------------------------------
 
 
-def _barrier(group: Group) -> None:
-    if group.size > 1:
-        group.all_reduce(torch.zeros(1))
+def through_step_loop(spec: Spec) -> bool:
+    """Whether the layout runs through :func:`cpattn.engine.run_rank` (colocated: DCP over every rank, PCP
+    over 1 or every rank); else (``--pcp W --dcp 1``, W > 1, which the step loop's one engine cannot lay out
+    on W ranks) through the fixed-batch composition of :mod:`cpattn.bench.demo_fixed`.
 
-
-def _timed(group: Group, fn):
-    """(seconds, result) of ``fn()`` between two barriers: the slowest rank's time."""
-    _barrier(group)
-    t0 = time.perf_counter()
-    out = fn()
-    _barrier(group)
-    return time.perf_counter() - t0, out
-
-
-def _tpot(group: Group, times) -> float:
-    """Time per output token: the median step time, the slowest rank's."""
-    mine = statistics.median(times) if times else float("nan")
-    return max(group.all_gather(torch.tensor([mine], dtype=torch.float64)).tolist())
-
-
-def _step_bytes(runner, size: int, dgroup: Group) -> int:
-    """Bytes one decode step of ``size`` tokens sends per rank: the runner's step on an all-padding batch (its
-    fields' pads: no KV write, no key seen), counted eagerly (a replayed graph counts nothing)."""
-    batch = {name: torch.full((size, *f.shape), f.pad, dtype=f.dtype) for name, f in runner.fields.items()}
-    batch["cu_seqlens_q"] = torch.zeros(size + 1, dtype=torch.int32)
-    dgroup.stats.reset()
-    runner.step(runner.state, batch)
-    return dgroup.stats.total_sent()
+    >>> through_step_loop(Spec(pcp=2, dcp=2)), through_step_loop(Spec(pcp=1, dcp=2)), through_step_loop(Spec(dcp=1))
+    (True, True, False)
+    """
+    return spec.dcp == spec.world_size
 
 
 def demo_rank(group: Group, spec: Spec) -> dict:
-    """The parallel run on one rank of ``group`` (``spec.world_size`` ranks); every rank returns the full result."""
-    torch.manual_seed(spec.seed)
-    family, cfg, params = load_model(spec)
-    pre_cfg, dec_cfg = engine_configs(spec, family, cfg)
-    tokens, _ = prompts(spec, cfg.vocab_size)
-    batch = Prompts(tokens, tuple(spec.prompt_lens))
-    steps, nreq = spec.max_new_tokens - 1, spec.batch
-    algorithms = Algorithms(dcp_merge=spec.merge)
-    rank0 = group.rank == 0
-    n_runs = 1 if spec.graph_mode == "none" else 1 + spec.eager_row
-    bar = Progress(4 + steps * n_runs, enabled=spec.progress and rank0)
+    """The parallel run on one rank of ``group`` (``spec.world_size`` ranks); every rank returns the full result:
+    :func:`cpattn.bench.demo_loop.loop_rank` (the step loop) or, for ``--dcp 1`` under PCP,
+    :func:`cpattn.bench.demo_fixed.fixed_batch_rank`."""
+    if through_step_loop(spec):
+        from cpattn.bench.demo_loop import loop_rank
 
-    # 1. prefill engine: PCP over the ranks (or each rank alone)
-    pg, dg = driver.stage_group(group, spec.pcp), driver.stage_group(group, spec.dcp)
-    warm = Prompts.of([list(range(4 * max(pg.size, 1)))])
-    driver.prefill_fn(pg, family, params, cfg, warm, algorithms, False)  # kernels and gloo links warm
-    group.stats.reset()
-    times = []
-    for _ in range(spec.reps):
-        sec, out = _timed(group, lambda: driver.prefill_fn(pg, family, params, cfg, batch, algorithms, False))
-        times.append(sec)
-    prefill_bytes = group.stats.total_sent() // spec.reps
-    first = out.first_logits.argmax(-1)
-    bar.step(f"prefill (PCP={spec.pcp})")
+        return loop_rank(group, spec)
+    from cpattn.bench.demo_fixed import fixed_batch_rank
 
-    # 2. KV hand-off into the decode engine's paged shards (each row to its DCP owner)
-    def new_shard():
-        return decode_stage.new_shard(family, cfg, params, batch, steps, dec_cfg, None, dg)
-
-    shard = new_shard()
-    group.stats.reset()
-    handoff_s, _ = _timed(group, lambda: driver.handoff_stage(group, family, pg, dg, shard, out, algorithms))
-    handoff_bytes = group.stats.total_sent()
-    bar.step("KV hand-off")
-
-    # 3. decode engine: DCP, the whole model step captured (FULL_DECODE_ONLY) and eager, side by side
-    backend = graph_backend(spec, family)
-    runs: dict[str, dict] = {}
-
-    def on_step(label):
-        return lambda s: bar.step(f"{label} decode step {s}/{steps}")
-
-    if spec.graph_mode == "full_decode_only":
-        sizes = spec.capture_sizes or (pick_size(capture_sizes(4096), nreq),)  # the bucket holding the batch
-        gcfg = dec_cfg.replace(capture_sizes=tuple(sizes))
-        if backend != "eager":
-            bar.note(f"compiling the decode step for capture sizes {list(sizes)} with torch.compile ({backend}, "
-                     "fullgraph): a minute or two on the first run, seconds once inductor's cache is warm")
-        _barrier(group)
-        t0 = time.perf_counter()
-        runner = decode_stage.capture(dg, family, params, cfg, shard, batch, gcfg, algorithms, None)
-        capture_s = time.perf_counter() - t0
-        _barrier(group)
-        bar.step(f"captured sizes {list(sizes)} ({backend})")
-        step_bytes = _step_bytes(runner, pick_size(runner.sizes, nreq) or nreq, dg)
-        _barrier(group)
-        dec = decode_stage.run_decode(dg, family, params, cfg, shard, batch, first, steps, gcfg, algorithms, None,
-                                      on_step("graph"), runner=runner)
-        runs["graph"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "capture_s": capture_s,
-                         "stats": dec.runner, "backend": runner.backend.name, "bytes_per_step": step_bytes,
-                         "kv_bytes": shard.kv_bytes()}
-    else:
-        bar.step("no capture (graph mode none)")
-    if spec.graph_mode == "none" or spec.eager_row:
-        eshard = shard if spec.graph_mode == "none" else new_shard()
-        if eshard is not shard:
-            driver.handoff_stage(group, family, pg, dg, eshard, out, algorithms)
-        ecfg = dec_cfg.replace(graph_mode="NONE")
-        _barrier(group)
-        dg.stats.reset()  # every step decodes every request: the bytes of one step are the run's / steps
-        dec = decode_stage.run_decode(dg, family, params, cfg, eshard, batch, first, steps, ecfg, algorithms, None,
-                                      on_step("eager"))
-        step_bytes = dg.stats.total_sent() // max(steps, 1)
-        runs["eager"] = {"tokens": dec.tokens, "tpot_s": _tpot(group, dec.step_s), "bytes_per_step": step_bytes,
-                         "kv_bytes": eshard.kv_bytes()}
-
-    def per_rank(x: int) -> list[int]:
-        return [int(v) for v in group.all_gather(torch.tensor([x], dtype=torch.int64)).tolist()]
-
-    res = dict(ttft_s=statistics.median(times), ttft_samples=times, handoff_s=handoff_s,
-               prefill_bytes=per_rank(prefill_bytes), handoff_bytes=per_rank(handoff_bytes), first=first, runs=runs,
-               kv_bytes_per_rank=per_rank(shard.kv_bytes()), decode_backend=backend,
-               whole_step_captured=family.capturable, model=family.name, config=dataclasses.asdict(cfg))
-    if spec.kv_pool is not None:
-        res["pool"] = pool_rank(group, spec, family, cfg, params, pre_cfg, dec_cfg)
-    bar.step("done")
-    return res
-
+    return fixed_batch_rank(group, spec)
