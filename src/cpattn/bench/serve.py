@@ -44,9 +44,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 
+from cpattn.bench import harness
 from cpattn.bench.serve_servers import METRICS, NAME, Server, _delta, free_port, parse_metrics  # noqa: F401
 from cpattn.bench.serve_report import _progress_line, plot, summary, summary_lines, table  # noqa: F401
 from cpattn.config import cli_args as cli
@@ -146,7 +146,7 @@ def _workloads(text: str) -> tuple[str, ...]:
 
 
 def parser():
-    p = cli.parser(PROG, __doc__)
+    p = harness.parser(PROG, __doc__, quick="3 requests per run, rate 4, short prompts (long 256-384), 4-8 output tokens")
     p.add_argument("--request-rate", type=_rates, default=None, metavar="R,...",
                    help="request rates (requests/s, Poisson arrivals; inf: all at once) (default 0.5,1,2; --quick 4)")
     p.add_argument("--num-requests", type=cli.positive_int, default=None, metavar="N",
@@ -175,8 +175,6 @@ def parser():
                    help="latency-vs-rate curves per layout (TTFT p50 / p99, TPOT p50; matplotlib) (default: no plot)")
     p.add_argument("--server-timeout", type=cli.positive_float, default=300.0, metavar="S",
                    help="seconds a server may take to answer /health")
-    cli.add_quick(p, "3 requests per run, rate 4, short prompts (long 256-384), 4-8 output tokens")
-    cli.add_json(p)
     return p
 
 
@@ -291,29 +289,23 @@ def main(argv=None) -> int:
         cli.usage_error(PROG, f"needs {', '.join(missing)}, not installed; fix: pip install 'cpattn[serve]' openai")
     s = settings(a)
     s["server_timeout"] = a.server_timeout
-
-    def say(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
+    say = harness.progress  # on stderr, never on stdout
     say(f"{PROG}: {len(s['layouts'])} layouts x {len(s['rates'])} rates x {len(s['workloads'])} workloads, "
         f"{s['num_requests']} requests per run (embedded tiny Qwen3, {os.cpu_count()} CPUs)")
-    payload = run(s, say)
-    failed = sum(r["failed"] for r in payload["results"])
-    payload["ok"] = failed == 0
-    payload["summary"] = summary(payload)
-    with cli.report_to(a.json):
-        print(table(payload))
-        print("\n".join(summary_lines(payload["summary"])))
+    with harness.Report(a) as out:
+        payload = run(s, say)
+        failed = sum(r["failed"] for r in payload["results"])
+        payload["ok"] = failed == 0
+        payload["summary"] = summary(payload)
+        out.line(table(payload))
+        out.line("\n".join(summary_lines(payload["summary"])))
         if a.plot:
             why = plot(payload, a.plot)
-            print(f"plot: {a.plot}" if why is None else f"plot skipped: {why}")
+            out.line(f"plot: {a.plot}" if why is None else f"plot skipped: {why}")
         if failed:
             errors = sorted({e for r in payload["results"] for e in r["errors"]})
-            print(f"{failed} requests failed: {'; '.join(errors[:3])}")
-    if a.json:
-        from cpattn.bench.common import write_json
-
-        write_json(a.json, payload)
+            out.line(f"{failed} requests failed: {'; '.join(errors[:3])}")
+        out.payload = payload
     return 0 if failed == 0 else 1
 
 

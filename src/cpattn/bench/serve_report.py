@@ -7,6 +7,10 @@ layouts (the serving comparisons its docs state), and the latency-vs-rate plot.
 
 from __future__ import annotations
 
+import math
+
+from cpattn.bench import harness
+
 
 def _ms(v) -> str:
     return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}")
@@ -23,20 +27,19 @@ def _progress_line(r: dict) -> str:
 
 def table(payload: dict) -> str:
     """The results as one text table (ms; rates per second)."""
-    head = ("workload", "rate", "layout", "TTFT p50/p90/p99", "TPOT p50/p90/p99", "ITL p50/p90/p99", "req/s",
-            "out tok/s", "goodput", "hit %", "replayed/eager", "pcp", "ok")
-    rows = [head]
+    head = ["workload", "rate", "layout", "TTFT p50/p90/p99", "TPOT p50/p90/p99", "ITL p50/p90/p99", "req/s",
+            "out tok/s", "goodput", "hit %", "replayed/eager", "pcp", "ok"]
+    rows = []
     for r in payload["results"]:
         trio = lambda d: "/".join(_ms(d[f"p{p}"]) for p in (50, 90, 99))  # noqa: E731
         hit = r["prefix_hit_rate"]
-        rows.append((r["workload"], str(r["rate"]), r["layout"], trio(r["ttft_ms"]), trio(r["tpot_ms"]),
-                     trio(r["itl_ms"]), _num(r["request_throughput_rps"]), _num(r["output_tokens_per_s"], "{:.1f}"),
-                     _num(r["goodput_rps"]), "-" if hit is None else f"{100 * hit:.0f}",
-                     f"{r['replayed_steps']}/{r['eager_steps']}", str(r.get("pcp_steps", "-")),
-                     f"{r['completed']}/{r['requests']}"))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+        cells = (r["workload"], str(r["rate"]), r["layout"], trio(r["ttft_ms"]), trio(r["tpot_ms"]),
+                 trio(r["itl_ms"]), _num(r["request_throughput_rps"]), _num(r["output_tokens_per_s"], "{:.1f}"),
+                 _num(r["goodput_rps"]), "-" if hit is None else f"{100 * hit:.0f}",
+                 f"{r['replayed_steps']}/{r['eager_steps']}", str(r.get("pcp_steps", "-")),
+                 f"{r['completed']}/{r['requests']}")
+        rows.append(dict(zip(head, cells)))  # cells as text: the harness's table prints them as they are
+    lines = [harness.table(rows, head)]
     s = payload["settings"]
     lines.append(f"latencies in ms; goodput = requests/s with TTFT <= {s['slo_ttft_ms']:g} ms and TPOT <= "
                  f"{s['slo_tpot_ms']:g} ms; hit % = prefix-cache hit tokens / looked-up tokens over the run; "
@@ -50,7 +53,12 @@ def _kind_p50(r: dict, kind: str):
 
 
 def _ratio(a, b):
-    return None if a is None or b is None or b <= 0 else a / b
+    """``a / b`` (:func:`cpattn.bench.harness.safe_div`: never a division by 0), None where either is missing
+    or ``b`` is not positive."""
+    if a is None or b is None:
+        return None
+    r = harness.safe_div(a, b)
+    return None if math.isnan(r) else r
 
 
 def _median(xs: list) -> float | None:
