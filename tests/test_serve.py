@@ -296,8 +296,10 @@ def test_missing_uvicorn_is_one_line_exit_2():
 
 
 @pytest.mark.slow
-def test_a_family_the_step_loop_cannot_run_is_one_line_exit_2():
-    argv = ["serve", "--model-type", "deepseek_v4", "--port", str(_free_port())]  # refused once the engine builds
+@pytest.mark.parametrize("backend", [[], ["--dcp", "2", "--distributed-executor-backend", "mp"]], ids=["uni", "mp"])
+def test_a_family_the_step_loop_cannot_run_is_one_line_exit_2(backend):
+    """Refused once the engine builds: in this process, or on every gloo rank (the command says it once)."""
+    argv = ["serve", "--model-type", "deepseek_v4", *backend, "--port", str(_free_port())]
     r = _cli(f"import sys\nfrom cpattn.cli import main\nsys.exit(main({argv!r}))")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--model-type" in r.stderr, r
 
