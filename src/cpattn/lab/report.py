@@ -2,7 +2,7 @@
 
 Usage::
 
-    cpattn bench drafts [--data DIR] [--quick] [--reps R] [--backend NAME] [--json PATH]
+    cpattn bench drafts [--data DIR] [--quick] [--reps R] [--backend NAME] [--json PATH] [--timeout S]
 
 DIR holds trained targets and heads as ``cpattn train-target`` / ``train-draft``
 write them (default: the shipped ``tests/data/speculative``): ``qwen3``,
@@ -33,8 +33,8 @@ import statistics
 import sys
 
 
-from cpattn.config.cli_args import add_json, add_quick, bad_value, check_backend, parser, positive_int, report_to
-from cpattn.bench.common import Samples, ratio, table, write_json
+from cpattn.bench import harness
+from cpattn.config.cli_args import bad_value, check_backend, positive_int
 
 DEFAULT_DATA = pathlib.Path(__file__).resolve().parents[3] / "tests" / "data" / "speculative"
 PAIRS = {"deepseek_v3": ("mtp", "eagle3", "dspark"), "qwen3": ("eagle3", "dspark")}
@@ -130,21 +130,22 @@ def speed_rank(group, data, target: str, methods: dict, prompts, new_tokens: int
     return times
 
 
-def speed_rows(data, new_tokens: int, n_prompts: int, reps: int, backend: str, methods_k: dict) -> list[dict]:
-    """Part 2: decode speed of each method against plain decode, one rank and DCP = 2."""
-    from cpattn.comm.launch import spawn
-
+def speed_rows(data, new_tokens: int, n_prompts: int, reps: int, backend: str, methods_k: dict,
+               timeout_s: float = 300.0) -> list[dict]:
+    """Part 2: decode speed of each method against plain decode, one rank and DCP = 2; the speedup pairs the
+    runs of one round (:func:`cpattn.bench.harness.paired`: plain / method seconds per token, NaN, never an
+    exception, where a time is 0)."""
     rows = []
     for tname, methods in methods_k.items():
         ps = bench_prompts(data, tname, n_prompts)
         for ranks in (1, 2):
-            times = spawn(ranks, speed_rank, str(data), tname, methods, ps, new_tokens, reps, backend)[0]
-            plain = Samples(tuple(times["plain"]))
+            times = harness.ranks(ranks, speed_rank, str(data), tname, methods, ps, new_tokens, reps, backend,
+                                  timeout_s=timeout_s, label=f"{tname} decode speed, dcp={ranks}")[0]
             for name, t in times.items():
-                s = Samples(tuple(t))
-                speedup = ratio(plain, s)
+                speedup = harness.paired(times["plain"], t)
                 rows.append({"target": tname, "ranks": f"dcp={ranks}", "run": name,
-                             "decode tok/s (best)": 1 / s.best, "ms/token (median)": 1e3 * statistics.median(t),
+                             "decode tok/s (best)": harness.safe_div(1.0, min(t)),
+                             "ms/token (median)": 1e3 * statistics.median(t),
                              "speedup best": speedup.best, "speedup [low-high]": str(speedup)})
     return rows
 
@@ -152,13 +153,11 @@ def speed_rows(data, new_tokens: int, n_prompts: int, reps: int, backend: str, m
 def main(argv: list[str] | None = None) -> int:
     """Print both tables (the payload also as JSON with --json). Exit status 1 when a speculative run's tokens
     differ from plain greedy decoding, else 0."""
-    p = parser("cpattn bench drafts", __doc__)
+    p = harness.parser("cpattn bench drafts", __doc__, quick="fewer prompts, tokens and rounds", timeout=300.0)
     p.add_argument("--data", default=str(DEFAULT_DATA), metavar="DIR",
                    help="trained targets and heads (default: the shipped tests/data/speculative)")
     p.add_argument("--reps", type=positive_int, default=5, metavar="R", help="interleaved rounds (part 2)")
     p.add_argument("--backend", default="inductor", help="graph backend of the captured steps (part 2; default: inductor)")
-    add_quick(p, "fewer prompts, tokens and rounds")
-    add_json(p)
     args = p.parse_args(argv)
     check_backend(p.prog, "--backend", args.backend)
     missing = [t for t in PAIRS if not os.path.isfile(os.path.join(args.data, t, "config.json"))]
@@ -167,27 +166,27 @@ def main(argv: list[str] | None = None) -> int:
                   "(cpattn train-target) and their heads", "omit --data for the shipped checkpoints")
     new, n, reps = (24, 4, 2) if args.quick else (64, 8, args.reps)
     ks = [1, 2, 3, 4]
-    with report_to(args.json):
+    with harness.Report(args) as out:
+        out.progress("part 1: acceptance, one rank")
         acc = acceptance_rows(args.data, new, n, ks)
-        print(f"acceptance: {n} corpus prompts x {new} tokens, float32, one rank")
-        print("accept len = tokens per verify step (accepted drafts + the bonus token); per position: the share of "
-              "steps whose drafts 1..j were all accepted")
-        print(table(acc, ["target", "method", "k", "accept len", "accepted/step", "per position", "accepted/drafted",
-                          "verify steps", "plain steps", "equal"]))
+        out.line(f"acceptance: {n} corpus prompts x {new} tokens, float32, one rank")
+        out.line("accept len = tokens per verify step (accepted drafts + the bonus token); per position: the share "
+                 "of steps whose drafts 1..j were all accepted")
+        out.table(acc, ["target", "method", "k", "accept len", "accepted/step", "per position", "accepted/drafted",
+                        "verify steps", "plain steps", "equal"])
         best = {}
         for r in acc:  # each method at its best k on each target
             key = (r["target"], r["method"])
             if key not in best or r["accept len"] > best[key]["accept len"]:
                 best[key] = r
         methods_k = {t: {m: best[(t, m)]["k"] for m in ms if (t, m) in best} for t, ms in PAIRS.items()}
-        speed = speed_rows(args.data, new, n, reps, args.backend, methods_k)
-        print(f"\ndecode speed, graph mode ({args.backend}), {reps} interleaved rounds, steady state (decode steps 3 "
-              "on); speedup = plain seconds per token / method seconds per token")
-        print(table(speed, ["target", "ranks", "run", "decode tok/s (best)", "ms/token (median)", "speedup best",
-                            "speedup [low-high]"]))
-    payload = {"quick": args.quick, "acceptance": acc, "speed": speed, "new_tokens": new, "prompts": n,
-               "reps": reps, "backend": args.backend}
-    write_json(args.json, payload)
+        speed = speed_rows(args.data, new, n, reps, args.backend, methods_k, timeout_s=args.timeout)
+        out.line(f"\ndecode speed, graph mode ({args.backend}), {reps} interleaved rounds, steady state (decode "
+                 "steps 3 on); speedup = plain seconds per token / method seconds per token")
+        out.table(speed, ["target", "ranks", "run", "decode tok/s (best)", "ms/token (median)", "speedup best",
+                          "speedup [low-high]"])
+        out.payload = {"quick": args.quick, "acceptance": acc, "speed": speed, "new_tokens": new, "prompts": n,
+                       "reps": reps, "backend": args.backend}
     lost = [f"{r['target']} {r['method']} k={r['k']}" for r in acc if not r["equal"]]
     if lost:
         print(f"cpattn bench drafts: tokens differ from plain greedy decoding: {', '.join(lost)}", file=sys.stderr)
