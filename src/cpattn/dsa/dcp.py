@@ -13,7 +13,8 @@ from cpattn.comm.group import Group
 from cpattn.comm.pack import pack_bytes, unpack_bytes
 from cpattn.layout.dcp import dcp_owner
 from cpattn.layout.rows import cu_seqlens, request_of
-from cpattn.ops import checks, merge_attn_states
+from cpattn.dcp.decode import dcp_merge
+from cpattn.ops import checks
 from cpattn.ops.dsa import indexer_scores, sparse_mla_attention_with_lse, topk_indices
 
 OUTPUTS_DCP = ("replicated", "head")
@@ -326,8 +327,7 @@ def dsa_dcp_attention(
         raise ValueError(f"output must be one of {OUTPUTS_DCP}; got {output!r}")
     if q.dim() != 3 or q.shape[0] != q_index.shape[0]:
         raise ValueError(f"q must be [T={q_index.shape[0]}, H, Dqk] (one row per query of q_index); got {tuple(q.shape)}")
-    t, h, _ = q.shape
-    n = group.size
+    h, n = q.shape[1], group.size
     if output == "head" and h % n:
         raise ValueError(f"output='head' needs H % N == 0; got H={h}, N={n}; use output='replicated'")
     gids, rows = dsa_dcp_topk(q_index, w_index, positions, cu_seqlens_q, keys, group=group, topk=topk)
@@ -336,14 +336,8 @@ def dsa_dcp_attention(
         q.float() if q.dtype != torch.float64 else q, keys.latent, rows,
         softmax_scale=softmax_scale, v_head_dim=v_head_dim,
     )
-    msg = pack_bytes([out, lse[..., None]])  # [T, H, bytes]
-    if output == "replicated":
-        parts = group.all_gather(msg, dim=0).view(n, t, h, -1)  # [N, T, H, bytes]
-    else:
-        hl = h // n
-        parts = group.all_to_all(msg.view(t, n, hl, -1).transpose(0, 1).contiguous(), dim=0)  # [N, T, H/N, bytes]
-    outs, lses = unpack_bytes(parts, [out, lse[..., None]])
-    merged, mlse = merge_attn_states(outs, lses[..., 0])
-    res = (merged.to(q.dtype),) + ((mlse,) if return_lse else ()) + ((gids,) if return_indices else ())
+    # the DCP merge: one all-gather of [out | lse] (every head) or one all-to-all per head slice
+    merged, mlse = dcp_merge(out, lse, group=group, merge="ag" if output == "replicated" else "a2a")
+    res = (merged.to(q.dtype),) + ((mlse.to(lse.dtype),) if return_lse else ()) + ((gids,) if return_indices else ())
     return res[0] if len(res) == 1 else res
 

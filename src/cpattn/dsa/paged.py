@@ -47,8 +47,8 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta
+from cpattn.dcp.decode import dcp_merge
 from cpattn.dsa import global_topk
-from cpattn.ops import merge_attn_states
 from cpattn.ops.dsa import indexer_scores, sparse_mla_attention_with_lse
 
 
@@ -150,11 +150,7 @@ def sparse_partials_merged(q: torch.Tensor, latent_cache: torch.Tensor, slots: t
     (-1: not here). Partials stay float32 (float64 for float64 q) through
     one all_gather of ``[out | lse]`` and the LSE merge.
     """
-    t, h, _ = q.shape
     qf = q if q.dtype == torch.float64 else q.float()
     out, lse = sparse_mla_attention_with_lse(qf, latent_cache, slots, softmax_scale=softmax_scale,
                                              v_head_dim=v_head_dim)  # [T, H, Dv], [T, H]
-    msg = torch.cat([out, lse.to(out.dtype)[..., None]], dim=-1)  # [T, H, Dv + 1]
-    parts = group.all_gather(msg[None], dim=0)  # [N, T, H, Dv + 1]
-    merged, _ = merge_attn_states(parts[..., :v_head_dim].contiguous(), parts[..., v_head_dim].contiguous())
-    return merged.to(q.dtype)
+    return dcp_merge(out, lse.to(out.dtype), group=group, merge="ag")[0].to(q.dtype)  # one all_gather of [out | lse]
