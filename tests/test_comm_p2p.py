@@ -131,7 +131,7 @@ def test_pd_per_rank_code_runs_on_the_simulated_mesh():
     from cpattn.models.generate import pd_generate_on_rank
 
     _, params, cfg, ref = reference("qwen3", 6)
-    outs = simulate(5, pd_generate_on_rank, "qwen3", params, cfg, prompts(), 6, prefill_size=3, decode_size=2,
+    outs = simulate(5, pd_generate_on_rank, "qwen3", params, cfg, prompts(), 6, pcp_size=3, dcp_size=2,
                     block_size=4)
     assert all(torch.equal(o.tokens, ref.tokens) for o in outs)
     assert [o.facts.role for o in outs] == ["prefill"] * 3 + ["decode"] * 2

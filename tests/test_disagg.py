@@ -39,7 +39,7 @@ LAYOUTS = [(1, 1), (2, 2), (3, 4), (5, 2), (8, 8), (7, 1), (4, 8), (6, 4)]  # (p
 @pytest.mark.parametrize("p,n", LAYOUTS, ids=[f"P{p}-N{n}" for p, n in LAYOUTS])
 def test_matches_single_engine(p, n):
     model, params, cfg, ref = reference("qwen3")
-    out = disagg_generate(model, params, cfg, prompts(), NEW, prefill_size=p, decode_size=n,
+    out = disagg_generate(model, params, cfg, prompts(), NEW, pcp_size=p, dcp_size=n,
                           block_size=2 if n == 8 else 4, pcp_method="allgather" if p == 5 else "ring")
     assert torch.equal(out.tokens, ref.tokens)
     assert torch.allclose(out.logits.double(), ref.logits.double(), rtol=1e-5, atol=1e-6)
@@ -48,7 +48,7 @@ def test_matches_single_engine(p, n):
 @pytest.mark.parametrize("name", ["mla", "dsa"])
 def test_mla_dsa_with_speculation(name):
     model, params, cfg, ref = reference(name)
-    out = disagg_generate(model, params, cfg, prompts(), NEW, prefill_size=2, decode_size=2, block_size=4,
+    out = disagg_generate(model, params, cfg, prompts(), NEW, pcp_size=2, dcp_size=2, block_size=4,
                           drafter=NgramDrafter(), num_speculative_tokens=2)
     assert torch.equal(out.tokens, ref.tokens)
 
@@ -63,7 +63,7 @@ def test_blocks_are_whole_and_dealt_round_robin():
     rows = gather_unshard(one, out.rows, out.plan)  # [T, F] request order
     bs, n = 4, 3
     blocks = request_blocks(rows, cu, bs)
-    dealt = deal_blocks(blocks, decode_size=n)
+    dealt = deal_blocks(blocks, dcp_size=n)
     for b, (a, e) in enumerate(zip(cu, cu[1:])):
         empty = blocks[b].new_zeros(0, bs, rows.shape[1])  # [0, B, F]
         parts = []
@@ -79,19 +79,19 @@ def test_blocks_are_whole_and_dealt_round_robin():
 
 def test_config_rules():
     _, _, cfg = tiny_qwen3()
-    prod, cons = pd_configs("qwen3", cfg, prefill_size=4, decode_size=2, block_size=8)
+    prod, cons = pd_configs("qwen3", cfg, pcp_size=4, dcp_size=2, block_size=8)
     assert (prod.kv_transfer.kv_role, prod.parallel.pcp_size, cons.kv_transfer.kv_role, cons.parallel.pcp_size, cons.parallel.dcp_size) == \
         ("kv_producer", 4, "kv_consumer", 1, 2)
     assert cons.cache.cp_kv_cache_interleave_size == cons.cache.block_size == 8
     with pytest.raises(ValueError, match="pcp_size"):
-        pd_configs("qwen3", cfg, prefill_size=2, decode_size=2, block_size=8, decode_pcp_size=2)
+        pd_configs("qwen3", cfg, pcp_size=2, dcp_size=2, block_size=8, decode_pcp_size=2)
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size"):
-        pd_configs("qwen3", cfg, prefill_size=2, decode_size=2, block_size=8, interleave_size=1)
+        pd_configs("qwen3", cfg, pcp_size=2, dcp_size=2, block_size=8, interleave_size=1)
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size"):
-        pd_configs("qwen3", cfg, prefill_size=2, decode_size=1, block_size=8, interleave_size=2)
+        pd_configs("qwen3", cfg, pcp_size=2, dcp_size=1, block_size=8, interleave_size=2)
     model, params, _ = tiny_qwen3()
     with pytest.raises(ValueError, match=r"num_attention_heads % tp_size == 0"):
-        disagg_generate(model, params, cfg, prompts(), 4, prefill_size=2, decode_size=3)
+        disagg_generate(model, params, cfg, prompts(), 4, pcp_size=2, dcp_size=3)
 
 
 @pytest.mark.slow
@@ -99,13 +99,13 @@ def test_on_gloo_ranks():
     """One world of 4 gloo processes: P=2 -> N=2 (plain and speculative), then P=3 -> N=1."""
     model, params, cfg, ref = reference("qwen3")
     args = ("qwen3", params, cfg, prompts(), NEW)
-    cases = [(args, {"prefill_size": 2, "decode_size": 2, "block_size": 4}),
-             (args, {"prefill_size": 2, "decode_size": 2, "block_size": 2, "drafter": NgramDrafter(),
+    cases = [(args, {"pcp_size": 2, "dcp_size": 2, "block_size": 4}),
+             (args, {"pcp_size": 2, "dcp_size": 2, "block_size": 2, "drafter": NgramDrafter(),
                      "num_speculative_tokens": 3, "dcp_merge": "a2a"}),
-             (args, {"prefill_size": 3, "decode_size": 1, "block_size": 4})]
+             (args, {"pcp_size": 3, "dcp_size": 1, "block_size": 4})]
     per_rank = spawn(4, pd_cases, cases)
     for c, (_, kw) in enumerate(cases):
-        p = kw["prefill_size"]
+        p = kw["pcp_size"]
         sent = [per_rank[r][c].facts for r in range(p)]
         got = [per_rank[r][c].facts for r in range(p, 4)]
         assert [f.role for f in sent] == ["prefill"] * p and [f.role for f in got] == ["decode"] * (4 - p)

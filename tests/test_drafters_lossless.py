@@ -106,7 +106,7 @@ def test_no_cache_reference_attends_in_float64():
 @pytest.mark.parametrize("method", METHODS)
 def test_pd_simulated(method):
     model, params, cfg, ps, ref = reference(method)
-    out = disagg_generate(model, params, cfg, ps, NEW, prefill_size=2, decode_size=2, drafter=head(method),
+    out = disagg_generate(model, params, cfg, ps, NEW, pcp_size=2, dcp_size=2, drafter=head(method),
                           num_speculative_tokens=2)
     check(out, ref, 2)
 
@@ -158,7 +158,7 @@ def test_on_gloo_ranks():
         runs.append(((model, params, cfg, ps, NEW), head(method), k, ref))
     v4_args = ("deepseek_v4", v4_target(), V4_CFG, v4_prompts(), NEW)
     runs.append((v4_args, v4_trained()[0], 3, generate(*v4_args)))
-    cases = [(pd_generate_on_rank, args, {"prefill_size": 2, "decode_size": 2, "block_size": 4, "drafter": d,
+    cases = [(pd_generate_on_rank, args, {"pcp_size": 2, "dcp_size": 2, "block_size": 4, "drafter": d,
                                           "num_speculative_tokens": k}) for args, d, k, _ in runs]
     per_rank = spawn(4, run_cases, cases)
     for i, (_, _, _, ref) in enumerate(runs):

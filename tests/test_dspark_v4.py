@@ -89,7 +89,7 @@ def test_one_engine_pcp2_dcp2_and_pd():
                     num_speculative_tokens=3)
     same_on_every_rank(outs)
     check(outs[0], 3)
-    check(disagg_generate("deepseek_v4", target(), CFG, prompts(), NEW, prefill_size=2, decode_size=2,
+    check(disagg_generate("deepseek_v4", target(), CFG, prompts(), NEW, pcp_size=2, dcp_size=2,
                           drafter=head(), num_speculative_tokens=2), 2)
 
 

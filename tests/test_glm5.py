@@ -146,7 +146,7 @@ def test_pd_and_speculative_match_hf():
     """P/D (DSA-CP 2 prefill -> whole blocks -> DCP 2 decode) and speculative verification of 1 + 3 rows
     per request over DCP 2 (n-gram drafts, through a DecodeRunner)."""
     ref = reference("mixed")
-    ref.check(disagg_generate(glm, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, prefill_size=2, decode_size=2))
+    ref.check(disagg_generate(glm, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, pcp_size=2, dcp_size=2))
     spec = speculative_generate(glm, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, drafter=NgramDrafter(),
                                 num_speculative_tokens=3, pcp_size=2, dcp_size=2, graph=True, capture_sizes=[4, 8])
     ref.check(spec)

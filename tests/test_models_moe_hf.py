@@ -106,8 +106,8 @@ def test_pd_and_speculative_match_hf(name):
     """P/D (PCP 2 prefill -> whole blocks -> DCP 2 decode) and speculative verification of 1 + 2 rows per
     request over DCP 2 (n-gram drafts, through a captured DecodeRunner)."""
     ref = reference(name)
-    ref.check(disagg_generate(ref.module, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, prefill_size=2,
-                              decode_size=2, block_size=4))
+    ref.check(disagg_generate(ref.module, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, pcp_size=2,
+                              dcp_size=2, block_size=4))
     spec = speculative_generate(ref.module, ref.params, ref.cfg, ref.prompts, NEW_TOKENS, drafter=NgramDrafter(),
                                 num_speculative_tokens=2, dcp_size=2, graph=True, capture_sizes=[3, 6])
     ref.check(spec)

@@ -101,7 +101,7 @@ def test_exchange_delivers_exactly_the_owned_rows(exchange_kind):
 
     def rank_fn(group):
         out = prefill(group, model.FAMILY, params, cfg, ps)
-        return exchange(group, out.rows, out.plan, prefill_size=n, decode_size=n, interleave_size=inter,
+        return exchange(group, out.rows, out.plan, pcp_size=n, dcp_size=n, interleave_size=inter,
                         width=width, dtype=out.rows.dtype, method=exchange_method)
 
     exchange_method = exchange_kind

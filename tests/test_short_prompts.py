@@ -75,7 +75,7 @@ def test_pd_and_speculative_with_one_token_prompts(name):
     module, cfg, params = model(name)
     prompts = [[7], [8, 9]]
     want = expect(name, prompts)
-    assert torch.equal(disagg_generate(module, params, cfg, prompts, NEW, prefill_size=3, decode_size=2,
+    assert torch.equal(disagg_generate(module, params, cfg, prompts, NEW, pcp_size=3, dcp_size=2,
                                        block_size=2).tokens, want)
     out = speculative_generate(module, params, cfg, prompts, NEW, drafter=NgramDrafter(), num_speculative_tokens=2,
                                pcp_size=3, dcp_size=2)

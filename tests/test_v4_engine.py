@@ -98,7 +98,7 @@ def test_one_engine_pcp_with_dcp():
 @pytest.mark.slow
 def test_pd_producer_to_consumer():
     r, cfg, params = model()
-    out = gen.disagg_generate(v4, params, cfg, prompts(r), NEW, prefill_size=2, decode_size=2, block_size=4)
+    out = gen.disagg_generate(v4, params, cfg, prompts(r), NEW, pcp_size=2, dcp_size=2, block_size=4)
     check_hf(out, r)
     check_one(out)
 

@@ -44,7 +44,7 @@ def engine_runs(group):
 
     cfg, params = MODEL()
     one = gen.pcp_dcp_generate_on_rank(group, v4, params, cfg, PROMPTS, NEW, config=gen.pcp_dcp_config(v4, cfg, 2))
-    pd = gen.pd_generate_on_rank(group, v4, params, cfg, PROMPTS, NEW, prefill_size=1, decode_size=1)
+    pd = gen.pd_generate_on_rank(group, v4, params, cfg, PROMPTS, NEW, pcp_size=1, dcp_size=1)
     return one.tokens, pd.tokens, pd.facts.handoff
 
 
