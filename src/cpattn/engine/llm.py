@@ -197,7 +197,7 @@ class LLMEngine:
         if v4 and pcp_policy != "always":
             raise ValueError(f"pcp_policy={pcp_policy!r}: a deepseek_v4 prompt is prefilled in one step by its own "
                              "runner; pass pcp_policy='always'")
-        extra = {} if v4 else {"pcp_min_tokens": pcp_min}
+        extra = {"connector": self.connector} if v4 else {"pcp_min_tokens": pcp_min}  # V4 P/D: the runner hands off
 
         def runner(g: Group) -> StepRunner:  # a capture runs the step: every rank builds at once
             return make(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,

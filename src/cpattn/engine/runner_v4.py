@@ -176,7 +176,8 @@ class V4StepRunner:
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "ag_rs",
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
-                 hidden_layers: tuple | None = None, poison: bool = False) -> None:
+                 hidden_layers: tuple | None = None, poison: bool = False, connector=None) -> None:
+        self.connector = connector  # the engine's bound KV connector (V4 P/D: connector_v4), or None
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
         self.backend = self.family.backend
         if self.backend.name != "v4":
