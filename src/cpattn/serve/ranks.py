@@ -12,10 +12,14 @@ the engine has unfinished work (rank 0 steps exactly then too), until a
 turn says stop. An idle rank 0 still sends an empty turn every
 ``idle_wait_s`` (0.5 s), so no follower waits out a collective timeout.
 
-A turn travels as JSON (``{"calls": [...], "stop": bool}``, UTF-8 bytes
-in a uint8 tensor, after an int64 length) over the world's
-:meth:`~cpattn.comm.group.Group.send` / ``recv``: request data from
-clients is never unpickled. :func:`params_json` / :func:`params_from` turn a
+A turn is one all-reduce of ``[length, stop]`` (int64; the other ranks
+add zeros) and, when it has calls, a second of the calls as JSON (UTF-8
+bytes zero-padded to int64 words): request data from clients is never
+unpickled. Collectives, not ``Group.send`` / ``recv``: on gloo (2 ranks, 2
+loaded cores) an empty turn and one more small all-reduce take 0.24 ms
+(median of 300), a turn adding a 2000-token prompt 0.8 ms; sent point to
+point (a length, then the body) they took 2.2-5.3 ms and 4.0 ms, a third
+of the tiny model's decode step. :func:`params_json` / :func:`params_from` turn a
 :class:`~cpattn.engine.sampling.SamplingParams` into JSON and back exactly
 (floats by their repr).
 
@@ -27,7 +31,10 @@ Example (the simulated mesh: the same code as gloo ranks)
 ...         Mirror(g).send([("add", "req-0", [1, 2], SamplingParams(max_tokens=2, temperature=0.5))], False)
 ...         return Mirror(g).send([], True)
 ...     return [receive(g), receive(g)]
->>> cpattn.simulate(2, rank)[1][0]["calls"][0][3]
+>>> out = cpattn.simulate(3, rank)
+>>> out[1] == out[2], out[2][1]
+(True, {'calls': [], 'stop': True})
+>>> out[1][0]["calls"][0][3]
 SamplingParams(max_tokens=2, stop_token_ids=(), temperature=0.5, top_p=1.0, top_k=0, seed=None, logprobs=None)
 """
 
@@ -79,21 +86,27 @@ class Mirror:
         self.turns = 0  # turns sent
 
     def send(self, calls: list[tuple], stop: bool) -> None:
-        data = json.dumps({"calls": _wire(calls), "stop": bool(stop)}).encode()
-        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        for dst in range(1, self.world.size):
-            self.world.send(size, dst)
-            self.world.send(body, dst)
+        data = json.dumps(_wire(calls)).encode() if calls else b""
+        self.world.all_reduce(torch.tensor([len(data), int(bool(stop))], dtype=torch.int64))
+        if data:
+            self.world.all_reduce(_words(data))
         self.turns += 1
+
+
+def _words(data: bytes) -> torch.Tensor:
+    """``data`` zero-padded to whole int64 words (an all-reduce with the others' zeros carries it exactly)."""
+    return torch.frombuffer(bytearray(data + bytes(-len(data) % 8)), dtype=torch.int64)
 
 
 def receive(world: Group) -> dict:
     """One turn from rank 0: ``{"calls": [(kind, rid, prompt, SamplingParams) | (kind, rid)], "stop": bool}``."""
-    n = int(world.recv((1,), torch.int64, 0).item())
-    msg = json.loads(world.recv((n,), torch.uint8, 0).numpy().tobytes().decode())
-    calls = [("add", c[1], c[2], params_from(c[3])) if c[0] == "add" else ("abort", c[1]) for c in msg["calls"]]
-    return {"calls": calls, "stop": bool(msg["stop"])}
+    n, stop = world.all_reduce(torch.zeros(2, dtype=torch.int64)).tolist()
+    wire = []
+    if n:
+        words = world.all_reduce(torch.zeros(-(-n // 8), dtype=torch.int64))
+        wire = json.loads(words.numpy().tobytes()[:n].decode())
+    calls = [("add", c[1], c[2], params_from(c[3])) if c[0] == "add" else ("abort", c[1]) for c in wire]
+    return {"calls": calls, "stop": bool(stop)}
 
 
 def follow(engine: Any, world: Group) -> int:
