@@ -294,3 +294,41 @@ def _parent(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
         return None
+
+
+# ----------------------------------------------------------------------------- the backend flag (no rank started)
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, argv, said", [
+    (TORCHRUN, ["--dcp", "3"], ["argument --distributed-executor-backend", "WORLD_SIZE=2 with --dcp=3",
+                                "--nproc-per-node 3"]),
+    (TORCHRUN, ["--dcp", "2", "--distributed-executor-backend", "mp"], ["mp under torchrun", "drop the flag"]),
+    ({}, ["--distributed-executor-backend", "ray"], ["--distributed-executor-backend", "'ray'"]),
+], ids=["world-size", "mp-under-torchrun", "ray"])
+def test_backend_refusals_exit_2_before_any_rank(env, argv, said, capsys, monkeypatch):
+    from test_serve_flags import _refusal
+
+    for k in TORCHRUN:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    err = _refusal([*argv, "--port", str(_free_port())], capsys)
+    for piece in said:
+        assert piece in err, (piece, err)
+
+
+def test_backend_defaults(monkeypatch):
+    from cpattn.serve import cli as serve_cli
+
+    for k in TORCHRUN:
+        monkeypatch.delenv(k, raising=False)
+    a = serve_cli.parser().parse_args(["--dcp", "2"])
+    serve_cli.check_args(a)
+    assert a.distributed_executor_backend == "uni"
+    for k, v in TORCHRUN.items():
+        monkeypatch.setenv(k, v)
+    a = serve_cli.parser().parse_args(["--dcp", "2"])
+    serve_cli.check_args(a)
+    assert a.distributed_executor_backend == "external_launcher"
+    assert "2 gloo ranks (external_launcher)" in serve_cli.describe(a, None)

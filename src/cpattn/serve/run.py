@@ -171,7 +171,8 @@ def serve(a, sched, tokenizer=None, world=None, stop_file: str | None = None) ->
                              name="cpattn-stop-file").start()
         server.run()
     finally:
-        loop.stop()  # on real ranks: the last turn tells the other ranks to stop
+        loop.stop(timeout_s=10.0 if mirror is None else 600.0)  # real ranks: the last turn (after any step
+        # in flight, however long) tells the other ranks to stop, before this rank meets them at spawn's barrier
         engine.close()  # the pool it opened (an LMDB environment, a Mooncake client); P/D: both roles
     if server is None or not server.started:
         print(f"{PROG}: the HTTP server did not start (see uvicorn's message above)", file=sys.stderr)
