@@ -239,6 +239,24 @@ def test_a_stream_closed_by_its_client_is_aborted_and_frees_its_blocks(client, s
 
 
 @pytest.mark.slow
+def test_a_plain_request_whose_client_gives_up_is_aborted_and_frees_its_blocks(server):
+    """Not streamed: the client times out after 0.5 s and closes its connection; the server sees the
+    disconnect (polled every 0.25 s) and aborts the request instead of running it to max_tokens."""
+    import openai
+
+    before = _metrics(server[1])
+    impatient = openai.OpenAI(base_url=server[1] + "/v1", api_key="x", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=NAME, prompt=P1, max_tokens=240)  # ~240 steps: seconds
+    deadline = time.monotonic() + 30
+    while (m := _metrics(server[1]))["cpattn_aborted_requests_total"] < before["cpattn_aborted_requests_total"] + 1:
+        assert time.monotonic() < deadline, f"the abandoned request was not aborted: {m}"
+        time.sleep(0.1)
+    assert m["cpattn_running_requests"] == 0 and m["cpattn_kv_blocks_used"] == 0, m
+    assert m["cpattn_steps_total"] - before["cpattn_steps_total"] < 200, m  # stopped, not run to max_tokens
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs, words", [
     ({"prompt": [1, 2, 512]}, "outside the vocabulary"),
     ({"prompt": [1, 2, 3], "max_tokens": 300}, "max_model_len is 256"),

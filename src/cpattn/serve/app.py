@@ -108,7 +108,7 @@ def build_app(loop: EngineLoop, served_model_name: str, max_model_len: int | Non
         if stream:
             return StreamingResponse(responses.stream(loop, subs, prompts, head, include_usage),
                                      media_type="text/event-stream")
-        return await responses.whole(loop, subs, prompts, head)
+        return await responses.whole(loop, subs, prompts, head, gone=request.is_disconnected)
 
     return app
 

@@ -1,6 +1,6 @@
 """The answers of ``POST /v1/completions``: a whole JSON body, or server-sent events token by token.
 
-:func:`whole` waits for every choice's last output; :func:`stream` sends each engine output's new
+:func:`whole` waits for every choice's last output (a client that disconnects first aborts them); :func:`stream` sends each engine output's new
 token ids as one ``data: {...}`` chunk per choice, the usage (if asked) and ``data: [DONE]``, and
 aborts the requests of a client that goes away. Without a tokenizer a choice's ``text`` is its token
 ids joined by single spaces (:func:`ids_text`); ``logprobs`` is OpenAI's completions shape
@@ -18,7 +18,7 @@ import asyncio
 import json
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from cpattn.serve.engine_loop import EngineLoop
 from cpattn.serve.requests import error_body
@@ -69,18 +69,35 @@ def _finish(reason: str | None) -> str | None:
     return "length" if reason == "length" else ("stop" if reason in ("stop", "abort") else reason)
 
 
-async def whole(loop: EngineLoop, subs: list, prompts: list[list[int]], head: dict):
-    outs = []
-    try:
+async def whole(loop: EngineLoop, subs: list, prompts: list[list[int]], head: dict, gone=None,
+                poll_s: float = 0.25):
+    """The JSON answer once every choice has finished. ``gone``: an async callable (Starlette's
+    ``request.is_disconnected``) asked every ``poll_s`` seconds; a client that went away aborts its
+    requests (their blocks freed), as a closed stream does."""
+    async def collect() -> list:
+        outs = []
         for s in subs:
             while not (out := await _next(s)).finished:
                 pass
             outs.append(out)
+        return outs
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while not (await asyncio.wait({task}, timeout=None if gone is None else poll_s))[0]:
+            if await gone():
+                task.cancel()
+                for s in subs:
+                    loop.abort(s.request_id.result())
+                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        outs = task.result()
     except Exception as e:  # noqa: BLE001 - the engine failed mid-request
         for s in subs:
             loop.abort(s.request_id.result())
         return JSONResponse(error_body(f"the engine failed: {type(e).__name__}: {e}", "server_error", code=500),
                             status_code=500)
+    finally:
+        task.cancel()  # a no-op once it finished; the handler itself cancelled: stop waiting for outputs
     choices = [{"index": i, "text": ids_text(o.token_ids), "token_ids": list(o.token_ids),
                 "logprobs": logprobs_body(o.token_ids, o.logprobs), "finish_reason": _finish(o.finish_reason)}
                for i, o in enumerate(outs)]
