@@ -6,25 +6,27 @@ segment of tokens maps a start state S to ``M S + U`` with its transition
 :func:`pcp_gated_delta` on every rank, for its parts (see
 :mod:`cpattn.linear.layout`):
 
-1. one chunked pass per part over *augmented* values ``[0 | v]`` from the
-   augmented start ``[I | 0]`` (:func:`cpattn.ops.gated_delta_chunk` with
-   ``Dk + Dv`` value columns): its final state is ``[M | U]``, and its
-   output at token t is ``[M_t^T q_t | U_t^T q_t]`` (``M_t``, ``U_t``:
-   the prefix through t);
-2. one all-gather of the summaries ``[parts, B, Hv, Dk, Dk + Dv]`` over the
-   group (bytes counted by the group: ``(P-1) * parts * B * Hv * Dk *
-   (Dk + Dv) * 4`` sent per rank, float32);
-3. each rank folds the summaries of the segments before each of its parts,
-   in sequence order, onto the requests' initial state: ``S <- M S + U``;
-4. its outputs are ``o_t = S_start^T (M_t^T q_t) + U_t^T q_t`` -- no second
-   pass over the tokens. Every rank also folds all segments: the final
-   state, the same on every rank.
+1. each part is cut into the chunked op's chunks once (:func:`cpattn.ops.gated_delta_chunks.prepare`:
+   the UT solves, decays, decayed ``q k^T``: the bulk of the op's work, done once and kept). The part of
+   segment 0 starts from the requests' initial state, which every rank has: it runs to its outputs at once
+   and its end state is its summary's U. Every other part is summarised: U by the state loop from zero
+   (two small matmuls per chunk, no outputs) and M as the product of the chunks' transitions
+   ``T_i = end_i I - kd_i^T w_i`` (one batched matmul, then a tree of batched ``Dk x Dk`` products);
+2. one all-gather of the summaries ``[M | U]`` ``[parts, B, Hv, Dk, Dk + Dv]`` over the group (bytes
+   counted by the group: ``(P-1) * parts * B * Hv * Dk * (Dk + Dv) * 4`` sent per rank, float32);
+3. each rank folds the summaries of the segments before each of its parts, in sequence order, onto the
+   requests' initial state: ``S <- M S + U`` (segment 0's U is already its end state);
+4. each summarised part then runs the op's state loop and outputs from its true start state, on the chunk
+   tensors of step 1. Every rank also folds all segments: the final state, the same on every rank.
 
 Exact in float64 (to rounding) against one device; NaN in a token reaches
 what it reaches there (a NaN summary poisons the start states of the later
 segments as the recurrence poisons the state). The price against one device:
-the pass carries ``Dk`` more value columns (the models: Dk = Dv, so about
-twice the value-side work of the chunked kernel) and the gather.
+per summarised part, the zero-start state loop and the transition product
+(about a quarter of the chunked op's work over the same tokens; ``cpattn
+bench hybrid`` measures it), and the gather. (An earlier form ran the op
+over augmented values ``[0 | v]`` from ``[I | 0]``: ``Dk`` more value
+columns, ~1.5-1.8x the op.)
 
 :func:`pcp_causal_conv1d`: the short convolution needs the last ``K - 1``
 inputs before each part (a halo). Each rank gathers every part's last
@@ -52,7 +54,9 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.linear.layout import ScanLayout
+from cpattn.ops import checks
 from cpattn.ops import gated_delta as gd
+from cpattn.ops import gated_delta_chunks as chunks
 from cpattn.ops.ref import acc_dtype
 
 
@@ -68,14 +72,15 @@ def _check_parts(layout: ScanLayout, group: Group, parts_cu, total: int, what: s
 
 
 def fold(summaries: torch.Tensor, start: torch.Tensor, dk: int) -> list[torch.Tensor]:
-    """Start states of every segment: ``[start, M_0 start + U_0, ...]`` (S+1 states [B, Hv, Dk, Dv]).
+    """Start states of every segment: ``[start, U_0, M_1 U_0 + U_1, ...]`` (S+1 states [B, Hv, Dk, Dv]).
 
-    summaries: [S, B, Hv, Dk, Dk + Dv] in sequence order.
+    summaries: [S, B, Hv, Dk, Dk + Dv] ``[M | U]`` in sequence order; segment 0's U is already its end state
+    (its owner ran it from ``start``, which every rank has), so its M is not used.
     """
     states = [start]
     for s in range(summaries.shape[0]):
         m, u = summaries[s, ..., :dk], summaries[s, ..., dk:]
-        states.append(m @ states[-1] + u)
+        states.append(u if s == 0 else m @ states[-1] + u)
     return states
 
 
@@ -102,34 +107,37 @@ def pcp_gated_delta(
     segment (float32, float64 for float64 inputs), equal on all ranks.
     """
     cus = _check_parts(layout, group, parts_cu, q.shape[0], f"q's {q.shape[0]} tokens")
+    gd._check_qkv(q, k, v, g, beta, "T_r")
+    gd._check_state("initial_state", initial_state, len(cus[0]) - 1, q, v)
     acc = acc_dtype(q, initial_state)
     nb, hv, dk, dv = initial_state.shape
-    aug0 = torch.cat([torch.eye(dk, dtype=acc, device=q.device).expand(nb, hv, dk, dk),
-                      torch.zeros(nb, hv, dk, dv, dtype=acc, device=q.device)], dim=-1)  # [B, Hv, Dk, Dk+Dv]
-    outs, sums, off = [], [], 0
-    for cu, cu_t in zip(cus, parts_cu):
-        sl = slice(off, off + cu[-1])
-        off += cu[-1]
-        vv = torch.cat([torch.zeros(cu[-1], hv, dk, dtype=acc, device=q.device), v[sl].to(acc)], dim=-1)
-        o, s = gd.gated_delta_chunk(q[sl].to(acc), k[sl].to(acc), vv, g[sl], beta[sl], cu_t.to(q.device), aug0,
-                                    scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
-        outs.append(o)  # [T_p, Hv, Dk+Dv]: [M_t^T q_t | U_t^T q_t]
-        sums.append(s)
-    gathered = group.all_gather(torch.stack(sums))  # [P * parts, B, Hv, Dk, Dk+Dv], rank-major
-    order = layout.gathered_segments()
-    seq = torch.empty_like(gathered)
-    seq[torch.tensor(order, device=q.device)] = gathered
-    starts = fold(seq, initial_state.to(acc), dk)
-    out = []
-    for seg, cu, o in zip(layout.segments[group.rank], cus, outs):
-        start = starts[seg]  # [B, Hv, Dk, Dv]
-        part = torch.empty(o.shape[0], hv, dv, dtype=acc, device=q.device)
+    chunk_size = checks.integer("chunk_size", chunk_size, at_least=1)
+    init = initial_state.to(acc)
+    qq, kk = gd.prepare_qk(q, k, hv, scale, use_qk_l2norm, acc)  # [T_r, Hv, Dk]
+    vv, gg, bb = v.to(acc), g.to(acc), beta.to(acc)
+    out = torch.empty(q.shape[0], hv, dv, dtype=acc, device=q.device)
+    sums = torch.zeros(len(cus), nb, hv, dk, dk + dv, dtype=acc, device=q.device)
+    later, off = [], 0  # (part, request, token rows, chunk tensors) to run once the start states are known
+    for p, (seg, cu) in enumerate(zip(layout.segments[group.rank], cus)):
         for b in range(nb):
-            lo, hi = cu[b], cu[b + 1]
-            part[lo:hi] = torch.einsum("thk,hkv->thv", o[lo:hi, :, :dk], start[b]) + o[lo:hi, :, dk:]
-        out.append(part)
-    o = torch.cat(out) if out else v.new_zeros(0, hv, dv)
-    return o.to(q.dtype), starts[-1]
+            rows = slice(off + cu[b], off + cu[b + 1])
+            ch = chunks.prepare(*(x[rows].transpose(0, 1) for x in (qq, kk, vv, gg, bb)), chunk_size)
+            if seg == 0:  # starts from the requests' initial state: its outputs now, its end state is U
+                o, sums[p, b, ..., dk:] = chunks.run(ch, init[b])
+                out[rows] = o.transpose(0, 1)
+            else:
+                sums[p, b, ..., :dk] = chunks.transition(ch)
+                sums[p, b, ..., dk:] = chunks.final_state(ch, init.new_zeros(hv, dk, dv))
+                later.append((p, b, rows, ch))
+        off += cu[-1]
+    gathered = group.all_gather(sums)  # [P * parts, B, Hv, Dk, Dk+Dv], rank-major
+    seq = torch.empty_like(gathered)
+    seq[torch.tensor(layout.gathered_segments(), device=q.device)] = gathered
+    starts = fold(seq, init, dk)
+    for p, b, rows, ch in later:
+        o, _ = chunks.run(ch, starts[layout.segments[group.rank][p]][b])
+        out[rows] = o.transpose(0, 1)
+    return out.to(q.dtype), starts[-1]
 
 
 def _tails(x: torch.Tensor, cu: torch.Tensor, w: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.ops import checks, registry
+from cpattn.ops import gated_delta_chunks as chunks
 from cpattn.ops.ref import acc_dtype
 
 CHUNK_SIZE = 64  # tokens per chunk of the chunked form (FLA's and transformers' default)
@@ -78,54 +79,14 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float,
     return q, k
 
 
-def _causal_product(attn: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    """``attn @ vals`` for lower-triangular attn [..., C, C] where a non-finite value row j reaches rows >= j
-    only (a plain matmul would spread it to every row through the zeros above the diagonal)."""
-    bad = ~torch.isfinite(vals)  # [..., C, Dv]
-    out = attn @ torch.where(bad, 0.0, vals)
-    reach = bad.to(torch.int32).cumsum(dim=-2) > 0  # a bad row at or before this one, per column
-    return out.masked_fill(reach, float("nan"))
-
-
 def chunk_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One request in the chunked form, all heads at once (tensors already prepared, in one float dtype).
 
     q, k: [H, L, Dk]; v: [H, L, Dv]; g, beta: [H, L]; state: [H, Dk, Dv].
-    Returns o [H, L, Dv] and the state after the L tokens [H, Dk, Dv].
+    Returns o [H, L, Dv] and the state after the L tokens [H, Dk, Dv] (see :mod:`cpattn.ops.gated_delta_chunks`).
     """
-    h, n, dk = k.shape
-    dv, c = v.shape[-1], chunk_size
-    if n == 0:
-        return v.new_zeros(h, 0, dv), state
-    pad = -n % c
-    if pad:  # padded tokens (k = 0, beta = 0, g = 0) leave the state unchanged; their outputs are dropped
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    m = (n + pad) // c
-    q, k, v = (x.reshape(h, m, c, x.shape[-1]) for x in (q, k, v))  # [H, M, C, D]
-    g, beta = g.reshape(h, m, c), beta.reshape(h, m, c)
-    kb, vb = k * beta[..., None], v * beta[..., None]
-    cum = g.cumsum(-1)  # [H, M, C]: log of the decay from the chunk start through token i
-    ones = torch.ones(c, c, dtype=torch.bool, device=q.device)
-    lower, strict = ones.tril(), ones.tril(-1)
-    diff = cum[..., :, None] - cum[..., None, :]  # [H, M, C, C]: log decay from token j to token i
-    decay = torch.where(lower, diff, float("-inf")).exp()
-    zero = torch.zeros((), dtype=q.dtype, device=q.device)
-    # unit lower-triangular UT system (I + A) X = B, A = strict lower part of (beta k k^T) * decay
-    ut = torch.where(strict, (kb @ k.transpose(-1, -2)) * decay, zero) + torch.eye(c, dtype=q.dtype, device=q.device)
-    u = torch.linalg.solve_triangular(ut, vb, upper=False, unitriangular=True)  # [H, M, C, Dv]
-    w = torch.linalg.solve_triangular(ut, kb * cum.exp()[..., None], upper=False, unitriangular=True)  # [H, M, C, Dk]
-    attn = torch.where(lower, (q @ k.transpose(-1, -2)) * decay, zero)  # [H, M, C, C]
-    qd = q * cum.exp()[..., None]  # queries reading the chunk's start state
-    kd = k * (cum[..., -1:] - cum).exp()[..., None]  # keys decayed to the chunk's end
-    end = cum[..., -1].exp()  # [H, M]
-    out = []
-    for i in range(m):
-        vn = u[:, i] - w[:, i] @ state  # [H, C, Dv]: the part of the values the start state does not predict
-        out.append(qd[:, i] @ state + _causal_product(attn[:, i], vn))
-        state = state * end[:, i, None, None] + kd[:, i].transpose(-1, -2) @ vn
-    return torch.cat(out, dim=1)[:, :n], state
+    return chunks.run(chunks.prepare(q, k, v, g, beta, chunk_size), state)
 
 
 def chunk_varlen(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, chunk_size):
