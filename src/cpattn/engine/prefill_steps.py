@@ -38,6 +38,7 @@ from cpattn.models.family import KVLayout
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.layout.pcp import PCPPlan
 from cpattn.layout.rows import cu_seqlens
+from cpattn.ops import attention_with_lse
 from cpattn.pcp import Context, pcp_prefill
 
 
@@ -98,12 +99,38 @@ class PCPStep(_SplitPrefill):
         self.kv[layer] = LayerRows(k, v)
         lay = self.layouts[layer]
         vv = k[..., : lay.v_head_dim] if lay.values_in_keys else v
+        if self._context is not None and self.method == "allgather" and self.group.size > 1:
+            return self._with_context(layer, q, k, vv, scale)
         ctx = None
         if self._context is not None:
             ck, cv, _, cu = self._context[layer]
             ctx = Context(ck, ck[..., : lay.v_head_dim] if lay.values_in_keys else cv, cu)
         return pcp_prefill(q, k, vv, self.plan, group=self.group, method=self.method, softmax_scale=scale,
                            context=ctx)
+
+    def _with_context(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """The all-gather method over a cached context: the chunk's K/V gathered once, then each local part
+        (A, B) attends its request's cached context and the chunk up to its own end in one causal call
+        (bottom-right: the part's queries are the last keys), so no partial is merged afterwards.
+        q [T_r, Hq, Dk], k [T_r, Hkv, Dk], v [T_r, Hkv, Dv] -> [T_r, Hq, Dv]."""
+        plan, r, dk = self.plan, self.group.rank, k.shape[-1]
+        ck, cv, _, _ = self._context[layer]
+        cv = ck[..., : v.shape[-1]] if self.layouts[layer].values_in_keys else cv
+        kv = torch.nn.functional.pad(torch.cat([k, v], dim=-1), (0, 0, 0, 0, 0, plan.max_tokens - k.shape[0]))
+        gathered = self.group.all_gather(kv)  # [P * max_tokens, Hkv, Dk + Dv], rank-major
+        pool = torch.cat([torch.cat([ck, cv], dim=-1).to(kv.dtype), gathered])  # context rows first
+        na, outs = plan.num_a(r), []
+        for rows, cu_q, (idx, cu_k) in ((slice(0, na), plan.cu_a[r], self._fused[0]),
+                                        (slice(na, q.shape[0]), plan.cu_b[r], self._fused[1])):
+            keys = pool[idx.to(pool.device)]
+            out, _ = attention_with_lse(q[rows], keys[..., :dk], keys[..., dk:], cu_q.to(q.device),
+                                        cu_k.to(q.device), causal=True, softmax_scale=scale)
+            outs.append(out)
+        return torch.cat(outs).to(q.dtype)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._fused = None if self._context is None else _fused_index(self.plan, self.group.rank, self.prefix)
 
 
 @dataclass
@@ -155,6 +182,23 @@ class DSACPStep(_SplitPrefill):
             if keys is not None:
                 keys[start : start + e - a] = cki[a:e]
         return DSACache(latent, keys)
+
+
+def _fused_index(plan: PCPPlan, rank: int, prefix: Prefix) -> tuple:
+    """For :meth:`PCPStep._with_context`: per local part (A, B), the rows of ``[context | gathered chunk]``
+    each request's queries attend -- its cached context, then its chunk keys up to the part's end
+    (``plan.prefix_index``) -- and their cu_seqlens [B+1]."""
+    cu_c = cu_seqlens(prefix.context_lens)
+    total = cu_c[-1]
+    parts = []
+    for idx, cu_k in (plan.prefix_index[rank][:2], plan.prefix_index[rank][2:]):
+        cu_k = cu_k.tolist()
+        pieces = []
+        for b in range(len(cu_c) - 1):
+            pieces += [torch.arange(cu_c[b], cu_c[b + 1], dtype=torch.int64), total + idx[cu_k[b]:cu_k[b + 1]]]
+        cu = torch.tensor([c + k for c, k in zip(cu_c, cu_k)], dtype=torch.int32)
+        parts.append((torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64), cu))
+    return tuple(parts)
 
 
 def _split_prefix(prefix: Prefix | None, layouts: tuple[KVLayout, ...]):

@@ -51,6 +51,7 @@ Example
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from itertools import chain
@@ -110,6 +111,9 @@ class StepRunner:
         or None (every step eager); capture_sizes / max_num_seqs / num_speculative_tokens size it.
     pcp: the group is also the PCP group: a step's prefill chunks run PCP (``pcp_method`` "ring" or
         "allgather"; DSA-CP for a DSA model) over it (:mod:`cpattn.engine.runner_pcp`), its decodes DCP.
+        ``pcp_method="auto"`` (default): "ring" for prompts from the start, "allgather" for a step whose
+        chunks attend a cached context (each part then attends context and chunk in one causal call,
+        :meth:`cpattn.engine.prefill_steps.PCPStep._with_context`: no separate context partials to merge).
         pcp_min_tokens: with ``pcp``, a chunk of fewer new tokens runs DCP attention with the decodes
         instead (elastic CP: PCP only where it pays, :func:`cpattn.engine.elastic.pcp_min_tokens`).
     poison: NaN-fill each freshly handed-out block before the step (tests; costs a write per block).
@@ -120,10 +124,11 @@ class StepRunner:
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
-                 num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
+                 num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "auto",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
-        self.pcp, self.algorithms = pcp and group.size > 1, Algorithms(pcp_method=pcp_method)
+        self.pcp, self._auto_pcp = pcp and group.size > 1, pcp_method == "auto"
+        self.algorithms = Algorithms(pcp_method="ring" if self._auto_pcp else pcp_method)
         self.pcp_min_tokens = pcp_min_tokens
         if not self.family.backend.per_token_kv and self.family.cache not in self.other_caches:
             what = {"hybrid": "paged KV plus per-request linear-attention states",
@@ -141,6 +146,7 @@ class StepRunner:
         self.shard = PagedShard(layouts, k, v, ki, torch.zeros(0, self.max_blocks, dtype=torch.int64), block_size,
                                 interleave_size)
         self._tables = BlockTableRows(self.max_blocks, self.spare, rows=max_num_seqs)
+        self.pcp_context: dict = {}  # run_prefill_rows: the context of each prefill continuing under PCP
         self.poison = poison
         self.hidden_layers = hidden_layers
         self._step = functools.partial(decode_step, family=self.family, cfg=cfg, group=group, merge=merge,
@@ -186,7 +192,10 @@ class StepRunner:
             chunks = rows_of(out, pre)
             table = self.batch(chunks, max(len(ids) for ids in chunks.block_tables))["block_table"]
             t1 = time.perf_counter()
-            outputs, rows, hidden = run_prefill_rows(self, chunks, table, self.algorithms)
+            algorithms = self.algorithms
+            if self._auto_pcp and any(chunks.context_lens):
+                algorithms = dataclasses.replace(algorithms, pcp_method="allgather")
+            outputs, rows, hidden = run_prefill_rows(self, chunks, table, algorithms)
             times = [t1 - t0, time.perf_counter() - t1, 0.0]
             if dec:
                 o, r, _, more, h = self._forward(rows_of(out, dec), graph=False)
@@ -194,6 +203,7 @@ class StepRunner:
                 hidden = None if hidden is None else {**hidden, **h}
                 times = [a + b for a, b in zip(times, more)]
             return StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), hidden)
+        self.pcp_context.clear()  # a step without PCP chunks breaks every chain of kept contexts
         outputs, rows, replayed, times, hidden = self._forward(out, graph=True)
         return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent, *times, 0, hidden)
 

@@ -16,11 +16,12 @@ import dataclasses
 
 import torch
 
-from cpattn.engine.backends.paged import handoff
+from cpattn.engine.backends.paged import handoff, request_order
 from cpattn.engine.batch import Prompts
 from cpattn.engine.kv_rows import pack_rows, row_width
 from cpattn.engine.options import Algorithms
-from cpattn.engine.prefill import prefill
+from cpattn.engine.handoff import place_rows
+from cpattn.engine.prefill import gather_unshard, prefill
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
@@ -62,23 +63,45 @@ def cached_rows(group, shard, context_lens: tuple[int, ...]) -> torch.Tensor:
 
 def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorithms: Algorithms):
     """PCP prefill of the step's (all-prefill) rows; returns ({req_id: ModelOutput}, {req_id: logits [1, V]},
-    {req_id: {name: [q, F]}} hidden states of every row, or None without ``runner.hidden_layers``)."""
+    {req_id: {name: [q, F]}} hidden states of every row, or None without ``runner.hidden_layers``).
+
+    When a prefill continues past this step, the new rows are all-gathered (request order) once: each rank
+    writes those it owns into its shard, and a request whose prefill continues keeps them, after its
+    context, in ``runner.pcp_context``
+    (``{req_id: rows [n, F]}``, every rank the same), so its next chunk attends that context without
+    gathering it from the DCP shards again (:func:`cached_rows`, the fallback whenever a request's
+    context is not exactly the rows kept: after a preemption, a prefix hit, or a chunk run without PCP)."""
     g = runner.group
     view = dataclasses.replace(runner.shard, block_table=table)
     ctx = tuple(out.context_lens)
-    prefix = Prefix(cached_rows(g, view, ctx), ctx)
+    kept = runner.pcp_context
+    if all(c == 0 or (rid in kept and kept[rid].shape[0] == c) for rid, c in zip(out.req_ids, ctx)):
+        held = [kept[rid] for rid, c in zip(out.req_ids, ctx) if c]
+        rows = torch.cat(held) if held else cached_rows(g, view, ctx)  # no context at all: no gather
+    else:
+        rows = cached_rows(g, view, ctx)
+    prefix = Prefix(rows, ctx)
     vocab = runner.cfg.vocab_size
     prompts = Prompts.of([[0] * c + list(ids) for c, ids in zip(ctx, out.input_ids)], vocab_size=vocab)
     res = prefill(g, runner.family, runner.params, runner.cfg, prompts, algorithms=algorithms, prefix=prefix,
                   hidden_layers=runner.hidden_layers)
-    handoff(g, g, g, view, res, algorithms)
+    kept.clear()  # only requests whose prefill goes on, with exactly the context their cache holds
+    cu, cu_c = cu_seqlens(out.query_lens), cu_seqlens(ctx)
+    if all(out.samples):  # every prefill completes: the hand-off of Algorithms.handoff, nothing kept
+        handoff(g, g, g, view, res, algorithms)
+    else:
+        new = gather_unshard(g, res.rows, res.plan)  # [T, F] request order, on every rank
+        req, pos = request_order(res.plan, new.shape[0], ctx)
+        place_rows(view, new, req, pos, rank=g.rank, dcp_size=g.size)
+        for b, rid in enumerate(out.req_ids):
+            if not out.samples[b]:
+                kept[rid] = torch.cat([rows[cu_c[b]:cu_c[b + 1]], new[cu[b]:cu[b + 1]]])
     first = res.first_logits  # [B, V]
     chosen = first.argmax(-1).tolist()
     if any(out.sampling):  # None: a greedy row
         chosen = choose(first, chosen, sampled_positions(out, last_only=True))
     outputs, logits = {}, {}
     hidden = None if res.hidden is None else {}
-    cu = cu_seqlens(out.query_lens)
     for b, rid in enumerate(out.req_ids):
         if hidden is not None:  # request order, the new rows only
             hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
