@@ -16,6 +16,8 @@ consumer rank ``j % D``, as in the fixed-batch hand-off (:mod:`cpattn.engine.han
   :class:`GroupLink` sends one message per (producer rank, consumer rank) pair that has blocks,
   ``[n, block_size, F]``, over ``Group.send`` / ``recv`` (:func:`~cpattn.engine.handoff.send_block_pairs`).
   :class:`MemoryLink` hands them over in this process, for :class:`~cpattn.engine.pd_engine.PDEngine`.
+  A DeepSeek-V4 engine has no per-token blocks: bound to one, ``PDConnector()`` hands over each
+  request's whole V4 state instead (:mod:`cpattn.engine.connector_v4`).
 - **fetch**, on the consumer, at admission: the received spans, from the first span sent on. A
   span the device prefix cache already holds is not asked for. The inbox entry is dropped once
   the request has run a step.
@@ -135,6 +137,10 @@ class PDConnector(KVConnector):
         from cpattn.engine.kv_rows import row_width
         from cpattn.models.family import param_dtype
 
+        if side.family.backend.name == "v4":  # V4's rings + entries: a whole request state (connector_v4)
+            from cpattn.engine.connector_v4 import V4PDConnector
+
+            return V4PDConnector(self.link).bind(side)
         if side.role not in ROLES:
             raise ValueError(f"PDConnector on an engine of kv_role={side.role!r}: it joins a kv_producer and a "
                              "kv_consumer (PDEngine, run_rank(pd=True)); for one engine pass kv_pool= or nothing")

@@ -22,6 +22,8 @@ With ``kv_connector=PDConnector()`` (:mod:`cpattn.engine.connector_pd`) no pool 
 them: when the producer finishes a request, its whole blocks go straight to the consumer (in
 memory here, rank to rank in :func:`~cpattn.engine.run_rank.run_rank`).
 ``PoolConnector(pool, store=False) + PDConnector()`` sends only the blocks the pool does not hold.
+DeepSeek-V4 has no per-token blocks: its default connector is ``PDConnector()``, which hands each
+request's whole V4 state and first-token logits over (:mod:`cpattn.engine.connector_v4`); no pool.
 
 The first token comes from the producer, which gives the TTFT. The consumer
 samples it again from its recomputed tail, using the same per-request seed,
@@ -52,7 +54,7 @@ from typing import Any
 
 from cpattn.config import GuideCompatWarning, SchedulerConfig
 from cpattn.engine.connector import Handoff, PoolConnector
-from cpattn.engine.connector_pd import MemoryLink, moves_blocks
+from cpattn.engine.connector_pd import MemoryLink, PDConnector, moves_blocks
 from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams, drain
 from cpattn.engine.pooling import open_for_run, release
 from cpattn.models.family import get_family
@@ -118,8 +120,15 @@ class PDEngine:
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  poison: bool = False, merge: str = "local_ag", seed: int = 0, kv_connector=None) -> None:
         family = get_family(model)
-        sched = scheduler or SchedulerConfig()
-        if not sched.enable_prefix_caching:
+        v4 = family.backend.name == "v4"  # no per-token blocks: its whole state goes over (connector_v4)
+        if v4 and kv_pool is not None:
+            raise ValueError(f"kv_pool: {family.name} keeps its own cache (window rings + compressed entries), not "
+                             "per-token KV blocks a pool could hold; pass kv_pool=None (the P/D connector hands over "
+                             "its whole state)")
+        if v4 and kv_connector is None:
+            kv_connector = PDConnector()
+        sched = scheduler or (None if v4 else SchedulerConfig())  # None: V4's own defaults
+        if not v4 and not sched.enable_prefix_caching:
             raise ValueError("scheduler.enable_prefix_caching=False: P/D hands the KV over through the prefix "
                              "cache's second tier; leave prefix caching on")
         self.pool, self._opened = None, False

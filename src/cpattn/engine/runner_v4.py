@@ -28,7 +28,11 @@ The scheduler's block manager still does the accounting (blocks per request
 as for a paged family), so admission and preemption follow the same
 policies; the block tables themselves are unused. What V4 cannot do in the
 step loop is refused when the engine is built (:func:`v4_scheduler_config`):
-prefix caching and a KV pool (no per-token blocks to share), chunked
+prefix caching and a KV pool (no per-token blocks to share; P/D goes through
+the direct connector, :mod:`cpattn.engine.connector_v4`: the producer's runner
+stages each prefilled request's state, the consumer's places it in the
+request's slot at admission and samples the first token from the handed
+logits, computing no prompt token), chunked
 prefill (a V4 prompt is prefilled in one step: its compressor state does
 not continue across chunks), drafters that read the target's hidden states.
 
@@ -89,9 +93,16 @@ def v4_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | None, 
     False
     """
     name = family.name
-    if kv_pool is not None:
+    from cpattn.engine.connector import KVConnector
+    from cpattn.engine.connector_v4 import is_v4_direct
+
+    if isinstance(kv_pool, KVConnector) and not is_v4_direct(kv_pool):
+        raise ValueError(f"kv_connector={type(kv_pool).__name__}: {name} keeps its own cache (window rings + "
+                         "compressed entries), not per-token KV blocks a pool could hold; pass kv_connector=None, "
+                         "or PDConnector() for P/D (its whole state goes to the consumer)")
+    if kv_pool is not None and not is_v4_direct(kv_pool):
         raise ValueError(f"kv_pool: {name} keeps its own cache (window rings + compressed entries), not per-token "
-                         "KV blocks a pool could hold; pass kv_pool=None")
+                         "KV blocks a pool could hold; pass kv_pool=None (P/D: kv_connector=PDConnector())")
     if scheduler is None:
         return SchedulerConfig(enable_chunked_prefill=False, enable_prefix_caching=False)
     if scheduler.enable_prefix_caching:
@@ -261,6 +272,16 @@ class V4StepRunner:
         if len(self._free) < len(rids):
             raise RuntimeError(f"{len(rids)} new requests but {len(self._free)} free V4 cache slots; the scheduler "
                                "ran more requests than max_num_seqs")
+        take = getattr(self.connector, "take", None)  # V4 P/D consumer: states handed over, not computed
+        handed = {b: got for b in rows if take is not None
+                  and (got := take(out.req_ids[b], self.group.rank, out.query_lens[b])) is not None}
+        if handed:
+            outputs, logits, times = self._place(out, list(handed), handed)
+            rows = [b for b in rows if b not in handed]
+            if not rows:
+                return outputs, logits, times
+            o, lg, tm = self._prefill(out, rows)
+            return {**outputs, **o}, {**logits, **lg}, [a + b for a, b in zip(times, tm)]
         slots = [self._free.pop(0) for _ in rids]
         prompts = Prompts.of([list(out.input_ids[b]) for b in rows], vocab_size=self.cfg.vocab_size)
         t1 = time.perf_counter()
@@ -274,12 +295,34 @@ class V4StepRunner:
             lens[s] = high[s] = n
         self.holder.cache = replace(self.holder.cache, seq_lens=tuple(lens), high_water=tuple(high))
         self.slots.update(zip(rids, slots))
+        stage = getattr(self.connector, "stage", None)  # V4 P/D producer: the consumer gets this state
+        if stage is not None:
+            for j, rid in enumerate(rids):
+                stage(rid, collected, j, res.first_logits[j], self.group.rank)
         t2 = time.perf_counter()
         first = res.first_logits  # [B, V]
         chosen = _sample(out, rows, first, first.argmax(-1).tolist(), last_only=True)
         outputs = {rid: ModelOutput((chosen[j],)) for j, rid in enumerate(rids)}
         logits = {rid: first[j:j + 1] for j, rid in enumerate(rids)}
         return outputs, logits, [t1 - t0, t2 - t1, time.perf_counter() - t2]
+
+    def _place(self, out: SchedulerOutput, rows: list[int], handed: dict):
+        """Prefill rows whose state the P/D producer handed over (``handed[b]`` = (this rank's share,
+        first-token logits [V])): placed in fresh slots, the first token sampled from the logits."""
+        from cpattn.v4.share import place_share
+
+        t0 = time.perf_counter()
+        rids = [out.req_ids[b] for b in rows]
+        slots = [self._free.pop(0) for _ in rids]
+        for b, s in zip(rows, slots):
+            self.holder.cache = place_share(self.holder.cache, s, out.query_lens[b], handed[b][0])
+        self.slots.update(zip(rids, slots))
+        first = torch.stack([handed[b][1] for b in rows])  # [B, V]
+        t1 = time.perf_counter()
+        chosen = _sample(out, rows, first, first.argmax(-1).tolist(), last_only=True)
+        outputs = {rid: ModelOutput((chosen[j],)) for j, rid in enumerate(rids)}
+        logits = {rid: first[j:j + 1] for j, rid in enumerate(rids)}
+        return outputs, logits, [t1 - t0, 0.0, time.perf_counter() - t1]
 
     def _decode(self, out: SchedulerOutput, rows: list[int], q: int, *, graph: bool):
         """Decode rows of query length q (the last token + q - 1 drafts) in one call of the decode program."""
