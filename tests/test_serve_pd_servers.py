@@ -13,6 +13,7 @@ stored by the producer, prompt tokens fetched by the consumer. Then the same thr
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 from test_serve_flags import Served, _free_port, _greedy, _metrics, embedded, needs_serving  # noqa: F401
@@ -116,5 +117,14 @@ def _through_the_proxy(producer: Served, consumer: Served, embedded) -> None:
         with pytest.raises(openai.BadRequestError) as e:  # the producer's 400, passed through
             client.completions.create(model=NAME, prompt=[1, 2, 512], max_tokens=2)
         assert "outside the vocabulary" in e.value.body["message"]
+        aborted = _metrics(consumer.base)["cpattn_aborted_requests_total"]
+        impatient = openai.OpenAI(base_url=proxy.base + "/v1", api_key="x", max_retries=0, timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):  # a plain request given up: the proxy hangs up on the consumer
+            impatient.completions.create(model=NAME, prompt=SHORT[::-1], max_tokens=240, temperature=0)
+        deadline = time.monotonic() + 30
+        while (m := _metrics(consumer.base))["cpattn_aborted_requests_total"] < aborted + 1:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.1)
+        assert m["cpattn_kv_blocks_used"] == 0 and m["cpattn_running_requests"] == 0, m
     finally:
         assert proxy.stop() == 0, proxy.proc.stderr.read()

@@ -7,8 +7,9 @@ vLLM's two-server P/D flow, for ``cpattn serve`` servers started with
 and stores the prompt's KV blocks in the pool), then unchanged to the consumer (it fetches the
 blocks and decodes), whose answer -- JSON or server-sent events, relayed chunk by chunk -- is the
 client's. A producer error (400, 404, ...) is returned as it is, and nothing reaches the consumer.
-``GET /v1/models``, ``/health`` and ``/metrics`` are the consumer's. A client that closes its stream
-closes the proxy's connection to the consumer, which then aborts the request.
+``GET /v1/models``, ``/health`` and ``/metrics`` are the consumer's. A client that goes away while
+the consumer answers (a closed stream; a plain request, noticed within 0.25 s) ends the proxy's
+connection to the consumer, which then aborts the request.
 
 Usage::
 
@@ -34,6 +35,7 @@ import sys
 
 PROG = "python -m cpattn.serve.proxy"
 TIMEOUT_S = 600.0  # one upstream request (a long prefill on CPU takes minutes)
+POLL_S = 0.25  # how often a waiting non-streamed request asks whether its client is still there
 
 
 def address(text: str) -> tuple[str, int]:
@@ -65,6 +67,50 @@ def _whole(addr, method: str, path: str, body=None):
         conn.close()
 
 
+def _hang_up(conn) -> None:
+    """End an upstream connection now, waking the thread blocked reading it."""
+    import socket
+
+    try:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _ask(addr, body: bytes, gone):
+    """POST ``body`` to ``addr``'s /v1/completions in a thread: (status, content type, bytes), or None once
+    ``gone()`` (asked every ``POLL_S``) says the client left -- the connection is then ended at once."""
+    conn = http.client.HTTPConnection(*addr, timeout=TIMEOUT_S)
+
+    def ask():
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()  # a non-streamed answer's headers come with its body, at the end
+        return resp.status, resp.getheader("Content-Type", "application/json"), resp.read()
+
+    task = asyncio.ensure_future(asyncio.to_thread(ask))
+    try:
+        while not (await asyncio.wait({task}, timeout=POLL_S))[0]:
+            if await gone():
+                _hang_up(conn)
+                return None
+        return task.result()
+    finally:
+        if not task.done():
+            task.add_done_callback(lambda t: t.exception())  # the hung-up thread's error: expected, dropped
+        conn.close()
+
+
+async def _events(conn, resp):
+    """The consumer's event stream, line by line; done, or the client gone (the generator closed): the
+    connection ends, and the consumer aborts the request."""
+    try:
+        while chunk := await asyncio.to_thread(resp.readline):
+            yield chunk
+    finally:
+        _hang_up(conn)
+        conn.close()
+
+
 def build_proxy(prefill: tuple[str, int], decode: tuple[str, int]):
     """The FastAPI app of the proxy (module docstring)."""
     from fastapi import FastAPI, Request
@@ -88,27 +134,21 @@ def build_proxy(prefill: tuple[str, int], decode: tuple[str, int]):
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None
+        gone = request.is_disconnected
         if not isinstance(body, dict):  # not a JSON object: the producer's 400 says so
-            status, kind, data = await asyncio.to_thread(_whole, prefill, "POST", "/v1/completions", raw)
-            return Response(data, status_code=status, media_type=kind)
-        status, kind, data = await asyncio.to_thread(_whole, prefill, "POST", "/v1/completions",
-                                                     json.dumps(prefill_body(body)).encode())
-        if status != 200:
-            return Response(data, status_code=status, media_type=kind)
-        if not body.get("stream"):
-            status, kind, data = await asyncio.to_thread(_whole, decode, "POST", "/v1/completions", raw)
-            return Response(data, status_code=status, media_type=kind)
-        conn, resp = await asyncio.to_thread(_open, decode, "POST", "/v1/completions", raw)
-
-        async def events():
-            try:
-                while chunk := await asyncio.to_thread(resp.readline):
-                    yield chunk
-            finally:  # done, or the client went away: the consumer sees its connection close and aborts
-                conn.close()
-
-        return StreamingResponse(events(), status_code=resp.status,
-                                 media_type=resp.getheader("Content-Type", "text/event-stream"))
+            got = await _ask(prefill, raw, gone)
+        else:
+            got = await _ask(prefill, json.dumps(prefill_body(body)).encode(), gone)
+            if got is not None and got[0] == 200:  # prefilled: now the whole request, to the consumer
+                if not body.get("stream"):
+                    got = await _ask(decode, raw, gone)
+                else:
+                    conn, resp = await asyncio.to_thread(_open, decode, "POST", "/v1/completions", raw)
+                    return StreamingResponse(_events(conn, resp), status_code=resp.status,
+                                             media_type=resp.getheader("Content-Type", "text/event-stream"))
+        if got is None:  # the client went away
+            return Response(status_code=499)
+        return Response(got[2], status_code=got[0], media_type=got[1])
 
     return app
 
