@@ -47,12 +47,15 @@ from cpattn.graphs import capture_sizes, pick_size
 
 @dataclass(frozen=True)
 class Step:
-    """One engine step on this rank: seconds (barrier to end), a prefill step or not, replayed, bytes sent."""
+    """One engine step on this rank: seconds (barrier to end), a prefill step or not, replayed, bytes sent,
+    and the model step's part of it (``forward``: the engine's ``step_times["forward"]``; the rest is the step
+    loop's host work: schedule, inputs, sampling, commit)."""
 
     seconds: float
     prefill: bool
     replayed: bool
     sent: int
+    forward: float = float("nan")
 
 
 def _barrier(group: Group) -> None:
@@ -105,7 +108,8 @@ class Timer:
         if not outs:
             return
         out, replayed = engine.last_step
-        self.steps.append(Step(dt, any(out.is_prefill), bool(replayed), engine.stats.last_step_bytes))
+        self.steps.append(Step(dt, any(out.is_prefill), bool(replayed), engine.stats.last_step_bytes,
+                               engine.step_times.get("forward", float("nan"))))
         if len(self.steps) == 1 and not (len(outs) == self.nreq and all(len(o.token_ids) == 1 for o in outs)):
             raise RuntimeError(f"cpattn demo: step 0 emitted {len(outs)} of {self.nreq} first tokens; the budget "
                                "must prefill the whole batch in one step (a bug of the demo's scheduler config)")
@@ -114,9 +118,10 @@ class Timer:
         if not engine.has_unfinished() and self._facts is not None:
             self.facts = self._facts(engine)
 
-    def slowest(self) -> list[float]:
-        """Each step's time on the slowest rank (every rank ran the same steps)."""
-        mine = torch.tensor([s.seconds for s in self.steps], dtype=torch.float64)
+    def slowest(self, what: str = "seconds") -> list[float]:
+        """Each step's time (``what``: "seconds" or "forward") on the slowest rank (every rank ran the same
+        steps)."""
+        mine = torch.tensor([getattr(s, what) for s in self.steps], dtype=torch.float64)
         return self.group.all_gather(mine).view(self.group.size, -1).amax(0).tolist()
 
 
@@ -182,13 +187,14 @@ def loop_rank(group: Group, spec: Spec) -> dict:
         times = timer.slowest()
         if any(s.prefill for s in timer.steps[1:]):
             raise RuntimeError("cpattn demo: a decode step of the batch held a prefill row")
-        dec = times[1:]
+        dec, forward = times[1:], timer.slowest("forward")[1:]
         if timer.facts["engine_stats"]["preemptions"]:
             raise RuntimeError(f"cpattn demo: the batch was preempted ({num_blocks} KV blocks per rank); a demo bug")
         return {"tokens": torch.tensor([list(outs[i].token_ids[1:]) for i in range(nreq)], dtype=torch.int64),
                 "first": torch.tensor([outs[i].token_ids[0] for i in range(nreq)], dtype=torch.int64),
                 "tpot_s": statistics.median(dec) if dec else float("nan"), "step_s": dec, "ttft_s": times[0],
                 "tpot_spread_ms": spread([1e3 * t for t in dec]).as_dict() if dec else None,
+                "forward_spread_ms": spread([1e3 * t for t in forward]).as_dict() if dec else None,
                 "replayed_steps": sum(s.replayed for s in timer.steps), **timer.facts}
 
     runs: dict[str, dict] = {}

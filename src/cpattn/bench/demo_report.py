@@ -60,6 +60,7 @@ def summarize(res: dict, ref: dict, spec: Spec, engines) -> dict:
         "composition": res.get("composition", "fixed batch"),
         "ttft_ms": spread([1e3 * t for t in res["ttft_samples"]]).as_dict(),
         "tpot_ms": {name: r.get("tpot_spread_ms") for name, r in res["runs"].items()},
+        "decode_forward_ms": {name: r.get("forward_spread_ms") for name, r in res["runs"].items()},
         "decode_step_ms": {name: [1e3 * t for t in r["step_s"]] for name, r in res["runs"].items() if "step_s" in r},
         "engine_stats": {name: r["engine_stats"] for name, r in res["runs"].items() if "engine_stats" in r},
         "graph_vs_eager": paired(eager["step_s"], graph["step_s"]).as_dict()
@@ -144,6 +145,10 @@ def spread_lines(s: dict) -> list[str]:
     parts = [f"TTFT {fmt(t)} over {len(s['ttft_samples_ms'])} fresh run(s)"]
     parts += [f"TPOT {name} {fmt(d)}" for name, d in s.get("tpot_ms", {}).items() if d]
     lines = ["; ".join(parts) + " (median [low-high], the slowest rank's)"]
+    fwd = [f"{name} {fmt(d)}" for name, d in s.get("decode_forward_ms", {}).items() if d]
+    if fwd:
+        lines.append("  of a decode step, the model step (the engine's forward): " + "; ".join(fwd) +
+                     "; the rest is the step loop's host work (schedule, inputs, sampling, commit)")
     g = s.get("graph_vs_eager")
     if g:
         lines.append(f"eager / graph decode step time, paired by step: {g['median']:.2f}x [{g['low']:.2f}-{g['high']:.2f}]"
