@@ -1,8 +1,8 @@
 """The answers of ``POST /v1/completions``: a whole JSON body, or server-sent events token by token.
 
-:func:`whole` waits for every choice's last output (a client that disconnects first aborts them); :func:`stream` sends each engine output's new
-token ids as one ``data: {...}`` chunk per choice, the usage (if asked) and ``data: [DONE]``, and
-aborts the requests of a client that goes away. Without a tokenizer a choice's ``text`` is its token
+:func:`whole` waits for every choice's last output (a client that disconnects first aborts them);
+:func:`stream` sends each engine output's new token ids as one ``data: {...}`` chunk per choice, the
+usage (if asked) and ``data: [DONE]``, and aborts the requests of a client that goes away. Without a tokenizer a choice's ``text`` is its token
 ids joined by single spaces (:func:`ids_text`); ``logprobs`` is OpenAI's completions shape
 (:func:`logprobs_body`).
 
