@@ -157,26 +157,44 @@ def _gated_delta_step_fake(q, k, v, g, beta, state, scale, use_qk_l2norm):
 
 
 def conv_body(x, weight, bias, cu_seqlens, conv_state, silu):
-    """The conv op's math (plain torch, no host sync): see :func:`causal_conv1d`."""
+    """The conv op's math (plain torch, no host sync): see :func:`causal_conv1d`.
+
+    Every token by K shifted slices of the packed tokens (as if one request), then the first K-1 tokens of
+    each request (a fixed [B, K-1] set) recomputed from its conv state and written over them."""
     acc = acc_dtype(x, weight)
     t, c = x.shape
     kw, nb = weight.shape[1], conv_state.shape[0]
     w = kw - 1
     cu = cu_seqlens.to(torch.int64)
-    src = torch.cat([conv_state.reshape(nb * w, c), x.to(conv_state.dtype)])  # [B*W + T, C]: states, then tokens
-    tok = torch.arange(t, device=x.device)
-    req = torch.searchsorted(cu[1:], tok, right=True)  # [T] request of each token
-    pos = tok - cu[req]  # [T] position inside its request
-    y = torch.zeros(t, c, dtype=acc, device=x.device) if bias is None else bias.to(acc).expand(t, c)
-    for j in range(kw):  # tap j reads the input ``w - j`` tokens back, from the conv state before the request
-        p = pos + j - w
-        row = torch.where(p >= 0, nb * w + tok + j - w, req * w + w + p)
-        y = y + src[row].to(acc) * weight[:, j].to(acc)
+    wt = weight.to(acc)
+    xs = x.to(conv_state.dtype)
+    xa = xs.to(acc)
+    y = torch.zeros(t + 1, c, dtype=acc, device=x.device)  # the last row takes the fix-up's dead writes
+    if bias is not None:
+        y += bias.to(acc)
+    for j in range(kw):  # tap j reads the input ``w - j`` tokens back
+        sh = w - j
+        if sh < t:
+            y[sh:t].addcmul_(xa[:t - sh], wt[:, j])
+    req = torch.arange(nb, device=x.device)[:, None]
+    i = torch.arange(w, device=x.device)
+    tok = cu[:-1, None] + i  # [B, W]: each request's first W tokens
+    lens = (cu[1:] - cu[:-1])[:, None]
+    live = i < lens
+    fix = torch.zeros(nb, w, c, dtype=acc, device=x.device) if bias is None else bias.to(acc).expand(nb, w, c)
+    for j in range(kw):  # ... from the conv state when that is before the request
+        p = i + j - w  # [W]: position read, in the request
+        xrow = x.new_empty(nb, w, c, dtype=xs.dtype) if t == 0 else xs[torch.where(live & (p >= 0), tok + j - w, 0)]
+        val = torch.where((p >= 0)[:, None], xrow, conv_state[:, (w + p).clamp(max=w - 1)])
+        fix = fix + val.to(acc) * wt[:, j]
+    y.index_put_((torch.where(live, tok, t).flatten(),), fix.flatten(0, 1))
+    y = y[:t]
     if silu:
         y = F.silu(y)
-    e = (cu[1:] - cu[:-1])[:, None] + torch.arange(w, device=x.device)  # [B, W]: last W of (state | tokens)
-    rows = torch.where(e < w, torch.arange(nb, device=x.device)[:, None] * w + e, nb * w + cu[:-1, None] + e - w)
-    return y.to(x.dtype), src[rows]
+    e = lens + i  # [B, W]: the last W rows of (state | tokens)
+    xrow = x.new_empty(nb, w, c, dtype=xs.dtype) if t == 0 else xs[torch.where(e >= w, cu[:-1, None] + e - w, 0)]
+    state = torch.where((e < w)[..., None], conv_state[req, e.clamp(max=w - 1)], xrow)
+    return y.to(x.dtype), state
 
 
 @registry.define("causal_conv1d")
