@@ -237,6 +237,11 @@ def test_torchrun_rank_0_serves_and_the_other_follows(embedded):
         r = client.completions.create(model=NAME, prompt=[P1, P2], max_tokens=5, temperature=0)
         assert [_ids(c) for c in sorted(r.choices, key=lambda c: c.index)] == \
             [_greedy(embedded, P1, 5), _greedy(embedded, P2, 5)]
+        from cpattn.comm.listeners import listening, process_tree
+
+        workers = process_tree(srv.proc.pid)[1:]  # torchrun's own rendezvous store is torchrun's, not ours
+        mine = [x for x in listening(workers) if x.port != master]
+        assert any(x.port == port for x in mine) and all(x.loopback for x in mine), mine
     finally:
         from cpattn.comm.listeners import process_tree
 

@@ -17,7 +17,8 @@ says so in one line, exit 1.
 ``cpattn serve``; the world comes from torchrun's environment
 (:func:`cpattn.comm.dist.init_from_env`, gloo). Rank 0 serves and takes
 torchrun's (or the terminal's) signals as the one-process server does; the
-other ranks ignore SIGINT / SIGTERM and stop when rank 0's last turn says so.
+other ranks ignore SIGINT / SIGTERM and stop when rank 0's last turn says so. With a loopback
+``MASTER_ADDR`` gloo's pairs listen on loopback (``GLOO_SOCKET_IFNAME=lo`` unless already set).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import threading
 from cpattn.config import cli_args as cli
 from cpattn.serve.run import PROG, request_stop, serve_rank
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TIMEOUT_S = 600.0  # spawn's bound on a silent rank and on one collective (an idle rank 0 sends a turn every 0.5 s)
 
 
@@ -73,6 +75,8 @@ def torchrun_rank(a, sched) -> int:
     """``--distributed-executor-backend external_launcher``: this torchrun worker's part (module docstring)."""
     from cpattn.comm.dist import init_from_env
 
+    if os.environ.get("MASTER_ADDR") in LOOPBACK and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo's pairs on loopback too
     world = init_from_env("gloo", timeout_s=TIMEOUT_S)
     if world.rank > 0:  # rank 0 decides when the world stops
         for s in (signal.SIGINT, signal.SIGTERM):
