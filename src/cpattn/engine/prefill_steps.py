@@ -118,11 +118,19 @@ class PCPStep(_SplitPrefill):
         cv = ck[..., : v.shape[-1]] if self.layouts[layer].values_in_keys else cv
         kv = torch.nn.functional.pad(torch.cat([k, v], dim=-1), (0, 0, 0, 0, 0, plan.max_tokens - k.shape[0]))
         gathered = self.group.all_gather(kv)  # [P * max_tokens, Hkv, Dk + Dv], rank-major
-        pool = torch.cat([torch.cat([ck, cv], dim=-1).to(kv.dtype), gathered])  # context rows first
-        na, outs = plan.num_a(r), []
-        for rows, cu_q, (idx, cu_k) in ((slice(0, na), plan.cu_a[r], self._fused[0]),
-                                        (slice(na, q.shape[0]), plan.cu_b[r], self._fused[1])):
-            keys = pool[idx.to(pool.device)]
+        na, outs, parts = plan.num_a(r), [], self._fused
+        tc = ck.shape[0]
+        if parts[0] == "one":  # one request: [context | chunk in order]; each part's keys are a prefix of it
+            _, order, ends = parts
+            pool = gathered.new_empty(tc + order.numel(), *gathered.shape[1:])
+            pool[:tc, :, :dk], pool[:tc, :, dk:] = ck, cv
+            torch.index_select(gathered, 0, order.to(gathered.device), out=pool[tc:])
+            parts = [(slice(None, tc + e), torch.tensor([0, tc + e], dtype=torch.int32)) for e in ends]
+        else:  # [context | gathered] and, per part, the rows each request attends
+            pool = torch.cat([torch.cat([ck, cv], dim=-1).to(kv.dtype), gathered])
+        for rows, cu_q, (idx, cu_k) in ((slice(0, na), plan.cu_a[r], parts[0]),
+                                        (slice(na, q.shape[0]), plan.cu_b[r], parts[1])):
+            keys = pool[idx] if isinstance(idx, slice) else pool[idx.to(pool.device)]
             out, _ = attention_with_lse(q[rows], keys[..., :dk], keys[..., dk:], cu_q.to(q.device),
                                         cu_k.to(q.device), causal=True, softmax_scale=scale)
             outs.append(out)
@@ -187,9 +195,16 @@ class DSACPStep(_SplitPrefill):
 def _fused_index(plan: PCPPlan, rank: int, prefix: Prefix) -> tuple:
     """For :meth:`PCPStep._with_context`: per local part (A, B), the rows of ``[context | gathered chunk]``
     each request's queries attend -- its cached context, then its chunk keys up to the part's end
-    (``plan.prefix_index``) -- and their cu_seqlens [B+1]."""
+    (``plan.prefix_index``) -- and their cu_seqlens [B+1]. One request: ``("one", order, ends)`` -- the
+    gathered rows of the chunk in order [T] and each part's end, whose keys are then a prefix of
+    ``[context | chunk]``."""
     cu_c = cu_seqlens(prefix.context_lens)
     total = cu_c[-1]
+    if plan.num_requests == 1:  # ("one", gathered rows of the chunk in order [T], each part's end)
+        where = torch.empty(plan.query_lens[0], dtype=torch.int64)
+        for j, idx in enumerate(plan.token_index):
+            where[idx] = j * plan.max_tokens + torch.arange(idx.numel())
+        return "one", where, (plan.a_bounds[rank][0][1], plan.b_bounds[rank][0][1])
     parts = []
     for idx, cu_k in (plan.prefix_index[rank][:2], plan.prefix_index[rank][2:]):
         cu_k = cu_k.tolist()
