@@ -6,7 +6,7 @@ segment of tokens maps a start state S to ``M S + U`` with its transition
 :func:`pcp_gated_delta` on every rank, for its parts (see
 :mod:`cpattn.linear.layout`):
 
-1. each part is cut into the chunked op's chunks once (:func:`cpattn.ops.gated_delta_chunks.prepare`:
+1. each part is cut into the chunked op's chunks once (:func:`cpattn.ops.gated_delta_chunks.slabs`:
    the UT solves, decays, decayed ``q k^T``: the bulk of the op's work, done once and kept). The part of
    segment 0 starts from the requests' initial state, which every rank has: it runs to its outputs at once
    and its end state is its summary's U. Every other part is summarised: U by the state loop from zero
@@ -121,21 +121,24 @@ def pcp_gated_delta(
     for p, (seg, cu) in enumerate(zip(layout.segments[group.rank], cus)):
         for b in range(nb):
             rows = slice(off + cu[b], off + cu[b + 1])
-            ch = chunks.prepare(*(x[rows].transpose(0, 1) for x in (qq, kk, vv, gg, bb)), chunk_size)
+            x = [t[rows].transpose(0, 1) for t in (qq, kk, vv, gg, bb)]  # [Hv, n, D] / [Hv, n]
             if seg == 0:  # starts from the requests' initial state: its outputs now, its end state is U
-                o, sums[p, b, ..., dk:] = chunks.run(ch, init[b])
+                o, sums[p, b, ..., dk:] = chunks.run(*x, init[b], chunk_size)
                 out[rows] = o.transpose(0, 1)
-            else:
-                sums[p, b, ..., :dk] = chunks.transition(ch)
-                sums[p, b, ..., dk:] = chunks.final_state(ch, init.new_zeros(hv, dk, dv))
-                later.append((p, b, rows, ch))
+            elif rows.stop > rows.start:
+                sl = chunks.slabs(*x, chunk_size)
+                sums[p, b, ..., :dk] = chunks.transition(sl)
+                sums[p, b, ..., dk:] = chunks.final_state(sl, init.new_zeros(hv, dk, dv))
+                later.append((p, b, rows, sl))
+            else:  # no tokens: S -> S
+                sums[p, b, ..., :dk] = torch.eye(dk, dtype=acc, device=q.device)
         off += cu[-1]
     gathered = group.all_gather(sums)  # [P * parts, B, Hv, Dk, Dk+Dv], rank-major
     seq = torch.empty_like(gathered)
     seq[torch.tensor(layout.gathered_segments(), device=q.device)] = gathered
     starts = fold(seq, init, dk)
-    for p, b, rows, ch in later:
-        o, _ = chunks.run(ch, starts[layout.segments[group.rank][p]][b])
+    for p, b, rows, sl in later:
+        o, _ = chunks.run_slabs(sl, starts[layout.segments[group.rank][p]][b])
         out[rows] = o.transpose(0, 1)
     return out.to(q.dtype), starts[-1]
 

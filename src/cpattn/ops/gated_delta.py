@@ -86,7 +86,7 @@ def chunk_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     q, k: [H, L, Dk]; v: [H, L, Dv]; g, beta: [H, L]; state: [H, Dk, Dv].
     Returns o [H, L, Dv] and the state after the L tokens [H, Dk, Dv] (see :mod:`cpattn.ops.gated_delta_chunks`).
     """
-    return chunks.run(chunks.prepare(q, k, v, g, beta, chunk_size), state)
+    return chunks.run(q, k, v, g, beta, state, chunk_size)
 
 
 def chunk_varlen(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, chunk_size):
