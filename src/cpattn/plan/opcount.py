@@ -1,6 +1,6 @@
 """One rank's op sequence without peers: :class:`EchoGroup` answers collectives locally, :func:`count_ops` counts
 the aten ops (and the kernels a fusing compiler would launch) of a call; :func:`graph_program_ops` traces the
-demo program's decode step that ``cpattn bench graph`` runs (used by :func:`cpattn.plan.validate.predict_graph`).
+demo program's decode step that ``cpattn bench graph`` runs (used by :func:`cpattn.plan.bench_model.predict_graph`).
 
 Example
 -------
