@@ -10,9 +10,12 @@ process (a one-rank gloo group, so a captured step can be compiled), the
   one step (always eager, as FULL_DECODE_ONLY asks);
 - **chunked TTFT**: one ``--prompt``-token prompt prefilled in ``--chunk``
   chunks vs in one step (budget = the prompt), the first token's wall time,
-  interleaved rounds, median [low-high] of the per-round ratios; on one rank
-  and under PCP 2 + DCP 2 (two gloo ranks: each chunk's rows run PCP and
-  attend their cached context, gathered from the DCP shards).
+  interleaved rounds, median [low-high] of the per-round ratios, of wall time
+  and of rank 0's CPU seconds (``time.process_time``: on a shared machine the
+  wall ratio mostly measures who got a core); on one rank and under PCP 2 +
+  DCP 2 (two gloo ranks: each chunk's rows run PCP and attend their cached
+  context -- kept on every rank from the chunks before, in one causal call
+  with the chunk: :mod:`cpattn.engine.runner_pcp`).
 
 Per step the engine records host seconds by phase (``engine.step_times``):
 schedule, prepare (the input tensors), forward (the model step), sample,
@@ -102,19 +105,22 @@ def _ttft(group, params, cfg, prompt: int, chunk: int, rounds: int) -> dict:
     from cpattn.engine.llm import SamplingParams
 
     toks = [j * 5 % cfg.vocab_size for j in range(prompt)]
-    times = {"chunked": [], "whole": []}
+    times, cpu = {"chunked": [], "whole": []}, {"chunked": [], "whole": []}
     for r in range(rounds + 1):  # round 0 warms up
         for name in (("chunked", "whole") if r % 2 else ("whole", "chunked")):
             eng = _engine(group, params, cfg, batch=1, budget=chunk if name == "chunked" else prompt, graph=None,
                           num_blocks=prompt // 16 + 2)
             eng.add_request(toks, SamplingParams(max_tokens=1))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             while eng.has_unfinished():
                 eng.step()
             if r:
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
     ratios = [c / w for c, w in zip(times["chunked"], times["whole"]) if w > 0]
-    return {"chunked_s": _spread(times["chunked"]), "whole_s": _spread(times["whole"]), "ratio": _spread(ratios)}
+    cpu_ratios = [c / w for c, w in zip(cpu["chunked"], cpu["whole"]) if w > 0]
+    return {"chunked_s": _spread(times["chunked"]), "whole_s": _spread(times["whole"]), "ratio": _spread(ratios),
+            "cpu_ratio": _spread(cpu_ratios) if cpu_ratios else None}
 
 
 def ttft_rank(group, cfg: dict) -> dict:
@@ -208,9 +214,11 @@ def main(argv=None) -> int:
                       f"{str(row.get('replayed', '-')):>8}")
             for key, where in (("ttft", "one rank"), ("ttft_pcp2", "PCP 2 + DCP 2")):
                 t = r[key]
+                c = t.get("cpu_ratio")
+                cpu = f"; CPU seconds {c['median']:.2f} [{c['low']:.2f}-{c['high']:.2f}]" if c else ""
                 print(f"TTFT {args.prompt}-token prompt, {where}: {args.chunk}-token chunks "
                       f"{t['chunked_s']['median']:.3f} s vs one step {t['whole_s']['median']:.3f} s; chunked / whole "
-                      f"{t['ratio']['median']:.2f} [{t['ratio']['low']:.2f}-{t['ratio']['high']:.2f}]")
+                      f"{t['ratio']['median']:.2f} [{t['ratio']['low']:.2f}-{t['ratio']['high']:.2f}]{cpu}")
         print(f"\n({time.time() - t0:.0f} s)")
     write_json(args.json, {"benchmark": "engine", "config": cfg, "results": res})
     return 0

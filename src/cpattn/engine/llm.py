@@ -297,10 +297,12 @@ class LLMEngine:
         if self.connector is not None:  # the worker side: a pool stores, the P/D producer stages its blocks
             self.connector.save(out, self.scheduler.requests)
         reqs = self.scheduler.requests
-        outs = [RequestOutput(rid, self._prompts[rid], tuple(reqs[rid].output), rid in done or
-                              reqs[rid].status == "finished", reqs[rid].finish_reason,
-                              None if rid not in self._logprobs else tuple(self._logprobs[rid]))
-                for rid in out.req_ids]
+        outs = []
+        for rid in out.req_ids:  # one lookup per row; the output tokens sliced once
+            req = reqs[rid]
+            outs.append(RequestOutput(rid, self._prompts[rid], tuple(req.tokens[req.num_prompt:]),
+                                      rid in done or req.status == "finished", req.finish_reason,
+                                      None if rid not in self._logprobs else tuple(self._logprobs[rid])))
         for o in outs:
             if o.finished and o.logprobs is not None:
                 del self._logprobs[o.request_id], self._num_logprobs[o.request_id]
@@ -338,7 +340,7 @@ class LLMEngine:
 
     def _with_drafts(self, out, outputs: dict) -> dict:
         """Count verified drafts; with a drafter, attach each sampled request's next drafts."""
-        for b, rid in enumerate(out.req_ids):
+        for b, rid in enumerate(out.req_ids) if any(out.draft_tokens) else ():  # no drafts: nothing to count
             d = len(out.draft_tokens[b])
             if d and outputs[rid].sampled:
                 self._counts["drafted_tokens"] += d
