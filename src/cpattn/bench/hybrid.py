@@ -14,8 +14,13 @@ logits' relative difference printed.
 
 Part 2 -- what the scan's extra pass costs, one linear layer's delta rule at the same length: the plain
 chunked op over the whole sequence (one rank), the plain chunked op over one rank's half (what PCP would
-cost with no extra work), and the PCP scan (the augmented pass with ``Dk`` more value columns over the
-half, the summary all-gather and the combine).
+cost with no extra work), and the PCP scan over the half (the chunk tensors once, the summaries -- zero-start
+state loop and transition product -- of the parts after segment 0, the summary all-gather, the fold, then the
+state loop and outputs from the true start states).
+
+Every ratio is given twice: by wall time and by CPU time (``cpu ...``: each rank's process CPU seconds,
+the slowest rank's, per round). On a shared machine where the two ranks do not each get a core, the wall
+ratio measures the contention; the CPU ratio is each rank's work, a gloo wait counting as far as gloo spins.
 
 Part 3 -- bytes each rank sends in the PCP prefill (exact, from the group's counters): per linear layer the
 summaries' all-gather (the state exchange) and the conv halos, per attention layer the ring's KV exchange;
@@ -44,8 +49,10 @@ from cpattn.config import cli_args as cli
 
 DTYPES = ("float32", "bfloat16")
 BF16_PREFILL = 4096  # bf16's default prefill length (see main)
-PREFILL_COLUMNS = ["dtype", "tokens", "one_s", "pcp_s", "pcp/one [low-high]", "token_equal", "logits_rel"]
-SCAN_COLUMNS = ["dtype", "tokens", "plain_full_ms", "plain_half_ms", "scan_ms", "scan/plain_half [low-high]"]
+PREFILL_COLUMNS = ["dtype", "tokens", "one_s", "pcp_s", "pcp/one [low-high]", "cpu pcp/one", "token_equal",
+                   "logits_rel"]
+SCAN_COLUMNS = ["dtype", "tokens", "plain_full_ms", "plain_half_ms", "scan_ms", "scan/plain_half [low-high]",
+                "cpu scan/plain_half"]
 BYTES_COLUMNS = ["dtype", "what", "layers", "bytes_per_layer", "bytes", "hand_count"]
 DECODE_COLUMNS = ["dtype", "context", "one_ms", "dcp_ms", "dcp/one [low-high]", "token_equal", "kv_bytes_one",
                   "kv_bytes_rank", "state_bytes"]
@@ -245,16 +252,20 @@ def rows_of(res: list[dict], cfg, sizes: dict, pcp: int) -> dict[str, list[dict]
         p, s, d = r0["prefill"], r0["scan"], r0["decode"]
         ratio = harness.Comparison(p["samples"]).ratio("pcp", "one")
         tokens = sizes["prefill_by_dtype"][name]
+        cpu = harness.Comparison(p["samples"]).ratio("pcp", "one", clock="cpu")
         pre.append({"dtype": name, "tokens": tokens, "pcp": pcp, "one_s": p["samples"]["one"].median,
                     "pcp_s": p["samples"]["pcp"].median, "ratio": ratio.as_dict(),
-                    "pcp/one [low-high]": _spread(ratio), "token_equal": p["token_equal"],
+                    "pcp/one [low-high]": _spread(ratio), "cpu_ratio": cpu.as_dict(), "cpu pcp/one": _spread(cpu),
+                    "token_equal": p["token_equal"],
                     "logits_rel": p["logits_rel"], "order": p["order"]})
         sr = harness.Comparison(s["samples"]).ratio("scan", "plain_half")
+        sc = harness.Comparison(s["samples"]).ratio("scan", "plain_half", clock="cpu")
         scan.append({"dtype": name, "tokens": tokens,
                      "plain_full_ms": 1e3 * s["samples"]["plain_full"].median,
                      "plain_half_ms": 1e3 * s["samples"]["plain_half"].median,
                      "scan_ms": 1e3 * s["samples"]["scan"].median, "ratio": sr.as_dict(),
-                     "scan/plain_half [low-high]": _spread(sr), "order": s["order"]})
+                     "scan/plain_half [low-high]": _spread(sr), "cpu_ratio": sc.as_dict(),
+                     "cpu scan/plain_half": _spread(sc), "order": s["order"]})
         hand = hand_bytes(cfg, tokens, pcp, NAMES[name].itemsize)
         sent = max((x[name]["prefill"]["sent"] for x in res), key=lambda v: sum(v.values()))
         state = max(x[name]["scan"]["state_bytes"] for x in res)
@@ -319,7 +330,7 @@ def main(argv=None) -> int:
         out.line(f"\nPrefill TTFT (tokens per dtype in the table): PCP {n} vs one rank (issue target pcp/one <= 0.58)")
         out.table(rows["prefill"], PREFILL_COLUMNS)
         out.line(f"\nOne linear layer's delta rule at the prefill's length: plain chunked op (whole sequence, and "
-                 f"one rank's 1/{n}) vs the PCP scan (augmented pass + summary all-gather + combine)")
+                 f"one rank's 1/{n}) vs the PCP scan (summaries + all-gather + fold + outputs)")
         out.table(rows["scan"], SCAN_COLUMNS)
         out.line(f"\nBytes sent per rank in one PCP {n} prefill (group counters; hand_count from the config)")
         out.table(rows["bytes"], BYTES_COLUMNS)
