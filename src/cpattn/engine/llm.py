@@ -266,7 +266,8 @@ class LLMEngine:
         """Schedule, run and commit one step; the :class:`RequestOutput` of every row it ran.
 
         ``engine.step_times`` then holds the step's host seconds by phase: schedule, prepare (the
-        input tensors), forward (the model step, eager or replayed), sample, update (commit, drafts)."""
+        input tensors), forward (the model step, eager or replayed), sample, update (commit, drafts),
+        outputs (counters and the RequestOutput objects); ``total``: the whole call."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -280,9 +281,9 @@ class LLMEngine:
         if had:
             self._add_logprobs(had, results[0].logits)
         r = results[0]
-        self.step_times = {"schedule": t1 - t0, "prepare": r.prepare_s, "forward": r.forward_s,
-                           "sample": r.sample_s, "update": time.perf_counter() - t2,
-                           "total": time.perf_counter() - t0}
+        t3 = time.perf_counter()
+        times = {"schedule": t1 - t0, "prepare": r.prepare_s, "forward": r.forward_s, "sample": r.sample_s,
+                 "update": t3 - t2}
         if self.proposer is not None:
             gone = [r for r in list(self.proposer.slots) if self.scheduler.requests[r].status != "running"]
             self.proposer.release(gone)
@@ -306,6 +307,8 @@ class LLMEngine:
         for o in outs:
             if o.finished and o.logprobs is not None:
                 del self._logprobs[o.request_id], self._num_logprobs[o.request_id]
+        t4 = time.perf_counter()
+        self.step_times = {**times, "outputs": t4 - t3, "total": t4 - t0}
         return outs
 
     def _add_logprobs(self, had: dict, logits: dict) -> None:
