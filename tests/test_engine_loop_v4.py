@@ -117,6 +117,13 @@ def test_staggered_schedule_matches_one_device(layout):
     assert 0 < len(eng.scheduler.requests[2].output) < 6  # aborted after some tokens
 
 
+def test_lone_one_token_prompt_under_pcp2():
+    """A step whose only prompt is 1 token leaves PCP rank 1 no token: V4's blocks run on t = 0 rows."""
+    schedule = [{"prompt": prompt(1, 7), "arrive": 0, "max_tokens": 4}, {"prompt": prompt(6, 8), "arrive": 3,
+                                                                        "max_tokens": 3}]
+    check_run(engine("pcp2_dcp2", num_blocks=16), schedule)
+
+
 class OracleDrafter:
     """Drafts the one-device continuation of each request, every third draft wrong (so some are rejected)."""
 

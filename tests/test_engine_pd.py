@@ -149,6 +149,10 @@ def test_an_abort_in_either_role_frees_its_blocks(connector):
     s = pd.stats
     assert (s.prefill.blocks_used, s.decode.blocks_used, s.prefill.running, s.decode.running) == (0, 0, 0, 0)
     assert not pd.abort_request(b)
+    c = pd.add_request([7, 8], SamplingParams(max_tokens=1))  # finishes on the producer: never handed off
+    while pd.has_unfinished():
+        pd.step()
+    assert not pd.abort_request(c)  # finished there: False, as for any finished request
     if connector == "direct":  # nothing staged or waiting is left behind
         assert pd.prefill.connector._outbox == {} and pd.decode.connector._inbox == {}
 

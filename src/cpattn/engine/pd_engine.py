@@ -173,9 +173,11 @@ class PDEngine:
     def abort_request(self, request_id: Hashable) -> bool:
         """Stop a request in whichever role holds it; False if it had already finished."""
         self._params.pop(request_id, None)
-        if self.decode.connector is not None and request_id in self.decode.scheduler.requests:
+        if request_id not in self.decode.scheduler.requests:  # not handed off: the producer holds it (or finished it)
+            return self.prefill.abort_request(request_id)
+        if self.decode.connector is not None:
             self.decode.connector.request_finished(request_id)  # blocks received for it, if it never ran
-        return self.prefill.abort_request(request_id) or self.decode.abort_request(request_id)
+        return self.decode.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
         return self.prefill.has_unfinished() or self.decode.has_unfinished()

@@ -115,7 +115,7 @@ def attention(p: dict, cfg: DeepseekV4Config, layer: int, x: torch.Tensor, attn:
     o = blocks.rope_tail(attn.attend(layer, inp), cos, -sin)  # [T, H, D]: undo the values' rotation
     g = cfg.o_groups
     wa = p[pre + "o_a_proj.weight"].view(g, cfg.o_lora_rank, nh * d // g)  # [G, R, H D / G]
-    grouped = torch.einsum("tgi,gri->tgr", o.reshape(t, g, -1), wa).reshape(t, -1)  # [T, G R]
+    grouped = torch.einsum("tgi,gri->tgr", o.reshape(t, g, nh * d // g), wa).reshape(t, g * cfg.o_lora_rank)  # [T, G R]
     return F.linear(grouped, p[pre + "o_b_proj.weight"])
 
 

@@ -78,9 +78,9 @@ def hyper_weights(
     comb [T, n, n] (doubly stochastic) and the collapsed layer input [T, H]
     ``sum_j pre[t, j] streams[t, j]``.
     """
-    t, n, _ = streams.shape
+    t, n, h = streams.shape
     acc = acc_dtype(streams.dtype)
-    flat = rms_norm_unweighted(streams.reshape(t, -1).to(acc), rms_eps)
+    flat = rms_norm_unweighted(streams.reshape(t, n * h).to(acc), rms_eps)  # t may be 0 (an empty PCP rank)
     mix = F.linear(flat, fn.to(acc))  # [T, (2 + n) n]
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
     base, scale = base.to(acc), scale.to(acc)
