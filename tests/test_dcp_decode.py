@@ -157,7 +157,13 @@ def test_plan_tensors_and_padding():
     assert meta.positions.tolist() == [7, 8, -1, -1]
     assert meta.kv_lens.tolist() == [[4, 5, 0, 0], [4, 4, 0, 0]]
     assert meta.slot_mapping.tolist() == [[-1, 2 * 2 + 0, -1, -1], [1 * 2 + 1, -1, -1, -1]]
-    # the plan's tensors come from tensor ops alone: they trace into one graph
+
+
+@pytest.mark.slow
+def test_plan_tensors_trace_into_one_graph():
+    """The plan's tensors come from tensor ops alone: they trace into one graph (aot_eager, fullgraph)."""
+    table = torch.arange(6).view(2, 3)
+    meta = dcp_plan([9, 4], [2, 0], table, dcp_size=2, interleave_size=2, block_size=2, num_tokens=4)
     f = torch.compile(lambda s, q, bt: plan_tensors(s, q, bt, num_tokens=4, dcp_size=2, interleave_size=2,
                                                     block_size=2), backend="aot_eager", fullgraph=True)
     got = f(torch.tensor([9, 4]), torch.tensor([2, 0]), table)
