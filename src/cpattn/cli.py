@@ -32,7 +32,7 @@ COMMANDS = {
     "train-draft": ("cpattn.lab.train:main",
                     "an MTP / Eagle3 / DSpark head trained by self-distillation on a target's greedy continuations"),
     "serve": ("cpattn.serve.cli:main",
-              "OpenAI-compatible HTTP server (/v1/completions, token ids, greedy) on the step loop, 127.0.0.1"),
+              "OpenAI-compatible HTTP server (/v1/completions: token ids, or text with a tokenizer; sampling) on the step loop, 127.0.0.1"),
 }
 BENCHMARKS = {
     "pcp": ("cpattn.bench.pcp:bench_main", "16K-token PCP prefill: ring / all-gather / PyTorch ring vs one rank"),

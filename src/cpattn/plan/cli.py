@@ -37,7 +37,7 @@ calibrate`` saved it), or a profile JSON. Every assumption is printed.
 from __future__ import annotations
 
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import table, write_json
+from cpattn.config.cli_output import table, write_json
 from cpattn.plan.rules import fix_of, rule_of
 
 SUBCOMMANDS = ("calibrate", "validate", "anchors")
