@@ -66,6 +66,7 @@ from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
+from cpattn.engine import runner_dp
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.engine.step_inputs import BlockTableRows, LogitRows
 from cpattn.graphs.runner import DecodeRunner
@@ -148,6 +149,7 @@ class StepRunner:
         self._tables = BlockTableRows(self.max_blocks, self.spare, rows=max_num_seqs)
         self.pcp_context: dict = {}  # run_prefill_rows: the context of each prefill continuing under PCP
         self.poison = poison
+        self.dp_stats = runner_dp.DPStats()  # data-parallel prefill of short chunks (elastic CP)
         self.hidden_layers = hidden_layers
         self._step = functools.partial(decode_step, family=self.family, cfg=cfg, group=group, merge=merge,
                                        hidden_layers=hidden_layers)
@@ -174,6 +176,9 @@ class StepRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""
+        dp = runner_dp.dp_rows(self, out)  # elastic CP: short fresh chunks prefilled one rank each
+        if dp:
+            return runner_dp.execute_with_dp(self, out, dp)
         if self.poison and out.fresh_blocks:
             ids = torch.tensor(out.fresh_blocks, dtype=torch.int64)
             for t in (*self.shard.k, *self.shard.v, *self.shard.k_index):

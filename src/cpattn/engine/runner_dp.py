@@ -1,0 +1,148 @@
+"""Data-parallel prefill of short chunks under elastic CP: each short prompt runs on one rank, at the same time.
+
+With ``pcp_policy="elastic"`` a chunk shorter than ``pcp_min_tokens`` does not pay for PCP. Without this
+module it runs DCP attention with the step's decodes, so every rank computes every one of its tokens. When
+a step holds at least two such chunks that start their prompt (no cached context: the simplest exact
+case; a prefix hit or a later chunk keeps today's path) the group splits them instead:
+
+- :func:`assign` gives each chunk one rank, longest first to the least-loaded rank (ties to the lower rank,
+  then the earlier chunk): host-side, the same on every rank;
+- each rank runs plain one-device :func:`~cpattn.engine.prefill.prefill` over its own chunks (a size-1
+  :class:`Solo` group);
+- one all-gather of the new KV rows (padded to the busiest rank's tokens) and each rank writes the rows it
+  owns into its DCP shard (:func:`~cpattn.engine.handoff.place_rows`, as after a PCP prefill): decode keeps
+  the DCP layout;
+- one all-gather of the chunks' last-row logits, so every rank picks the same tokens from the same logits
+  (greedy and seeded sampling alike), those of one device.
+
+The step's other rows (long chunks under PCP, chunks with context, decodes) run first through the ordinary
+:meth:`~cpattn.engine.runner.StepRunner.execute`. Hybrid runners (per-request linear states) and runners
+that return hidden states keep today's path.
+
+>>> assign([5, 3, 3, 2], 2)
+[0, 1, 1, 0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cpattn.comm.group import Group
+from cpattn.engine.batch import Prompts
+from cpattn.engine.handoff import place_rows
+from cpattn.engine.kv_rows import row_width
+from cpattn.engine.prefill import gather_unshard, prefill
+from cpattn.engine.runner_pcp import rows_of
+from cpattn.engine.sampling import choose, sampled_positions
+from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
+from cpattn.ops.ref import acc_dtype
+
+
+class Solo(Group):
+    """A group of one rank (rank 0): every collective is the identity, counted as sending nothing."""
+
+    rank, size = 0, 1
+
+    def _unreachable(self, *_):  # Group's public collectives return before calling these when size == 1
+        raise AssertionError("Solo is a group of one rank; no collective reaches its transport")
+
+    _all_gather = _reduce_scatter = _all_to_all = _all_reduce = _ring_start = _unreachable
+
+
+@dataclass
+class DPStats:
+    """This rank's data-parallel prefill counters: ``steps`` that ran one, ``chunks`` and their new
+    ``tokens`` (over the group), ``bytes_sent`` by this rank for the rows and logits all-gathers."""
+
+    steps: int = 0
+    chunks: int = 0
+    tokens: int = 0
+    bytes_sent: int = 0
+
+
+def assign(lens, size: int) -> list[int]:
+    """The rank of each chunk of ``lens`` new tokens: longest first to the least-loaded of ``size`` ranks."""
+    load, owner = [0] * size, [0] * len(lens)
+    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + lens[i]
+    return owner
+
+
+def dp_rows(runner, out: SchedulerOutput) -> list[int]:
+    """The rows of ``out`` to prefill data-parallel (module docstring), or [] (then the step runs as before)."""
+    if not (runner.pcp and runner.pcp_min_tokens > 0) or runner.other_caches or runner.hidden_layers is not None:
+        return []
+    rows = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] < runner.pcp_min_tokens
+            and out.context_lens[b] == 0 and not out.draft_tokens[b]]
+    return rows if len(rows) >= 2 else []
+
+
+def execute_with_dp(runner, out: SchedulerOutput, dp: list[int]):
+    """Run the step: rows not in ``dp`` through ``runner.execute``, then rows ``dp`` data-parallel; one StepResult."""
+    from cpattn.engine.runner import StepResult
+
+    g = runner.group
+    keep = set(dp)
+    graph, runner.graph = runner.graph, None  # the whole step is not a uniform decode: the rest runs eagerly
+    try:
+        res = runner.execute(rows_of(out, [b for b in range(len(out.req_ids)) if b not in keep]))
+    finally:
+        runner.graph = graph
+    runner.pcp_context.clear()  # kept PCP contexts: only across steps that are PCP steps
+    sent, t0 = g.stats.total_sent(), time.perf_counter()
+    sub = rows_of(out, dp)
+    table = runner.batch(sub, max(len(ids) for ids in sub.block_tables))["block_table"]
+    owner = assign(sub.query_lens, g.size)
+    mine = [i for i, r in enumerate(owner) if r == g.rank]
+    layouts, vocab = runner.shard.layouts, runner.cfg.vocab_size
+    width, dtype = row_width(layouts), runner.shard.k[0].dtype
+    t1 = time.perf_counter()
+    if mine:
+        solo = Solo()
+        got = prefill(solo, runner.family, runner.params, runner.cfg,
+                      Prompts.of([list(sub.input_ids[i]) for i in mine], vocab_size=vocab),
+                      algorithms=runner.algorithms)
+        rows, first = gather_unshard(solo, got.rows, got.plan), got.first_logits  # [T_r, F], [B_r, V]
+    else:
+        rows = torch.zeros(0, width, dtype=dtype)
+        first = torch.zeros(0, vocab, dtype=acc_dtype(torch.zeros(0, dtype=dtype)))
+    t2 = time.perf_counter()
+    tokens = [sum(q for q, r in zip(sub.query_lens, owner) if r == j) for j in range(g.size)]
+    counts = [owner.count(j) for j in range(g.size)]
+    t_max, b_max = max(tokens), max(counts)
+    pad = torch.nn.functional.pad
+    all_rows = g.all_gather(pad(rows, (0, 0, 0, t_max - rows.shape[0]))).view(g.size, t_max, width)
+    all_first = g.all_gather(pad(first, (0, 0, 0, b_max - first.shape[0]))).view(g.size, b_max, -1)
+    new, req, pos, last = [], [], [], []
+    seen, used = [0] * g.size, [0] * g.size
+    for i, (q, r) in enumerate(zip(sub.query_lens, owner)):
+        new.append(all_rows[r, used[r]:used[r] + q])
+        req.append(torch.full((q,), i, dtype=torch.int64))
+        pos.append(torch.arange(q))
+        last.append(all_first[r, seen[r]])
+        used[r], seen[r] = used[r] + q, seen[r] + 1
+    view = dataclasses.replace(runner.shard, block_table=table)
+    place_rows(view, torch.cat(new), torch.cat(req), torch.cat(pos), rank=g.rank, dcp_size=g.size)
+    first = torch.stack(last)  # [B, V], chunk order
+    chosen = first.argmax(-1).tolist()
+    if any(sub.sampling):  # None: a greedy row
+        chosen = choose(first, chosen, sampled_positions(sub, last_only=True))
+    outputs, logits = dict(res.outputs), dict(res.logits)
+    for i, rid in enumerate(sub.req_ids):
+        if sub.samples[i]:
+            outputs[rid] = ModelOutput((chosen[i],))
+            logits[rid] = first[i:i + 1]
+        else:
+            outputs[rid] = ModelOutput()
+    moved = g.stats.total_sent() - sent
+    st = runner.dp_stats
+    st.steps, st.chunks, st.tokens, st.bytes_sent = (st.steps + 1, st.chunks + len(dp),
+                                                     st.tokens + sum(sub.query_lens), st.bytes_sent + moved)
+    t3 = time.perf_counter()
+    return StepResult(outputs, logits, False, res.bytes_sent + moved, res.prepare_s + t1 - t0,
+                      res.forward_s + t2 - t1 + t3 - t2, res.sample_s, res.pcp_rows, res.hidden)

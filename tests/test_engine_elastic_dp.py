@@ -1,0 +1,106 @@
+"""Elastic CP's data-parallel prefill (cpattn.engine.runner_dp): a step's short fresh chunks run one rank each,
+long ones PCP over the group; tokens stay one-device greedy (tests/test_engine_loop.py's oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_loop_cases import run_schedule
+from test_engine_loop import expected, model
+
+from cpattn.config import SchedulerConfig
+from cpattn.engine.elastic import NEVER
+from cpattn.engine.kv_rows import row_width
+from cpattn.engine.llm import LLMEngine
+from cpattn.engine.runner_dp import assign
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]  # PCP + DCP in one engine
+
+MIN = 8  # pcp_min_tokens: chunks of fewer new tokens are short
+
+
+def toks(g, vocab, n):
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def together(vocab):
+    """Four short prompts at once, a long one with them, then two more short ones later (staggered)."""
+    g = torch.Generator().manual_seed(5)
+    return [dict(prompt=toks(g, vocab, n), max_tokens=m, arrive=a)
+            for n, m, a in ((3, 4, 0), (5, 3, 0), (2, 5, 0), (6, 3, 0), (20, 3, 0), (4, 4, 3), (7, 3, 3))]
+
+
+def engine(family, size, min_tokens=MIN, budget=40, heads=None):
+    cfg, params = model(family, heads)
+    return LLMEngine(family, params, cfg, dcp_size=size, pcp_size=size, block_size=4, num_blocks=60, poison=True,
+                     pcp_policy="elastic", pcp_min_tokens=min_tokens,
+                     scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8))
+
+
+def dp_eligible(out, min_tokens=MIN):
+    """Rows a step should prefill data-parallel: at least two short chunks without cached context."""
+    rows = [b for b, p in enumerate(out.is_prefill)
+            if p and out.query_lens[b] < min_tokens and out.context_lens[b] == 0]
+    return rows if len(rows) >= 2 else []
+
+
+def check(family, size, reqs, heads=None, **kw):
+    e = engine(family, size, heads=heads, **kw)
+    ids, steps = run_schedule(e, reqs)
+    assert {i: list(e.scheduler.requests[r].output) for i, r in ids.items()} == \
+           {i: expected(family, r, heads) for i, r in enumerate(reqs)}
+    stats = [r.dp_stats for r in e.runners]
+    assert len({(s.steps, s.chunks, s.tokens) for s in stats}) == 1  # every rank ran the same DP steps
+    want = [dp_eligible(o, kw.get("min_tokens", MIN)) for o, _ in steps]
+    assert stats[0].steps == sum(bool(w) for w in want)
+    assert stats[0].tokens == sum(o.query_lens[b] for (o, _), w in zip(steps, want) for b in w)
+    return e, steps, want
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_short_prompts_prefill_one_rank_each_and_tokens_stay_exact(size):
+    heads = 6 if size == 3 else None
+    e, steps, want = check("qwen3", size, together(model("qwen3", heads)[0].vocab_size), heads=heads)
+    assert e.runners[0].dp_stats.steps >= 2  # the burst at step 0 and the staggered pair at step 3
+    assert e.stats.pcp_steps > 0  # the long prompt still ran PCP
+    # bytes: the rows all-gather (padded to the busiest rank's tokens) and the logits one, (N - 1) copies sent
+    cfg = e.runners[0].cfg
+    width, item = row_width(e.runners[0].shard.layouts), 8  # float64 rows and logits
+    sent = 0
+    for (o, _), w in zip(steps, want):
+        if w:
+            owner = assign([o.query_lens[b] for b in w], size)
+            t_max = max(sum(o.query_lens[b] for b, r in zip(w, owner) if r == j) for j in range(size))
+            b_max = max(owner.count(j) for j in range(size))
+            sent += (size - 1) * item * (t_max * width + b_max * cfg.vocab_size)
+    assert e.runners[0].dp_stats.bytes_sent == sent > 0
+
+
+def test_dsa_short_prompts_prefill_one_rank_each():
+    e, _, _ = check("deepseek_v32", 2, together(model("deepseek_v32")[0].vocab_size)[:4])
+    assert e.runners[0].dp_stats.steps == 1
+
+
+def test_no_dp_for_a_lone_short_prompt_nor_for_chunks_with_context():
+    cfg, _ = model("qwen3")
+    g = torch.Generator().manual_seed(9)
+    # one short prompt per step; then a 12-token prompt cut by a budget of 5 into short chunks with context
+    reqs = [dict(prompt=toks(g, cfg.vocab_size, 4), max_tokens=3, arrive=0),
+            dict(prompt=toks(g, cfg.vocab_size, 12), max_tokens=3, arrive=1)]
+    e, steps, want = check("qwen3", 2, reqs, budget=5, min_tokens=MIN)
+    assert not any(want) and e.runners[0].dp_stats.steps == 0
+    assert any(c > 0 for o, _ in steps for c, p in zip(o.context_lens, o.is_prefill) if p)  # chunks with context ran
+
+
+def test_never_threshold_sends_every_fresh_burst_data_parallel():
+    cfg, _ = model("qwen3")
+    reqs = together(cfg.vocab_size)
+    e, _, _ = check("qwen3", 2, reqs, min_tokens=NEVER)
+    assert e.stats.pcp_steps == 0 and e.runners[0].dp_stats.chunks >= 5
+
+
+def test_assign_balances_tokens_deterministically():
+    assert assign([5, 3, 3, 2], 2) == [0, 1, 1, 0]  # 5+2 against 3+3
+    assert assign([1, 1, 1], 3) == [0, 1, 2]
+    assert assign([4, 1], 3) == [0, 1]  # rank 2 idle
