@@ -104,3 +104,34 @@ def test_assign_balances_tokens_deterministically():
     assert assign([5, 3, 3, 2], 2) == [0, 1, 1, 0]  # 5+2 against 3+3
     assert assign([1, 1, 1], 3) == [0, 1, 2]
     assert assign([4, 1], 3) == [0, 1]  # rank 2 idle
+
+
+def test_a_partial_fresh_chunk_runs_data_parallel_then_continues_with_context():
+    cfg, _ = model("qwen3")
+    g = torch.Generator().manual_seed(3)
+    # budget 10: 3 + 5 tokens, then 2 of the third prompt (a fresh partial chunk), its rest next step
+    reqs = [dict(prompt=toks(g, cfg.vocab_size, n), max_tokens=3, arrive=0) for n in (3, 5, 6, 4)]
+    e, steps, want = check("qwen3", 2, reqs, budget=10)
+    first = steps[0][0]
+    assert want[0] == [0, 1, 2] and first.samples[2] is False  # the partial chunk ran data-parallel
+    assert any(o.context_lens[b] > 0 for o, _ in steps[1:] for b, p in enumerate(o.is_prefill) if p)
+
+
+def test_seeded_sampling_matches_one_device():
+    from cpattn.engine.sampling import SamplingParams
+
+    cfg, params = model("qwen3")
+    g = torch.Generator().manual_seed(21)
+    prompts = [toks(g, cfg.vocab_size, n) for n in (3, 6, 5, 2)]
+
+    def run(e):
+        ids = [e.add_request(p, SamplingParams(max_tokens=4, temperature=0.9, top_k=20, seed=100 + i))
+               for i, p in enumerate(prompts)]
+        while e.has_unfinished():
+            e.step()
+        return [list(e.scheduler.requests[r].output) for r in ids], e
+
+    one, _ = run(LLMEngine("qwen3", params, cfg, block_size=4, num_blocks=60,
+                           scheduler=SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)))
+    got, e = run(engine("qwen3", 2))
+    assert got == one and e.runners[0].dp_stats.chunks == 4
