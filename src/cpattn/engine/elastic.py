@@ -5,8 +5,12 @@ that is slower than one rank: SGLang measured 15-21% worse TTFT. With
 ``pcp_policy="elastic"`` the step loop compares each prefill chunk with a
 threshold. A chunk of at least ``pcp_min_tokens`` new tokens runs PCP over the
 group. A shorter chunk runs DCP attention, in the same eager call as the
-step's decodes, and attends its cached context without moving it. Decode keeps
-the DCP layout whatever degree the prefill ran at, and the tokens are the
+step's decodes, and attends its cached context without moving it. When a step
+holds two or more short chunks that start their prompt (no cached context),
+they prefill data-parallel instead: each on one rank, balanced by tokens, the
+new KV rows all-gathered to their DCP owners and the last-row logits shared
+(:mod:`cpattn.engine.runner_dp`; ``StepRunner.dp_stats`` counts them). Decode
+keeps the DCP layout whatever degree the prefill ran at, and the tokens are the
 same either way.
 
 The threshold is the planner's break-even for attention on this machine
