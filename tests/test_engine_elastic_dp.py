@@ -135,3 +135,25 @@ def test_seeded_sampling_matches_one_device():
                            scheduler=SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)))
     got, e = run(engine("qwen3", 2))
     assert got == one and e.runners[0].dp_stats.chunks == 4
+
+
+@pytest.mark.parametrize("schedule", ["together", "shared"])
+def test_with_captured_decodes_interleave_and_prefix_hits(schedule):
+    """The replay rule (a DP step runs its other rows eagerly), interleaved DCP rows, prefix hits kept on
+    today's path (chunks with cached context), no leaked block: tests/test_engine_loop.py's check_run."""
+    from test_engine_loop import check_run, shared_schedule
+
+    cfg, params = model("qwen3")
+    e = LLMEngine("qwen3", params, cfg, dcp_size=2, pcp_size=2, block_size=4, interleave_size=2, num_blocks=60,
+                  poison=True, graph_mode="FULL_DECODE_ONLY", pcp_policy="elastic", pcp_min_tokens=MIN,
+                  scheduler=SchedulerConfig(max_num_batched_tokens=40 if schedule == "together" else 10,
+                                            max_num_seqs=8))
+    reqs = together(cfg.vocab_size) if schedule == "together" else shared_schedule(cfg.vocab_size)
+    steps = check_run("qwen3", e, reqs)
+    want = [dp_eligible(o) for o, _ in steps]
+    assert e.runners[0].dp_stats.steps == sum(bool(w) for w in want)
+    assert e.stats.replayed_steps > 0
+    if schedule == "together":
+        assert e.runners[0].dp_stats.steps > 0
+    else:
+        assert e.stats.prefix_hit_tokens > 0
