@@ -6,6 +6,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import ref/ (the oracles)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# the lanes' Hypothesis profiles (tests/lanes.py); registered at import so --hypothesis-profile can name them too
+settings.register_profile("full", deadline=None)
+settings.register_profile("fast", max_examples=25, deadline=None)
 
 
 @pytest.hookimpl(trylast=True)  # after the plugins register their own markers (skipif, parametrize, ...)
@@ -23,21 +28,19 @@ def pytest_configure(config):
     if unknown:
         raise pytest.UsageError(f"-m {expr!r}: unknown marker {', '.join(unknown)}; registered: "
                                 f"{', '.join(sorted(known))} (pyproject.toml [tool.pytest.ini_options] markers)")
-    if not config.getoption("hypothesis_profile", None):  # an explicit --hypothesis-profile is left alone
-        _hypothesis_profile(expr)
+    _hypothesis_profile(expr, config.getoption("hypothesis_profile", None))
 
 
-def _hypothesis_profile(expr: str) -> None:
-    """``fast`` when ``-m`` deselects a test marked only ``slow``, else ``full``; ``HYPOTHESIS_PROFILE`` wins."""
+def _hypothesis_profile(expr: str, flag: str | None) -> None:
+    """``fast`` when ``-m`` deselects a test marked only ``slow``, else ``full``; ``--hypothesis-profile`` or
+    ``HYPOTHESIS_PROFILE`` wins. Sets ``HYPOTHESIS_PROFILE`` for :func:`lanes.examples` and loads the profile."""
     from _pytest.mark.expression import Expression
-    from hypothesis import settings
 
     fast = bool(expr) and not Expression.compile(expr).evaluate(lambda name, **kw: name == "slow")
-    name = os.environ.setdefault("HYPOTHESIS_PROFILE", "fast" if fast else "full")
-    settings.register_profile("full", deadline=None)
-    settings.register_profile("fast", max_examples=25, deadline=None)
+    name = flag or os.environ.get("HYPOTHESIS_PROFILE") or ("fast" if fast else "full")
     if name not in ("full", "fast"):
-        raise pytest.UsageError(f"HYPOTHESIS_PROFILE={name!r}: use 'full' (every example) or 'fast' (fewer)")
+        raise pytest.UsageError(f"Hypothesis profile {name!r}: use 'full' (every example) or 'fast' (fewer)")
+    os.environ["HYPOTHESIS_PROFILE"] = name
     settings.load_profile(name)
 
 
