@@ -44,6 +44,8 @@ Usage::
 
 from __future__ import annotations
 
+import statistics
+
 from cpattn.bench import harness
 from cpattn.config import cli_args as cli
 
@@ -256,6 +258,8 @@ def rows_of(res: list[dict], cfg, sizes: dict, pcp: int) -> dict[str, list[dict]
         pre.append({"dtype": name, "tokens": tokens, "pcp": pcp, "one_s": p["samples"]["one"].median,
                     "pcp_s": p["samples"]["pcp"].median, "ratio": ratio.as_dict(),
                     "pcp/one [low-high]": _spread(ratio), "cpu_ratio": cpu.as_dict(), "cpu pcp/one": _spread(cpu),
+                    "one_cpu_s": statistics.median(p["samples"]["one"].cpu),
+                    "pcp_cpu_s": statistics.median(p["samples"]["pcp"].cpu),
                     "token_equal": p["token_equal"],
                     "logits_rel": p["logits_rel"], "order": p["order"]})
         sr = harness.Comparison(s["samples"]).ratio("scan", "plain_half")
@@ -264,6 +268,8 @@ def rows_of(res: list[dict], cfg, sizes: dict, pcp: int) -> dict[str, list[dict]
                      "plain_full_ms": 1e3 * s["samples"]["plain_full"].median,
                      "plain_half_ms": 1e3 * s["samples"]["plain_half"].median,
                      "scan_ms": 1e3 * s["samples"]["scan"].median, "ratio": sr.as_dict(),
+                     **{f"{k}_cpu_ms": 1e3 * statistics.median(s["samples"][k].cpu) for k in ("plain_full",
+                                                                                           "plain_half", "scan")},
                      "scan/plain_half [low-high]": _spread(sr), "cpu_ratio": sc.as_dict(),
                      "cpu scan/plain_half": _spread(sc), "order": s["order"]})
         hand = hand_bytes(cfg, tokens, pcp, NAMES[name].itemsize)

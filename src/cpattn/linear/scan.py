@@ -7,22 +7,24 @@ segment of tokens maps a start state S to ``M S + U`` with its transition
 :mod:`cpattn.linear.layout`):
 
 1. each part is cut into the chunked op's chunks once (:func:`cpattn.ops.gated_delta_chunks.slabs`:
-   the UT solves, decays, decayed ``q k^T``: the bulk of the op's work, done once and kept). The part of
-   segment 0 starts from the requests' initial state, which every rank has: it runs to its outputs at once
-   and its end state is its summary's U. Every other part is summarised: U by the state loop from zero
-   (two small matmuls per chunk, no outputs) and M as the product of the chunks' transitions
+   the UT solves, decays, decayed ``q k^T``: the bulk of the op's work, done once and kept), and
+   summarised: U by the state loop (two small matmuls per chunk, no outputs) from zero -- or, for segment
+   0, from the requests' initial state, which every rank has, so U is its end state and M is not needed --
+   and M as the product of the chunks' transitions
    ``T_i = end_i I - kd_i^T w_i`` (one batched matmul, then a tree of batched ``Dk x Dk`` products);
 2. one all-gather of the summaries ``[M | U]`` ``[parts, B, Hv, Dk, Dk + Dv]`` over the group (bytes
    counted by the group: ``(P-1) * parts * B * Hv * Dk * (Dk + Dv) * 4`` sent per rank, float32);
 3. each rank folds the summaries of the segments before each of its parts, in sequence order, onto the
    requests' initial state: ``S <- M S + U`` (segment 0's U is already its end state);
-4. each summarised part then runs the op's state loop and outputs from its true start state, on the chunk
-   tensors of step 1. Every rank also folds all segments: the final state, the same on every rank.
+4. each part then runs the op's state loop and outputs from its true start state, on the chunk tensors
+   of step 1 (every rank's work before the gather is its parts' chunk tensors and summaries, so the ranks
+   meet there at about the same time). Every rank also folds all segments: the final state, the same on
+   every rank.
 
 Exact in float64 (to rounding) against one device; NaN in a token reaches
 what it reaches there (a NaN summary poisons the start states of the later
 segments as the recurrence poisons the state). The price against one device:
-per summarised part, the zero-start state loop and the transition product
+per part, the summary's state loop and (after segment 0) the transition product
 (about a quarter of the chunked op's work over the same tokens; ``cpattn
 bench hybrid`` measures it), and the gather. (An earlier form ran the op
 over augmented values ``[0 | v]`` from ``[I | 0]``: ``Dk`` more value
@@ -122,16 +124,19 @@ def pcp_gated_delta(
         for b in range(nb):
             rows = slice(off + cu[b], off + cu[b + 1])
             x = [t[rows].transpose(0, 1) for t in (qq, kk, vv, gg, bb)]  # [Hv, n, D] / [Hv, n]
-            if seg == 0:  # starts from the requests' initial state: its outputs now, its end state is U
-                o, sums[p, b, ..., dk:] = chunks.run(*x, init[b], chunk_size)
-                out[rows] = o.transpose(0, 1)
-            elif rows.stop > rows.start:
-                sl = chunks.slabs(*x, chunk_size)
+            if rows.stop == rows.start:  # no tokens: S -> S
+                if seg == 0:
+                    sums[p, b, ..., dk:] = init[b]
+                else:
+                    sums[p, b, ..., :dk] = torch.eye(dk, dtype=acc, device=q.device)
+                continue
+            sl = chunks.slabs(*x, chunk_size)
+            if seg == 0:  # starts from the requests' initial state, which every rank has: U is its end state
+                sums[p, b, ..., dk:] = chunks.final_state(sl, init[b])
+            else:
                 sums[p, b, ..., :dk] = chunks.transition(sl)
                 sums[p, b, ..., dk:] = chunks.final_state(sl, init.new_zeros(hv, dk, dv))
-                later.append((p, b, rows, sl))
-            else:  # no tokens: S -> S
-                sums[p, b, ..., :dk] = torch.eye(dk, dtype=acc, device=q.device)
+            later.append((p, b, rows, sl))
         off += cu[-1]
     gathered = group.all_gather(sums)  # [P * parts, B, Hv, Dk, Dk+Dv], rank-major
     seq = torch.empty_like(gathered)

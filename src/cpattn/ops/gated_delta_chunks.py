@@ -1,4 +1,4 @@
-"""The chunked (WY / UT-transform) form of the gated delta rule for one request, in pieces the op and the PCP scan share.
+"""The chunked (WY / UT-transform) gated delta rule for one request, in pieces the op and the PCP scan share.
 
 Per chunk i of C tokens (all heads at once; S the state at the chunk's start)::
 
