@@ -64,16 +64,19 @@ def test_short_prompts_prefill_one_rank_each_and_tokens_stay_exact(size):
     e, steps, want = check("qwen3", size, together(model("qwen3", heads)[0].vocab_size), heads=heads)
     assert e.runners[0].dp_stats.steps >= 2  # the burst at step 0 and the staggered pair at step 3
     assert e.stats.pcp_steps > 0  # the long prompt still ran PCP
-    # bytes: the rows all-gather (padded to the busiest rank's tokens) and the logits one, (N - 1) copies sent
+    # bytes: the rows' all-to-all (each rank's rows by DCP owner p % N, padded to the largest sender-owner
+    # count) and the logits all-gather (padded to the most chunks on a rank), (N - 1) shares sent
     cfg = e.runners[0].cfg
     width, item = row_width(e.runners[0].shard.layouts), 8  # float64 rows and logits
     sent = 0
     for (o, _), w in zip(steps, want):
         if w:
             owner = assign([o.query_lens[b] for b in w], size)
-            t_max = max(sum(o.query_lens[b] for b, r in zip(w, owner) if r == j) for j in range(size))
+            pair = [[sum(1 for b, r in zip(w, owner) if r == j for p in range(o.query_lens[b]) if p % size == d)
+                     for d in range(size)] for j in range(size)]
+            m = max(map(max, pair))
             b_max = max(owner.count(j) for j in range(size))
-            sent += (size - 1) * item * (t_max * width + b_max * cfg.vocab_size)
+            sent += (size - 1) * item * (m * width + b_max * cfg.vocab_size)
     assert e.runners[0].dp_stats.bytes_sent == sent > 0
 
 

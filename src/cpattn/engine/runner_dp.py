@@ -9,9 +9,10 @@ case; a prefix hit or a later chunk keeps today's path) the group splits them in
   then the earlier chunk): host-side, the same on every rank;
 - each rank runs plain one-device :func:`~cpattn.engine.prefill.prefill` over its own chunks (a size-1
   :class:`Solo` group);
-- one all-gather of the new KV rows (padded to the busiest rank's tokens) and each rank writes the rows it
-  owns into its DCP shard (:func:`~cpattn.engine.handoff.place_rows`, as after a PCP prefill): decode keeps
-  the DCP layout;
+- the new KV rows go to their DCP owners as after a prefill (:func:`~cpattn.engine.handoff.exchange`,
+  ``Algorithms.handoff``: one all-to-all of each rank's rows by owner, or an all-gather), and each rank
+  writes those it owns into its shard (:func:`~cpattn.engine.handoff.place_rows`): decode keeps the DCP
+  layout;
 - one all-gather of the chunks' last-row logits, so every rank picks the same tokens from the same logits
   (greedy and seeded sampling alike), those of one device.
 
@@ -33,7 +34,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.engine.batch import Prompts
-from cpattn.engine.handoff import place_rows
+from cpattn.engine.handoff import exchange, place_rows
 from cpattn.engine.kv_rows import row_width
 from cpattn.engine.prefill import gather_unshard, prefill
 from cpattn.engine.runner_pcp import rows_of
@@ -56,12 +57,24 @@ class Solo(Group):
 @dataclass
 class DPStats:
     """This rank's data-parallel prefill counters: ``steps`` that ran one, ``chunks`` and their new
-    ``tokens`` (over the group), ``bytes_sent`` by this rank for the rows and logits all-gathers."""
+    ``tokens`` (over the group), ``bytes_sent`` by this rank for the rows' exchange and the logits all-gather."""
 
     steps: int = 0
     chunks: int = 0
     tokens: int = 0
     bytes_sent: int = 0
+
+
+@dataclass(frozen=True)
+class DPPlan:
+    """Which rank prefilled which new tokens (what :func:`~cpattn.engine.handoff.exchange` reads of a plan):
+    ``cu_seqlens`` [B+1]; per rank ``token_index[r]`` [T_r] packed ids (its chunks, in order), ``positions[r]``
+    [T_r], ``num_tokens[r]`` T_r."""
+
+    cu_seqlens: torch.Tensor
+    token_index: tuple
+    positions: tuple
+    num_tokens: tuple
 
 
 def assign(lens, size: int) -> list[int]:
@@ -112,22 +125,27 @@ def execute_with_dp(runner, out: SchedulerOutput, dp: list[int]):
         rows = torch.zeros(0, width, dtype=dtype)
         first = torch.zeros(0, vocab, dtype=acc_dtype(torch.zeros(0, dtype=dtype)))
     t2 = time.perf_counter()
-    tokens = [sum(q for q, r in zip(sub.query_lens, owner) if r == j) for j in range(g.size)]
     counts = [owner.count(j) for j in range(g.size)]
-    t_max, b_max = max(tokens), max(counts)
+    cu, index, positions = [0], [[] for _ in range(g.size)], [[] for _ in range(g.size)]
+    for q, r in zip(sub.query_lens, owner):
+        index[r].append(torch.arange(cu[-1], cu[-1] + q))
+        positions[r].append(torch.arange(q))  # a fresh chunk starts its prompt
+        cu.append(cu[-1] + q)
+    join = lambda ts: torch.cat(ts) if ts else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    plan = DPPlan(torch.tensor(cu), tuple(map(join, index)), tuple(map(join, positions)),
+                  tuple(sum(t.numel() for t in ts) for ts in index))
+    new, req, pos, _ = exchange(g, rows, plan, pcp_size=g.size, dcp_size=g.size,
+                                interleave_size=runner.shard.interleave_size, width=width, dtype=dtype,
+                                method=runner.algorithms.handoff)  # each rank receives the rows it owns
+    b_max = max(counts)
     pad = torch.nn.functional.pad
-    all_rows = g.all_gather(pad(rows, (0, 0, 0, t_max - rows.shape[0]))).view(g.size, t_max, width)
     all_first = g.all_gather(pad(first, (0, 0, 0, b_max - first.shape[0]))).view(g.size, b_max, -1)
-    new, req, pos, last = [], [], [], []
-    seen, used = [0] * g.size, [0] * g.size
-    for i, (q, r) in enumerate(zip(sub.query_lens, owner)):
-        new.append(all_rows[r, used[r]:used[r] + q])
-        req.append(torch.full((q,), i, dtype=torch.int64))
-        pos.append(torch.arange(q))
+    seen, last = [0] * g.size, []
+    for r in owner:
         last.append(all_first[r, seen[r]])
-        used[r], seen[r] = used[r] + q, seen[r] + 1
+        seen[r] += 1
     view = dataclasses.replace(runner.shard, block_table=table)
-    place_rows(view, torch.cat(new), torch.cat(req), torch.cat(pos), rank=g.rank, dcp_size=g.size)
+    place_rows(view, new, req, pos, rank=g.rank, dcp_size=g.size)
     first = torch.stack(last)  # [B, V], chunk order
     chosen = first.argmax(-1).tolist()
     if any(sub.sampling):  # None: a greedy row
