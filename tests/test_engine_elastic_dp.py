@@ -160,3 +160,15 @@ def test_with_captured_decodes_interleave_and_prefix_hits(schedule):
         assert e.runners[0].dp_stats.steps > 0
     else:
         assert e.stats.prefix_hit_tokens > 0
+
+
+def test_hybrid_models_keep_todays_path():
+    """Qwen3-Next's runner keeps per-request linear states: its short chunks still run DCP attention."""
+    import test_engine_loop_hybrid as hy
+
+    reqs = [dict(prompt=hy.prompt(n, s), max_tokens=3, arrive=0) for n, s in ((3, 1), (5, 2), (4, 3))]
+    e = hy.engine("pcp2_dcp2", 40, pcp_policy="elastic", pcp_min_tokens=MIN,
+                  scheduler=hy.sched(max_num_batched_tokens=40))
+    ids, _ = run_schedule(e, reqs)
+    assert [list(e.scheduler.requests[r].output) for r in ids.values()] == [hy.expected(r) for r in reqs]
+    assert e.runners[0].dp_stats.steps == 0
