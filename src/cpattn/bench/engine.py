@@ -21,7 +21,9 @@ Per step the engine records host seconds by phase (``engine.step_times``):
 schedule, prepare (the input tensors), forward (the model step), sample,
 update, outputs (the RequestOutput objects). ``host %`` = (step - forward) /
 step, the median over the timed steps with [low-high] -- the part of a step
-that is not the model. On a model this small the forward is short, so the fraction
+that is not the model; ``sched+prep %`` = (schedule + prepare + update) /
+step -- the scheduler (its schedule and its commit of the sampled tokens) and
+the input preparation alone. On a model this small the forward is short, so the fraction
 is an upper bound of what a real model sees.
 
 Usage::
@@ -44,6 +46,11 @@ PHASES = ("schedule", "prepare", "forward", "sample", "update", "outputs")
 
 def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "low": min(xs), "high": max(xs)}
+
+
+def _sched_prep(t: dict) -> float:
+    """The scheduler's and the input preparation's share of a step: (schedule + prepare + update) / step."""
+    return (t["schedule"] + t["prepare"] + t["update"]) / t["total"]
 
 
 def _engine(group, params, cfg, *, batch: int, budget: int, graph: str | None, num_blocks: int,
@@ -71,16 +78,18 @@ def _decode_rows(group, params, cfg, batch: int, steps: int, graph: str | None) 
     while eng.stats.steps < 1 or eng.last_step[0].is_prefill[0]:
         eng.step()
     eng.step()  # warm-up decode
-    fracs, totals, phases, replayed = [], [], {p: [] for p in PHASES}, 0
+    fracs, sched, totals, phases, replayed = [], [], [], {p: [] for p in PHASES}, 0
     for _ in range(steps):
         eng.step()
         t = eng.step_times
         fracs.append((t["total"] - t["forward"]) / t["total"])
+        sched.append(_sched_prep(t))
         totals.append(t["total"])
         for p in PHASES:
             phases[p].append(t[p])
         replayed += eng.last_step[1]
-    return {"host_frac": _spread(fracs), "step_s": _spread(totals), "replayed": replayed, "steps": steps,
+    return {"host_frac": _spread(fracs), "sched_prep_frac": _spread(sched), "step_s": _spread(totals),
+            "replayed": replayed, "steps": steps,
             "phases_s": {p: statistics.median(v) for p, v in phases.items()}}
 
 
@@ -96,7 +105,8 @@ def _mixed_row(group, params, cfg, chunk: int) -> dict:
     eng.add_request([j % cfg.vocab_size for j in range(chunk + 1)], SamplingParams(max_tokens=1))
     eng.step()
     t, out = eng.step_times, eng.last_step[0]
-    return {"host_frac": (t["total"] - t["forward"]) / t["total"], "step_s": t["total"],
+    return {"host_frac": (t["total"] - t["forward"]) / t["total"], "sched_prep_frac": _sched_prep(t),
+            "step_s": t["total"],
             "rows": len(out.req_ids), "tokens": out.num_scheduled_tokens, "phases_s": {p: t[p] for p in PHASES}}
 
 
@@ -156,6 +166,13 @@ def engine_rank(group, cfg: dict) -> dict:
     return out
 
 
+def _pct(h) -> str:
+    """A fraction (or a median [low-high] spread of them) in percent."""
+    if isinstance(h, dict):
+        return f"{100 * h['median']:.1f} [{100 * h['low']:.1f}-{100 * h['high']:.1f}]"
+    return f"{100 * h:.1f}"
+
+
 def _parser():
     p = cli.parser("cpattn bench engine", __doc__)
     cli.add_quick(p, "float32 only, eager graph runner, batches 1,8, 2K prompt in 512-token chunks, < 60 s "
@@ -196,7 +213,8 @@ def main(argv=None) -> int:
 
     with cli.report_to(args.json):
         print(f"engine step loop on the demo model (tiny Qwen3), one gloo rank; graph backend {args.graph_backend}; "
-              f"host % = (step - forward) / step, median [low-high] over {args.steps} steps")
+              f"host % = (step - forward) / step; sched+prep % = (schedule + prepare + update) / step; "
+              f"median [low-high] over {args.steps} steps")
         t0 = time.time()
         res = spawn(1, engine_rank, cfg, threads=2, timeout_s=args.timeout)[0]
         pcp = spawn(2, ttft_rank, cfg, threads=1, timeout_s=args.timeout)[0]
@@ -204,13 +222,11 @@ def main(argv=None) -> int:
             res[dt]["ttft_pcp2"] = pcp[dt]
         for dt, r in res.items():
             print(f"\n{dt}")
-            print(f"{'scenario':<28} {'mode':<9} {'step ms':>8} {'host %':>22} {'replayed':>8}")
+            print(f"{'scenario':<28} {'mode':<9} {'step ms':>8} {'host %':>20} {'sched+prep %':>20} {'replayed':>8}")
             for row in r["rows"]:
-                h = row["host_frac"]
-                hs = (f"{100 * h['median']:.1f} [{100 * h['low']:.1f}-{100 * h['high']:.1f}]"
-                      if isinstance(h, dict) else f"{100 * h:.1f}")
+                hs, ss = (_pct(row["host_frac"]), _pct(row["sched_prep_frac"]))
                 st = row["step_s"]["median"] if isinstance(row["step_s"], dict) else row["step_s"]
-                print(f"{row['scenario']:<28} {row['mode']:<9} {1e3 * st:>8.2f} {hs:>22} "
+                print(f"{row['scenario']:<28} {row['mode']:<9} {1e3 * st:>8.2f} {hs:>20} {ss:>20} "
                       f"{str(row.get('replayed', '-')):>8}")
             for key, where in (("ttft", "one rank"), ("ttft_pcp2", "PCP 2 + DCP 2")):
                 t = r[key]

@@ -324,20 +324,26 @@ class Scheduler:
             if out is None:
                 raise ValueError(f"outputs miss request {rid!r}, scheduled in row {b} of the last step")
             out = out if isinstance(out, ModelOutput) else ModelOutput(tuple(out))
-            sampled, drafts = list(out.sampled), step.draft_tokens[b]
+            sampled, drafts = out.sampled, step.draft_tokens[b]
             n = len(sampled)
             if (n > len(drafts) + 1 or bool(n) != step.samples[b]
-                    or (drafts and sampled[:n - 1] != list(drafts[:n - 1]))):  # no drafts: nothing to compare
+                    or (drafts and list(sampled[:n - 1]) != list(drafts[:n - 1]))):  # no drafts: nothing to compare
                 want = f"1 to {len(drafts) + 1} tokens" if step.samples[b] else "no token (a partial prefill chunk)"
-                raise ValueError(f"request {rid!r} sampled {sampled}; with drafts {list(drafts)} it must get {want}: "
-                                 "the accepted drafts, in order, then one bonus token")
-            rows.append((b, req, sampled, len(drafts), list(out.drafts)))
+                raise ValueError(f"request {rid!r} sampled {list(sampled)}; with drafts {list(drafts)} it must get "
+                                 f"{want}: the accepted drafts, in order, then one bonus token")
+            rows.append((b, req, sampled, len(drafts), out.drafts))
         self._pending = None
         done = []
-        caching, span = self.blocks.enable_caching, self.blocks.span
+        caching, span, seq_lens = self.blocks.enable_caching, self.blocks.span, step.seq_lens
         for b, req, sampled, num_drafts, next_drafts in rows:
-            req.num_computed = step.seq_lens[b] - (num_drafts - max(len(sampled) - 1, 0))  # rejected drop out
-            reason = self._append(req, sampled)
+            req.num_computed = seq_lens[b] - (num_drafts - max(len(sampled) - 1, 0))  # rejected drop out
+            if len(sampled) == 1:  # a plain decode or a completed prefill: _append of one token
+                t, toks = sampled[0], req.tokens
+                toks.append(t)
+                reason = "stop" if t in req.stop_token_ids else \
+                    "length" if len(toks) - req.num_prompt >= req.max_tokens else None
+            else:
+                reason = self._append(req, sampled)
             if caching:
                 if len(req.tokens) // span > len(req.keys):  # a span filled up: its key
                     self.blocks.extend_keys(req.keys, req.tokens)
@@ -348,7 +354,7 @@ class Scheduler:
                 done.append(req.req_id)
             else:
                 self.blocks.trim(req.req_id, req.num_computed)
-                req.drafts = next_drafts
+                req.drafts = list(next_drafts) if next_drafts else []
         return done
 
     # -- helpers -----------------------------------------------------------------------------
