@@ -27,15 +27,11 @@ SKIP_SNIPPETS: dict[tuple[str, int], str] = {
     ("models.md", 0): "needs a real checkpoint directory (path/to/checkpoint); tests/test_models_hf.py loads one",
     ("serve.md", 0): "talks to a running cpattn serve on 127.0.0.1:8000; tests/test_serve.py runs the same calls",
 }
-# (file, index) of snippets that take over ~2 s: they run in the full suite only (the slow lane)
-SLOW_SNIPPETS = {("speculative.md", 0), ("pcp_with_dcp.md", 0), ("hybrid.md", 1)}
 # cpattn commands (first words) that run for minutes: only --help is checked
 LONG = ("demo", "bench", "train-target", "train-draft", "prefill", "plan", "pool serve")
 
 
-@pytest.mark.parametrize("name, index, block", [
-    pytest.param(n, i, b, id=f"{n}[{i}]", marks=[pytest.mark.slow] if (n, i) in SLOW_SNIPPETS else [])
-    for n, i, b in SNIPPETS])
+@pytest.mark.parametrize("name, index, block", SNIPPETS, ids=[f"{n}[{i}]" for n, i, _ in SNIPPETS])
 def test_docs_python_snippet_runs_as_written(name, index, block):
     if (name, index) in SKIP_SNIPPETS:
         pytest.skip(SKIP_SNIPPETS[(name, index)])
@@ -45,9 +41,9 @@ def test_docs_python_snippet_runs_as_written(name, index, block):
 
 
 def test_every_listed_snippet_exists():
-    """A snippet named in SKIP_SNIPPETS or SLOW_SNIPPETS that the docs no longer have is a stale entry."""
+    """A snippet named in SKIP_SNIPPETS that the docs no longer have is a stale entry."""
     have = {(n, i) for n, i, _ in SNIPPETS}
-    assert not (set(SKIP_SNIPPETS) | SLOW_SNIPPETS) - have
+    assert not set(SKIP_SNIPPETS) - have
 
 
 def _commands() -> list[list[str]]:
