@@ -25,8 +25,8 @@ Exact in float64 (to rounding) against one device; NaN in a token reaches
 what it reaches there (a NaN summary poisons the start states of the later
 segments as the recurrence poisons the state). The price against one device:
 per part, the summary's state loop and (after segment 0) the transition product
-(about a quarter of the chunked op's work over the same tokens; ``cpattn
-bench hybrid`` measures it), and the gather. (An earlier form ran the op
+(~0.35x the chunked op's work over the same tokens at Dk = 64, measured by
+``cpattn bench hybrid``; more at Dk = 128: the product is Dk^3 per chunk), and the gather. (An earlier form ran the op
 over augmented values ``[0 | v]`` from ``[I | 0]``: ``Dk`` more value
 columns, ~1.5-1.8x the op.)
 
