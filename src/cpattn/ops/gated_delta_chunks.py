@@ -23,8 +23,8 @@ temporaries stay in cache, which on a CPU is worth ~1.3x over the whole request 
   (:mod:`cpattn.linear.scan`).
 
 NaN: masks use ``masked_fill`` (never ``0 * x``); the intra-chunk product keeps a non-finite vn row j from
-reaching the rows before j (:func:`causal_product`), taken only when some vn entry is non-finite (otherwise
-the plain matmul gives the same numbers).
+reaching the rows before j (:func:`causal_product`), on the CPU taken only when some vn entry is non-finite
+(otherwise the plain matmul gives the same numbers; elsewhere always, as checking would sync the host).
 
 Example
 -------
@@ -131,7 +131,8 @@ def _run_slab(ch: Chunks, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     starts, vn = s.new_empty(m, *s.shape), torch.empty(m, h, c, dv, dtype=s.dtype, device=s.device)
     s = _loop(ch, s, starts, vn)
     o = ch.qd @ starts  # [m, H, C, Dv]: what each chunk's start state gives its queries
-    if bool(torch.isfinite(vn).all()):  # the plain product is the masked one when nothing is non-finite
+    # the plain product is the masked one when nothing is non-finite (checked on the CPU only: a host sync)
+    if vn.device.type == "cpu" and bool(torch.isfinite(vn).all()):
         o = torch.baddbmm(o.view(m * h, c, dv), ch.attn.view(m * h, c, c), vn.view(m * h, c, dv)).view(m, h, c, dv)
     else:
         o = o + causal_product(ch.attn, vn)
