@@ -5,6 +5,7 @@ then the gated delta rule -- sharded over P in {1, 2, 3} ranks:
 
 - contiguous segments at every split point of a 7-token request (so empty and one-token segments, and
   segments shorter than the conv's halo), next to a second request split elsewhere, from cached states;
+  parts spread over several slabs of the chunked form;
 - the head-tail layout of the attention layers (the same local tokens as :func:`cpattn.pcp_plan`);
 - gates near 0 and 1; a NaN in one token's input reaching exactly the outputs it reaches on one device;
 - the all-gather's bytes as counted by the group; 4K and 16K (slow) fp32 tokens without drift beyond fp32 noise.
@@ -116,6 +117,18 @@ def test_head_tail_layout_is_the_attention_layout(size):
         assert torch.equal(parts[0], plan.cu_a[r].to(torch.int32))
         assert torch.equal(parts[1], plan.cu_b[r].to(torch.int32))
     check(layout, lens, inputs(lens, seed=1))
+
+
+def test_parts_over_several_slabs(monkeypatch):
+    """Slabs of one chunk (chunk_size 2 here): a part's summary and outputs cross slab boundaries."""
+    from cpattn.ops import gated_delta_chunks
+
+    monkeypatch.setattr(gated_delta_chunks, "SLAB", HV * 2)
+    lens = [11, 6]
+    a = inputs(lens, seed=9)
+    for cut in ([0, 2, 7, 11], [0, 5, 5, 11], [0, 0, 1, 11]):
+        check(ScanLayout.contiguous(3), lens, a, [cut, segment_bounds(6, 3)])
+    check(ScanLayout.head_tail(2), lens, a)
 
 
 def test_a_request_shorter_than_the_world_and_all_empty():
