@@ -337,13 +337,7 @@ class Scheduler:
         caching, span, seq_lens = self.blocks.enable_caching, self.blocks.span, step.seq_lens
         for b, req, sampled, num_drafts, next_drafts in rows:
             req.num_computed = seq_lens[b] - (num_drafts - max(len(sampled) - 1, 0))  # rejected drop out
-            if len(sampled) == 1:  # a plain decode or a completed prefill: _append of one token
-                t, toks = sampled[0], req.tokens
-                toks.append(t)
-                reason = "stop" if t in req.stop_token_ids else \
-                    "length" if len(toks) - req.num_prompt >= req.max_tokens else None
-            else:
-                reason = self._append(req, sampled)
+            reason = self._append(req, sampled)
             if caching:
                 if len(req.tokens) // span > len(req.keys):  # a span filled up: its key
                     self.blocks.extend_keys(req.keys, req.tokens)
