@@ -56,8 +56,10 @@ def _refusal(argv: list[str], capsys) -> str:
                                                                  "NONE, FULL_DECODE_ONLY"]),
     (["--compilation-config", '{"cudagraph_mod": "FULL_DECODE_ONLY"}'], ["saw key 'cudagraph_mod'", "cudagraph_mode"]),
     (["--compilation-config", '{"cudagraph_capture_sizes": [0]}'], ["cudagraph_capture_sizes=[0]"]),
-    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'], ["method=\"mtp\"", "ngram only",
-                                                                                 "trained head"]),
+    (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 1}'], ["method=\"eagle3\"",
+                                                                                    "ngram, mtp only", "trained head"]),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'], ['method "mtp" with the embedded',
+                                                                                 "add --model DIR"]),
     (["--speculative-config", '{"method": "ngram"}'], ["no num_speculative_tokens"]),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'], ["num_speculative_tokens=-1"]),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}'], ["saw key 'k'"]),
@@ -76,6 +78,48 @@ def test_model_dir_without_weights_exits_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(qwen3.Qwen3Config.tiny().to_hf()))
     err = _refusal(["--model", str(tmp_path)], capsys)
     assert "argument --model" in err and "safetensors" in err, err
+
+
+def _hybrid_checkpoint(path, mtp: bool):
+    """A tiny Qwen3-Next checkpoint (float64 weights) with, or without, a random MTP module (``mtp.*``)."""
+    import torch
+
+    from cpattn.drafters import checkpoint
+    from cpattn.drafters.qwen3_next_mtp import Qwen3NextMTPDrafter
+    from cpattn.models import qwen3_next as qn
+
+    cfg = qn.Qwen3NextConfig.tiny()
+    params = qn.init_params(cfg, seed=1, std=0.2, dtype=torch.float64)
+    head = Qwen3NextMTPDrafter.random(cfg, params, seed=3).params if mtp else {}
+    checkpoint.save(path, checkpoint.unstack_experts({**params, **head}),
+                    {**cfg.to_hf(), "mtp_num_hidden_layers": int(mtp)})
+    return cfg, params
+
+
+def test_mtp_from_a_checkpoint_without_one_exits_2(tmp_path, capsys):
+    _hybrid_checkpoint(tmp_path, mtp=False)
+    err = _refusal(["--model", str(tmp_path), "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+                    "--port", str(_free_port())], capsys)
+    assert "declares no MTP module" in err, err
+
+
+def test_mtp_drafts_from_the_served_checkpoint(tmp_path):
+    """--speculative-config mtp builds the checkpoint's own MTP drafter: drafts are verified, and the tokens
+    are the same as without drafts (speculative decoding is lossless)."""
+    from cpattn.engine.llm import SamplingParams
+
+    _hybrid_checkpoint(tmp_path, mtp=True)
+    runs = {}
+    for spec in (None, '{"method": "mtp", "num_speculative_tokens": 2}'):
+        argv = ["--model", str(tmp_path), "--dtype", "float64", *(["--speculative-config", spec] if spec else [])]
+        a = serve_cli.parser().parse_args(argv)
+        engine = serve_cli.build_engine(a, serve_cli.check_args(a))
+        outs = engine.generate([[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_tokens=8))
+        runs[spec is not None] = ([list(o.token_ids) for o in outs], engine.stats.drafted_tokens,
+                                  engine.proposer is not None and engine.proposer.hidden_layers is not None)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] > 0 and runs[False][1] == 0
+    assert runs[True][2] and not runs[False][2]  # the drafter reads the target's hidden states: the MTP head
 
 
 def test_flags_reach_the_engine_arguments():

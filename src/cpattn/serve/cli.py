@@ -5,7 +5,8 @@ weights, nothing downloaded) or a local checkpoint directory (``--model DIR``, a
 reads it) on ``--decode-context-parallel-size`` simulated DCP ranks in this process; prefill chunks
 under PCP over the same ranks with ``--prefill-context-parallel-size`` equal to the DCP size (one
 engine); captured decode steps with ``--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'``;
-n-gram speculative decoding with ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'``;
+n-gram speculative decoding with ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'``
+(or ``"mtp"``: the ``--model`` checkpoint's own MTP module);
 elastic CP with ``--pcp-policy elastic`` (only chunks of at least ``--pcp-min-tokens`` run PCP); P/D in
 this one process with ``--kv-transfer-config '{"kv_connector": "CpattnPoolConnector", "kv_role":
 "kv_both"}'``: a prefill role on ``--pcp`` ranks hands each request's KV through ``--kv-pool`` to a decode
@@ -30,6 +31,7 @@ Exit status: 0 stopped by a signal; 1 the port is taken or the server failed; 2 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -85,7 +87,8 @@ def parser():
                         'backend; default: eager)')
     p.add_argument("--speculative-config", type=flags.speculative_config, default=None, metavar="JSON",
                    help='speculative decoding: \'{"method": "ngram", "num_speculative_tokens": K}\' (also '
-                        'prompt_lookup_max / prompt_lookup_min; default: none)')
+                        'prompt_lookup_max / prompt_lookup_min), or method "mtp" (the --model checkpoint\'s MTP '
+                        'module); default: none')
     p.add_argument("--pcp-policy", choices=flags.PCP_POLICIES, default="always",
                    help="with --pcp > 1: 'always' runs every prefill chunk PCP; 'elastic' only chunks of at least "
                         "--pcp-min-tokens new tokens, shorter ones DCP attention (default: always)")
@@ -176,6 +179,27 @@ def check_backend(a) -> str:
     return backend
 
 
+def check_mtp(model: str | None) -> None:
+    """``--speculative-config`` method mtp needs a ``--model`` checkpoint whose config.json declares an MTP module
+    (``num_nextn_predict_layers`` or ``mtp_num_hidden_layers`` >= 1), else a one-line usage error (exit 2)."""
+    flag = "--speculative-config"
+    if model is None:
+        cli.bad_value(PROG, flag, 'method "mtp" with the embedded model', "the MTP module's weights come from the "
+                      "served checkpoint, and the embedded model has none", "add --model DIR (a checkpoint with an "
+                      "MTP module), or use method ngram")
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # --model's own check says what is wrong with the directory
+    text = config.get("text_config", config)
+    n = max(int(text.get("num_nextn_predict_layers", 0) or 0), int(text.get("mtp_num_hidden_layers", 0) or 0))
+    if n < 1:
+        cli.bad_value(PROG, flag, f'method "mtp" with --model {model}', "its config.json declares no MTP module "
+                      "(num_nextn_predict_layers / mtp_num_hidden_layers = 0)", "serve a checkpoint that carries "
+                      "one, or use method ngram")
+
+
 def check_args(a):
     """The SchedulerConfig of the flags, or a one-line usage error (exit 2); no torch imported."""
     from cpattn.config import ConfigError, SchedulerConfig
@@ -196,6 +220,8 @@ def check_args(a):
     if role is not None and a.speculative_config is not None:
         cli.bad_value(PROG, "--speculative-config", "a drafter with --kv-transfer-config",
                       "the P/D decode role builds no drafter yet", "drop --speculative-config (or the P/D flag)")
+    if a.speculative_config is not None and a.speculative_config["method"] == "mtp":
+        check_mtp(a.model)
     if a.kv_pool is not None and role is None:
         cli.bad_value(PROG, "--kv-pool", repr(a.kv_pool), "the KV pool is P/D's connector, read with "
                       "--kv-transfer-config", "add --kv-transfer-config '{\"kv_role\": \"kv_both\", "

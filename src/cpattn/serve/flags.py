@@ -25,8 +25,8 @@ import json
 GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")  # of vLLM's cudagraph modes, the ones the step loop runs
 VLLM_ONLY_MODES = ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
 COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "backend")
-SPEC_METHODS = ("ngram",)  # what the server can build a drafter for, for any model
-TRAINED_METHODS = ("mtp", "eagle3", "dspark", "draft_model", "medusa", "eagle", "suffix")
+SPEC_METHODS = ("ngram", "mtp")  # ngram for any model; mtp from the --model checkpoint's own MTP module
+TRAINED_METHODS = ("eagle3", "dspark", "draft_model", "medusa", "eagle", "suffix")
 SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
@@ -98,14 +98,17 @@ def speculative_config(text: str) -> dict:
     """``--speculative-config JSON`` -> ``{"method", "num_speculative_tokens", "max_ngram", "min_ngram"}``.
 
     ``method`` "ngram" (prompt lookup: drafts copied from the request's own history, vLLM's
-    ``prompt_lookup_max`` / ``prompt_lookup_min``, default 3 / 1) with ``num_speculative_tokens`` k >= 1.
-    Methods that need a trained head or draft model (mtp, eagle3, dspark, draft_model) are refused:
-    the server builds no drafter for them yet.
+    ``prompt_lookup_max`` / ``prompt_lookup_min``, default 3 / 1) or "mtp" (the MTP module of the
+    ``--model`` checkpoint: DeepSeek's ``model.layers.{N}``, Qwen3-Next / Qwen3.5's ``mtp.*``), with
+    ``num_speculative_tokens`` k >= 1. Methods that need a separate trained head or draft model (eagle3,
+    dspark, draft_model) are refused: the server loads no second checkpoint yet.
 
-    >>> speculative_config('{"method": "mtp", "num_speculative_tokens": 1}')  # doctest: +ELLIPSIS
+    >>> speculative_config('{"method": "mtp", "num_speculative_tokens": 1}')["method"]
+    'mtp'
+    >>> speculative_config('{"method": "eagle3", "num_speculative_tokens": 1}')  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    argparse.ArgumentTypeError: saw method="mtp"; rule: cpattn serve builds a drafter for method ngram only ...
+    argparse.ArgumentTypeError: saw method="eagle3"; rule: cpattn serve builds a drafter for method ngram, mtp only ...
     """
     value = _object(text)
     _unknown(value, SPEC_KEYS)

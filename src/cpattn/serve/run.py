@@ -43,7 +43,12 @@ def build_engine(a, sched, world=None):
     sched = sched if family.cache != "hybrid" else type(sched)(**{**vars(sched), "enable_prefix_caching": False})
     graph = a.compilation_config or {"graph_mode": "NONE", "capture_sizes": None, "graph_backend": "auto"}
     spec, drafter, k = a.speculative_config, None, 0
-    if spec is not None:
+    if spec is not None and spec["method"] == "mtp":  # the checkpoint's own MTP module (checked by check_mtp)
+        from cpattn.engine.drafters import DRAFTERS
+
+        drafter = DRAFTERS["mtp"].from_checkpoint(a.model, dtype=next(iter(params.values())).dtype)
+        k = spec["num_speculative_tokens"]
+    elif spec is not None:
         from cpattn.drafters.ngram import NgramDrafter
 
         drafter = NgramDrafter(max_ngram=spec["max_ngram"], min_ngram=spec["min_ngram"])
