@@ -55,6 +55,7 @@ def check(family, size, reqs, heads=None, **kw):
     want = [dp_eligible(o, kw.get("min_tokens", MIN)) for o, _ in steps]
     assert stats[0].steps == sum(bool(w) for w in want)
     assert stats[0].tokens == sum(o.query_lens[b] for (o, _), w in zip(steps, want) for b in w)
+    assert (e.stats.dp_prefill_steps, e.stats.dp_prefill_tokens) == (stats[0].steps, stats[0].tokens)
     return e, steps, want
 
 

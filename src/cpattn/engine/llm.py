@@ -376,6 +376,9 @@ class LLMEngine:
         s = self.scheduler.stats
         pool = {} if self.tier2 is None else {"pool_hit_tokens": self.scheduler.tier2_hit_tokens,
                                               "pool_blocks_stored": self.connector.stored_blocks}
+        dp = getattr(self.runners[0], "dp_stats", None)  # every rank counts the same DP prefill steps
+        if dp is not None:
+            pool.update(dp_prefill_steps=dp.steps, dp_prefill_tokens=dp.tokens)
         return EngineStats(steps=s.steps, prefix_hit_tokens=s.prefix_hit_tokens, **pool,
                            prefix_query_tokens=s.prefix_query_tokens, preemptions=s.preemptions,
                            blocks_used=s.blocks_used, blocks_free=s.blocks_free, running=s.running,

@@ -38,7 +38,9 @@ class EngineStats:
     bytes_sent: what DCP rank 0 sent in all steps; last_step_bytes: in the last one;
     drafted_tokens / accepted_tokens: draft tokens verified / accepted (speculative decoding);
     pcp_steps: steps whose prefill chunks ran PCP; pool_hit_tokens: prompt tokens fetched from the KV
-    pool (the second tier); pool_blocks_stored: pool blocks written.
+    pool (the second tier); pool_blocks_stored: pool blocks written; dp_prefill_steps / dp_prefill_tokens:
+    steps whose short prefill chunks ran one rank each (elastic CP's data-parallel prefill) and those chunks'
+    new tokens.
     """
 
     steps: int = 0
@@ -58,6 +60,8 @@ class EngineStats:
     pcp_steps: int = 0
     pool_hit_tokens: int = 0
     pool_blocks_stored: int = 0
+    dp_prefill_steps: int = 0
+    dp_prefill_tokens: int = 0
 
 
 def drain(engine, prompts: Sequence[Sequence[int]], params=None) -> list[RequestOutput]:
