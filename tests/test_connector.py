@@ -128,3 +128,31 @@ def test_the_pool_connector_stores_unless_told_or_a_consumer():
     with pytest.raises(ValueError, match="pass a cpattn.engine.connector.KVConnector"):
         from_args(None, "pd")
     assert isinstance(from_args(pool), PoolConnector) and from_args() is None
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_the_pool_connector_counts_what_each_bound_engine_loaded(dcp):
+    """A first engine stores a prompt's blocks, a second one (fresh, same pool) fetches them at admission: each
+    bound copy counts its own loads, whole spans leaving one token to compute, N blocks per span, and their bytes
+    are the pool's block shape in float32."""
+    from math import prod
+
+    from cpattn.engine.llm import LLMEngine, SamplingParams
+    from cpattn.engine.pd_engine import memory_pool
+
+    cfg = qwen3.Qwen3Config.tiny()
+    params = qwen3.init_params(cfg)
+    pool = memory_pool("qwen3", cfg, params, B)
+    spec = PoolConnector(pool)
+    prompt = list(range(1, 24))  # 23 tokens: 5 whole blocks of 4; spans of 4 * dcp tokens, the last token left
+    engines = [LLMEngine("qwen3", params, cfg, block_size=B, interleave_size=B, dcp_size=dcp, kv_connector=spec)
+               for _ in range(2)]
+    outs = [e.generate([prompt], SamplingParams(max_tokens=2))[0].token_ids for e in engines]
+    first, second = (e.connector for e in engines)
+    spans = (len(prompt) - 1) // (B * dcp)
+    assert outs[0] == outs[1] and spec.loaded_blocks == spec.loaded_bytes == 0  # the spec is never bound
+    assert first.loaded_blocks == first.loaded_bytes == 0 and first.stored_blocks == 6  # 23 + 1 computed tokens
+    assert second.loaded_blocks == spans * dcp == engines[1].stats.pool_hit_tokens // B
+    assert second.loaded_bytes == spans * dcp * prod(pool.identity.block_shape) * 4
+    for e in engines:
+        e.close()

@@ -1,10 +1,13 @@
 """``cpattn demo --kv-pool``: requests through a real pool (LMDB; Mooncake served by ``cpattn pool serve``),
 on 2 gloo ranks, timed honestly.
 
-After a warm-up pair (the pool's store and load paths run once before any
-timing), every round times a fresh cold request (new tokens on every run: it
-finds nothing) and then a warm one sharing its first whole blocks: each warm
-request must load exactly those blocks, every request must give the
+Each request is its own :func:`cpattn.engine.run_rank` (a fresh engine over the
+same pool, which fetches at admission what the earlier ones stored). After a
+warm-up pair (the pool's store and load paths run once before any timing),
+every round times a fresh cold request (new tokens on every run: it finds
+nothing) and then a warm one sharing its first whole blocks: each warm request
+must load exactly the whole spans of them (``block_size * 2`` tokens on 2 DCP
+ranks, the prompt's last token left to compute), and their bytes, every request must give the
 single-device tokens, and the speed-up is the median [low-high] of the
 per-round cold / warm ratios. A second demo run on the same directory finds
 the warm-up prompt the first stored, yet its cold requests stay cold. A pool
@@ -25,7 +28,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 ARGS = ["--prompt-len", "64", "--max-new-tokens", "4", "--graph-mode", "none", "--reps", "1", "--no-progress",
         "--no-eager-row"]
-SHAREABLE = 3  # a 64-token prompt keeps 7/8 = 56 tokens -> 3 whole 16-token blocks shared (the 4th holds the tail)
+SHAREABLE = 2  # a 64-token prompt keeps 7/8 = 56 tokens -> 3 whole 16-token blocks shared (the 4th holds the tail),
+#               of which the step loop fetches whole 32-token spans (2 DCP ranks) below the last token: 1 span, 2 blocks
 
 
 @pytest.fixture(params=["lmdb", "mooncake"])
@@ -59,7 +63,10 @@ def test_demo_pool_rounds_are_cold_then_warm_and_a_second_run_finds_the_warm_up(
         assert p["shareable_blocks"] == SHAREABLE
         assert p["cold_found_blocks"] == [0, 0, 0]  # fresh tokens every round and every run: really cold
         assert all(c["blocks_stored"] == 4 for c in p["cold"])
-        assert p["served_blocks"] == [SHAREABLE] * 3 and all(w["bytes_loaded"] > 0 for w in p["warm"])
+        assert p["served_blocks"] == [SHAREABLE] * 3
+        c = r["config"]  # a block: every layer's K and V rows of 16 tokens, float32
+        block_bytes = c["num_hidden_layers"] * 16 * 2 * c["num_key_value_heads"] * c["head_dim"] * 4
+        assert [w["bytes_loaded"] for w in p["warm"]] == [SHAREABLE * block_bytes] * 3  # each rank loads every block
         cold_prompts = [c["prompt_len"] for c in p["cold"]]
         assert cold_prompts == [64, 64, 64]
         sp = p["speedup"]

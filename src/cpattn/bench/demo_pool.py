@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 
 import torch
 
 from cpattn.bench.demo_setup import Spec
 from cpattn.comm.group import Group
-from cpattn.engine import driver
 from cpattn.engine.pooling import PoolSpec
 
 POOL_NEW_TOKENS = 4  # greedy tokens of each pool-phase request
@@ -41,46 +41,77 @@ def pool_requests(spec: Spec, vocab: int) -> dict[str, list[list[int]]]:
 
 
 def shareable_blocks(spec: Spec) -> int:
-    """Whole blocks a warm request shares with its cold one (the pool should serve them all)."""
+    """Whole blocks a warm request shares with its cold one that the pool can serve: the step loop fetches
+    whole spans (``block_size * dcp`` tokens, one block per DCP rank) and leaves a prompt's last token to
+    compute, so whole spans of the shared prefix, in blocks.
+
+    >>> shareable_blocks(Spec(prompt_len=512, block_size=16)), shareable_blocks(Spec(prompt_len=64, block_size=16))
+    (28, 2)
+    """
     keep = (spec.prompt_len * 7 // 8) // spec.block_size * spec.block_size
-    return min(keep, spec.prompt_len - 1) // spec.block_size
+    span = spec.block_size * spec.world_size
+    return min(keep, spec.prompt_len - 1) // span * spec.world_size
 
 
-def pool_rank(group: Group, spec: Spec, family, cfg, params, pre_cfg, dec_cfg) -> dict:
+def pool_rank(group: Group, spec: Spec, family, cfg, params, pre_cfg=None, dec_cfg=None) -> dict:
     """The pool phase on one rank: after the warm-up pair, ``spec.pool_rounds`` interleaved rounds of a cold
-    request (its blocks go to the pool) then a warm one sharing 7/8 of it (:func:`pool_requests`), each through
-    :func:`cpattn.engine.driver.generate_on_rank` with one pool opened for the phase. Per request: TTFT (the
-    slowest rank's), blocks found / loaded / stored, bytes loaded, tokens (checked against one device by the
-    caller); and why the store was unavailable, if it said so (a :class:`~cpattn.pool.PoolUnavailableWarning`)."""
-    import warnings
-
+    request (its blocks go to the pool) then a warm one sharing 7/8 of it (:func:`pool_requests`), each one
+    :func:`cpattn.engine.run_rank` (a fresh engine, prefix caching on, every rank of ``group`` one DCP rank)
+    over one pool opened for the phase (``kv_pool=``): a request's engine fetches at admission the spans the
+    earlier ones stored. Per request: TTFT (step 0, barrier to first token, the slowest rank's), blocks found
+    (``hit_blocks``, ``blocks_loaded``: this rank's) / stored (all ranks'), bytes loaded by this rank
+    (:attr:`~cpattn.engine.connector.PoolConnector.loaded_bytes`), tokens ``[1, POOL_NEW_TOKENS]`` (checked
+    against one device by the caller); and why the store was unavailable, if it said so (a
+    :class:`~cpattn.pool.PoolUnavailableWarning`). ``pre_cfg`` / ``dec_cfg``: unused (the fixed batch's)."""
     from cpattn.engine.pooling import open_for_run, release
     from cpattn.pool import PoolUnavailableWarning
 
     reqs = pool_requests(spec, cfg.vocab_size)
     label = PoolSpec(spec.kv_pool, model=spec.model_dir or f"{family.name}-tiny-seed{spec.seed}")
-    decode = dec_cfg.replace(graph_mode="NONE")
     out: dict[str, list[dict]] = {name: [] for name in reqs}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PoolUnavailableWarning)
-        pool, opened = open_for_run(label, family, cfg, params, dec_cfg.cache.block_size)
+        pool, opened = open_for_run(label, family, cfg, params, spec.block_size)
         try:
             order = [("warm-up", 0), ("warm-up", 1)] + [(name, r) for r in range(spec.pool_rounds)
                                                          for name in ("cold", "warm")]
             for name, r in order:
-                gen = driver.generate_on_rank(group, family, params, cfg, [reqs[name][r]], POOL_NEW_TOKENS,
-                                              prefill=pre_cfg, decode=decode, prompt_logits=False, pool=pool)
-                f = gen.facts.pool
-                out[name].append({
-                    "ttft_s": max(group.all_gather(torch.tensor([gen.facts.ttft_s], dtype=torch.float64)).tolist()),
-                    "hit_blocks": list(f.hit_blocks), "blocks_loaded": f.blocks_loaded,
-                    "blocks_stored": sum(int(x) for x in group.all_gather(torch.tensor([f.blocks_stored])).tolist()),
-                    "bytes_loaded": f.bytes_loaded, "prompt_len": len(reqs[name][r]), "tokens": gen.tokens})
+                out[name].append(_request(group, spec, family, cfg, params, reqs[name][r], pool))
         finally:
             if opened:
                 release(pool)
     reasons = [_reason(str(w.message)) for w in caught if issubclass(w.category, PoolUnavailableWarning)]
     return {"requests": out, "unavailable": reasons[0] if reasons else None}
+
+
+def _request(group: Group, spec: Spec, family, cfg, params, prompt: list[int], pool) -> dict:
+    """One pool-phase request through :func:`run_rank` on a fresh engine (see :func:`pool_rank`)."""
+    from cpattn.bench.demo_loop import Timer
+    from cpattn.config import GuideCompatWarning, SchedulerConfig
+    from cpattn.engine.llm import SamplingParams
+    from cpattn.engine.run_rank import Arrival, run_rank
+
+    n, span = len(prompt), spec.block_size * group.size
+    sched = SchedulerConfig(max_num_batched_tokens=n + POOL_NEW_TOKENS, max_num_seqs=1, enable_chunked_prefill=False,
+                            enable_prefix_caching=True, max_model_len=n + POOL_NEW_TOKENS)
+
+    def facts(engine) -> dict:
+        c = engine.connector
+        return {"found": engine.stats.pool_hit_tokens // spec.block_size, "loaded": getattr(c, "loaded_blocks", 0),
+                "bytes": getattr(c, "loaded_bytes", 0), "stored": getattr(c, "stored_blocks", 0)}
+
+    timer = Timer(group, 1, facts=facts)
+    with warnings.catch_warnings():  # one engine with PCP and DCP (as the demo's step-loop run)
+        warnings.simplefilter("ignore", GuideCompatWarning)
+        outs = run_rank(group, family, params, cfg, [Arrival(prompt, SamplingParams(max_tokens=POOL_NEW_TOKENS))],
+                        pcp_size=spec.pcp if spec.pcp == group.size else 1, block_size=spec.block_size,
+                        interleave_size=spec.block_size, scheduler=sched, kv_pool=pool, seed=spec.seed,
+                        num_blocks=-(-(n + POOL_NEW_TOKENS) // span), on_step=timer.after, before_step=timer.before)
+    f = timer.facts
+    stored = sum(int(x) for x in group.all_gather(torch.tensor([f["stored"]])).tolist())
+    return {"ttft_s": timer.slowest()[0], "hit_blocks": [f["found"]], "blocks_loaded": f["loaded"],
+            "blocks_stored": stored, "bytes_loaded": f["bytes"], "prompt_len": n,
+            "tokens": torch.tensor([list(outs[0].token_ids)], dtype=torch.int64)}
 
 
 def _reason(message: str) -> str:

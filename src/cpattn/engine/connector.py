@@ -192,6 +192,16 @@ class PoolConnector(KVConnector):
     def stored_blocks(self) -> int:
         return 0 if self.tier is None else self.tier.stored_blocks
 
+    @property
+    def loaded_blocks(self) -> int:
+        """Pool blocks :meth:`fetch` loaded for this bound engine (N per span: under torchrun every rank
+        loads a span's N blocks); with :attr:`loaded_bytes`, their bytes. 0 before bind."""
+        return 0 if self.tier is None else self.tier.loaded_blocks
+
+    @property
+    def loaded_bytes(self) -> int:
+        return 0 if self.tier is None else self.tier.loaded_bytes
+
     def close(self) -> None:
         if self._opened and self.pool is not None:
             from cpattn.engine.pooling import release

@@ -27,6 +27,8 @@ Example
 2
 >>> [p[0].shape for p in tier.fetch([1, 2, 3, 4, 5], 0, 2)]   # two spans, one payload per rank
 [torch.Size([2, 3]), torch.Size([2, 3])]
+>>> tier.loaded_blocks, tier.loaded_bytes                    # 2 blocks of 1 x 2 x 3 float32
+(2, 48)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class PoolTier:
     def __init__(self, pool, dcp_size: int, rank: int | None = None) -> None:
         self.pool, self.n, self.rank = pool, dcp_size, rank  # rank: store only its blocks (torchrun)
         self.loaded_blocks = self.stored_blocks = 0
+        self.loaded_bytes = 0  # of the payloads fetch returned (this process's: every rank's N per span)
 
     def fetch(self, tokens: Sequence[int], start: int, stop: int) -> list[tuple[torch.Tensor, ...]]:
         """Spans ``start .. stop - 1`` (at most) present in the pool, each as N per-rank payloads [B, F]."""
@@ -56,6 +59,7 @@ class PoolTier:
         got = self.pool.load(keys[start * n:avail * n])  # an entry lost since the lookup ends the run
         spans = len(got) // n
         self.loaded_blocks += spans * n
+        self.loaded_bytes += sum(t.numel() * t.element_size() for t in got[:spans * n])
         return [tuple(got[i * n + r].reshape(got[i * n + r].shape[-2:]) for r in range(n)) for i in range(spans)]
 
     def store(self, tokens: Sequence[int], blocks: range, table: Sequence[int],
