@@ -56,7 +56,7 @@ from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, plan_tensors
 from cpattn.engine.drafters import TargetHidden
 from cpattn.models.family import ModelFamily
-from cpattn.engine.logits import as_logits
+from cpattn.engine.logits import forward_logits
 from cpattn.engine.paged_cache import DCPStep, PagedShard
 from cpattn.graphs.runner import DecodeRunner, Field
 
@@ -153,6 +153,18 @@ def step_fields(max_blocks: int) -> dict[str, Field]:
             "block_table": Field("request", (max_blocks,), torch.int64, pad=0)}
 
 
+def batch_step(group: Group, shard: PagedShard, batch: dict[str, torch.Tensor], merge: str) -> DCPStep:
+    """The :class:`DCPStep` of one step's ``batch`` (:func:`step_fields` plus ``cu_seqlens_q`` [B+1]) over
+    ``shard``: its DCP plan made on the device (capturable, no host sync)."""
+    cu = batch["cu_seqlens_q"]
+    ql = cu[1:] - cu[:-1]  # [B]
+    tensors = plan_tensors(batch["seq_lens"], ql, batch["block_table"], num_tokens=batch["tokens"].shape[0],
+                           dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size)
+    meta = DCPMeta(dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size,
+                   block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
+    return DCPStep(group, shard, meta, merge)
+
+
 def decode_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFamily, cfg: Any, group: Group,
                 merge: str, hidden_layers: tuple | None = None):
     """One decode / verification step of the whole model, capturable (no host sync in cpattn's part).
@@ -163,21 +175,8 @@ def decode_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFam
     Returns (logits [T, V] float32 (float64 in a float64 run), argmax [T] int64), plus the requested
     hidden states ``{name: [T, H]}`` as a third output with ``hidden_layers``.
     """
-    shard: PagedShard = state["shard"]
-    cu = batch["cu_seqlens_q"]
-    ql = cu[1:] - cu[:-1]  # [B]
-    t = batch["tokens"].shape[0]
-    tensors = plan_tensors(batch["seq_lens"], ql, batch["block_table"], num_tokens=t, dcp_size=group.size,
-                           interleave_size=shard.interleave_size, block_size=shard.block_size)
-    meta = DCPMeta(dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size,
-                   block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
-    step = DCPStep(group, shard, meta, merge)
-    if hidden_layers is None:
-        logits = as_logits(family.forward(state["params"], cfg, batch["tokens"], step))
-        return logits, logits.argmax(-1)
-    logits, hidden = family.forward(state["params"], cfg, batch["tokens"], step, hidden_layers=hidden_layers)
-    logits = as_logits(logits)
-    return logits, logits.argmax(-1), hidden
+    step = batch_step(group, state["shard"], batch, merge)
+    return forward_logits(family.forward, state["params"], cfg, batch["tokens"], step, hidden_layers=hidden_layers)
 
 
 def make_runner(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: PagedShard, *,

@@ -22,4 +22,23 @@ def as_logits(x: torch.Tensor) -> torch.Tensor:
     return x.to(acc_dtype(x))
 
 
-__all__ = ["acc_dtype", "as_logits"]
+def forward_logits(forward, params: dict, cfg, tokens: torch.Tensor, *attn, hidden_layers: tuple | None = None):
+    """A decode step's tail: ``forward(params, cfg, tokens, *attn)`` (a family's forward; ``attn``: its step
+    object(s)) -> (logits [T, V] in the logits dtype, argmax [T]), plus the hidden states ``{name: [T, H]}``
+    as a third output with ``hidden_layers`` (passed on to ``forward``).
+
+    >>> fwd = lambda params, cfg, tokens, attn, hidden_layers=None: (
+    ...     torch.eye(3)[tokens] if hidden_layers is None else (torch.eye(3)[tokens], {"norm": tokens}))
+    >>> logits, top = forward_logits(fwd, {}, None, torch.tensor([2, 0]), None)
+    >>> logits.dtype, top.tolist(), forward_logits(fwd, {}, None, torch.tensor([1]), None, hidden_layers=("norm",))[2]
+    (torch.float32, [2, 0], {'norm': tensor([1])})
+    """
+    if hidden_layers is None:
+        logits = as_logits(forward(params, cfg, tokens, *attn))
+        return logits, logits.argmax(-1)
+    logits, hidden = forward(params, cfg, tokens, *attn, hidden_layers=hidden_layers)
+    logits = as_logits(logits)
+    return logits, logits.argmax(-1), hidden
+
+
+__all__ = ["acc_dtype", "as_logits", "forward_logits"]

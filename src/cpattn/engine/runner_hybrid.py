@@ -71,14 +71,12 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.config import SchedulerConfig
-from cpattn.dcp import DCPMeta, plan_tensors
 from cpattn.engine.backends.hybrid import hybrid_prefill
 from cpattn.engine.backends.hybrid_states import SlotStates, commit_positions, pending_states
 from cpattn.engine.backends.paged import handoff as paged_handoff
 from cpattn.engine.batch import Prompts
-from cpattn.engine.decode import step_fields
-from cpattn.engine.logits import as_logits
-from cpattn.engine.paged_cache import DCPStep, PagedShard
+from cpattn.engine.decode import batch_step, step_fields
+from cpattn.engine.logits import forward_logits
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.runner_pcp import cached_rows, rows_of
@@ -126,16 +124,10 @@ def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: Mod
     program whose every row is ``width`` = 1 + k tokens (None: the verify rows read from the batch, a host sync).
     Returns (logits [T, V], argmax [T]), plus the hidden states ``{name: [T, H]}`` a drafter reads as a third
     output with ``hidden_layers``."""
-    shard: PagedShard = state["shard"]
     cu = batch["cu_seqlens_q"]
     ql = cu[1:] - cu[:-1]  # [B]
     tokens = batch["tokens"]
-    tensors = plan_tensors(batch["seq_lens"], ql, batch["block_table"], num_tokens=tokens.shape[0],
-                           dcp_size=group.size, interleave_size=shard.interleave_size,
-                           block_size=shard.block_size)
-    meta = DCPMeta(dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size,
-                   block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
-    attn = DCPStep(group, shard, meta, merge)
+    attn = batch_step(group, state["shard"], batch, merge)
     if decode is None:
         decode = bool((ql == 1).all())
     verify, only = None, False
@@ -147,12 +139,7 @@ def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: Mod
             verify = (rows, int(ql[rows].max())) if rows.numel() else None
     lin = SlotStates(state["states"], batch["slots"], batch["seq_lens"] - ql == 0, cu, decode, verify=verify,
                      pending=state.get("pending"), only=only)
-    if hidden_layers is None:
-        logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
-        return logits, logits.argmax(-1)
-    logits, hidden = family.forward(state["params"], cfg, tokens, attn, lin, hidden_layers=hidden_layers)
-    logits = as_logits(logits)
-    return logits, logits.argmax(-1), hidden
+    return forward_logits(family.forward, state["params"], cfg, tokens, attn, lin, hidden_layers=hidden_layers)
 
 
 class HybridStepRunner(StepRunner):

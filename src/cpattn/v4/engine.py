@@ -47,7 +47,7 @@ from cpattn.config import EngineConfig
 from cpattn.engine.batch import Prompts
 from cpattn.engine.handoff import HandoffFacts
 from cpattn.models.family import param_dtype
-from cpattn.engine.logits import as_logits
+from cpattn.engine.logits import forward_logits
 from cpattn.engine.options import Algorithms
 from cpattn.graphs.runner import Field
 from cpattn.v4.cache import V4Cache, V4Layout
@@ -77,12 +77,7 @@ def v4_decode_step(state: dict, batch: dict[str, torch.Tensor], *, forward: Call
     argmax [T]) and, with ``hidden_layers``, the hidden states.
     """
     step = V4DecodeStep(layout, state["cache"], batch, group, interleave_size=interleave_size)
-    if hidden_layers is None:
-        logits = as_logits(forward(state["params"], cfg, batch["tokens"], step))
-        return logits, logits.argmax(-1)
-    logits, hidden = forward(state["params"], cfg, batch["tokens"], step, hidden_layers=hidden_layers)
-    logits = as_logits(logits)
-    return logits, logits.argmax(-1), hidden
+    return forward_logits(forward, state["params"], cfg, batch["tokens"], step, hidden_layers=hidden_layers)
 
 
 class V4DecodeProgram:

@@ -76,14 +76,13 @@ from typing import Any
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.dcp import DCPMeta, plan_tensors
 from cpattn.engine.backends.paged import PAGED, Rows, handoff as paged_handoff
-from cpattn.engine.decode import step_fields
+from cpattn.engine.decode import batch_step, step_fields
 from cpattn.engine.handoff import HandoffFacts
 from cpattn.engine.kv_rows import pack_rows
-from cpattn.engine.logits import as_logits
+from cpattn.engine.logits import as_logits, forward_logits
 from cpattn.engine.options import Algorithms
-from cpattn.engine.paged_cache import DCPStep, PagedShard
+from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut, gather_unshard
 from cpattn.engine.prefill_steps import PCPStep
 from cpattn.graphs.runner import Field
@@ -228,30 +227,19 @@ def hybrid_decode_step(state: dict, batch: dict[str, torch.Tensor], *, family, c
     (both updated in place; with drafts the states after each position go to ``state["pending"]`` instead, the
     slot untouched until :meth:`HybridProgram.commit`). Returns (logits [T, V], argmax [T]), plus the hidden
     states ``{name: [T, H]}`` with ``hidden_layers``."""
-    shard: PagedShard = state["shard"]
     cu = batch["cu_seqlens_q"]
-    ql = cu[1:] - cu[:-1]
     tokens, rows = batch["tokens"], batch["requests"]
     if tokens.shape[0] != rows.shape[0] * width:
         raise ValueError(f"batch: {tokens.shape[0]} tokens for {rows.shape[0]} request rows; this hybrid decode "
                          f"step takes {width} (1 + k) tokens per request")
-    tensors = plan_tensors(batch["seq_lens"], ql, batch["block_table"], num_tokens=tokens.shape[0],
-                           dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size)
-    meta = DCPMeta(dcp_size=group.size, interleave_size=shard.interleave_size, block_size=shard.block_size,
-                   block_table=batch["block_table"], seq_lens=batch["seq_lens"], query_lens=ql, **tensors)
-    attn = DCPStep(group, shard, meta, merge)
+    attn = batch_step(group, state["shard"], batch, merge)
     start = torch.zeros_like(rows, dtype=torch.bool)
     if width == 1:
         lin = SlotStates(state["states"], rows, start, None, decode=True)
     else:  # every row verifies its drafts position by position (padding rows: slot -1, no token of theirs)
         lin = SlotStates(state["states"], rows, start, cu, decode=False, pending=state["pending"], only=True,
                          verify=(torch.arange(rows.shape[0], device=rows.device), width))
-    if hidden_layers is None:
-        logits = as_logits(family.forward(state["params"], cfg, tokens, attn, lin))
-        return logits, logits.argmax(-1)
-    logits, hidden = family.forward(state["params"], cfg, tokens, attn, lin, hidden_layers=hidden_layers)
-    logits = as_logits(logits)
-    return logits, logits.argmax(-1), hidden
+    return forward_logits(family.forward, state["params"], cfg, tokens, attn, lin, hidden_layers=hidden_layers)
 
 
 class HybridProgram:
