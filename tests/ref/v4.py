@@ -1,4 +1,4 @@
-"""Plain float64 references for the DeepSeek-V4 attention ops (until 0.x: ``cpattn.ops.v4_ref``).
+"""Plain float64 references for the DeepSeek-V4 attention ops (formerly ``cpattn.ops.v4_ref``).
 
 Slow and obvious: loops over windows and query rows, an explicit list of the
 keys each row sees, a softmax over all of them. Nothing in the library uses
