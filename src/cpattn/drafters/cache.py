@@ -70,3 +70,23 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req: torch
     w = torch.exp(s - m)  # 0 where masked
     w = w / w.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
     return torch.einsum("nhk,nkhd->nhd", w, v).to(q.dtype)  # [N, Hq, Dv]
+
+
+def step_attention(cache: torch.Tensor, batch: dict):
+    """The attention a one-layer draft step hands its layer: ``attend(q, k, v, scale)`` writes the step's rows
+    ``k``, ``v`` [N, Hkv, D] into ``cache`` [2, R + 1, L + 1, Hkv, D] at ``(batch["req"], batch["pos"])``,
+    then returns :func:`attend` of ``q`` [N, Hq, D] over keys ``batch["lo"] <= p < batch["hi"]`` ([N, Hq, D]).
+
+    >>> cache = new_cache(2, requests=1, max_len=2, heads=1, dim=2)
+    >>> one = torch.tensor([0])
+    >>> batch = {"req": one, "pos": one, "lo": one, "hi": one + 1}
+    >>> step_attention(cache, batch)(torch.ones(1, 1, 2), torch.ones(1, 1, 2), 2 * torch.ones(1, 1, 2), 1.0).tolist()
+    [[[2.0, 2.0]]]
+    """
+
+    def attend_rows(q, k, v, scale):
+        write(cache[0], batch["req"], batch["pos"], k)
+        write(cache[1], batch["req"], batch["pos"], v)
+        return attend(q, cache[0], cache[1], batch["req"], batch["lo"], batch["hi"], scale)
+
+    return attend_rows

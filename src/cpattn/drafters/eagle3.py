@@ -170,13 +170,7 @@ def eagle3_step(state: dict, batch: dict, *, cfg: Eagle3Config) -> tuple[torch.T
     >>> [t.shape for t in eagle3_step(d.start(1, 8).state, batch, cfg=d.cfg)]
     [torch.Size([1]), torch.Size([1, 16])]
     """
-    cache = state["cache"]
-
-    def attend(q, k, v, scale):
-        kv.write(cache[0], batch["req"], batch["pos"], k)
-        kv.write(cache[1], batch["req"], batch["pos"], v)
-        return kv.attend(q, cache[0], cache[1], batch["req"], batch["lo"], batch["hi"], scale)
-
+    attend = kv.step_attention(state["cache"], batch)
     logits, y = eagle3_layer(state["params"], cfg, batch["tokens"], batch["features"], batch["pos"], attend)
     return to_target(state["params"], logits.argmax(-1)), y
 

@@ -111,13 +111,7 @@ def mtp_step(state: dict, batch: dict, *, cfg: qn.Qwen3NextConfig) -> tuple[torc
     """One capturable draft step over rows (:func:`cpattn.drafters.chain.step_fields`): the rows' K and V
     written to ``state["cache"]`` [2, R + 1, L + 1, Hkv, hd] at (req, pos), each row attending to its
     request's positions ``lo .. hi - 1``. Returns (greedy tokens [T], next features [T, H])."""
-    cache = state["cache"]
-
-    def attend(q, k, v, scale):
-        kv.write(cache[0], batch["req"], batch["pos"], k)
-        kv.write(cache[1], batch["req"], batch["pos"], v)
-        return kv.attend(q, cache[0], cache[1], batch["req"], batch["lo"], batch["hi"], scale)
-
+    attend = kv.step_attention(state["cache"], batch)
     logits, hn = mtp_logits_features(state["params"], cfg, batch["tokens"], batch["features"], batch["pos"], attend)
     return logits.argmax(-1), hn
 
