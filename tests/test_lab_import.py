@@ -18,6 +18,7 @@ RUNTIME = ("cpattn", "cpattn.engine", "cpattn.drafters", "cpattn.serve", "cpattn
            "cpattn.drafters.checkpoint", "cpattn.cli")
 
 
+@pytest.mark.slow  # a fresh interpreter imports the runtime (seconds), as test_import_order
 def test_the_runtime_never_imports_the_lab():
     """Importing the runtime (engine, drafters, server, CLI) loads no module of the lab, by either path."""
     lab = [f"cpattn.lab.{m}" for m in MOVED] + [f"cpattn.drafters.{m}" for m in MOVED]
