@@ -33,15 +33,22 @@ def schedule(vocab: int, seed: int = 3) -> list[dict]:
             dict(prompt=toks(25), max_tokens=4, arrive=5)]
 
 
+def params_of(r: dict) -> SamplingParams:
+    return SamplingParams(max_tokens=r["max_tokens"], stop_token_ids=tuple(r.get("stop", ())))
+
+
 def serve(pd: PDEngine, reqs: list[dict]) -> dict:
-    """Feed the arrivals, step until drained; {index: final RequestOutput}."""
+    """Feed the arrivals (``arrive``: the step; ``abort``: the step to abort it at, optional), step until
+    drained; {index: final RequestOutput}. test_engine_pd_v4 serves its V4 arrivals through it too."""
     ids, final, step = {}, {}, 0
     pending = sorted(range(len(reqs)), key=lambda i: reqs[i]["arrive"])
     while pending or pd.has_unfinished():
         while pending and reqs[pending[0]]["arrive"] <= step:
             i = pending.pop(0)
-            ids[pd.add_request(reqs[i]["prompt"], SamplingParams(max_tokens=reqs[i]["max_tokens"],
-                                                                 stop_token_ids=tuple(reqs[i].get("stop", ()))))] = i
+            ids[pd.add_request(reqs[i]["prompt"], params_of(reqs[i]))] = i
+        for rid, i in list(ids.items()):
+            if reqs[i].get("abort") == step:
+                pd.abort_request(rid)
         final.update({ids[o.request_id]: o for o in pd.step() if o.finished})
         step += 1
         assert step < 1000

@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lanes import examples
 from test_engine_loop_v4 import expected, model, prompt
+from test_engine_pd import params_of, serve
+from test_engine_run_rank import gloo_sent, merged
 
 import cpattn
 from cpattn.config import SchedulerConfig
@@ -69,10 +71,6 @@ def want_bytes(reqs: list[dict], consumers: int) -> dict:
     return {i: hand_count(len(r["prompt"]), consumers) for i, r in enumerate(reqs) if r["max_tokens"] > 1}
 
 
-def params_of(r: dict) -> SamplingParams:
-    return SamplingParams(max_tokens=r["max_tokens"], stop_token_ids=tuple(r.get("stop", ())))
-
-
 class CountingBackend:
     """Wraps a runner's backend and counts its prefill calls (the consumer should make none)."""
 
@@ -91,23 +89,6 @@ def counted(engine: LLMEngine) -> list[CountingBackend]:
     for r in engine.runners:
         r.backend = CountingBackend(r.backend)
     return [r.backend for r in engine.runners]
-
-
-def serve(pd: PDEngine, reqs: list[dict]) -> dict:
-    """Feed the arrivals, step until drained; {index: final RequestOutput}."""
-    ids, final, step = {}, {}, 0
-    pending = sorted(range(len(reqs)), key=lambda i: reqs[i]["arrive"])
-    while pending or pd.has_unfinished():
-        while pending and reqs[pending[0]]["arrive"] <= step:
-            i = pending.pop(0)
-            ids[pd.add_request(reqs[i]["prompt"], params_of(reqs[i]))] = i
-        for rid, i in list(ids.items()):
-            if reqs[i].get("abort") == step:
-                pd.abort_request(rid)
-        final.update({ids[o.request_id]: o for o in pd.step() if o.finished})
-        step += 1
-        assert step < 500
-    return final
 
 
 def drained(engine: LLMEngine) -> None:
@@ -259,15 +240,6 @@ def pd_rank(world, cfg, params, arr, kwargs, seen=None):
     return run_rank(world, "deepseek_v4", params, cfg, arr, **kwargs, on_step=hook)
 
 
-def merged(per_rank: list[dict]) -> dict:
-    out = {}
-    for finals in per_rank:
-        for i, o in finals.items():
-            toks = list(o.token_ids) if hasattr(o, "token_ids") else o
-            assert out.setdefault(i, toks) == toks, f"ranks disagree on request {i}"
-    return out
-
-
 @pytest.mark.parametrize("p,d", SIZES, ids=str)
 def test_run_rank_pd_on_the_simulated_mesh(p, d):
     cfg, params = model()
@@ -284,18 +256,6 @@ def test_run_rank_pd_on_the_simulated_mesh(p, d):
     assert len(seen) == p and sent == want_bytes(reqs, d)
 
 
-def gloo_pd_rank(group, cfg, arr, kwargs):
-    """A spawned rank: the float64 test model rebuilt (seed 1, as ``model``); its final tokens and the bytes its
-    producer connector sent per request (empty on the consumer) and its consumer connector received."""
-    from cpattn.models import deepseek_v4 as v4
-
-    params = v4.init_params(cfg, seed=1, dtype=torch.float64)
-    seen = []
-    finals = run_rank(group, "deepseek_v4", params, cfg, arr, **kwargs, on_step=lambda role, e, outs: seen.append(e))
-    st = seen[-1].connector.stats
-    return {i: list(o.token_ids) for i, o in finals.items()}, dict(st.bytes_by_request), st.bytes_received
-
-
 @pytest.mark.slow
 def test_gloo_ranks_hand_v4_state_rank_to_rank():
     """P/D 2 -> 2 in spawned processes: producer rank d % 2 sends consumer rank d its share over gloo send / recv.
@@ -305,7 +265,7 @@ def test_gloo_ranks_hand_v4_state_rank_to_rank():
     cfg, _ = model()
     reqs = schedule()
     kw = dict(pd=True, pcp_size=2, dcp_size=2, block_size=BLOCK, scheduler=sched(), poison=True)
-    res = spawn(4, gloo_pd_rank, cfg, arrivals(reqs), kw)
+    res = spawn(4, gloo_sent, cfg, arrivals(reqs), kw, "deepseek_v4")
     assert merged([t for t, _, _ in res]) == {i: expected(r) for i, r in enumerate(reqs)}
     want = want_bytes(reqs, 2)
     sent = {i: res[0][1].get(i, 0) + res[1][1].get(i, 0) for i in want}

@@ -44,11 +44,13 @@ def want(family, arr, heads=None) -> dict:
 
 
 def merged(per_rank: list[dict]) -> dict:
-    """Every request's final tokens, from whichever role finished it; roles' ranks must agree."""
+    """Every request's final tokens, from whichever role finished it (a RequestOutput or its token list, as a
+    spawned rank returns it); roles' ranks must agree."""
     out = {}
     for finals in per_rank:
         for i, o in finals.items():
-            assert out.setdefault(i, list(o.token_ids)) == list(o.token_ids), f"ranks disagree on request {i}"
+            toks = list(o.token_ids) if hasattr(o, "token_ids") else o
+            assert out.setdefault(i, toks) == toks, f"ranks disagree on request {i}"
     return out
 
 
@@ -186,14 +188,15 @@ def test_gloo_ranks_give_the_simulated_tokens(tmp_path):
     assert hits >= whole - 10  # each handed-off prompt's whole blocks (request 2's first 10 tokens may be on device)
 
 
-def gloo_sent(group, cfg, arr, kwargs):
-    """A spawned rank of a P/D run with the P/D connector: its final tokens and the bytes its connector sent
-    (producer) or received (consumer) per request."""
+def gloo_sent(group, cfg, arr, kwargs, family="qwen3"):
+    """A spawned rank of a P/D run with the P/D connector (test_engine_pd_v4: the V4 connector): the float64
+    test model rebuilt (seed 1, as ``model``); its final tokens and the bytes its connector sent (producer)
+    or received (consumer) per request."""
     from cpattn.models.family import get_family
 
-    params = get_family("qwen3").init_params(cfg, seed=1, dtype=torch.float64)
+    params = get_family(family).init_params(cfg, seed=1, dtype=torch.float64)
     seen = []
-    finals = run_rank(group, "qwen3", params, cfg, arr, **kwargs, on_step=lambda role, e, outs: seen.append(e))
+    finals = run_rank(group, family, params, cfg, arr, **kwargs, on_step=lambda role, e, outs: seen.append(e))
     st = seen[-1].connector.stats
     return {i: list(o.token_ids) for i, o in finals.items()}, dict(st.bytes_by_request), st.bytes_received
 
