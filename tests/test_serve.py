@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,16 +26,12 @@ for _pkg in ("openai", "fastapi", "uvicorn"):  # present or the module skips; im
     if importlib.util.find_spec(_pkg) is None:
         pytest.skip(f"{_pkg} is not installed (the dev extra has it)", allow_module_level=True)
 
+from test_serve_flags import _free_port, _ids, _metrics, ask_concurrently  # noqa: E402 - after the skip
+
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join([os.path.abspath(SRC), os.environ.get("PYTHONPATH", "")])}
 NAME = "tiny-qwen3-served"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, dict]:
@@ -100,10 +95,6 @@ def reference():
 
 P1 = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: two chunks of the 8-token budget
 P2 = [2, 71, 82, 81, 82, 84, 59, 4, 5, 23, 53, 60, 28, 74, 71, 35, 26, 62]
-
-
-def _ids(choice) -> list[int]:
-    return list(choice.model_extra["token_ids"])
 
 
 
@@ -188,34 +179,11 @@ def test_parse_params_reads_the_sampling_fields():
         assert e.value.param == field and e.value.message.startswith(f"{field}: saw "), e.value.message
 
 
-def _metrics(base: str) -> dict[str, float]:
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
-
-
 @pytest.mark.slow
 def test_concurrent_clients_each_get_their_own_tokens(client, server, reference):
     jobs = {"a": (P1, 7, False), "b": (P2[:11], 9, True), "c": (P1[3:], 4, False)}
-    got, errors = {}, []
-
-    def ask(key, prompt, n, stream):
-        try:
-            if stream:
-                got[key] = sum((_ids(c.choices[0]) for c in client.completions.create(
-                    model=NAME, prompt=prompt, max_tokens=n, stream=True, temperature=0) if c.choices), [])
-            else:
-                got[key] = _ids(client.completions.create(model=NAME, prompt=prompt, max_tokens=n,
-                                                          temperature=0).choices[0])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
     steps = _metrics(server[1])["cpattn_steps_total"]
-    threads = [threading.Thread(target=ask, args=(k, *v)) for k, v in jobs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    got, errors = ask_concurrently(client, NAME, jobs, 120)
     assert not errors, errors
     assert got == {k: reference(p, n) for k, (p, n, _) in jobs.items()}
     # one after another they need >= 20 steps (each a prefill step, then n - 1 decodes): fewer means shared steps

@@ -147,6 +147,37 @@ def _metrics(base: str) -> dict[str, float]:
                                          if ln and not ln.startswith("#"))}
 
 
+def _ids(choice) -> list[int]:
+    """A completion choice's token ids (the ``token_ids`` field cpattn adds)."""
+    return list(choice.model_extra["token_ids"])
+
+
+def ask_concurrently(client, name: str, jobs: dict, timeout: float) -> tuple[dict, list]:
+    """Each job ``key: (prompt, max_tokens, stream)`` sent greedy (``temperature=0``) from its own thread at
+    once; waits up to ``timeout`` s each. Returns ({key: token ids}, the exceptions raised)."""
+    import threading
+
+    got, errors = {}, []
+
+    def ask(key, prompt, n, stream):
+        try:
+            if stream:
+                got[key] = sum((_ids(c.choices[0]) for c in client.completions.create(
+                    model=name, prompt=prompt, max_tokens=n, stream=True, temperature=0) if c.choices), [])
+            else:
+                got[key] = _ids(client.completions.create(model=name, prompt=prompt, max_tokens=n,
+                                                          temperature=0).choices[0])
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(k, *v)) for k, v in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return got, errors
+
+
 class Served:
     """A ``cpattn serve`` subprocess on 127.0.0.1 (SIGTERM at the end must exit 0)."""
 

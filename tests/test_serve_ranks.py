@@ -21,7 +21,8 @@ import threading
 import time
 
 import pytest
-from test_serve_flags import Served, _free_port, _greedy, _metrics, embedded, needs_serving  # noqa: F401
+from test_serve_flags import (Served, _free_port, _greedy, _ids, _metrics, ask_concurrently, embedded,  # noqa: F401
+                              needs_serving)
 
 P1 = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: two chunks of the 8-token budget
 P2 = [2, 71, 82, 81, 82, 84, 59, 4, 5, 23, 53, 60, 28, 74, 71, 35, 26, 62]
@@ -90,10 +91,6 @@ def mp_server():
         srv.stop()
 
 
-def _ids(choice) -> list[int]:
-    return list(choice.model_extra["token_ids"])
-
-
 def _thread_mesh_tokens(embedded, prompt, params) -> list[int]:
     """The tokens of the engine the default (uni) server runs: DCP 2 threads in this process."""
     from cpattn.config import SchedulerConfig
@@ -130,24 +127,7 @@ def test_mp_server_greedy_and_seeded_tokens(mp_server, embedded):
 def test_mp_server_concurrent_clients_and_a_closed_stream(mp_server, embedded):
     client = mp_server.client()
     jobs = {"a": (P1, 7, False), "b": (P2[:11], 9, True), "c": (P1[3:], 4, False)}
-    got, errors = {}, []
-
-    def ask(key, prompt, n, stream):
-        try:
-            if stream:
-                got[key] = sum((_ids(c.choices[0]) for c in client.completions.create(
-                    model=NAME, prompt=prompt, max_tokens=n, stream=True, temperature=0) if c.choices), [])
-            else:
-                got[key] = _ids(client.completions.create(model=NAME, prompt=prompt, max_tokens=n,
-                                                          temperature=0).choices[0])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=ask, args=(k, *v)) for k, v in jobs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
+    got, errors = ask_concurrently(client, NAME, jobs, 180)
     assert not errors, errors
     assert got == {k: _greedy(embedded, p, n) for k, (p, n, _) in jobs.items()}
     before = _metrics(mp_server.base)
