@@ -19,7 +19,11 @@ def attention(q, k, v, q_req, k_req, q_pos=None, k_pos=None, *, scale=None, caus
     sees key j iff same request and (not causal or k_pos[j] <= q_pos[i]).
     A row that sees nothing gets out 0, lse -inf.
     """
-    q, k, v = q.double(), k.double(), v.double()
+    return _dense(q.double(), k.double(), v.double(), q_req, k_req, q_pos, k_pos, scale, causal)
+
+
+def _dense(q, k, v, q_req, k_req, q_pos, k_pos, scale, causal):
+    """The masked softmax attention of :func:`attention`, computed in the inputs' dtype: (out, lse)."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
@@ -52,16 +56,5 @@ def plain_error(q, k, v, q_req, k_req, q_pos, k_pos, dtype, scale=None, causal=T
     masked softmax, computed entirely in ``dtype``.
     """
     ref, _ = attention(q, k, v, q_req, k_req, q_pos, k_pos, scale=scale, causal=causal)
-    qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
-    hq, hkv = q.shape[1], k.shape[1]
-    kd, vd = kd.repeat_interleave(hq // hkv, 1), vd.repeat_interleave(hq // hkv, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
-    mask = q_req[:, None] == k_req[None, :]
-    if causal:
-        mask = mask & (k_pos[None, :] <= q_pos[:, None])
-    s = s.masked_fill(~mask[None], float("-inf"))
-    seen = mask.any(dim=1)
-    p = torch.where(seen[None, :, None], torch.softmax(torch.where(seen[None, :, None], s, 0.0), -1), 0.0)
-    out = torch.einsum("hqk,khd->qhd", p.to(dtype), vd)
+    out, _ = _dense(q.to(dtype), k.to(dtype), v.to(dtype), q_req, k_req, q_pos, k_pos, scale, causal)
     return (out.double() - ref).abs().max().item()
