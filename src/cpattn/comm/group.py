@@ -147,26 +147,21 @@ class Group(abc.ABC):
         return out.movedim(0, dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        n = self.size
-        if x.shape[dim] % n:
-            raise ValueError(
-                f"reduce_scatter: x.shape[{dim}] = {x.shape[dim]} is not divisible by the group size {n}; pad it"
-            )
-        self._count("reduce_scatter", x.nbytes * (n - 1) / n, x.nbytes * (n - 1) / n)
-        if n == 1:
-            return x.clone()
-        return self._reduce_scatter(x.movedim(dim, 0).contiguous()).movedim(0, dim)
+        return self._split_dim("reduce_scatter", self._reduce_scatter, x, dim)
 
     def all_to_all(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return self._split_dim("all_to_all", self._all_to_all, x, dim)
+
+    def _split_dim(self, kind: str, impl, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """A collective that splits ``x``'s ``dim`` into one slice per rank (``impl`` on dim 0, contiguous);
+        each rank sends and receives (n - 1) / n of ``x``."""
         n = self.size
         if x.shape[dim] % n:
-            raise ValueError(
-                f"all_to_all: x.shape[{dim}] = {x.shape[dim]} is not divisible by the group size {n}; pad it"
-            )
-        self._count("all_to_all", x.nbytes * (n - 1) / n, x.nbytes * (n - 1) / n)
+            raise ValueError(f"{kind}: x.shape[{dim}] = {x.shape[dim]} is not divisible by the group size {n}; pad it")
+        self._count(kind, x.nbytes * (n - 1) / n, x.nbytes * (n - 1) / n)
         if n == 1:
             return x.clone()
-        return self._all_to_all(x.movedim(dim, 0).contiguous()).movedim(0, dim)
+        return impl(x.movedim(dim, 0).contiguous()).movedim(0, dim)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         n = self.size
