@@ -16,6 +16,7 @@ from cpattn.ops.compressor import gated_pool
 from cpattn.ops.rows import write_rows
 from cpattn.ops.window_attention import window_attention_with_lse
 from ref.v4 import gated_pool_ref, window_attention_ref
+from test_dcp_ops import _graph_ops
 
 NAN = float("nan")
 
@@ -179,18 +180,6 @@ def _step(q, cache, table, req, starts, ends, sinks, new, slots, kv, gate, bias,
     write_rows(cache, new, slots)
     o, l = window_attention_with_lse(q, cache, cache, table, req, starts, ends, softmax_scale=0.3, sinks=sinks)
     return o, l, gated_pool(kv, gate, bias, rows, prev)
-
-
-def _graph_ops(fn, *args):
-    found = []
-
-    def backend(gm, example_inputs):
-        found.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "cpattn" in str(n.target))
-        return gm
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
-    return found
 
 
 @pytest.mark.slow
