@@ -73,7 +73,7 @@ from cpattn.config.cli_paths import (  # noqa: F401 (re-exported: the parsers' o
 )
 from cpattn.config.cli_types import (  # noqa: F401 (re-exported: the parsers' one vocabulary)
     DTYPE_ALIASES, GRAPH_BACKENDS, _int, _torch_build, backend_unavailable, bad_value, check_backend, dtype_name,
-    int_list, nonnegative_int, positive_float, positive_int, usage_error,
+    int_list, nonnegative_int, port, positive_float, positive_int, usage_error,
 )
 
 TIMEOUT_S = 120.0  # default stall bound of every command that starts ranks

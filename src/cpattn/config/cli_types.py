@@ -83,6 +83,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+def port(text: str) -> int:
+    """argparse type: a TCP port, 1..65535 (``cpattn serve``'s and ``cpattn pool serve``'s ``--port``).
+
+    >>> port("8000")
+    8000
+    """
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a TCP port in 1..65535")
+    return value
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """argparse type: comma-separated integers >= 1.
 

@@ -60,16 +60,7 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def port(text: str) -> int:
-    """argparse type: a TCP port, 1..65535.
-
-    >>> port("50051")
-    50051
-    """
-    value = cli.positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a TCP port in 1..65535")
-    return value
+port = cli.port  # argparse type: a TCP port, 1..65535 (:func:`cpattn.config.cli_types.port`)
 
 
 def port_in_use(host: str, port: int) -> bool:

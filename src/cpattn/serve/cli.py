@@ -50,18 +50,7 @@ CONFIG_FLAGS = {"capture_sizes": "--compilation-config cudagraph_capture_sizes",
                 "speculative_method": "--speculative-config method"}
 
 
-def port(text: str) -> int:
-    """argparse type: a TCP port, 1..65535.
-
-    >>> port("8000")
-    8000
-    """
-    import argparse
-
-    value = cli.positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: a TCP port in 1..65535")
-    return value
+port = cli.port  # argparse type: a TCP port, 1..65535 (:func:`cpattn.config.cli_types.port`)
 
 
 def parser():
@@ -161,10 +150,14 @@ def check_backend(a) -> str:
     role = (a.kv_transfer_config or {}).get("kv_role")
     backend = a.distributed_executor_backend or ("external_launcher" if under_torchrun() else "uni")
     flag, dcp = "--distributed-executor-backend", a.decode_context_parallel_size
-    if backend != "uni" and role == "kv_both":
-        cli.bad_value(PROG, flag, f"{backend} with --kv-transfer-config kv_role kv_both",
-                      "real ranks serve one engine; P/D over real ranks is two servers, kv_producer and "
-                      "kv_consumer, sharing --kv-pool (docs/serve.md)", "drop the flag, or start the two servers")
+    if backend == "external_launcher" and role == "kv_both":
+        cli.bad_value(PROG, flag, "external_launcher with --kv-transfer-config kv_role kv_both",
+                      "one-server P/D runs on the ranks this command starts, not torchrun's",
+                      "use --distributed-executor-backend mp (--pcp + --dcp ranks)")
+    if backend == "mp" and role == "kv_both" and a.kv_pool == "memory":
+        cli.bad_value(PROG, "--kv-pool", "memory with --distributed-executor-backend mp",
+                      "an in-process pool is not shared by rank processes",
+                      "drop --kv-pool (the blocks go rank to rank), or pass lmdb:DIR or mooncake:HOST:PORT")
     if backend == "external_launcher":
         if not under_torchrun():
             cli.bad_value(PROG, flag, "external_launcher outside torchrun", "external_launcher ranks are started "
