@@ -424,3 +424,26 @@ def test_dcp_program_captured_on_two_gloo_ranks():
         decodes = [o for o, (kind, _) in zip(outs, PLAN) if kind == "decode"]
         for got, want in zip(decodes, exp):
             assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_replay_pads_rows_a_bigger_batch_left_and_takes_buffer_views_as_they_are():
+    """The padding rows of a replay are the field's pad whatever batches ran before (each replay sums every
+    buffered row, padding included); an input that is a view of the runner's own buffer is used in place."""
+    import torch
+
+    from cpattn.graphs import DecodeRunner, Field
+
+    def step(state, batch):
+        x = batch["x"]  # [S] including the padding rows
+        return x.sum().expand(x.shape[0]) + 0 * state["w"].sum()
+
+    runner = DecodeRunner(step, {"w": torch.zeros(1)}, {"x": Field("token", (), torch.float32, pad=0.5)},
+                          capture_sizes=[2, 4], backend="eager").capture()
+    for n in (4, 1, 3, 2, 4, 3, 1):
+        got = runner({"x": torch.ones(n)}, [1] * n)
+        size = 2 if n <= 2 else 4
+        assert runner.stats.last == f"graph:{size}"
+        assert got.tolist() == [n + 0.5 * (size - n)] * n, n
+    view = runner._buffers["x"][:3]
+    view.copy_(torch.full((3,), 2.0))
+    assert runner({"x": view}, [1, 1, 1]).tolist() == [6.5] * 3

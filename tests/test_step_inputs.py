@@ -65,3 +65,40 @@ def test_logit_rows_are_the_spans_slices():
     rows = LogitRows(logits, {"x": (1, 3), 7: (4, 5)})
     assert dict(rows).keys() == {"x", 7} and "x" in rows and "y" not in rows
     assert torch.equal(rows["x"], logits[1:3]) and torch.equal({**rows}[7], logits[4:5])
+
+
+def test_int64_is_torch_tensor_of_the_ints():
+    from cpattn.engine.step_inputs import int64
+
+    for xs in ([], [0], [5, -3, 2 ** 62], list(range(100))):
+        got = int64(xs)
+        assert got.dtype == torch.int64 and torch.equal(got, torch.tensor(xs, dtype=torch.int64))
+    assert int64(iter([1, 2])).tolist() == [1, 2]
+
+
+def test_one_token_rows_is_the_dict_of_model_outputs_and_spans():
+    from cpattn.engine.scheduler import ModelOutput
+    from cpattn.engine.step_inputs import OneTokenRows
+
+    ids, toks = ("a", 7, ("t", 1)), [4, 5, 6]
+    rows = OneTokenRows(ids, toks)
+    assert dict(rows) == {r: ModelOutput((t,)) for r, t in zip(ids, toks)}
+    assert dict(rows.spans) == {"a": (0, 1), 7: (1, 2), ("t", 1): (2, 3)}
+    assert "b" not in rows and len(rows) == 3
+    logits = torch.arange(6.).view(3, 2)
+    assert LogitRows(logits, rows.spans)[7].tolist() == [[2.0, 3.0]]
+    with pytest.raises(ValueError, match="one token per row"):
+        OneTokenRows(ids, [1])
+
+
+def test_request_output_without_init_is_the_dataclass():
+    import dataclasses
+
+    from cpattn.engine.outputs import RequestOutput, request_output
+
+    args = (3, (1, 2), (9, 8), True, "stop", ({9: -0.5},))
+    fast, slow = request_output(*args), RequestOutput(*args)
+    assert fast == slow and hash(request_output(*args[:5])) == hash(RequestOutput(*args[:5]))
+    assert repr(fast) == repr(slow) and dataclasses.asdict(fast) == dataclasses.asdict(slow)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.finished = False

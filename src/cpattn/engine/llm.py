@@ -53,7 +53,7 @@ from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
 from cpattn.engine.drafters import check_drafter
 from cpattn.engine.elastic import resolve as resolve_pcp
-from cpattn.engine.outputs import EngineStats, RequestOutput, drain
+from cpattn.engine.outputs import EngineStats, RequestOutput, drain, request_output
 from cpattn.engine.driver import engine_configs
 from cpattn.engine.connector import Side, from_args as connector_args
 from cpattn.engine.proposer import Proposer
@@ -297,16 +297,18 @@ class LLMEngine:
         self._counts["pcp_steps"] += results[0].pcp_rows > 0
         if self.connector is not None:  # the worker side: a pool stores, the P/D producer stages its blocks
             self.connector.save(out, self.scheduler.requests)
-        reqs = self.scheduler.requests
+        reqs, prompts, logprobs = self.scheduler.requests, self._prompts, self._logprobs
         outs = []
         for rid in out.req_ids:  # one lookup per row; the output tokens sliced once
             req = reqs[rid]
-            outs.append(RequestOutput(rid, self._prompts[rid], tuple(req.tokens[req.num_prompt:]),
-                                      rid in done or req.status == "finished", req.finish_reason,
-                                      None if rid not in self._logprobs else tuple(self._logprobs[rid])))
-        for o in outs:
-            if o.finished and o.logprobs is not None:
-                del self._logprobs[o.request_id], self._num_logprobs[o.request_id]
+            finished = rid in done or req.status == "finished"
+            lp = None
+            if rid in logprobs:
+                lp = tuple(logprobs[rid])
+                if finished:
+                    del logprobs[rid], self._num_logprobs[rid]
+            outs.append(request_output(rid, prompts[rid], tuple(req.tokens[req.num_prompt:]), finished,
+                                       req.finish_reason, lp))
         t4 = time.perf_counter()
         self.step_times = {**times, "outputs": t4 - t3, "total": t4 - t0}
         return outs

@@ -28,6 +28,25 @@ class RequestOutput:
     logprobs: tuple[dict[int, float], ...] | None = None
 
 
+_new = object.__new__
+
+
+def request_output(request_id: Hashable, prompt_token_ids: tuple[int, ...], token_ids: tuple[int, ...],
+                   finished: bool, finish_reason: str | None, logprobs: tuple | None = None) -> RequestOutput:
+    """``RequestOutput(...)`` without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
+    field): the fields go into the new instance's ``__dict__``, as ``__init__`` leaves them -- the same
+    object (equal, hashed, printed, frozen alike). The step loop builds one per row per step.
+
+    >>> request_output(0, (1, 2), (7,), True, "length") == RequestOutput(0, (1, 2), (7,), True, "length")
+    True
+    """
+    o = _new(RequestOutput)
+    d = o.__dict__
+    d["request_id"], d["prompt_token_ids"], d["token_ids"] = request_id, prompt_token_ids, token_ids
+    d["finished"], d["finish_reason"], d["logprobs"] = finished, finish_reason, logprobs
+    return o
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """Counters since the engine started (vLLM exposes the same to its metrics).

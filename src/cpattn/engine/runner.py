@@ -68,7 +68,7 @@ from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
 from cpattn.engine import runner_dp
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
-from cpattn.engine.step_inputs import BlockTableRows, LogitRows
+from cpattn.engine.step_inputs import BlockTableRows, LogitRows, OneTokenRows, int64
 from cpattn.graphs.runner import DecodeRunner
 from cpattn.layout.rows import cu_seqlens
 from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
@@ -171,8 +171,8 @@ class StepRunner:
         table = self._tables.update(out.block_tables, out.req_ids)
         if width is not None:
             table = table[:, :width].clone()
-        tokens = torch.tensor(list(chain.from_iterable(out.input_ids)), dtype=torch.int64)
-        return {"tokens": tokens, "seq_lens": torch.tensor(out.seq_lens, dtype=torch.int64), "block_table": table}
+        return {"tokens": int64(chain.from_iterable(out.input_ids)), "seq_lens": int64(out.seq_lens),
+                "block_table": table}
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""
@@ -234,6 +234,10 @@ class StepRunner:
         if any(out.sampling):  # None: a greedy row
             chosen = choose(logits, chosen, sampled_positions(out))
         end, samples, draft_tokens = 0, out.samples, out.draft_tokens
+        if full is None and len(chosen) == len(out.req_ids) and all(samples) and not any(draft_tokens):
+            # one token per row, no drafts: the scheduler commits it without per-row objects
+            outputs = OneTokenRows(out.req_ids, chosen)
+            return outputs, LogitRows(logits, outputs.spans), replayed, [t1 - t0, t2 - t1, time.perf_counter() - t2], None
         for b, (rid, q) in enumerate(zip(out.req_ids, out.query_lens)):
             begin, end = end, end + q
             if not samples[b]:

@@ -306,10 +306,14 @@ class Scheduler:
 
     def update(self, outputs: Mapping[Hashable, ModelOutput | Sequence[int]]) -> list[Hashable]:
         """Commit the last step: ``outputs[req_id]`` for each of its rows (a :class:`ModelOutput`, or just
-        the sampled tokens). Returns the requests that finished (max_tokens or a stop token id)."""
+        the sampled tokens; or a mapping with ``one_token_per_row`` -- :class:`cpattn.engine.step_inputs.OneTokenRows`
+        -- committed without per-row objects). Returns the requests that finished (max_tokens or a stop token id)."""
         step = self._pending
         if step is None:
             raise ValueError("update() without a scheduled step: call schedule() first")
+        if getattr(outputs, "one_token_per_row", False) and outputs.req_ids == step.req_ids \
+                and all(step.samples) and not any(step.draft_tokens):
+            return self._commit_one_each(step, outputs.tokens)
         scheduled = set(step.req_ids)
         extra = [r for r in outputs if r not in scheduled]
         if extra:
@@ -349,6 +353,32 @@ class Scheduler:
             else:
                 self.blocks.trim(req.req_id, req.num_computed)
                 req.drafts = list(next_drafts) if next_drafts else []
+        return done
+
+    def _commit_one_each(self, step: SchedulerOutput, tokens: Sequence[int]) -> list[Hashable]:
+        """:meth:`update` of a step whose every row sampled ``tokens[b]`` and verified no draft (the
+        same commit, row by row, with nothing to validate)."""
+        self._pending, done, caching, span, requests = None, [], self.blocks.enable_caching, self.blocks.span, self.requests
+        for rid, seq_len, t in zip(step.req_ids, step.seq_lens, tokens):
+            req = requests[rid]
+            if req.status != "running":  # aborted since the step was scheduled
+                continue
+            req.num_computed = seq_len
+            req.tokens.append(t)
+            reason = "stop" if t in req.stop_token_ids else \
+                "length" if len(req.tokens) - req.num_prompt >= req.max_tokens else None
+            if caching:
+                if len(req.tokens) // span > len(req.keys):
+                    self.blocks.extend_keys(req.keys, req.tokens)
+                self.blocks.cache_blocks(rid, req.keys, seq_len)
+            if reason:
+                self.running.remove(req)
+                self._finish(req, reason)
+                done.append(rid)
+            else:
+                self.blocks.trim(rid, seq_len)
+                if req.drafts:
+                    req.drafts = []
         return done
 
     # -- helpers -----------------------------------------------------------------------------

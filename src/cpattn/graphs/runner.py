@@ -188,6 +188,8 @@ class DecodeRunner:
         # token count so padding requests own no rows (all zero: all padding)
         self._cu_full = torch.arange(0, top + 1, self.q_len, dtype=torch.int32, device=self.device)
         self._buffers[CU_SEQLENS] = torch.zeros_like(self._cu_full)
+        self._dirty: dict[str, int] = {}  # per field: the rows past this one hold its pad (capture: all)
+        self._cu_for: tuple | None = None  # (requests, tokens) that the cu_seqlens_q buffer was made for
         for size in reversed(self.sizes):
             batch = self._views(size)
             self._check_outputs(size, self._capture_one(size, batch))
@@ -281,12 +283,20 @@ class DecodeRunner:
         return out
 
     def _replay(self, batch, size, num_tokens, num_reqs):
+        dirty = self._dirty
         for name, f in self.fields.items():
             buf, n = self._buffers[name], (num_tokens if f.rows == "token" else num_reqs)
-            buf[:n].copy_(batch[name])
-            buf[n : self._rows(f, size)].fill_(f.pad)  # stale rows of a bigger batch must not act
+            src = batch[name]
+            if src.data_ptr() != buf.data_ptr() or src.dtype != buf.dtype:  # not a view of the buffer already
+                buf[:n].copy_(src)
+            rows, was = self._rows(f, size), dirty.get(name, 0)
+            if was > n:  # stale rows of a bigger batch must not act
+                buf[n:rows].fill_(f.pad)
+            dirty[name] = max(n, was) if was > rows else n  # rows past it hold the pad
         n_req = size // self.q_len
-        torch.clamp(self._cu_full[: n_req + 1], max=num_tokens, out=self._buffers[CU_SEQLENS][: n_req + 1])
+        if self._cu_for != (n_req, num_tokens):  # cu_seqlens_q is a function of the two
+            torch.clamp(self._cu_full[: n_req + 1], max=num_tokens, out=self._buffers[CU_SEQLENS][: n_req + 1])
+            self._cu_for = (n_req, num_tokens)
         out = self._programs[size]()
         self.stats.graph += 1
         self.stats.sizes[size] = self.stats.sizes.get(size, 0) + 1
