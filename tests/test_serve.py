@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -26,7 +25,7 @@ for _pkg in ("openai", "fastapi", "uvicorn"):  # present or the module skips; im
     if importlib.util.find_spec(_pkg) is None:
         pytest.skip(f"{_pkg} is not installed (the dev extra has it)", allow_module_level=True)
 
-from test_serve_flags import _free_port, _ids, _metrics, ask_concurrently  # noqa: E402 - after the skip
+from test_serve_flags import _free_port, _ids, _metrics, ask_concurrently, sigterm_mid_stream  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -294,24 +293,6 @@ def test_a_family_the_step_loop_cannot_run_is_one_line_exit_2(backend):
 def test_sigterm_finishes_the_requests_in_flight_then_exits_0(server, client, reference):
     """Runs last (file order): it stops the module's server."""
     proc, _ = server
-    got, errors = [], []
-
-    def ask():
-        try:
-            for c in client.completions.create(model=NAME, prompt=P2, max_tokens=40, stream=True, temperature=0):
-                got.extend(_ids(c.choices[0]) if c.choices else [])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    t = threading.Thread(target=ask)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not got:
-        assert time.monotonic() < deadline and not errors, errors
-        time.sleep(0.02)
-    assert len(got) < 40
-    proc.send_signal(signal.SIGTERM)  # mid-generation
-    t.join(120)
-    assert not errors, errors
+    got = sigterm_mid_stream(client, NAME, P2, 40, proc)
     assert got == reference(P2, 40)  # the whole answer, not cut off
     assert proc.wait(60) == 0, proc.stderr.read()

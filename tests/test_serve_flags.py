@@ -178,6 +178,33 @@ def ask_concurrently(client, name: str, jobs: dict, timeout: float) -> tuple[dic
     return got, errors
 
 
+def sigterm_mid_stream(client, name: str, prompt: list[int], n: int, proc) -> list[int]:
+    """Stream ``n`` greedy tokens of ``prompt`` from a thread; once the first arrive (fewer than ``n``), SIGTERM
+    the server ``proc``; returns every token the stream got (draining servers finish it: the whole answer)."""
+    import threading
+
+    got, errors = [], []
+
+    def ask():
+        try:
+            for c in client.completions.create(model=name, prompt=prompt, max_tokens=n, stream=True, temperature=0):
+                got.extend(_ids(c.choices[0]) if c.choices else [])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not got:
+        assert time.monotonic() < deadline and not errors, errors
+        time.sleep(0.02)
+    assert len(got) < n
+    proc.send_signal(signal.SIGTERM)  # mid-generation
+    t.join(120)
+    assert not errors, errors
+    return got
+
+
 class Served:
     """A ``cpattn serve`` subprocess on 127.0.0.1 (SIGTERM at the end must exit 0)."""
 

@@ -17,12 +17,11 @@ import asyncio
 import os
 import pathlib
 import sys
-import threading
 import time
 
 import pytest
 from test_serve_flags import (Served, _free_port, _greedy, _ids, _metrics, ask_concurrently, embedded,  # noqa: F401
-                              needs_serving)
+                              needs_serving, sigterm_mid_stream)
 
 P1 = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: two chunks of the 8-token budget
 P2 = [2, 71, 82, 81, 82, 84, 59, 4, 5, 23, 53, 60, 28, 74, 71, 35, 26, 62]
@@ -160,28 +159,7 @@ def test_mp_server_listens_on_loopback_only(mp_server):
 @needs_serving
 def test_mp_server_sigterm_drains_then_exits_0(mp_server, embedded):
     """Runs last (file order): it stops the module's server."""
-    got, errors = [], []
-
-    def ask():
-        try:
-            for c in mp_server.client().completions.create(model=NAME, prompt=P2, max_tokens=40, stream=True,
-                                                           temperature=0):
-                got.extend(_ids(c.choices[0]) if c.choices else [])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    t = threading.Thread(target=ask)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not got:
-        assert time.monotonic() < deadline and not errors, errors
-        time.sleep(0.02)
-    assert len(got) < 40
-    import signal
-
-    mp_server.proc.send_signal(signal.SIGTERM)
-    t.join(120)
-    assert not errors, errors
+    got = sigterm_mid_stream(mp_server.client(), NAME, P2, 40, mp_server.proc)
     assert got == _greedy(embedded, P2, 40)
     assert mp_server.proc.wait(60) == 0, mp_server.proc.stderr.read()
     assert not mp_server.proc.stdout.read()  # stdout stays empty (the ranks print to stderr)
