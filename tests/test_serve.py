@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ for _pkg in ("openai", "fastapi", "uvicorn"):  # present or the module skips; im
     if importlib.util.find_spec(_pkg) is None:
         pytest.skip(f"{_pkg} is not installed (the dev extra has it)", allow_module_level=True)
 
-from test_serve_flags import _free_port, _ids, _metrics, ask_concurrently, sigterm_mid_stream  # noqa: E402
+from test_serve_flags import Served, _free_port, _ids, _metrics, ask_concurrently, sigterm_mid_stream  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -44,35 +43,15 @@ def _get(url: str) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def server():
     port = _free_port()  # picked here (bound, then released): uvicorn's --port takes a number
-    proc = subprocess.Popen([sys.executable, "-m", "cpattn", "serve", "--model-type", "qwen3", "--dcp", "2",
-                             "--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--max-model-len", "256",
-                             "--block-size", "4", "--port", str(port), "--served-model-name", NAME],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
+    srv = Served([sys.executable, "-m", "cpattn", "serve", "--model-type", "qwen3", "--dcp", "2",
+                  "--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--max-model-len", "256",
+                  "--block-size", "4", "--port", str(port), "--served-model-name", NAME], port)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"cpattn serve exited {proc.returncode}: {proc.stderr.read()}")
-            try:
-                if _get(base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("cpattn serve did not answer /health within 180 s")
-            time.sleep(0.2)
-        yield proc, base
+        yield srv.proc, srv.base
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise AssertionError("cpattn serve did not exit within 30 s of SIGTERM") from None
-            assert code == 0, f"cpattn serve exited {code} on SIGTERM: {proc.stderr.read()}"
+        if srv.proc.poll() is None:  # (the SIGTERM test stops it itself)
+            code = srv.stop()
+            assert code == 0, f"cpattn serve exited {code} on SIGTERM: {srv.proc.stderr.read()}"
 
 
 @pytest.fixture(scope="module")
