@@ -212,6 +212,7 @@ class LLMEngine:
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
         self._logprobs: dict[Hashable, list[dict[int, float]]] = {}  # requests that asked for logprobs
         self._num_logprobs: dict[Hashable, int] = {}  # their N
+        self._token_ids: dict[Hashable, tuple[int, ...]] = {}  # unfinished requests' output tokens, as last returned
         self._seeds = torch.Generator().manual_seed(_engine_seed(seed, world))
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
                         "drafted_tokens": 0, "accepted_tokens": 0, "pcp_steps": 0}
@@ -250,6 +251,7 @@ class LLMEngine:
         """Stop a request now (its blocks freed); False if it had already finished."""
         self._logprobs.pop(request_id, None)
         self._num_logprobs.pop(request_id, None)
+        self._token_ids.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -297,18 +299,27 @@ class LLMEngine:
         self._counts["pcp_steps"] += results[0].pcp_rows > 0
         if self.connector is not None:  # the worker side: a pool stores, the P/D producer stages its blocks
             self.connector.save(out, self.scheduler.requests)
-        reqs, prompts, logprobs = self.scheduler.requests, self._prompts, self._logprobs
+        reqs, prompts, logprobs, held = self.scheduler.requests, self._prompts, self._logprobs, self._token_ids
         outs = []
-        for rid in out.req_ids:  # one lookup per row; the output tokens sliced once
+        for rid in out.req_ids:  # one lookup per row; the output tokens of the last step extended (append-only)
             req = reqs[rid]
+            toks, ids = req.tokens, held.get(rid, ())
+            start = req.num_prompt + len(ids)
+            if len(toks) == start + 1:
+                ids = ids + (toks[-1],)
+            elif len(toks) > start:
+                ids = ids + tuple(toks[start:])
             finished = rid in done or req.status == "finished"
             lp = None
             if rid in logprobs:
                 lp = tuple(logprobs[rid])
                 if finished:
                     del logprobs[rid], self._num_logprobs[rid]
-            outs.append(request_output(rid, prompts[rid], tuple(req.tokens[req.num_prompt:]), finished,
-                                       req.finish_reason, lp))
+            if finished:
+                held.pop(rid, None)
+            else:
+                held[rid] = ids
+            outs.append(request_output(rid, prompts[rid], ids, finished, req.finish_reason, lp))
         t4 = time.perf_counter()
         self.step_times = {**times, "outputs": t4 - t3, "total": t4 - t0}
         return outs
