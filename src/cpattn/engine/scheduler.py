@@ -61,6 +61,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from cpattn.engine import decode_rows
 from cpattn.engine.blocks import BlockManager
 
 
@@ -171,7 +172,11 @@ class Scheduler:
     """Waiting / running queues over one :class:`~cpattn.engine.blocks.BlockManager` (policies: module docstring).
 
     Call :meth:`schedule`, run the step, then :meth:`update` with its outputs, once per step.
+    ``fast_paths``: a step of one-token decodes is built and committed by :mod:`cpattn.engine.decode_rows`
+    (the same result; False: the general code, which the tests compare it with).
     """
+
+    fast_paths = True
 
     def __init__(self, blocks: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  enable_chunked_prefill: bool = True, num_speculative_tokens: int = 0, tier2=None) -> None:
@@ -190,6 +195,7 @@ class Scheduler:
         self._next_id = 0
         self._finished_since: list[Hashable] = []
         self._pending: SchedulerOutput | None = None
+        self._last_decode: SchedulerOutput | None = None  # the latest step decode_rows built
         self._steps = self._uniform = self._preemptions = 0
 
     # -- requests ----------------------------------------------------------------------------
@@ -298,7 +304,7 @@ class Scheduler:
                 self.running.append(req)
                 rows.append((req, computed, num_new, []))
                 budget -= num_new
-        out = self._output(rows, preempted)
+        out = (self.fast_paths and decode_rows.decode_output(self, rows, preempted)) or self._output(rows, preempted)
         self._pending = out
         self._steps += bool(out.req_ids)
         self._uniform += out.uniform_decode
@@ -311,9 +317,9 @@ class Scheduler:
         step = self._pending
         if step is None:
             raise ValueError("update() without a scheduled step: call schedule() first")
-        if getattr(outputs, "one_token_per_row", False) and outputs.req_ids == step.req_ids \
+        if self.fast_paths and getattr(outputs, "one_token_per_row", False) and outputs.req_ids == step.req_ids \
                 and all(step.samples) and not any(step.draft_tokens):
-            return self._commit_one_each(step, outputs.tokens)
+            return decode_rows.commit_one_each(self, step, outputs.tokens)
         scheduled = set(step.req_ids)
         extra = [r for r in outputs if r not in scheduled]
         if extra:
@@ -353,32 +359,6 @@ class Scheduler:
             else:
                 self.blocks.trim(req.req_id, req.num_computed)
                 req.drafts = list(next_drafts) if next_drafts else []
-        return done
-
-    def _commit_one_each(self, step: SchedulerOutput, tokens: Sequence[int]) -> list[Hashable]:
-        """:meth:`update` of a step whose every row sampled ``tokens[b]`` and verified no draft (the
-        same commit, row by row, with nothing to validate)."""
-        self._pending, done, caching, span, requests = None, [], self.blocks.enable_caching, self.blocks.span, self.requests
-        for rid, seq_len, t in zip(step.req_ids, step.seq_lens, tokens):
-            req = requests[rid]
-            if req.status != "running":  # aborted since the step was scheduled
-                continue
-            req.num_computed = seq_len
-            req.tokens.append(t)
-            reason = "stop" if t in req.stop_token_ids else \
-                "length" if len(req.tokens) - req.num_prompt >= req.max_tokens else None
-            if caching:
-                if len(req.tokens) // span > len(req.keys):
-                    self.blocks.extend_keys(req.keys, req.tokens)
-                self.blocks.cache_blocks(rid, req.keys, seq_len)
-            if reason:
-                self.running.remove(req)
-                self._finish(req, reason)
-                done.append(rid)
-            else:
-                self.blocks.trim(rid, seq_len)
-                if req.drafts:
-                    req.drafts = []
         return done
 
     # -- helpers -----------------------------------------------------------------------------

@@ -163,23 +163,23 @@ class OneTokenRows(Mapping):
 
     @property
     def spans(self) -> Mapping:
-        return _UnitSpans(self._where())
+        return _UnitSpans(self)
 
 
 class _UnitSpans(Mapping):
-    """``{req_id: (b, b + 1)}`` over a ``{req_id: b}`` index."""
+    """``{req_id: (b, b + 1)}`` of a :class:`OneTokenRows` (its index built at the first lookup)."""
 
-    __slots__ = ("index",)
+    __slots__ = ("rows",)
 
-    def __init__(self, index: dict) -> None:
-        self.index = index
+    def __init__(self, rows: OneTokenRows) -> None:
+        self.rows = rows
 
     def __getitem__(self, req_id: Hashable) -> tuple[int, int]:
-        b = self.index[req_id]
+        b = self.rows._where()[req_id]
         return b, b + 1
 
     def __iter__(self) -> Iterator:
-        return iter(self.index)
+        return iter(self.rows.req_ids)
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.rows.req_ids)

@@ -1,0 +1,87 @@
+"""The scheduler's fast paths for a step of one-token decodes (no drafts) -- the common step of a serving
+loop: :func:`decode_output` builds its :class:`~cpattn.engine.scheduler.SchedulerOutput` and
+:func:`commit_one_each` commits its sampled tokens, with less per-row Python than the general code of
+:class:`~cpattn.engine.scheduler.Scheduler` (``_output`` / ``update``), whose results they equal
+(tests/test_scheduler_fast_commit.py compares the two over drawn schedules).
+
+A decode row is ``(request, context, 1, no drafts)`` whose context is every token but the last and whose
+tokens hold output. When the rows are the previous such step's requests, the fields that depend only on
+the request set -- query lengths, drafts, prefill flags, sampled flags, loads, sampling parameters -- are
+that step's tuples, reused (vLLM's persistent batch keeps them the same way; the code is ours).
+
+Example
+-------
+>>> from cpattn.engine.blocks import BlockManager
+>>> from cpattn.engine.scheduler import ModelOutput, Scheduler
+>>> s = Scheduler(BlockManager(8, 4), max_num_batched_tokens=8, max_num_seqs=2)
+>>> a = s.add_request([1, 2, 3], max_tokens=4)
+>>> _ = s.schedule(), s.update({a: ModelOutput([7])})   # the prompt (the general code)
+>>> out = s.schedule()                                   # a decode: built here
+>>> out.input_ids, out.context_lens, out.is_prefill, out is s._last_decode
+(((7,),), (3,), (False,), True)
+>>> commit_one_each(s, out, [9]), s.output_tokens(a)
+([], [7, 9])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+
+def decode_output(sched, rows: list, preempted: list):
+    """The step's SchedulerOutput when every row of ``rows`` ((request, context, new tokens, drafts)) is a
+    one-token decode; None otherwise (the scheduler then builds it in general)."""
+    from cpattn.engine.scheduler import SchedulerOutput
+
+    if not rows:
+        return None
+    ids, ctxs, inputs, num_output = [], [], [], []
+    for r, c, n, d in rows:
+        toks = r.tokens
+        if n != 1 or d or c != len(toks) - 1 or c < r.num_prompt or r.loads:
+            return None
+        ids.append(r.req_id)
+        ctxs.append(c)
+        inputs.append((toks[c],))
+        num_output.append(c + 1 - r.num_prompt)
+    ids, prev, b = tuple(ids), sched._last_decode, len(ids)
+    if prev is not None and prev.req_ids == ids:
+        same = (prev.query_lens, prev.draft_tokens, prev.is_prefill, prev.samples, prev.loads, prev.sampling)
+    else:
+        same = ((1,) * b, ((),) * b, (False,) * b, (True,) * b, ((),) * b, tuple([row[0].sampling for row in rows]))
+    finished, sched._finished_since = tuple(sched._finished_since), []
+    out = SchedulerOutput(
+        req_ids=ids, query_lens=same[0], context_lens=tuple(ctxs), seq_lens=tuple([c + 1 for c in ctxs]),
+        block_tables=tuple(map(sched.blocks.table_ids, ids)), input_ids=tuple(inputs), draft_tokens=same[1],
+        is_prefill=same[2], samples=same[3], preempted=tuple(preempted), finished=finished,
+        fresh_blocks=tuple(sched.blocks.take_fresh()), loads=same[4], sampling=same[5], num_output=tuple(num_output))
+    sched._last_decode = out
+    return out
+
+
+def commit_one_each(sched, step, tokens: Sequence[int]) -> list[Hashable]:
+    """``Scheduler.update`` of a step whose every row sampled ``tokens[b]`` and verified no draft (the same
+    commit, row by row, with nothing to validate); the requests that finished."""
+    sched._pending, done, blocks, requests = None, [], sched.blocks, sched.requests
+    caching, span = blocks.enable_caching, blocks.span
+    for rid, seq_len, t in zip(step.req_ids, step.seq_lens, tokens):
+        req = requests[rid]
+        if req.status != "running":  # aborted since the step was scheduled
+            continue
+        req.num_computed = seq_len
+        req.tokens.append(t)
+        reason = "stop" if t in req.stop_token_ids else \
+            "length" if len(req.tokens) - req.num_prompt >= req.max_tokens else None
+        if caching:
+            if len(req.tokens) // span > len(req.keys):
+                blocks.extend_keys(req.keys, req.tokens)
+            blocks.cache_blocks(rid, req.keys, seq_len)
+        if reason:
+            sched.running.remove(req)
+            sched._finish(req, reason)
+            done.append(rid)
+        else:
+            blocks.trim(rid, seq_len)
+            if req.drafts:
+                req.drafts = []
+    return done
