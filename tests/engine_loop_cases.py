@@ -30,6 +30,27 @@ def run_schedule(engine: LLMEngine, schedule: list[dict]) -> tuple[dict, list]:
     return ids, steps
 
 
+def check_schedule(engine: LLMEngine, schedule: list[dict], expected) -> list:
+    """Run ``schedule`` (:func:`run_schedule`); assert every request's tokens equal ``expected(req)`` (an aborted
+    one's: a prefix), that no step with an eager reason replayed and that no block or request is left; then one
+    more step (the scheduler reports the last finishes with it: the runners drop their state). Returns the steps."""
+    ids, steps = run_schedule(engine, schedule)
+    for i, rid in ids.items():
+        req = engine.scheduler.requests[rid]
+        got, want = list(req.output), expected(schedule[i])
+        if req.finish_reason == "abort":
+            assert want[: len(got)] == got, f"aborted request {i}: {got} is not a prefix of {want}"
+        else:
+            assert got == want, f"request {i} (prompt {len(schedule[i]['prompt'])} tokens): {got} != {want}"
+    for out, replayed in steps:
+        assert not (replayed and not out.uniform_decode), f"a step with {out.eager_reason} replayed"
+    s = engine.stats
+    assert (s.blocks_used, s.running, s.waiting) == (0, 0, 0), s
+    assert s.replayed_steps + s.eager_steps == s.steps == len([o for o, _ in steps if o.req_ids])
+    engine.step()
+    return steps
+
+
 def gloo_rank(group, family: str, cfg, seed: int, schedule: list[dict], engine_kwargs: dict) -> dict:
     """One torchrun-style rank: every rank builds the engine over its group and runs the same schedule."""
     fam_params = __import__("cpattn.engine.family", fromlist=["get_family"]).get_family(family)

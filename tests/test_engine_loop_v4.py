@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from engine_loop_cases import run_arrivals, run_schedule
+from engine_loop_cases import check_schedule, run_arrivals
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lanes import examples
@@ -71,21 +71,8 @@ def engine(layout: str, num_blocks: int, **kw) -> LLMEngine:
 
 
 def check_run(eng: LLMEngine, schedule: list[dict]) -> list:
-    """Run the schedule; assert every request's tokens, the replay rule and that no block or slot leaks."""
-    ids, steps = run_schedule(eng, schedule)
-    for i, rid in ids.items():
-        req = eng.scheduler.requests[rid]
-        got, want = list(req.output), expected(schedule[i])
-        if req.finish_reason == "abort":
-            assert want[: len(got)] == got, f"aborted request {i}: {got} is not a prefix of {want}"
-        else:
-            assert got == want, f"request {i} (prompt {len(schedule[i]['prompt'])} tokens): {got} != {want}"
-    for out, replayed in steps:
-        assert not (replayed and not out.uniform_decode), f"a step with {out.eager_reason} replayed"
-    s = eng.stats
-    assert (s.blocks_used, s.running, s.waiting) == (0, 0, 0), s
-    assert s.replayed_steps + s.eager_steps == s.steps == len([o for o, _ in steps if o.req_ids])
-    eng.step()  # the scheduler reports the last finishes with its next step: the runners drop their state
+    """Run the schedule (:func:`engine_loop_cases.check_schedule`); assert too that no runner holds state."""
+    steps = check_schedule(eng, schedule, expected)
     assert [r.live for r in eng.runners] == [0] * len(eng.runners)
     return steps
 
