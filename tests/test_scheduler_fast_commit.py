@@ -2,7 +2,8 @@
 SchedulerOutput, and the commit of ``OneTokenRows``, what the runner hands back for a decode step without
 drafts) give exactly the general code's SchedulerOutput and leave exactly its state: the same tokens, computed lengths,
 finished requests and reasons, block tables and prefix-cache keys, over drawn schedules with stop tokens,
-max_tokens, aborts between schedule and update, prefill chunks and preemptions."""
+max_tokens, aborts between schedule and update, prefill chunks, preemptions and drafts (some steps
+verify drafts, partly rejected, through the general commit)."""
 
 import random
 
@@ -22,7 +23,8 @@ def state(s: Scheduler):
 def pair(seed: int, caching: bool):
     rng = random.Random(seed)
     def make():
-        return Scheduler(BlockManager(rng_blocks, 4, enable_caching=caching), max_num_batched_tokens=12, max_num_seqs=6)
+        return Scheduler(BlockManager(rng_blocks, 4, enable_caching=caching), max_num_batched_tokens=12, max_num_seqs=6,
+                         num_speculative_tokens=2)
     rng_blocks = rng.choice([6, 10, 40])
     fast, slow = make(), make()
     slow.fast_paths = False  # the general code: _output and update's checked commit
@@ -31,12 +33,12 @@ def pair(seed: int, caching: bool):
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_fast_paths_equal_the_general_code(caching):
-    built = [run_pair(seed, caching) for seed in range(16)]
-    assert sum(built) >= 8  # most schedules reach steps of decodes only
+    runs = [run_pair(seed, caching) for seed in range(16)]
+    assert sum(b for b, _ in runs) >= 8 and sum(c for _, c in runs) >= 8  # most reach the fast paths
 
 
-def run_pair(seed: int, caching: bool) -> bool:
-    """One drawn schedule on both schedulers; whether decode_rows built any of its steps."""
+def run_pair(seed: int, caching: bool) -> tuple[bool, bool]:
+    """One drawn schedule on both schedulers; whether decode_rows built any of its steps, and committed any."""
     rng, fast, slow = pair(seed, caching)
     for i in range(6):
         prompt = [rng.randrange(1, 9) for _ in range(rng.randrange(1, 14))]
@@ -54,14 +56,18 @@ def run_pair(seed: int, caching: bool) -> bool:
             victim = rng.choice(a.req_ids)
             fast.abort(victim), slow.abort(victim)
         one = all(a.samples) and not any(a.draft_tokens)
-        used_fast += one and bool(a.req_ids)
-        got_fast = fast.update(OneTokenRows(a.req_ids, toks) if one else
-                               {r: ModelOutput((t,) if ok else ()) for r, t, ok in zip(a.req_ids, toks, a.samples)})
-        got_slow = slow.update({r: ModelOutput((t,) if ok else ()) for r, t, ok in zip(a.req_ids, toks, a.samples)})
+        propose = rng.random() < 0.3  # this step proposes drafts (their KV verified, some rejected, next step)
+        outs = {}
+        for r, t, ok, d in zip(a.req_ids, toks, a.samples, a.draft_tokens):
+            kept = list(d[:rng.randrange(len(d) + 1)]) if d else []
+            outs[r] = ModelOutput(tuple(kept) + (t,) if ok else (), (5, 6) if propose and ok else ())
+        used_fast += one and not propose and bool(a.req_ids)
+        got_fast = fast.update(OneTokenRows(a.req_ids, toks) if one and not propose else outs)
+        got_slow = slow.update(outs)
         assert got_fast == got_slow
         assert state(fast) == state(slow)
-    assert not fast.has_unfinished() and used_fast > 0 and slow._last_decode is None
-    return fast._last_decode is not None
+    assert not fast.has_unfinished() and slow._last_decode is None
+    return fast._last_decode is not None, used_fast > 0
 
 
 def test_one_token_rows_of_another_step_go_through_the_checks():

@@ -61,7 +61,7 @@ def decode_output(sched, rows: list, preempted: list):
 
 def commit_one_each(sched, step, tokens: Sequence[int]) -> list[Hashable]:
     """``Scheduler.update`` of a step whose every row sampled ``tokens[b]`` and verified no draft (the same
-    commit, row by row, with nothing to validate); the requests that finished."""
+    commit, row by row, with nothing to validate and no block to give back); the requests that finished."""
     sched._pending, done, blocks, requests = None, [], sched.blocks, sched.requests
     caching, span = blocks.enable_caching, blocks.span
     for rid, seq_len, t in zip(step.req_ids, step.seq_lens, tokens):
@@ -80,8 +80,8 @@ def commit_one_each(sched, step, tokens: Sequence[int]) -> list[Hashable]:
             sched.running.remove(req)
             sched._finish(req, reason)
             done.append(rid)
-        else:
-            blocks.trim(rid, seq_len)
-            if req.drafts:
-                req.drafts = []
+        elif req.drafts:
+            req.drafts = []
+        # no trim: this step's schedule grew the table to blocks_for(seq_len) from at most blocks_for(context)
+        # (every update leaves a table no longer than its computed tokens need), so nothing lies past it
     return done
