@@ -136,20 +136,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
         engine = _engine(model, params, cfg, world, pcp_size=pcp_size, interleave_size=interleave_size,
                          **common, **decode_opts)
     else:
-        dcp = dcp_size or 1
-        if world.size != pcp_size + dcp:
-            raise ValueError(f"pd=True: pcp_size={pcp_size} + dcp_size={dcp} ranks, but the world has {world.size}; "
-                             "start pcp_size + dcp_size ranks")
-        link = GroupLink(world, range(pcp_size), range(pcp_size, pcp_size + dcp))
-        common["kv_connector"] = (connector or PDConnector()).linked(link)
-        producer = world.split(range(pcp_size))
-        consumer = world.split(range(pcp_size, pcp_size + dcp))
-        role, group = ("prefill", producer) if producer is not None else ("decode", consumer)
-        common["interleave_size"] = block_size
-        if role == "prefill":
-            engine = _engine(model, params, cfg, group, pcp_size=group.size, kv_role="kv_producer", **common)
-        else:
-            engine = _engine(model, params, cfg, group, kv_role="kv_consumer", **common, **decode_opts)
+        role, engine = pd_role(world, model, params, cfg, pcp_size=pcp_size, dcp_size=dcp_size or 1, **common,
+                               **decode_opts)
     final, first = {}, {}
     try:
         for step in range(max_steps):
@@ -185,6 +173,38 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
         raise RuntimeError(f"run_rank: the schedule did not drain in {max_steps} steps; raise max_steps")
     finally:
         engine.close()
+
+
+def pd_role(world: Group, model, params: dict, cfg: Any, *, pcp_size: int, dcp_size: int = 1, block_size: int = 16,
+            kv_connector=None, graph_mode: str = "NONE", graph_backend: str = "auto", capture_sizes=None,
+            merge: str = "local_ag", **common) -> tuple[str, LLMEngine]:
+    """This rank's P/D role and engine on a world of ``pcp_size + dcp_size`` ranks (every rank calls it):
+    ``("prefill", producer engine)`` on world ranks ``0 .. P-1`` (PCP over them), ``("decode", consumer
+    engine)`` on ``P ..`` (DCP, with the capture / merge options). ``kv_connector``: the connector both
+    roles bind (None: :class:`~cpattn.engine.connector_pd.PDConnector`, blocks rank to rank over ``world``);
+    ``common``: scheduler, num_blocks, poison (as :class:`~cpattn.engine.llm.LLMEngine`).
+
+    >>> import cpattn
+    >>> from cpattn.models import qwen3
+    >>> cfg = qwen3.Qwen3Config.tiny()
+    >>> roles = cpattn.simulate(3, lambda g: pd_role(g, "qwen3", qwen3.init_params(cfg), cfg, pcp_size=2,
+    ...                                               block_size=4)[0])
+    >>> roles
+    ['prefill', 'prefill', 'decode']
+    """
+    if world.size != pcp_size + dcp_size:
+        raise ValueError(f"pd=True: pcp_size={pcp_size} + dcp_size={dcp_size} ranks, but the world has {world.size}; "
+                         "start pcp_size + dcp_size ranks")
+    link = GroupLink(world, range(pcp_size), range(pcp_size, pcp_size + dcp_size))
+    common.update(block_size=block_size, interleave_size=block_size,
+                  kv_connector=(kv_connector or PDConnector()).linked(link))
+    producer = world.split(range(pcp_size))
+    consumer = world.split(range(pcp_size, pcp_size + dcp_size))
+    if producer is not None:
+        return "prefill", _engine(model, params, cfg, producer, pcp_size=producer.size, kv_role="kv_producer",
+                                  **common)
+    return "decode", _engine(model, params, cfg, consumer, kv_role="kv_consumer", graph_mode=graph_mode,
+                             graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge, **common)
 
 
 def _engine(model, params, cfg, group: Group, *, pcp_size: int = 1, **kwargs) -> LLMEngine:

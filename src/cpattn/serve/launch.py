@@ -1,6 +1,6 @@
 """``cpattn serve`` on gloo ranks: started by this command (``mp``) or by torchrun (``external_launcher``).
 
-``mp`` (:func:`launch`): ``--dcp N`` rank processes from
+``mp`` (:func:`launch`): ``--dcp N`` rank processes (one-server P/D: ``--pcp + --dcp``, :func:`world_size`) from
 :func:`cpattn.comm.launch.spawn` (a forkserver start; they meet through a
 private FileStore, gloo on loopback), each running
 :func:`cpattn.serve.run.serve_rank`: rank 0 serves HTTP on ``--host`` /
@@ -40,7 +40,7 @@ def launch(a, sched) -> int:
     """``--distributed-executor-backend mp``: start the ranks, wait for them (module docstring)."""
     from cpattn.comm.launch import SpawnError, spawn
 
-    n = a.decode_context_parallel_size
+    n = world_size(a)
     got: dict = {}
     with tempfile.TemporaryDirectory(prefix="cpattn-serve-") as tmp:
         stop = os.path.join(tmp, "stop")
@@ -69,6 +69,19 @@ def launch(a, sched) -> int:
             print(e.failures[0].traceback, file=sys.stderr)
         return 1
     return _status(got["results"][0])
+
+
+def world_size(a) -> int:
+    """The ranks of the flags' layout: ``--dcp``, or ``--pcp + --dcp`` for one-server P/D (``kv_both``).
+
+    >>> from types import SimpleNamespace as NS
+    >>> world_size(NS(prefill_context_parallel_size=2, decode_context_parallel_size=1,
+    ...               kv_transfer_config={"kv_role": "kv_both"}))
+    3
+    """
+    dcp = a.decode_context_parallel_size
+    pd = (a.kv_transfer_config or {}).get("kv_role") == "kv_both"
+    return a.prefill_context_parallel_size + dcp if pd else dcp
 
 
 def torchrun_rank(a, sched) -> int:

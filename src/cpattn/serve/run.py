@@ -55,6 +55,15 @@ def build_engine(a, sched, world=None):
         k = spec["num_speculative_tokens"]
     role = (a.kv_transfer_config or {}).get("kv_role")
     label = a.model or f"{a.model_type}-seed{a.seed}"
+    if role == "kv_both" and world is not None:  # P/D on real ranks: prefill on world ranks 0..P-1, decode on P..
+        from cpattn.engine.connector import PoolConnector
+        from cpattn.serve.pd_ranks import RankPD
+
+        connector = None if a.kv_pool is None else PoolConnector(PoolSpec(a.kv_pool, model=label))
+        return RankPD(world, family, params, cfg, pcp_size=a.prefill_context_parallel_size,
+                      dcp_size=a.decode_context_parallel_size, block_size=a.block_size, scheduler=sched,
+                      kv_connector=connector, graph_mode=graph["graph_mode"], graph_backend=graph["graph_backend"],
+                      capture_sizes=graph["capture_sizes"])
     if role == "kv_both":  # P/D in one process: the prefill role on --pcp ranks, the decode role on --dcp
         from cpattn.engine.pd_engine import PDEngine
 
@@ -86,8 +95,11 @@ def describe(a, engine) -> str:
     parts = [a.model_type if a.model is None else "checkpoint", "embedded" if a.model is None else a.model]
     pcp, dcp = a.prefill_context_parallel_size, a.decode_context_parallel_size
     role = (getattr(a, "kv_transfer_config", None) or {}).get("kv_role")
+    backend = getattr(a, "distributed_executor_backend", None)
+    real = backend in ("mp", "external_launcher")
     if role == "kv_both":
-        parts.append(f"P/D: prefill PCP {pcp} -> decode DCP {dcp} via KV pool {a.kv_pool or 'memory'}")
+        via = "blocks rank to rank" if real and a.kv_pool is None else f"KV pool {a.kv_pool or 'memory'}"
+        parts.append(f"P/D: prefill PCP {pcp} -> decode DCP {dcp} via {via}")
     else:
         parts.append(f"PCP {pcp} + DCP {dcp}" if pcp > 1 else f"DCP {dcp}")
         if pcp > 1 and getattr(a, "pcp_policy", "always") == "elastic":
@@ -100,9 +112,9 @@ def describe(a, engine) -> str:
         parts.append(a.compilation_config["graph_mode"])
     if a.speculative_config is not None:
         parts.append(f"{a.speculative_config['method']} k={a.speculative_config['num_speculative_tokens']}")
-    backend = getattr(a, "distributed_executor_backend", None)
-    if backend in ("mp", "external_launcher"):
-        parts.append(f"{dcp} gloo rank{'s' if dcp > 1 else ''} ({backend})")
+    if real:
+        n = pcp + dcp if role == "kv_both" else dcp
+        parts.append(f"{n} gloo rank{'s' if n > 1 else ''} ({backend})")
     return ", ".join(parts)
 
 
