@@ -203,7 +203,7 @@ class LLMEngine:
             return make(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,
                         max_model_len=self.max_model_len, merge=merge, capture=capture,
                         capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
-                        num_speculative_tokens=k, pcp=pcp > 1, poison=poison, **extra,
+                        num_speculative_tokens=k, pcp_size=pcp, poison=poison, **extra,
                         hidden_layers=None if drafter is None else drafter.hidden_layers)
 
         self._groups = groups

@@ -98,6 +98,20 @@ class StepResult:
     hidden: dict | None = None
 
 
+def check_pcp_size(pcp_size: int, group: Group, who: str) -> int:
+    """A runner's ``pcp_size``: 1 (prefill chunks run DCP attention) or ``group.size`` (PCP over the DCP group),
+    any other size a ValueError. Returns it as an int.
+
+    >>> from cpattn.comm.sim import SimMesh
+    >>> check_pcp_size(2, SimMesh(2).groups()[0], "StepRunner"), check_pcp_size(1, SimMesh(2).groups()[0], "x")
+    (2, 1)
+    """
+    if isinstance(pcp_size, bool) or int(pcp_size) not in (1, group.size):
+        raise ValueError(f"{who}(pcp_size={pcp_size!r}) with a group of {group.size}: a runner runs PCP over its "
+                         f"DCP group; pass pcp_size={group.size} or 1")
+    return int(pcp_size)
+
+
 class StepRunner:
     """One rank's model runner (module docstring): a NaN-filled paged cache of ``num_blocks`` blocks.
 
@@ -110,12 +124,12 @@ class StepRunner:
     merge: the DCP merge (:data:`cpattn.engine.paged_cache.STEP_MERGES`).
     capture: graph backend for uniform decode steps ("eager", "aot_eager", "inductor", "auto"),
         or None (every step eager); capture_sizes / max_num_seqs / num_speculative_tokens size it.
-    pcp: the group is also the PCP group: a step's prefill chunks run PCP (``pcp_method`` "ring" or
+    pcp_size: 1, or ``group.size``: the group is also the PCP group, a step's prefill chunks run PCP (``pcp_method`` "ring" or
         "allgather"; DSA-CP for a DSA model) over it (:mod:`cpattn.engine.runner_pcp`), its decodes DCP.
         ``pcp_method="auto"`` (default): "ring" for prompts from the start, "allgather" for a step whose
         chunks attend a cached context (each part then attends context and chunk in one causal call,
         :meth:`cpattn.engine.prefill_steps.PCPStep._with_context`: no separate context partials to merge).
-        pcp_min_tokens: with ``pcp``, a chunk of fewer new tokens runs DCP attention with the decodes
+        pcp_min_tokens: with ``pcp_size > 1``, a chunk of fewer new tokens runs DCP attention with the decodes
         instead (elastic CP: PCP only where it pays, :func:`cpattn.engine.elastic.pcp_min_tokens`).
     poison: NaN-fill each freshly handed-out block before the step (tests; costs a write per block).
     """
@@ -125,10 +139,10 @@ class StepRunner:
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
-                 num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "auto",
+                 num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "auto",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
-        self.pcp, self._auto_pcp = pcp and group.size > 1, pcp_method == "auto"
+        self.pcp_size, self._auto_pcp = check_pcp_size(pcp_size, group, "StepRunner"), pcp_method == "auto"
         self.algorithms = Algorithms(pcp_method="ring" if self._auto_pcp else pcp_method)
         self.pcp_min_tokens = pcp_min_tokens
         if not self.family.backend.per_token_kv and self.family.cache not in self.other_caches:
@@ -191,7 +205,7 @@ class StepRunner:
             return StepResult({}, {}, False, 0)
         sent, t0 = self.group.stats.total_sent(), time.perf_counter()
         pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
-            if self.pcp else []
+            if self.pcp_size > 1 else []
         if pre:  # long chunks under PCP, then the decodes and short chunks (a mixed step: eager)
             dec = [b for b in range(len(out.req_ids)) if b not in set(pre)]
             chunks = rows_of(out, pre)

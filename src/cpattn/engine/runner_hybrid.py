@@ -78,7 +78,7 @@ from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import batch_step, step_fields
 from cpattn.engine.logits import forward_logits
 from cpattn.engine.prefill_steps import Prefix
-from cpattn.engine.runner import StepResult, StepRunner
+from cpattn.engine.runner import StepResult, StepRunner, check_pcp_size
 from cpattn.engine.runner_pcp import cached_rows, rows_of
 from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
@@ -144,7 +144,7 @@ def hybrid_loop_step(state: dict, batch: dict[str, torch.Tensor], *, family: Mod
 
 class HybridStepRunner(StepRunner):
     """One rank's hybrid model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`
-    (``pcp``: prefill chunks run PCP, see the module doc; ``num_speculative_tokens`` = k: decode rows of
+    (``pcp_size > 1``: prefill chunks run PCP, see the module doc; ``num_speculative_tokens`` = k: decode rows of
     1 + k tokens verified with per-position states, see the module doc; ``hidden_layers``: the hidden states
     a drafter reads, in ``StepResult.hidden`` as StepRunner gives them).
 
@@ -156,7 +156,7 @@ class HybridStepRunner(StepRunner):
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
-                 num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
+                 num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:
         family = get_family(model)
         if family.cache != "hybrid":
@@ -167,9 +167,9 @@ class HybridStepRunner(StepRunner):
                              "compiler; use graph_backend='eager' (or 'auto') or graph_mode='NONE'")
         super().__init__(group, family, params, cfg, num_blocks=num_blocks, block_size=block_size,
                          max_model_len=max_model_len, interleave_size=interleave_size, merge=merge, capture=None,
-                         max_num_seqs=max_num_seqs, pcp=False, pcp_method=pcp_method, poison=poison,
+                         max_num_seqs=max_num_seqs, pcp_size=1, pcp_method=pcp_method, poison=poison,
                          pcp_min_tokens=pcp_min_tokens)
-        self.pcp = pcp and group.size > 1  # the chunks' PCP runs here (:meth:`_pcp_chunks`), not StepRunner's
+        self.pcp_size = check_pcp_size(pcp_size, group, "HybridStepRunner")  # the chunks' PCP runs here (:meth:`_pcp_chunks`), not StepRunner's
         dev = params["model.embed_tokens.weight"].device
         self.states = family.recurrent_cache(cfg, batch=max_num_seqs, dtype=param_dtype(params), device=dev)
         for t in (*self.states.conv, *self.states.state):
@@ -236,7 +236,7 @@ class HybridStepRunner(StepRunner):
                 raise RuntimeError(f"request {rid!r}: {len(out.draft_tokens[b])} drafts; this hybrid runner was "
                                    "built with num_speculative_tokens=0")
         pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
-            if self.pcp else []
+            if self.pcp_size > 1 else []
         if pre:  # the long chunks under PCP, then the decodes and short chunks through the DCP step
             super().execute(rows_of(out, []))  # the fresh blocks' poisoning
             sent, t0 = self.group.stats.total_sent(), time.perf_counter()

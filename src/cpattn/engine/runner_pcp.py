@@ -1,7 +1,7 @@
 """A step's prefill chunks under PCP: the chunk rows split head-tail over the group, the cached context
 gathered from the DCP-sharded cache, the new rows sent straight to the DCP ranks that own them.
 
-With ``pcp=True`` the :class:`~cpattn.engine.runner.StepRunner`'s group is both the PCP and the DCP
+With ``pcp_size = group.size`` the :class:`~cpattn.engine.runner.StepRunner`'s group is both the PCP and the DCP
 group (one engine with ``pcp_size = dcp_size``, the guide's PCP + DCP layout). A step then runs
 twice: its prefill rows through :func:`cpattn.engine.prefill.prefill` (PCP ring attention, or DSA-CP
 for a DSA model, over the chunk with its cached context as a

@@ -9,7 +9,7 @@ running request (``max_num_seqs`` of them, each sized for the longest
 request the block pool admits):
 
 - a prefill row (a new request, or a preempted one recomputing prompt and
-  outputs) runs the backend's prefill over the group (PCP when ``pcp``,
+  outputs) runs the backend's prefill over the group (PCP when ``pcp_size > 1``,
   else on this rank alone, replicated), the backend's ``collect`` /
   ``place`` seed the request's slot with its tail rows and this DCP rank's
   entries (as the fixed-batch path's hand-off does), and the first token is
@@ -72,7 +72,7 @@ from cpattn.comm.sim import SimMesh
 from cpattn.config import SchedulerConfig
 from cpattn.engine.batch import Prompts
 from cpattn.engine.options import Algorithms
-from cpattn.engine.runner import StepResult
+from cpattn.engine.runner import StepResult, check_pcp_size
 from cpattn.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner
 from cpattn.models.family import ModelFamily, get_family, param_dtype
@@ -186,7 +186,7 @@ class V4StepRunner:
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "ag_rs",
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
-                 num_speculative_tokens: int = 0, pcp: bool = False, pcp_method: str = "ring",
+                 num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
                  hidden_layers: tuple | None = None, poison: bool = False, connector=None) -> None:
         self.connector = connector  # the engine's bound KV connector (V4 P/D: connector_v4), or None
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
@@ -197,8 +197,9 @@ class V4StepRunner:
         if hidden_layers is not None:
             raise ValueError(f"hidden_layers={tuple(hidden_layers)}: the {self.family.name} step loop does not keep "
                              "the target's hidden states; use a drafter that reads tokens (NgramDrafter)")
-        self.pcp, self.algorithms = pcp and group.size > 1, Algorithms(pcp_method=pcp_method)
-        self.prefill_group = group if self.pcp else SimMesh(1).groups()[0]  # else replicated on every rank
+        self.pcp_size = check_pcp_size(pcp_size, group, "V4StepRunner")
+        self.algorithms = Algorithms(pcp_method=pcp_method)
+        self.prefill_group = group if self.pcp_size > 1 else SimMesh(1).groups()[0]  # else replicated on every rank
         self.k = int(num_speculative_tokens)
         longest = min(max_model_len, num_blocks * block_size * group.size)  # the block pool bounds a request
         lay = cfg.layout(max_rewind=self.k, block_size=block_size)
@@ -257,7 +258,7 @@ class V4StepRunner:
             times = [a + b for a, b in zip(times, tm)]
             replayed = replayed or r
         return StepResult(outputs, logits, replayed, self.group.stats.total_sent() - sent, *times,
-                          len(pre) if self.pcp else 0, None)
+                          len(pre) if self.pcp_size > 1 else 0, None)
 
     def _prefill(self, out: SchedulerOutput, rows: list[int]):
         """Prefill each row's whole query (context 0), seed its slot, sample its first token."""
