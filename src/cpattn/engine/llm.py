@@ -57,8 +57,9 @@ from cpattn.engine.outputs import EngineStats, RequestOutput, drain, request_out
 from cpattn.engine.driver import engine_configs
 from cpattn.engine.connector import Side, from_args as connector_args
 from cpattn.engine.proposer import Proposer
+from cpattn.engine.returns import Returns
 from cpattn.engine.runner import StepResult, StepRunner
-from cpattn.engine.sampling import SamplingParams, token_logprobs
+from cpattn.engine.sampling import SamplingParams
 from cpattn.engine.scheduler import ModelOutput, Scheduler
 from cpattn.models.family import ModelFamily, get_family
 
@@ -118,6 +119,9 @@ class LLMEngine:
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
     seed: the engine's generator, which gives each request added without a seed its own
         (:mod:`cpattn.engine.sampling`); None: a random one (under torchrun rank 0's, shared).
+    return_logits / return_prompt_logits: opt-in, off by default (no cost then): each RequestOutput also
+        carries the raw logits row of every output token / the logits of every prompt position computed
+        (:mod:`cpattn.engine.returns`; prompt logits: paged-cache families, not deepseek_v4 / hybrid).
 
     ``engine.last_step`` is ``(SchedulerOutput, replayed)`` of the latest step (what ran, and whether
     it replayed a captured program); ``engine.stats`` the counters.
@@ -129,7 +133,8 @@ class LLMEngine:
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
                  poison: bool = False, seed: int | None = None, kv_role: str = "kv_both",
-                 pcp_policy: str = "always", pcp_min_tokens: int | None = None, kv_connector=None) -> None:
+                 pcp_policy: str = "always", pcp_min_tokens: int | None = None, kv_connector=None,
+                 return_logits: bool = False, return_prompt_logits: bool = False) -> None:
         family = get_family(model)
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role={kv_role!r}; pass one of {', '.join(KV_ROLES)} (vLLM's kv_transfer_config roles)")
@@ -194,6 +199,9 @@ class LLMEngine:
         sizes = config.compilation.capture_sizes
 
         make = V4StepRunner if v4 else HybridStepRunner if hybrid else StepRunner  # V4 / hybrid: own runners
+        if return_prompt_logits and make is not StepRunner:
+            raise ValueError(f"return_prompt_logits=True: the {family.name} runner ({make.__name__}) does not hand "
+                             "back its prompt rows' logits; pass return_prompt_logits=False")
         if v4 and pcp_policy != "always":
             raise ValueError(f"pcp_policy={pcp_policy!r}: a deepseek_v4 prompt is prefilled in one step by its own "
                              "runner; pass pcp_policy='always'")
@@ -209,9 +217,10 @@ class LLMEngine:
         self._groups = groups
         self.runners = run_ranks(self._mesh, groups, runner, what="LLMEngine") if len(groups) > 1 \
             else [runner(groups[0])]  # one rank: its errors as raised
+        for r in self.runners if return_prompt_logits else ():
+            r.prompt_logits = True
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
-        self._logprobs: dict[Hashable, list[dict[int, float]]] = {}  # requests that asked for logprobs
-        self._num_logprobs: dict[Hashable, int] = {}  # their N
+        self.returns = Returns(return_logits, return_prompt_logits)  # logprobs, logits, prompt logits
         self._token_ids: dict[Hashable, tuple[int, ...]] = {}  # unfinished requests' output tokens, as last returned
         self._seeds = torch.Generator().manual_seed(_engine_seed(seed, world))
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
@@ -242,15 +251,12 @@ class LLMEngine:
         rid = self.scheduler.add_request(prompt, max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids,
                                          req_id=request_id, sampling=None if p.greedy else p)  # None: argmax
         self._prompts[rid] = tuple(prompt)
-        if p.logprobs is not None:
-            self._logprobs[rid] = []
-            self._num_logprobs[rid] = p.logprobs
+        self.returns.add(rid, p.logprobs)
         return rid
 
     def abort_request(self, request_id: Hashable) -> bool:
         """Stop a request now (its blocks freed); False if it had already finished."""
-        self._logprobs.pop(request_id, None)
-        self._num_logprobs.pop(request_id, None)
+        self.returns.drop(request_id)
         self._token_ids.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
@@ -277,12 +283,10 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._keep_hidden(out, results[0].hidden)
         outputs = self._with_drafts(out, results[0].outputs)
-        had = {rid: len(self.scheduler.requests[rid].output) for rid in out.req_ids if rid in self._logprobs} \
-            if self._logprobs else None
+        r, returns = results[0], self.returns
+        had = returns.before(out, self.scheduler.requests)
         done = set(self.scheduler.update(outputs))
-        if had:
-            self._add_logprobs(had, results[0].logits)
-        r = results[0]
+        returns.after(had, self.scheduler.requests, r.logits, r.chunk_logits, out)
         t3 = time.perf_counter()
         times = {"schedule": t1 - t0, "prepare": r.prepare_s, "forward": r.forward_s, "sample": r.sample_s,
                  "update": t3 - t2}
@@ -299,7 +303,7 @@ class LLMEngine:
         self._counts["pcp_steps"] += results[0].pcp_rows > 0
         if self.connector is not None:  # the worker side: a pool stores, the P/D producer stages its blocks
             self.connector.save(out, self.scheduler.requests)
-        reqs, prompts, logprobs, held = self.scheduler.requests, self._prompts, self._logprobs, self._token_ids
+        reqs, prompts, held = self.scheduler.requests, self._prompts, self._token_ids
         outs = []
         for rid in out.req_ids:  # one lookup per row; the output tokens of the last step extended (append-only)
             req = reqs[rid]
@@ -310,28 +314,15 @@ class LLMEngine:
             elif len(toks) > start:
                 ids = ids + tuple(toks[start:])
             finished = rid in done or req.status == "finished"
-            lp = None
-            if rid in logprobs:
-                lp = tuple(logprobs[rid])
-                if finished:
-                    del logprobs[rid], self._num_logprobs[rid]
+            extra = () if had is None else returns.fields(rid, finished, req.num_prompt)  # (logprobs, logits, prompt)
             if finished:
                 held.pop(rid, None)
             else:
                 held[rid] = ids
-            outs.append(request_output(rid, prompts[rid], ids, finished, req.finish_reason, lp))
+            outs.append(request_output(rid, prompts[rid], ids, finished, req.finish_reason, *extra))
         t4 = time.perf_counter()
         self.step_times = {**times, "outputs": t4 - t3, "total": t4 - t0}
         return outs
-
-    def _add_logprobs(self, had: dict, logits: dict) -> None:
-        """Append the logprobs of the tokens each request kept this step (``had``: its outputs before):
-        row j of ``logits[req_id]`` is the raw logits its j-th sampled token came from."""
-        reqs = self.scheduler.requests
-        for rid, n in had.items():
-            new = reqs[rid].output[n:]
-            if new:
-                self._logprobs[rid] += token_logprobs(logits[rid][:len(new)], new, self._num_logprobs[rid])
 
     def close(self) -> None:
         """Release what the KV connector opened (a pool from a PoolSpec; idempotent)."""

@@ -10,7 +10,8 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,10 @@ class RequestOutput:
     """A request's state after a step: every output token so far; ``finish_reason`` "stop" / "length" /
     "abort" once ``finished``; ``logprobs`` (when its ``SamplingParams.logprobs`` is set, else None):
     per output token so far, ``{token_id: logprob}`` of the sampled token and the N most likely ones,
-    from the model's raw logits (before temperature / top-k / top-p, as vLLM's default)."""
+    from the model's raw logits (before temperature / top-k / top-p, as vLLM's default). With
+    ``LLMEngine(return_logits=True)``: ``logits`` [n, V] the raw logits row each output token so far came
+    from; with ``return_prompt_logits=True``: ``prompt_logits`` [m, V] the logits of the prompt's last m
+    positions, once computed (:mod:`cpattn.engine.returns`). Else None."""
 
     request_id: Hashable
     prompt_token_ids: tuple[int, ...]
@@ -26,13 +30,16 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     logprobs: tuple[dict[int, float], ...] | None = None
+    logits: Any = field(default=None, compare=False)  # tensors: not part of ==
+    prompt_logits: Any = field(default=None, compare=False)
 
 
 _new = object.__new__
 
 
 def request_output(request_id: Hashable, prompt_token_ids: tuple[int, ...], token_ids: tuple[int, ...],
-                   finished: bool, finish_reason: str | None, logprobs: tuple | None = None) -> RequestOutput:
+                   finished: bool, finish_reason: str | None, logprobs: tuple | None = None, logits=None,
+                   prompt_logits=None) -> RequestOutput:
     """``RequestOutput(...)`` without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
     field): the fields go into the new instance's ``__dict__``, as ``__init__`` leaves them -- the same
     object (equal, hashed, printed, frozen alike). The step loop builds one per row per step.
@@ -44,6 +51,7 @@ def request_output(request_id: Hashable, prompt_token_ids: tuple[int, ...], toke
     d = o.__dict__
     d["request_id"], d["prompt_token_ids"], d["token_ids"] = request_id, prompt_token_ids, token_ids
     d["finished"], d["finish_reason"], d["logprobs"] = finished, finish_reason, logprobs
+    d["logits"], d["prompt_logits"] = logits, prompt_logits
     return o
 
 

@@ -113,12 +113,15 @@ class PDEngine:
         as a step with a prefill chunk does). seed: draws the seed of each request that brings none,
         given to both roles so their first tokens agree. num_blocks / poison / merge: as
         :class:`~cpattn.engine.llm.LLMEngine`, per role.
+    return_logits / return_prompt_logits: as :class:`~cpattn.engine.llm.LLMEngine` (opt-in): the consumer's
+        logits of every output token, the producer's prompt logits (on the consumer's outputs once handed off).
     """
 
     def __init__(self, model, params: dict, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
-                 poison: bool = False, merge: str = "local_ag", seed: int = 0, kv_connector=None) -> None:
+                 poison: bool = False, merge: str = "local_ag", seed: int = 0, kv_connector=None,
+                 return_logits: bool = False, return_prompt_logits: bool = False) -> None:
         family = get_family(model)
         v4 = family.backend.name == "v4"  # no per-token blocks: its whole state goes over (connector_v4)
         if v4 and kv_pool is not None:
@@ -146,9 +149,11 @@ class PDEngine:
         with warnings.catch_warnings():  # the one-engine PCP + DCP warning's own fix is this P/D pair
             warnings.simplefilter("ignore", GuideCompatWarning)
             self.prefill = LLMEngine(family, params, cfg, dcp_size=pcp_size, pcp_size=pcp_size, kv_role="kv_producer",
-                                     **common)
+                                     return_logits=return_logits, return_prompt_logits=return_prompt_logits, **common)
         self.decode = LLMEngine(family, params, cfg, dcp_size=dcp_size, graph_mode=graph_mode, kv_role="kv_consumer",
-                                graph_backend=graph_backend, capture_sizes=capture_sizes, **common)
+                                graph_backend=graph_backend, capture_sizes=capture_sizes, return_logits=return_logits,
+                                **common)
+        self._prompt_logits: dict[Hashable, Any] = {}  # the producer's, for the consumer's outputs
         self.pool = self.pool or self.prefill.pool  # the pool a given connector holds, if any
         self.max_model_len = min(self.prefill.max_model_len, self.decode.max_model_len)
         self._rng = random.Random(seed)
@@ -195,6 +200,8 @@ class PDEngine:
                 outputs.append(o)
             else:
                 handed.append(Handoff(o.request_id, tuple(o.prompt_token_ids), o.token_ids[0]))
+                if o.prompt_logits is not None:
+                    self._prompt_logits[o.request_id] = o.prompt_logits
                 outputs.append(dataclasses.replace(o, finished=False, finish_reason=None))
         if self.prefill.connector is not None:
             ask = moves_blocks(self.prefill.connector)
@@ -209,6 +216,9 @@ class PDEngine:
             check_first(o, self._first)
             if o.finished:
                 self._params.pop(o.request_id, None)
+            if self._prompt_logits:
+                kept = self._prompt_logits.pop if o.finished else self._prompt_logits.get
+                o = dataclasses.replace(o, prompt_logits=kept(o.request_id, None))
             outputs.append(o)
         return outputs
 

@@ -96,7 +96,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
              seed: int = 0, on_step: Callable[[str, LLMEngine, list[RequestOutput]], None] | None = None,
              max_steps: int = 100_000, merge: str = "local_ag",
              before_step: Callable[[str, LLMEngine], None] | None = None,
-             kv_connector=None) -> dict[int, RequestOutput]:
+             kv_connector=None, return_logits: bool = False,
+             return_prompt_logits: bool = False) -> dict[int, RequestOutput]:
     """The step loop on this rank of ``world`` (module doc): ``{arrival index: final RequestOutput}`` of
     the requests this rank's role finished.
 
@@ -120,13 +121,15 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     before_step: called with (role, engine) once the step's requests are added, just before the engine
         steps (a step's time is from here to ``on_step``; every rank of a role calls both hooks each step,
         so a hook may run a collective over its role's ranks, e.g. a barrier).
+    return_logits / return_prompt_logits: every engine's (:class:`~cpattn.engine.llm.LLMEngine`, opt-in); under
+        P/D the prompt logits stay on the producer ranks (their outputs are handed off, not returned).
     """
     arrivals = [a if isinstance(a, Arrival) else Arrival(*a) for a in arrivals]
     sampling = _seeded(arrivals, seed)
     last = max((a.step for a in arrivals), default=0)
     connector = connector_args(kv_pool, kv_connector)
     common = dict(block_size=block_size, scheduler=scheduler, num_blocks=num_blocks, poison=poison,
-                  kv_connector=connector)
+                  kv_connector=connector, return_logits=return_logits, return_prompt_logits=return_prompt_logits)
     decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge)
     if not pd:
         if dcp_size not in (None, world.size):

@@ -85,7 +85,9 @@ class StepResult:
     ``forward_s`` / ``sample_s``: host seconds building the inputs, running the step, picking tokens;
     ``pcp_rows``: prefill rows that ran PCP (0 when the chunks ran DCP attention); ``hidden[req_id]``:
     with ``hidden_layers``, ``{name: [n, F]}`` the target's hidden states of the row's final positions
-    (a chunk's every row; a decode's last token and accepted drafts), what a drafter reads next."""
+    (a chunk's every row; a decode's last token and accepted drafts), what a drafter reads next;
+    ``chunk_logits[req_id]``: with the runner's ``prompt_logits`` on, [q, V] the logits of every row of
+    each prefill row (its chunk, positions ``context .. context + q - 1``), else None."""
 
     outputs: dict
     logits: dict
@@ -96,6 +98,7 @@ class StepResult:
     sample_s: float = 0.0
     pcp_rows: int = 0
     hidden: dict | None = None
+    chunk_logits: dict | None = None
 
 
 def check_pcp_size(pcp_size: int, group: Group, who: str) -> int:
@@ -132,9 +135,15 @@ class StepRunner:
         pcp_min_tokens: with ``pcp_size > 1``, a chunk of fewer new tokens runs DCP attention with the decodes
         instead (elastic CP: PCP only where it pays, :func:`cpattn.engine.elastic.pcp_min_tokens`).
     poison: NaN-fill each freshly handed-out block before the step (tests; costs a write per block).
+
+    ``runner.prompt_logits = True`` (off by default): each step also hands back every prefill row's logits
+    (``StepResult.chunk_logits``; under PCP the prefill then gathers all its rows' logits, and short chunks
+    no longer run data-parallel), what ``LLMEngine(return_prompt_logits=True)`` collects.
     """
 
     other_caches: tuple = ()  # non-paged cache kinds a subclass runs (runner_hybrid: "hybrid")
+    prompt_logits = False  # hand back every prefill row's logits (StepResult.chunk_logits)
+    chunk_logits: dict | None = None  # this step's, while it runs (run_prefill_rows fills it under PCP)
 
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
@@ -190,7 +199,14 @@ class StepRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""
-        dp = runner_dp.dp_rows(self, out)  # elastic CP: short fresh chunks prefilled one rank each
+        if self.prompt_logits:
+            self.chunk_logits = {}
+            res = self._execute(out)
+            return dataclasses.replace(res, chunk_logits=self.chunk_logits)
+        return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> StepResult:
+        dp = [] if self.prompt_logits else runner_dp.dp_rows(self, out)  # elastic CP: short chunks one rank each
         if dp:
             return runner_dp.execute_with_dp(self, out, dp)
         if self.poison and out.fresh_blocks:
@@ -242,6 +258,10 @@ class StepRunner:
             res = self._step(self._state, {**batch, "cu_seqlens_q": cu})
         logits, greedy = res[0], res[1]
         full = res[2] if self.hidden_layers is not None else None  # {name: [T, ...]}
+        if self.chunk_logits is not None and any(out.is_prefill):  # prompt_logits: each chunk's every row
+            cu = cu_seqlens(out.query_lens)
+            self.chunk_logits.update({out.req_ids[b]: logits[cu[b]:cu[b + 1]] for b, p in enumerate(out.is_prefill)
+                                      if p})
         t2 = time.perf_counter()
         outputs, spans, hidden = {}, {}, ({} if full is not None else None)
         chosen = greedy.tolist()  # one device->host copy; acceptance is plain list work

@@ -83,8 +83,9 @@ def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorith
     prefix = Prefix(rows, ctx)
     vocab = runner.cfg.vocab_size
     prompts = Prompts.of([[0] * c + list(ids) for c, ids in zip(ctx, out.input_ids)], vocab_size=vocab)
+    chunks = getattr(runner, "chunk_logits", None)  # a dict while the runner hands back prompt logits
     res = prefill(g, runner.family, runner.params, runner.cfg, prompts, algorithms=algorithms, prefix=prefix,
-                  hidden_layers=runner.hidden_layers)
+                  hidden_layers=runner.hidden_layers, prompt_logits=chunks is not None)
     kept.clear()  # only requests whose prefill goes on, with exactly the context their cache holds
     cu, cu_c = cu_seqlens(out.query_lens), cu_seqlens(ctx)
     if all(out.samples):  # every prefill completes: the hand-off of Algorithms.handoff, nothing kept
@@ -103,6 +104,8 @@ def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorith
     outputs, logits = {}, {}
     hidden = None if res.hidden is None else {}
     for b, rid in enumerate(out.req_ids):
+        if chunks is not None:  # [T_new, V] request order
+            chunks[rid] = res.prompt_logits[cu[b]:cu[b + 1]]
         if hidden is not None:  # request order, the new rows only
             hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
         if out.samples[b]:
