@@ -1,0 +1,153 @@
+"""A fixed batch through the step loop: every prompt submitted at step 0, stepped until all finish.
+
+:func:`step_generate` takes :func:`cpattn.engine.driver.generate`'s arguments (the two engine configs of a
+run) and returns its :class:`~cpattn.engine.result.Generation`, built from the step loop's
+:class:`~cpattn.engine.outputs.RequestOutput` s (``return_logits`` / ``return_prompt_logits``,
+:mod:`cpattn.engine.returns`) instead of the prefill -> hand-off -> decode composition:
+
+- colocated (``pcp_size`` 1 or the decode's ``dcp_size``): one :class:`~cpattn.engine.llm.LLMEngine`
+  of ``dcp_size`` ranks, its prompt chunks under PCP when ``pcp_size > 1``;
+- P/D (a ``kv_consumer`` decode config): :class:`~cpattn.engine.pd_engine.PDEngine` with the P/D
+  connector (whole blocks producer rank to consumer rank).
+
+The scheduler is set so the batch is the driver's: every prompt admitted and prefilled in step 0 (budget
+= all prompt tokens, ``max_num_seqs = B``), prefix caching off (each prompt computed whole, so its prompt
+logits are every position's). Greedy, so the tokens are the driver's, one-device's; logits agree to the
+last bits (float64 runs: ~1e-12).
+
+What the step loop cannot give the same way (:class:`~cpattn.engine.result.RunFacts`): ``handoff`` is
+empty in one engine (a PCP chunk's rows go to their DCP owners inside the step), ``prefill_s`` / ``ttft_s``
+are step 0's time, ``step_s`` the later steps', ``bytes_sent`` ``{"prefill": step 0, "decode": the rest}``
+(DCP rank 0); ``stats`` (:class:`~cpattn.engine.decode.SpecStats`) carries steps, drafted, accepted,
+graph_steps, emitted, rows (no ``accepted_hist`` or ``draft_digest``).
+
+Example
+-------
+>>> from cpattn.engine.driver import engine_configs
+>>> from cpattn.models import qwen3
+>>> cfg = qwen3.Qwen3Config.tiny()
+>>> pre, dec = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=2, block_size=4)
+>>> g = step_generate("qwen3", qwen3.init_params(cfg), cfg, [[1, 2, 3], [4, 5]], 3, prefill=pre, decode=dec)
+>>> g.tokens.shape, g.logits.shape[:2], g.prompt_logits.shape[0]
+(torch.Size([2, 3]), torch.Size([2, 3]), 5)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from cpattn.config import EngineConfig, GuideCompatWarning, SchedulerConfig
+from cpattn.engine.connector_pd import PDConnector
+from cpattn.engine.decode import SpecStats
+from cpattn.engine.llm import LLMEngine
+from cpattn.engine.options import Algorithms
+from cpattn.engine.pd_engine import PDEngine
+from cpattn.engine.result import Generation, RunFacts
+from cpattn.engine.sampling import SamplingParams
+from cpattn.models.family import ModelFamily, get_family
+
+
+def fixed_batch_scheduler(prompt_lens, max_new_tokens: int, k: int = 0) -> SchedulerConfig:
+    """A scheduler under which a batch runs as the driver's: all prompts prefilled in step 0, then decodes.
+
+    >>> fixed_batch_scheduler([3, 5], 4).max_num_batched_tokens, fixed_batch_scheduler([3, 5], 4).max_num_seqs
+    (8, 2)
+    """
+    b = len(prompt_lens)
+    return SchedulerConfig(max_num_batched_tokens=max(sum(prompt_lens), b * (1 + k)), max_num_seqs=b,
+                           enable_prefix_caching=False, max_model_len=max(prompt_lens) + max_new_tokens + k)
+
+
+def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
+    return sched.max_num_seqs * -(-sched.max_model_len // (block_size * ranks)) + 1
+
+
+def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_new_tokens: int, *,
+                 prefill: EngineConfig, decode: EngineConfig, drafter=None, prompt_logits: bool = True, world=None):
+    """The step-loop engine of a driver-style run (module docstring): an LLMEngine or a PDEngine, opted in
+    to logits. ``world``: this rank's group (colocated under torchrun / a simulated world), else simulated."""
+    p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    k = decode.speculative.num_speculative_tokens if drafter is not None else 0
+    sched = fixed_batch_scheduler(prompt_lens, max_new_tokens, k)
+    bs = decode.cache.block_size
+    comp = decode.compilation
+    paged = family.backend.per_token_kv and family.cache == "paged"
+    if decode.kv_transfer.kv_role == "kv_consumer":
+        if drafter is not None:
+            raise ValueError("step_generate: P/D with a drafter: PDEngine has no speculative decoding yet")
+        return PDEngine(family, params, cfg, pcp_size=p, dcp_size=n, block_size=bs, kv_connector=PDConnector(),
+                        scheduler=dataclasses.replace(sched, enable_prefix_caching=True),
+                        num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
+                        capture_sizes=comp.capture_sizes, return_logits=True,
+                        return_prompt_logits=prompt_logits and paged)
+    if p not in (1, n):
+        raise ValueError(f"step_generate: pcp_size={p} with dcp_size={n}: one engine runs PCP over its DCP group; "
+                         f"pass pcp_size 1 or {n} (or a P/D pair)")
+    with warnings.catch_warnings():  # PCP + DCP in one engine: the driver's pair checked the guide's rules
+        warnings.simplefilter("ignore", GuideCompatWarning)
+        return LLMEngine(family, params, cfg, world=world, dcp_size=n, pcp_size=p, block_size=bs,
+                         interleave_size=decode.cache.cp_kv_cache_interleave_size, graph_mode=comp.graph_mode,
+                         graph_backend=comp.graph_backend, capture_sizes=comp.capture_sizes, scheduler=sched,
+                         num_blocks=_blocks(sched, bs, n), drafter=drafter, num_speculative_tokens=k,
+                         return_logits=True, return_prompt_logits=prompt_logits and paged)
+
+
+def run_batch(engine, prompts, max_new_tokens: int) -> tuple[list, RunFacts, SpecStats]:
+    """Submit every prompt at step 0, step until all finish: (final outputs in prompt order, RunFacts, SpecStats)."""
+    params = SamplingParams(max_tokens=max_new_tokens)
+    ids = [engine.add_request(list(p), params) for p in prompts]
+    final, times, sent, rows, steps, ran = {}, [], [], 0, 0, None
+    main = getattr(engine, "decode", engine)  # PDEngine: the consumer's counters
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        times.append(time.perf_counter() - t0)
+        sent.append(main.stats.bytes_sent)
+        ran, prev = main.last_step, ran  # a PDEngine step may not step the consumer: then the same object
+        decodes = 0 if ran is None or ran is prev else sum(not p for p in ran[0].is_prefill)
+        rows, steps = rows + decodes, steps + (decodes > 0)
+    s = main.stats
+    runner = main.runners[0]
+    graph = getattr(runner, "graph", None)
+    shard = getattr(runner, "shard", None)
+    facts = RunFacts(ttft_s=times[0] if times else 0.0, prefill_s=times[0] if times else 0.0, step_s=tuple(times[1:]),
+                     bytes_sent={"prefill": sent[0] if sent else 0, "decode": (sent[-1] - sent[0]) if sent else 0},
+                     kv_bytes=shard.kv_bytes() if hasattr(shard, "kv_bytes") else 0,
+                     runner=None if graph is None else graph.stats.as_dict())
+    outs = [final[i] for i in ids]
+    stats = SpecStats(steps=steps, rows=rows, drafted=s.drafted_tokens, accepted=s.accepted_tokens,
+                      emitted=rows + s.accepted_tokens, graph_steps=s.replayed_steps)
+    return outs, facts, stats
+
+
+def generation(outs, facts: RunFacts, stats: SpecStats) -> Generation:
+    """The driver's :class:`~cpattn.engine.result.Generation` from final RequestOutputs (prompt order):
+    tokens [B, N], logits [B, N, V], prompt_logits [T, V] (None when any is missing)."""
+    tokens = torch.tensor([list(o.token_ids) for o in outs], dtype=torch.int64)
+    logits = torch.stack([o.logits for o in outs])
+    prompt = None if any(o.prompt_logits is None for o in outs) else torch.cat([o.prompt_logits for o in outs])
+    return Generation(tokens, logits, prompt, stats, facts)
+
+
+def step_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
+                  prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(), drafter=None,
+                  prompt_logits: bool = True, world=None) -> Generation:
+    """:func:`cpattn.engine.driver.generate` through the step loop (module docstring): B prompts,
+    ``max_new_tokens`` greedy tokens each; returns tokens [B, N], logits [B, N, V], prompt_logits [T, V]
+    (None for a family whose runner keeps no prompt rows: deepseek_v4, hybrid), stats, facts.
+    ``algorithms``: accepted for the driver's signature; the step loop picks its own (``pcp_method`` auto).
+    ``world``: run on this rank's group (every rank calls it; colocated only)."""
+    family = get_family(model)
+    lens = [len(p) for p in prompts]
+    engine = build_engine(family, params, cfg, lens, max_new_tokens, prefill=prefill, decode=decode, drafter=drafter,
+                          prompt_logits=prompt_logits, world=world)
+    try:
+        outs, facts, stats = run_batch(engine, prompts, max_new_tokens)
+    finally:
+        engine.close()
+    return generation(outs, facts, stats)

@@ -1,0 +1,72 @@
+"""``step_generate`` (the fixed batch as a step-loop schedule) against the fixed-batch driver it is to replace.
+
+Float64 tiny models: the tokens must be equal, the logits and prompt logits close to ~1e-9 (the two
+compositions sum attention partials in other orders), for the layouts both run: one device, DCP, PCP + DCP
+in one engine, P/D, and with n-gram drafts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from cpattn.engine.drafters import NgramDrafter
+from cpattn.engine.driver import engine_configs, generate
+from cpattn.engine.family import get_family
+from cpattn.engine.step_generate import step_generate
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]
+TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+@functools.lru_cache(maxsize=None)
+def model(family: str):
+    fam = get_family(family)
+    cfg = fam.config_class.tiny()
+    return cfg, fam.init_params(cfg, seed=2, dtype=torch.float64)
+
+
+def batch(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (13, 4, 9)]
+
+
+@pytest.mark.parametrize("family, layout", [
+    ("qwen3", dict()), ("qwen3", dict(dcp_size=2)), ("qwen3", dict(pcp_size=2, dcp_size=2, one_engine=True)),
+    ("qwen3", dict(pcp_size=2, dcp_size=2)),
+    pytest.param("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4), marks=pytest.mark.slow),
+    pytest.param("deepseek_v32", dict(pcp_size=2, dcp_size=2), marks=pytest.mark.slow),  # DSA-CP
+    pytest.param("deepseek_v2", dict(dcp_size=2), marks=pytest.mark.slow),  # MLA
+])
+def test_the_step_loop_gives_the_drivers_generation(family, layout):
+    cfg, params = model(family)
+    prompts = batch(cfg.vocab_size)
+    pre, dec = engine_configs(family, cfg, block_size=4, **layout)
+    want = generate(family, params, cfg, prompts, 5, prefill=pre, decode=dec)
+    got = step_generate(family, params, cfg, prompts, 5, prefill=pre, decode=dec)
+    assert torch.equal(got.tokens, want.tokens)
+    assert got.logits.shape == want.logits.shape and torch.allclose(got.logits, want.logits, **TOL)
+    assert torch.allclose(got.prompt_logits, want.prompt_logits, **TOL)
+    assert got.stats.steps == want.stats.steps == 4  # one prefill step, then one decode step per token
+    assert got.facts.kv_bytes > 0 and len(got.facts.step_s) == 4
+
+
+def test_drafts_in_the_step_loop_are_the_drivers_tokens():
+    cfg, params = model("qwen3")
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], batch(cfg.vocab_size)[0]]
+    pre, dec = engine_configs("qwen3", cfg, dcp_size=2, block_size=4, num_speculative_tokens=2)
+    want = generate("qwen3", params, cfg, prompts, 7, prefill=pre, decode=dec, drafter=NgramDrafter())
+    got = step_generate("qwen3", params, cfg, prompts, 7, prefill=pre, decode=dec, drafter=NgramDrafter())
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, **TOL)
+    assert got.stats.drafted > 0 and got.stats.accepted == want.stats.accepted, (got.stats, want.stats)
+
+
+def test_layouts_one_engine_cannot_run_are_refused():
+    cfg, params = model("qwen3")
+    pre, dec = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=4)
+    with pytest.raises(ValueError, match="pcp_size=2 with dcp_size=4"):
+        step_generate("qwen3", params, cfg, [[1, 2]], 2, prefill=pre, decode=dec)
