@@ -86,9 +86,10 @@ def chain_key(parent: str | None, tokens: Sequence[int], identity_digest: bytes)
 
 
 @dataclass(frozen=True)
-class CachedPrefix:
+class PrefixHit:
     """A lookup's answer: the cached ``block_ids`` covering the first ``num_tokens`` tokens of a
-    sequence of ``query_tokens`` (the hit-rate counters add both when the prefix is adopted)."""
+    sequence of ``query_tokens`` (the hit-rate counters add both when the prefix is adopted).
+    (Was ``CachedPrefix``, still importable with a DeprecationWarning.)"""
 
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
@@ -212,7 +213,7 @@ class BlockManager:
             keys.append(k)
         return keys
 
-    def lookup(self, keys: Sequence[str], num_tokens: int) -> CachedPrefix:
+    def lookup(self, keys: Sequence[str], num_tokens: int) -> PrefixHit:
         """The longest run of cached spans from the start of a sequence of ``num_tokens`` tokens.
 
         At most ``num_tokens - 1`` tokens hit: one is always left to compute, so the step has a
@@ -226,10 +227,10 @@ class BlockManager:
                 if b is None:
                     break
                 ids.append(b)
-        return CachedPrefix(ids, len(ids) * self.span, num_tokens)
+        return PrefixHit(ids, len(ids) * self.span, num_tokens)
 
     # -- allocation --------------------------------------------------------------------------
-    def _needed(self, req_id: Hashable, num_tokens: int, prefix: CachedPrefix | None) -> int:
+    def _needed(self, req_id: Hashable, num_tokens: int, prefix: PrefixHit | None) -> int:
         held = len(self._tables.get(req_id, ()))
         if prefix is not None and prefix.block_ids:
             if held:
@@ -240,11 +241,11 @@ class BlockManager:
                 1 for b in prefix.block_ids if self._ref[b] == 0)
         return max(self.blocks_for(num_tokens) - held, 0)
 
-    def can_allocate(self, req_id: Hashable, num_tokens: int, prefix: CachedPrefix | None = None) -> bool:
+    def can_allocate(self, req_id: Hashable, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Whether :meth:`allocate` with these arguments would succeed."""
         return self._needed(req_id, num_tokens, prefix) <= len(self._free)
 
-    def allocate(self, req_id: Hashable, num_tokens: int, prefix: CachedPrefix | None = None) -> bool:
+    def allocate(self, req_id: Hashable, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Grow the request's table to cover ``num_tokens`` tokens, adopting ``prefix`` first.
 
         Returns False, changing nothing, when the free queue is too short. New blocks come from
@@ -332,3 +333,13 @@ class BlockManager:
         self._release(self._tables.pop(req_id, []))
         self._tuples.pop(req_id, None)
         self._cached_upto.pop(req_id, None)
+
+
+def __getattr__(name: str):
+    if name == "CachedPrefix":  # renamed (issue 28 point 5: "prefix" is a request's tokens already cached)
+        import warnings
+
+        warnings.warn("cpattn.engine.blocks.CachedPrefix is deprecated; use cpattn.engine.blocks.PrefixHit",
+                      DeprecationWarning, stacklevel=2)
+        return PrefixHit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
