@@ -7,7 +7,7 @@ on rank 0 while the other ranks wait, the samples of both taken in interleaved r
 sample the slowest rank's. Ratios are PCP / one rank (or DCP / one rank) per round: median [low-high].
 
 Part 1 -- prefill TTFT (first-token logits of a ``--prefill-tokens`` prompt; default 16384, 2048 with
-``--quick``; bf16 at most 4096 unless ``--prefill-tokens`` is given): PCP 2 (head-tail; the attention
+``--quick``; both dtypes): PCP 2 (head-tail; the attention
 layer by ring attention, the linear layers by the scan of chunk summaries over the same local tokens) vs
 one rank. Checked: the first token equal, the first-token
 logits' relative difference printed.
@@ -32,12 +32,12 @@ Part 4 -- decode TPOT at ``--context`` tokens (default 32768, 4096 with ``--quic
 (the attention layer over a filled paged cache, the linear layers' recurrent op on their states) DCP 2 vs
 one rank, the same seeded cache rows placed in both. Checked: the next token equal.
 
-Both dtypes, fp32 and bf16 (as the models run; this CPU has no bf16 matmul units, so bf16 mostly times
-conversions: its prefill defaults to 4K, and ``--prefill-tokens 16384`` runs 16K, ~15 minutes on 2 cores).
+Both dtypes, fp32 and bf16 (as the models run), at the same lengths (``prefill_by_dtype`` in the JSON
+names them per dtype).
 
 Usage::
 
-    cpattn bench hybrid                 # 16K prefill (bf16: 4K), 32K decode, fp32 and bf16: minutes
+    cpattn bench hybrid                 # 16K prefill, 32K decode, fp32 and bf16: about 2 minutes
     cpattn bench hybrid --quick         # 2K prefill, 4K decode, 2 rounds: under a minute
     cpattn bench hybrid --json -        # JSON alone on stdout, the text report on stderr
 """
@@ -50,7 +50,6 @@ from cpattn.bench import harness
 from cpattn.config import cli_args as cli
 
 DTYPES = ("float32", "bfloat16")
-BF16_PREFILL = 4096  # bf16's default prefill length (see main)
 PREFILL_COLUMNS = ["dtype", "tokens", "one_s", "pcp_s", "pcp/one [low-high]", "cpu pcp/one", "token_equal",
                    "logits_rel"]
 SCAN_COLUMNS = ["dtype", "tokens", "plain_full_ms", "plain_half_ms", "scan_ms", "scan/plain_half [low-high]",
@@ -319,9 +318,7 @@ def main(argv=None) -> int:
         cli.bad_value(p.prog, "--prefill-tokens", sizes["prefill"], f"a multiple of {2 * args.ranks} (2 x ranks: "
                       "head-tail chunks of equal size, so the hand byte counts are exact)", "pass e.g. 16384")
     sizes["dtypes"] = dtypes
-    # bf16 without --prefill-tokens: at most BF16_PREFILL (this CPU has no bf16 matmul units: 16K takes ~15 min)
-    sizes["prefill_by_dtype"] = {d: sizes["prefill"] if d == "float32" or args.prefill_tokens
-                                 else min(sizes["prefill"], BF16_PREFILL) for d in dtypes}
+    sizes["prefill_by_dtype"] = {d: sizes["prefill"] for d in dtypes}
     cfg = bench_config()
     with harness.Report(args) as out:
         res = harness.ranks(args.ranks, bench_rank, {}, sizes, timeout_s=args.timeout,
