@@ -183,3 +183,4 @@ def test_quick_run_reports_every_layout_as_pure_json(tmp_path):
     mixed = [r for r in rows if r["workload"] == "mixed"]
     assert all(r["prefix_hit_rate"] > 0 for r in mixed), mixed  # the shared prefix was found again
     assert png.stat().st_size > 1000
+    assert payload["settings"]["executor"] == "mp"  # multi-rank servers ran their ranks as gloo processes

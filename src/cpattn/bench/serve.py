@@ -1,7 +1,8 @@
 """Benchmark: ``cpattn serve`` under load -- TTFT / TPOT / ITL percentiles, throughput and goodput per layout.
 
 Starts real ``cpattn serve`` servers (subprocesses on 127.0.0.1, free ports, the embedded tiny Qwen3 of
-``cpattn demo``; all stopped at the end), one set per layout:
+``cpattn demo``; a multi-rank server's ranks as gloo processes, ``--distributed-executor-backend mp``, or
+``uni`` for threads of one process; all stopped at the end), one set per layout:
 
 - ``dp2``: data parallel, two independent one-rank servers, requests round-robin;
 - ``dcp2``: one server, DCP 2 (eager);
@@ -175,6 +176,12 @@ def parser():
                    help="latency-vs-rate curves per layout (TTFT p50 / p99, TPOT p50; matplotlib) (default: no plot)")
     p.add_argument("--server-timeout", type=cli.positive_float, default=300.0, metavar="S",
                    help="seconds a server may take to answer /health")
+    p.add_argument("--distributed-executor-backend", choices=("uni", "mp"), default="mp",
+                   help="where a multi-rank server's ranks run (cpattn serve's flag): mp, one gloo process per rank, "
+                        "as a deployment runs them; uni, threads of the server's process (they share its GIL: a "
+                        "captured step's Python wrapper then waits on the other rank's thread and the HTTP loop, so "
+                        "captured TPOT read 1.08-1.21x eager's there against 0.51-0.65x under mp); dp2's servers "
+                        "have one rank each")
     return p
 
 
@@ -192,7 +199,7 @@ def settings(a) -> dict:
             "long_fraction": a.long_fraction if not q or a.long_fraction != 0.2 else 0.34,
             "output_len": list(out), "fixed_len": list(fixed), "slo_ttft_ms": a.slo_ttft_ms,
             "slo_tpot_ms": a.slo_tpot_ms, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
-            "max_num_batched_tokens": a.max_num_batched_tokens,
+            "max_num_batched_tokens": a.max_num_batched_tokens, "executor": a.distributed_executor_backend,
             "max_model_len": max(long[1] + out[1], fixed[0] + fixed[1], short[1] + out[1]) + 64}
 
 
@@ -234,7 +241,8 @@ def run(s: dict, progress=None) -> dict:
     t_start, machine = time.monotonic(), _machine()
     try:
         for name in s["layouts"]:
-            servers[name] = [Server(list(flags), common) for flags in LAYOUTS[name]]
+            executor = ["--distributed-executor-backend", s.get("executor", "uni")] if name != "dp2" else []
+            servers[name] = [Server([*flags, *executor], common) for flags in LAYOUTS[name]]
         deadline = time.monotonic() + s.get("server_timeout", 300.0)
         for name, group in servers.items():
             for srv in group:
