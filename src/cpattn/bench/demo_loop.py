@@ -124,6 +124,14 @@ class Timer:
         mine = torch.tensor([getattr(s, what) for s in self.steps], dtype=torch.float64)
         return self.group.all_gather(mine).view(self.group.size, -1).amax(0).tolist()
 
+    def rank_median(self, first: int = 1) -> float:
+        """The fixed-batch run's TPOT statistic (``bench/demo_fixed.py``): each rank's median step time over
+        steps ``first..``, the largest over the ranks (beside :meth:`slowest`'s per-step maximum, whose
+        median is never below it)."""
+        mine = [s.seconds for s in self.steps[first:]]
+        med = torch.tensor([statistics.median(mine) if mine else float("nan")], dtype=torch.float64)
+        return max(self.group.all_gather(med).tolist())
+
 
 def scheduler_config(lens: list[int], new_tokens: int) -> SchedulerConfig:
     """A budget that prefills every prompt in step 0 (no chunks, no prefix cache: each run starts cold)."""
@@ -193,6 +201,7 @@ def loop_rank(group: Group, spec: Spec) -> dict:
         return {"tokens": torch.tensor([list(outs[i].token_ids[1:]) for i in range(nreq)], dtype=torch.int64),
                 "first": torch.tensor([outs[i].token_ids[0] for i in range(nreq)], dtype=torch.int64),
                 "tpot_s": statistics.median(dec) if dec else float("nan"), "step_s": dec, "ttft_s": times[0],
+                "tpot_rank_median_s": timer.rank_median(),
                 "tpot_spread_ms": spread([1e3 * t for t in dec]).as_dict() if dec else None,
                 "forward_spread_ms": spread([1e3 * t for t in forward]).as_dict() if dec else None,
                 "replayed_steps": sum(s.replayed for s in timer.steps), **timer.facts}

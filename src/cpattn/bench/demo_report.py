@@ -61,6 +61,8 @@ def summarize(res: dict, ref: dict, spec: Spec, engines) -> dict:
         "ttft_ms": spread([1e3 * t for t in res["ttft_samples"]]).as_dict(),
         "tpot_ms": {name: r.get("tpot_spread_ms") for name, r in res["runs"].items()},
         "decode_forward_ms": {name: r.get("forward_spread_ms") for name, r in res["runs"].items()},
+        "tpot_rank_median_ms": {name: 1e3 * r["tpot_rank_median_s"] for name, r in res["runs"].items()
+                                if "tpot_rank_median_s" in r},
         "decode_step_ms": {name: [1e3 * t for t in r["step_s"]] for name, r in res["runs"].items() if "step_s" in r},
         "engine_stats": {name: r["engine_stats"] for name, r in res["runs"].items() if "engine_stats" in r},
         "graph_vs_eager": paired(eager["step_s"], graph["step_s"]).as_dict()
