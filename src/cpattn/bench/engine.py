@@ -10,9 +10,10 @@ process (a one-rank gloo group, so a captured step can be compiled), the
   one step (always eager, as FULL_DECODE_ONLY asks);
 - **chunked TTFT**: one ``--prompt``-token prompt prefilled in ``--chunk``
   chunks vs in one step (budget = the prompt), the first token's wall time,
-  interleaved rounds, median [low-high] of the per-round ratios, of wall time
-  and of rank 0's CPU seconds (``time.process_time``: on a shared machine the
-  wall ratio mostly measures who got a core); on one rank and under PCP 2 +
+  in interleaved rounds (:func:`cpattn.bench.harness.compare`; under PCP 2
+  each sample is the slowest rank's), median [low-high] of the per-round
+  ratios, of wall time and of CPU seconds (``time.process_time``: on a shared
+  machine the wall ratio mostly measures who got a core); on one rank and under PCP 2 +
   DCP 2 (two gloo ranks: each chunk's rows run PCP and attend their cached
   context -- kept on every rank from the chunks before, in one causal call
   with the chunk: :mod:`cpattn.engine.runner_pcp`).
@@ -24,7 +25,8 @@ step, the median over the timed steps with [low-high] -- the part of a step
 that is not the model; ``sched+prep %`` = (schedule + prepare + update) /
 step -- the scheduler (its schedule and its commit of the sampled tokens) and
 the input preparation alone. On a model this small the forward is short, so the fraction
-is an upper bound of what a real model sees.
+is an upper bound of what a real model sees. The parser, the rounds, the spreads, the rank
+launch, the table and ``--json`` are :mod:`cpattn.bench.harness`'s.
 
 Usage::
 
@@ -36,16 +38,27 @@ Usage::
 from __future__ import annotations
 
 import statistics
-import time
 
+from cpattn.bench import harness
 from cpattn.config import cli_args as cli
-from cpattn.bench.common import write_json
 
+PROG = "cpattn bench engine"
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "outputs")
+COLUMNS = ["scenario", "mode", "step ms", "host %", "sched+prep %", "replayed"]
+
+
+def _mlh(s: harness.Spread) -> dict:
+    """median / low / high of a :class:`~cpattn.bench.harness.Spread` (the JSON of every spread here)."""
+    return {"median": s.median, "low": s.low, "high": s.high}
 
 
 def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "low": min(xs), "high": max(xs)}
+    """median [low-high] of plain samples, as JSON.
+
+    >>> _spread([0.3, 0.1, 0.2])
+    {'median': 0.2, 'low': 0.1, 'high': 0.3}
+    """
+    return _mlh(harness.spread(xs))
 
 
 def _sched_prep(t: dict) -> float:
@@ -111,26 +124,25 @@ def _mixed_row(group, params, cfg, chunk: int) -> dict:
 
 
 def _ttft(group, params, cfg, prompt: int, chunk: int, rounds: int) -> dict:
-    """First-token wall time of one prompt in chunks vs whole, interleaved rounds."""
+    """First-token time of one prompt in ``chunk``-token chunks vs in one step: :func:`harness.compare`'s
+    interleaved rounds (one warm-up call each first), each call one request added and stepped to its
+    token on that variant's engine (built once; prefix caching off, so every call computes the prompt)."""
     from cpattn.engine.llm import SamplingParams
 
     toks = [j * 5 % cfg.vocab_size for j in range(prompt)]
-    times, cpu = {"chunked": [], "whole": []}, {"chunked": [], "whole": []}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name in (("chunked", "whole") if r % 2 else ("whole", "chunked")):
-            eng = _engine(group, params, cfg, batch=1, budget=chunk if name == "chunked" else prompt, graph=None,
-                          num_blocks=prompt // 16 + 2)
+
+    def first_token(budget: int):
+        eng = _engine(group, params, cfg, batch=1, budget=budget, graph=None, num_blocks=prompt // 16 + 2)
+
+        def run():
             eng.add_request(toks, SamplingParams(max_tokens=1))
-            t0, c0 = time.perf_counter(), time.process_time()
             while eng.has_unfinished():
                 eng.step()
-            if r:
-                times[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
-    ratios = [c / w for c, w in zip(times["chunked"], times["whole"]) if w > 0]
-    cpu_ratios = [c / w for c, w in zip(cpu["chunked"], cpu["whole"]) if w > 0]
-    return {"chunked_s": _spread(times["chunked"]), "whole_s": _spread(times["whole"]), "ratio": _spread(ratios),
-            "cpu_ratio": _spread(cpu_ratios) if cpu_ratios else None}
+        return run
+
+    c = harness.compare({"chunked": first_token(chunk), "whole": first_token(prompt)}, rounds, group=group)
+    return {"chunked_s": _spread(c.samples["chunked"].wall), "whole_s": _spread(c.samples["whole"].wall),
+            "ratio": _mlh(c.ratio("chunked", "whole")), "cpu_ratio": _mlh(c.ratio("chunked", "whole", clock="cpu"))}
 
 
 def ttft_rank(group, cfg: dict) -> dict:
@@ -158,8 +170,11 @@ def engine_rank(group, cfg: dict) -> dict:
         rows = []
         for b in cfg["batches"]:
             for graph in (None, cfg["graph_backend"]):
+                mode = "captured" if graph else "eager"
+                harness.progress(f"{dt} decode b={b} {mode}")
                 r = _decode_rows(group, params, mcfg, b, cfg["steps"], graph)
-                rows.append({"scenario": f"decode b={b}", "mode": "captured" if graph else "eager", **r})
+                rows.append({"scenario": f"decode b={b}", "mode": mode, **r})
+        harness.progress(f"{dt} 8 decodes + {cfg['chunk']}-token chunk; TTFT one rank")
         rows.append({"scenario": f"8 decodes + {cfg['chunk']}-token chunk", "mode": "eager",
                      **_mixed_row(group, params, mcfg, cfg["chunk"])})
         out[dt] = {"rows": rows, "ttft": _ttft(group, params, mcfg, cfg["prompt"], cfg["chunk"], cfg["rounds"])}
@@ -167,16 +182,31 @@ def engine_rank(group, cfg: dict) -> dict:
 
 
 def _pct(h) -> str:
-    """A fraction (or a median [low-high] spread of them) in percent."""
+    """A fraction (or a median [low-high] spread of them) in percent.
+
+    >>> _pct(0.1234), _pct({"median": 0.1, "low": 0.05, "high": 0.2})
+    ('12.3', '10.0 [5.0-20.0]')
+    """
     if isinstance(h, dict):
         return f"{100 * h['median']:.1f} [{100 * h['low']:.1f}-{100 * h['high']:.1f}]"
     return f"{100 * h:.1f}"
 
 
+def _cells(row: dict) -> dict:
+    """One table row of a scenario's result."""
+    st = row["step_s"]["median"] if isinstance(row["step_s"], dict) else row["step_s"]
+    return {"scenario": row["scenario"], "mode": row["mode"], "step ms": f"{1e3 * st:.2f}",
+            "host %": _pct(row["host_frac"]), "sched+prep %": _pct(row["sched_prep_frac"]),
+            "replayed": str(row.get("replayed", "-"))}
+
+
+def _ratio(s: dict) -> str:
+    return f"{s['median']:.2f} [{s['low']:.2f}-{s['high']:.2f}]"
+
+
 def _parser():
-    p = cli.parser("cpattn bench engine", __doc__)
-    cli.add_quick(p, "float32 only, eager graph runner, batches 1,8, 2K prompt in 512-token chunks, < 60 s "
-                     "(flags given beside it win)")
+    p = harness.parser(PROG, __doc__, quick="float32 only, eager graph runner, batches 1,8, 2K prompt in 512-token "
+                                            "chunks, < 60 s (flags given beside it win)", timeout=1800.0)
     p.add_argument("--batches", type=cli.int_list, default="1,8,32", metavar="B,...", help="decode batch sizes")
     p.add_argument("--steps", type=cli.positive_int, default=20, help="timed decode steps per batch size")
     p.add_argument("--prompt", type=cli.positive_int, default=8192, help="prompt tokens of the chunked-TTFT run")
@@ -185,56 +215,44 @@ def _parser():
     p.add_argument("--dtypes", default="float32,bfloat16", metavar="D,...", help="model dtypes")
     p.add_argument("--graph-backend", default="cpu", metavar="NAME",
                    help="graph backend of the captured decode steps (cpu compiles with inductor; eager: no compiler)")
-    cli.add_json(p)
-    cli.add_timeout(p, default=1800.0)
     return p
+
+
+QUICK = dict(batches=(1, 8), steps=8, prompt=2048, chunk=512, rounds=2, graph_backend="eager", dtypes="float32")
 
 
 def main(argv=None) -> int:
     """Run the engine benchmark and print host fractions and the chunked-prefill TTFT ratio."""
     p = _parser()
     args = p.parse_args(argv)
-    dtypes = [cli.dtype_name(d) for d in args.dtypes.split(",") if d]
     if args.quick:  # its sizes, except those given on the command line
-        quick = dict(batches=(1, 8), steps=8, prompt=2048, chunk=512, rounds=2, graph_backend="eager",
-                     dtypes="float32")
         defaults = vars(p.parse_args([]))
-        for name, value in quick.items():
+        for name, value in QUICK.items():
             if getattr(args, name) == defaults[name]:
                 setattr(args, name, value)
-        dtypes = [cli.dtype_name(d) for d in args.dtypes.split(",") if d]
+    dtypes = [cli.dtype_name(d) for d in args.dtypes.split(",") if d]
     if args.chunk > args.prompt:
         cli.bad_value(p.prog, "--chunk", args.chunk, "a chunk no longer than --prompt",
                       f"pass --chunk <= {args.prompt}")
     cli.check_backend(p.prog, "--graph-backend", args.graph_backend)
     cfg = dict(batches=list(args.batches), steps=args.steps, prompt=args.prompt, chunk=args.chunk,
                rounds=args.rounds, dtypes=dtypes, graph_backend=args.graph_backend)
-    from cpattn.comm.launch import spawn
-
-    with cli.report_to(args.json):
-        print(f"engine step loop on the demo model (tiny Qwen3), one gloo rank; graph backend {args.graph_backend}; "
-              f"host % = (step - forward) / step; sched+prep % = (schedule + prepare + update) / step; "
-              f"median [low-high] over {args.steps} steps")
-        t0 = time.time()
-        res = spawn(1, engine_rank, cfg, threads=2, timeout_s=args.timeout)[0]
-        pcp = spawn(2, ttft_rank, cfg, threads=1, timeout_s=args.timeout)[0]
+    with harness.Report(args) as out:
+        out.line(f"engine step loop on the demo model (tiny Qwen3), one gloo rank; graph backend {args.graph_backend}; "
+                 f"host % = (step - forward) / step; sched+prep % = (schedule + prepare + update) / step; "
+                 f"median [low-high] over {args.steps} steps; TTFT: {args.rounds} interleaved rounds")
+        res = harness.ranks(1, engine_rank, cfg, threads=2, timeout_s=args.timeout, label="decode, mixed, TTFT")[0]
+        pcp = harness.ranks(2, ttft_rank, cfg, timeout_s=args.timeout, label="TTFT under PCP 2 + DCP 2")[0]
         for dt in res:
             res[dt]["ttft_pcp2"] = pcp[dt]
         for dt, r in res.items():
-            print(f"\n{dt}")
-            print(f"{'scenario':<28} {'mode':<9} {'step ms':>8} {'host %':>20} {'sched+prep %':>20} {'replayed':>8}")
-            for row in r["rows"]:
-                hs, ss = (_pct(row["host_frac"]), _pct(row["sched_prep_frac"]))
-                st = row["step_s"]["median"] if isinstance(row["step_s"], dict) else row["step_s"]
-                print(f"{row['scenario']:<28} {row['mode']:<9} {1e3 * st:>8.2f} {hs:>20} {ss:>20} "
-                      f"{str(row.get('replayed', '-')):>8}")
+            out.line(f"\n{dt}")
+            out.table([_cells(row) for row in r["rows"]], COLUMNS)
             for key, where in (("ttft", "one rank"), ("ttft_pcp2", "PCP 2 + DCP 2")):
                 t = r[key]
-                c = t.get("cpu_ratio")
-                cpu = f"; CPU seconds {c['median']:.2f} [{c['low']:.2f}-{c['high']:.2f}]" if c else ""
-                print(f"TTFT {args.prompt}-token prompt, {where}: {args.chunk}-token chunks "
-                      f"{t['chunked_s']['median']:.3f} s vs one step {t['whole_s']['median']:.3f} s; chunked / whole "
-                      f"{t['ratio']['median']:.2f} [{t['ratio']['low']:.2f}-{t['ratio']['high']:.2f}]{cpu}")
-        print(f"\n({time.time() - t0:.0f} s)")
-    write_json(args.json, {"benchmark": "engine", "config": cfg, "results": res})
+                out.line(f"TTFT {args.prompt}-token prompt, {where}: {args.chunk}-token chunks "
+                         f"{t['chunked_s']['median']:.3f} s vs one step {t['whole_s']['median']:.3f} s; chunked / "
+                         f"whole {_ratio(t['ratio'])}; CPU seconds {_ratio(t['cpu_ratio'])}")
+        out.line(f"\n({out.elapsed:.0f} s)")
+        out.payload = {"benchmark": "engine", "config": cfg, "results": res}
     return 0
