@@ -7,7 +7,9 @@
   follows (the TP all-reduce of the output projection);
 - the engine's ``DCPStep`` variants ("local_ag", "local_a2a", "a2a",
   "ag_rs") give the same greedy tokens and logits as one device;
-- the demo program's "local_a2a" and "fold" layers equal one device.
+- the demo program's "local_a2a", "local_fold" and "local_ag" layers equal one device;
+- one merge vocabulary (``cpattn.dcp.layer_merges``): the engine, the demo program, the planner and the
+  CLIs take its names, and the old spelling "fold" still works with a DeprecationWarning.
 """
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 from cpattn.comm import simulate
 from cpattn.dcp import MERGES, QUERIES, collectives_per_call, dcp_decode, dcp_fold_weights, dcp_partials
+from cpattn.dcp.layer_merges import COLLECTIVES, ENGINE_MERGES, LAYER_MERGES, PROGRAM_MERGES
 from cpattn.ops import merge_attn_states
 from test_dcp_decode import build, check, random_cases
 
@@ -127,7 +130,7 @@ def test_engine_step_variants_equal_one_device(n):
 
 
 # ----------------------------------------------------------------------------- the demo program (TP = DCP)
-@pytest.mark.parametrize("merge", ["local_a2a", "fold"])
+@pytest.mark.parametrize("merge", ["local_a2a", "local_fold", "local_ag"])
 def test_demo_program_variants_equal_one_device(merge):
     from cpattn.graphs import demo_program as dp
 
@@ -148,4 +151,47 @@ def test_demo_program_variants_equal_one_device(merge):
     want = simulate(1, lambda g: rank(g, one))[0][0]
     for out, calls in simulate(2, lambda g: rank(g, cfg)):
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-        assert calls == 2 * cfg.num_layers  # two collectives per layer, the TP all-reduce included
+        assert calls == COLLECTIVES[merge] * cfg.num_layers  # per layer, the TP all-reduce included
+
+
+# ----------------------------------------------------------------------------- one merge vocabulary
+def test_one_merge_vocabulary_every_layer_name_is_one_dcp_wiring():
+    from cpattn.engine.options import CHOICES
+    from cpattn.engine.paged_cache import STEP_MERGES
+    from cpattn.graphs import demo_program as dp
+    from cpattn.plan.model import DCP_MERGES
+
+    assert CHOICES["dcp_merge"] is ENGINE_MERGES and tuple(STEP_MERGES) == ENGINE_MERGES
+    assert dp.MERGES is PROGRAM_MERGES and DCP_MERGES is PROGRAM_MERGES and set(ENGINE_MERGES) < set(PROGRAM_MERGES)
+    for name, (query, merge) in LAYER_MERGES.items():
+        assert query in QUERIES and (merge in MERGES or merge == "fold"), name
+        assert name.startswith("local_") == (query == "local"), name  # the name spells its query
+        if name in ENGINE_MERGES:  # the engine's count: the DCP call's collectives + the output gather (not local_ag)
+            assert COLLECTIVES[name] == collectives_per_call(query, merge) + (name != "local_ag"), name
+
+
+def test_old_fold_spelling_warns_and_the_engine_refuses_local_fold():
+    from cpattn.engine.options import Algorithms
+    from cpattn.graphs import demo_program as dp
+    from cpattn.plan.model import Options
+
+    with pytest.warns(DeprecationWarning, match="use 'local_fold'"):
+        assert dp.ProgramConfig(merge="fold").merge == "local_fold"
+    with pytest.warns(DeprecationWarning, match="use 'local_fold'"):
+        assert Options(dcp_merge="fold").dcp_merge == "local_fold"
+    with pytest.raises(ValueError, match="needs a TP output projection"):
+        Algorithms(dcp_merge="local_fold")
+    with pytest.raises(ValueError, match="must be one of"):
+        dp.ProgramConfig(merge="ag")  # dcp_decode's merge, not a layer name
+
+
+def test_cli_merge_flags_take_the_vocabulary_and_the_old_name(capsys):
+    from cpattn.bench import graph
+    from cpattn.plan import cli as plan_cli
+
+    assert graph._parser().parse_args(["--merge", "fold"]).merge == "local_fold"
+    assert "now called 'local_fold'" in capsys.readouterr().err
+    assert graph._parser().parse_args(["--merge", "local_ag"]).merge == "local_ag"
+    assert plan_cli._plan_parser().parse_args(["--devices", "8", "--dcp-merge", "fold"]).dcp_merge == "local_fold"
+    with pytest.raises(SystemExit):
+        graph._parser().parse_args(["--merge", "ag"])

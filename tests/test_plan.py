@@ -174,7 +174,8 @@ def test_echo_group_counts_one_ranks_ops_only():
                       ("all_reduce", b * x * 4)],
             "a2a": [("all_gather", b * h // 2 * d * 4), ("all_to_all", b * h * (d + 1) * 4), ("all_reduce", b * x * 4)],
             "local_a2a": [("all_to_all", b * h * (d + 1) * 4), ("all_reduce", b * x * 4)],
-            "fold": [("all_gather", b * h * 4), ("all_reduce", b * x * 4)]}
+            "local_fold": [("all_gather", b * h * 4), ("all_reduce", b * x * 4)],
+            "local_ag": [("all_gather", b * h * (d + 1) * 4)]}  # every head on every rank: no TP reduction
     for merge, per_layer in want.items():
         got = graph_program_ops(layers=2, hidden=x, heads=h, kv_heads=1, head_dim=d, context=32, batch=b, merge=merge)
         assert got["collectives"] == per_layer * 2, merge

@@ -34,6 +34,7 @@ from cpattn.bench import harness
 from cpattn.bench.common import ratio
 from cpattn.bench.harness import Samples
 from cpattn.config import cli_args as cli
+from cpattn.dcp.layer_merges import COLLECTIVES, ENGINE_MERGES
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -120,7 +121,7 @@ def rank_main(group, cfg):
 
 
 # ----------------------------------------------------------------------------- the demo model's decode step
-STEP_VARIANTS = ("ag_rs", "a2a", "local_a2a", "local_ag")  # DCPStep.merge; collectives per layer 4, 3, 2, 1
+STEP_VARIANTS = tuple(sorted(ENGINE_MERGES, key=COLLECTIVES.get, reverse=True))  # DCPStep.merge: 4, 3, 2, 1 coll.
 
 
 def _model_shard(fam, cfg, ctx, n, gen):

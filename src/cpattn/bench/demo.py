@@ -59,6 +59,7 @@ import os
 import sys
 
 from cpattn.config import cli_args as cli
+from cpattn.dcp.layer_merges import ENGINE_MERGES
 from cpattn.pool.spec import pool_spec_problem
 
 # torch and the engine are imported once the command line is known good (a typo costs no `import torch`);
@@ -100,7 +101,7 @@ def parser():
                         "(checked against this machine before anything runs)")
     p.add_argument("--capture-sizes", type=cli.int_list, default=None,
                    help="comma-separated capture sizes in query tokens (default: the one bucket that holds --batch)")
-    p.add_argument("--merge", choices=["local_ag", "local_a2a", "a2a", "ag_rs"], default="local_ag",
+    p.add_argument("--merge", choices=ENGINE_MERGES, default="local_ag",
                    help="DCP decode layer: local_ag (query heads computed locally, one all-gather of [O | L]: 1 "
                         "collective per layer), local_a2a (2), a2a (3), ag_rs (4: query gather, LSE all-gather, "
                         "reduce-scatter, output gather)")

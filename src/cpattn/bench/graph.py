@@ -37,6 +37,7 @@ import time
 
 from cpattn.bench import harness
 from cpattn.config import cli_args as cli
+from cpattn.dcp.layer_merges import LAYER_MERGES, PROGRAM_MERGES, cli_merge
 
 
 def _config(args) -> dp.ProgramConfig:
@@ -104,16 +105,21 @@ def _collectives(group, cfg, b, device):
     o = torch.randn(b, cfg.num_heads, d, device=device)
     x = torch.randn(b, cfg.hidden, device=device)
 
+    query, merge = LAYER_MERGES[cfg.merge]
+
     def run():
-        if cfg.merge in ("ag_rs", "a2a"):
+        if query == "gather":
             group.all_gather(q, dim=1)
-        if cfg.merge in ("ag_rs", "fold"):
+        if merge in ("ag_rs", "fold"):
             group.all_gather(lse, dim=0)
-        if cfg.merge == "ag_rs":
+        if merge == "ag_rs":
             group.reduce_scatter(o, dim=1)
-        elif cfg.merge in ("a2a", "local_a2a"):
+        elif merge == "a2a":
             group.all_to_all(torch.cat([o, lse[0, ..., None]], -1), dim=1)
-        group.all_reduce(x)
+        elif merge == "ag":
+            group.all_gather(torch.cat([o, lse[0, ..., None]], -1)[None], dim=0)
+        if cfg.merge != "local_ag":  # local_ag: every head on every rank, no TP reduction
+            group.all_reduce(x)
 
     return run
 
@@ -134,10 +140,11 @@ def _parser():
     p.add_argument("--heads", type=cli.positive_int, default=8, help="query heads (a multiple of --dcp)")
     p.add_argument("--kv-heads", type=cli.positive_int, default=2, help="key/value heads (a divisor of --heads)")
     p.add_argument("--head-dim", type=cli.positive_int, default=32, help="head dim (even: rotary embedding)")
-    p.add_argument("--merge", default="ag_rs", choices=["ag_rs", "a2a", "local_a2a", "fold"],
-                   help="DCP layer of the program: ag_rs (4 collectives per layer with the TP all-reduce), a2a (3), "
-                        "local_a2a (2: query heads computed locally, one all-to-all), fold (2: LSE all-gather, the "
-                        "merge folded into the TP all-reduce)")
+    p.add_argument("--merge", default="ag_rs", type=cli_merge, choices=PROGRAM_MERGES,
+                   help="DCP layer of the program (cpattn.dcp.layer_merges): ag_rs (4 collectives per layer with "
+                        "the TP all-reduce), a2a (3), local_a2a (2: query heads computed locally, one all-to-all), "
+                        "local_fold (2: LSE all-gather, the merge folded into the TP all-reduce; old name fold), "
+                        "local_ag (1: one all-gather, every head on every rank, no all-reduce)")
     p.add_argument("--reps", type=cli.positive_int, default=30, help="interleaved timing rounds")
     p.add_argument("--backend", default="cpu",
                    help="graph backend for the CPU section (cpu = inductor; see cpattn.graphs.backends())")

@@ -31,15 +31,36 @@ device tensors of static shape: no ``.item()``, no ``.tolist()``, no
 data-dependent shapes (the CPU attention kernel does host work *inside* its
 op, which a graph either calls as one opaque op or, for decode-sized batches
 under torch.compile on CPU, replaces by the op's sync-free decomposition).
+
+Above this package, programs name a DCP layer's wiring by one vocabulary,
+:mod:`cpattn.dcp.layer_merges` (``"local_ag"``, ``"local_a2a"``, ``"a2a"``,
+``"ag_rs"``, ``"local_fold"``), each a ``(query, merge)`` of
+:func:`dcp_decode` (``MERGES`` / ``QUERIES`` here) plus the step that puts the
+heads back together.
 """
 
-from cpattn.dcp.context import DCPContext
-from cpattn.dcp.decode import (
-    MERGES, QUERIES, collectives_per_call, dcp_attend_heads, dcp_decode, dcp_fold_weights, dcp_merge, dcp_partials,
-)
-from cpattn.dcp.plan import DCPMeta, dcp_plan, plan_tensors
+# public names -> their module, imported on first use (PEP 562): ``cpattn.dcp.layer_merges`` (the merge
+# vocabulary a command line checks) costs no import of torch
+_EXPORTS = {
+    "DCPContext": "cpattn.dcp.context",
+    **dict.fromkeys(("MERGES", "QUERIES", "collectives_per_call", "dcp_attend_heads", "dcp_decode",
+                     "dcp_fold_weights", "dcp_merge", "dcp_partials"), "cpattn.dcp.decode"),
+    **dict.fromkeys(("LAYER_MERGES", "ENGINE_MERGES", "PROGRAM_MERGES", "layer_merge"), "cpattn.dcp.layer_merges"),
+    **dict.fromkeys(("DCPMeta", "dcp_plan", "plan_tensors"), "cpattn.dcp.plan"),
+}
+__all__ = list(_EXPORTS)
 
-__all__ = [
-    "DCPMeta", "dcp_plan", "plan_tensors", "MERGES", "QUERIES", "collectives_per_call", "dcp_partials", "dcp_merge",
-    "dcp_fold_weights", "dcp_attend_heads", "dcp_decode", "DCPContext",
-]
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cpattn.dcp' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

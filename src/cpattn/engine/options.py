@@ -5,8 +5,9 @@
 - ``dsa_split``: how a DSA model's prefill tokens are split over the group:
   "balanced" (the PCP head-tail chunks) or "contiguous" (the guide's DSA-CP);
 - ``dcp_merge``: how a DCP decode layer gets every head's exact output on
-  every rank (:class:`cpattn.engine.paged_cache.DCPStep`,
-  :func:`cpattn.dcp.dcp_decode`); collectives per layer in brackets:
+  every rank (:class:`cpattn.engine.paged_cache.DCPStep`); one of the
+  engine's names of the merge vocabulary, :mod:`cpattn.dcp.layer_merges`
+  (its table gives each name's wiring); collectives per layer in brackets:
   "local_ag" (default; the hidden state is replicated, so every rank
   computes all query heads, then one all-gather of ``[O | L]``) [1],
   "local_a2a" (local heads, one all-to-all, output heads gathered) [2],
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpattn.dcp.layer_merges import ENGINE_MERGES, layer_merge
+
 CHOICES = {"pcp_method": ("ring", "allgather"), "dsa_split": ("balanced", "contiguous"),
-           "dcp_merge": ("local_ag", "local_a2a", "a2a", "ag_rs"), "handoff": ("a2a", "allgather")}
+           "dcp_merge": ENGINE_MERGES, "handoff": ("a2a", "allgather")}
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Algorithms:
     handoff: str = "a2a"
 
     def __post_init__(self):
+        layer_merge(self.dcp_merge, ENGINE_MERGES, what="dcp_merge")  # names the engine's four, and why not local_fold
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}; got {getattr(self, name)!r}")

@@ -28,6 +28,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode
+from cpattn.dcp.layer_merges import ENGINE_MERGES, LAYER_MERGES, layer_merge
 from cpattn.models.family import KVLayout, nan_caches
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.dsa.paged import dsa_topk, sparse_partials_merged
@@ -118,11 +119,10 @@ class PagedShard:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.k_index) if t is not None)
 
 
-# DCPStep.merge -> (query, merge) of dcp_decode, and the collectives per layer (output gather included):
-# "ag_rs" 4 (query gather, LSE gather, reduce-scatter, output gather), "a2a" 3, "local_a2a" 2, "local_ag" 1.
+# DCPStep.merge: one of the engine's names of the merge vocabulary (cpattn.dcp.layer_merges, whose table gives
+# each name's wiring and collectives per layer, the output gather included) -> (query, merge) of dcp_decode.
 # The model's hidden state is the same on every DCP rank, so "local_*" compute every query head locally.
-STEP_MERGES = {"ag_rs": ("gather", "ag_rs"), "a2a": ("gather", "a2a"), "local_a2a": ("local", "a2a"),
-               "local_ag": ("local", "ag")}
+STEP_MERGES = {name: LAYER_MERGES[name] for name in ENGINE_MERGES}
 
 
 @dataclass
@@ -136,6 +136,8 @@ class DCPStep:
     positions: torch.Tensor = field(init=False)
 
     def __post_init__(self):
+        if self.merge not in STEP_MERGES:
+            layer_merge(self.merge, ENGINE_MERGES, what="DCPStep.merge")  # raises, naming the engine's names
         self.positions = self.meta.positions
 
     def fused_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

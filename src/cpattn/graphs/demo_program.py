@@ -8,14 +8,17 @@ Each of L layers (params as plain dicts of tensors, this rank's TP slice)::
     a = dcp_decode(q, (k_cache, v_cache), meta, group)      # [T, Hl, D]
     x = x + all_reduce(a.flatten(1) @ wo)                  # row-parallel output projection
 
-``merge`` picks the DCP layer (collectives per layer, TP all-reduce included):
-"ag_rs" 4 (query all-gather, LSE all-gather, reduce-scatter, all-reduce),
-"a2a" 3; with the group's query heads computed on every rank (the hidden
-state is replicated over the TP = DCP group; wq is kept whole): "local_a2a"
-2 (one all-to-all, then this rank's heads through its wo slice) and "fold"
-2 (one all-gather of the LSEs; each rank projects its rescaled partial of
-every head through the whole wo, so the TP all-reduce is the merge,
-:func:`cpattn.dcp.dcp_fold_weights`).
+``merge`` picks the DCP layer, by the one merge vocabulary
+(:mod:`cpattn.dcp.layer_merges`; collectives per layer, the TP all-reduce
+included): "ag_rs" 4 (query all-gather, LSE all-gather, reduce-scatter,
+all-reduce), "a2a" 3; with the group's query heads computed on every rank
+(the hidden state is replicated over the TP = DCP group; wq is kept whole):
+"local_a2a" 2 (one all-to-all, then this rank's heads through its wo slice),
+"local_fold" 2 (one all-gather of the LSEs; each rank projects its rescaled
+partial of every head through the whole wo, so the TP all-reduce is the
+merge, :func:`cpattn.dcp.dcp_fold_weights`; ``"fold"`` is its old name) and
+"local_ag" 1 (one all-gather of ``[O | L]``, every head merged on every rank
+and projected through the whole wo: no all-reduce, as in the engine).
 
 The DCP group is also the TP group: rank r holds query heads
 ``r*Hl .. (r+1)*Hl - 1`` (``Hl = num_heads / N``) and all ``num_kv_heads``
@@ -53,6 +56,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode, dcp_fold_weights, dcp_partials, plan_tensors
+from cpattn.dcp.layer_merges import LAYER_MERGES, PROGRAM_MERGES, layer_merge
 from cpattn.graphs.runner import Field
 from cpattn.ops.rows import write_kv
 
@@ -78,6 +82,9 @@ class ProgramConfig:
     merge: str = "ag_rs"
     rope_theta: float = 10000.0
     eps: float = 1e-6
+
+    def __post_init__(self):
+        object.__setattr__(self, "merge", layer_merge(self.merge, PROGRAM_MERGES, what="ProgramConfig.merge"))
 
 
 def init_params(cfg: ProgramConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -109,15 +116,16 @@ def init_params(cfg: ProgramConfig, seed: int = 0, dtype: torch.dtype = torch.fl
     return {"layers": layers}
 
 
-MERGES = ("ag_rs", "a2a", "local_a2a", "fold")
-LOCAL_QUERY = ("local_a2a", "fold")  # every rank computes the group's query heads (wq kept whole)
+MERGES = PROGRAM_MERGES  # every name of cpattn.dcp.layer_merges
+LOCAL_QUERY = tuple(m for m, (query, _) in LAYER_MERGES.items() if query == "local")  # wq kept whole
+WHOLE_WO = ("local_fold", "local_ag")  # every head reaches the projection on every rank (wo kept whole)
 
 
 def shard_params(cfg: ProgramConfig, params: dict, rank: int, size: int) -> dict:
     """Rank ``rank``'s TP slice: query heads ``rank*Hl .. (rank+1)*Hl-1`` of wq / wo; the rest replicated.
 
-    With ``merge`` "local_a2a" wq stays whole (every rank computes the group's
-    query heads); with "fold" wq and wo both stay whole.
+    With a "local_*" merge wq stays whole (every rank computes the group's
+    query heads); with "local_fold" and "local_ag" wo stays whole too.
 
     Example
     -------
@@ -129,9 +137,7 @@ def shard_params(cfg: ProgramConfig, params: dict, rank: int, size: int) -> dict
         raise ValueError(f"num_heads ({cfg.num_heads}) must be a multiple of the DCP/TP size ({size})")
     hl = cfg.num_heads // size
     cols = slice(rank * hl * cfg.head_dim, (rank + 1) * hl * cfg.head_dim)
-    if cfg.merge not in MERGES:
-        raise ValueError(f"merge must be one of {MERGES}; got {cfg.merge!r}")
-    whole_q, whole_o = cfg.merge in LOCAL_QUERY, cfg.merge == "fold"
+    whole_q, whole_o = cfg.merge in LOCAL_QUERY, cfg.merge in WHOLE_WO
     return {
         "layers": [
             {**p, "wq": p["wq"] if whole_q else p["wq"][:, cols].contiguous(),
@@ -220,16 +226,16 @@ def decode_step(state: dict, batch: dict[str, torch.Tensor], *, cfg: ProgramConf
         k = rope((h @ p["wk"]).view(t, hkv, hd), meta.positions, cfg.rope_theta)  # [T, Hkv, D]
         v = (h @ p["wv"]).view(t, hkv, hd)  # [T, Hkv, D]
         write_kv(k_cache, v_cache, k, v, slots)
-        if cfg.merge == "fold":  # the TP all-reduce merges: sum_r (w_r * O_r) @ wo
+        if cfg.merge == "local_fold":  # the TP all-reduce merges: sum_r (w_r * O_r) @ wo
             o, lse = dcp_partials(q, k_cache, v_cache, meta.block_table, meta.req_indices,
                                   meta.kv_lens[group.rank], softmax_scale=hd**-0.5)  # [T, Hq, D], [T, Hq]
             w, _ = dcp_fold_weights(lse, group=group)  # [T, Hq]; 0 where this rank's partial is empty
             a = torch.where(w[..., None] == 0, 0.0, o * w[..., None]).to(x.dtype)  # [T, Hq, D]
-        elif cfg.merge == "local_a2a":
-            a = dcp_decode(q, (k_cache, v_cache), meta, group=group, merge="a2a", query="local")  # [T, Hl, D]
-        else:
-            a = dcp_decode(q, (k_cache, v_cache), meta, group=group, merge=cfg.merge)  # [T, Hl, D]
-        x = x + group.all_reduce(a.flatten(1) @ p["wo"])  # [T, hidden]
+        else:  # "local_ag": every head merged on every rank [T, Hq, D]; otherwise this rank's heads [T, Hl, D]
+            query, merge = LAYER_MERGES[cfg.merge]
+            a = dcp_decode(q, (k_cache, v_cache), meta, group=group, merge=merge, query=query)
+        y = a.flatten(1) @ p["wo"]  # [T, hidden]: a partial sum over the group's heads, or (local_ag) the whole
+        x = x + (y if cfg.merge == "local_ag" else group.all_reduce(y))  # [T, hidden]
     return x
 
 

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # ----------------------------------------------------------------------------- cpattn plan
 def _plan_parser():
+    from cpattn.dcp.layer_merges import cli_merge
     from cpattn.plan.model import DCP_MERGES, PCP_METHODS
     from cpattn.plan.objective import OBJECTIVES
 
@@ -84,7 +85,8 @@ def _plan_parser():
     p.add_argument("--max-batched-tokens", type=cli.positive_int, default=8192,
                    help="tokens one prefill step holds activations for (vLLM's --max-num-batched-tokens)")
     p.add_argument("--pcp-method", choices=PCP_METHODS, default="ring", help="PCP KV exchange")
-    p.add_argument("--dcp-merge", choices=DCP_MERGES, default="local_a2a", help="DCP decode-layer variant")
+    p.add_argument("--dcp-merge", type=cli_merge, choices=DCP_MERGES, default="local_a2a",
+                   help="DCP decode-layer variant (cpattn.dcp.layer_merges; 'fold' is local_fold's old name)")
     p.add_argument("--layout", action="append", type=layout_arg, default=None, metavar="tp=T[,pcp=P][,dcp=D]",
                    help="price only these layouts (repeatable; each checked by the engine's rules, a refused one "
                         "is reported with its rule and fix); default: every tp * pcp = --devices, dcp a divisor")

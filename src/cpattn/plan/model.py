@@ -19,10 +19,12 @@ rank's KV, each step hidden behind that step's attention) or ``allgather``
 Decode (TPOT with ``batch`` requests of ``context`` cached tokens): per
 layer, the weights a step reads (routed experts: those the batch hits), the
 KV each device reads (``1/dcp`` of the tokens), the attention FLOPs, two TP
-all-reduces and the DCP merge (``dcp_merge``: "ag_rs" gathers the query heads
+all-reduces and the DCP merge (``dcp_merge``, a name of the one merge
+vocabulary, :mod:`cpattn.dcp.layer_merges`: "ag_rs" gathers the query heads
 and merges with an LSE all-gather + reduce-scatter; "a2a" gathers and merges
 in one all-to-all; "local_a2a" computes the group's heads locally, one
-all-to-all; "fold" local heads, LSE all-gather, merge folded into the TP
+all-to-all; "local_ag" local heads, one all-gather of ``[O | L]``;
+"local_fold" local heads, LSE all-gather, merge folded into the TP
 all-reduce), plus a launch cost per kernel (graph mode).
 
 Memory (:mod:`cpattn.plan.memory`): weights per device (attention and dense
@@ -52,6 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from cpattn.dcp.layer_merges import PROGRAM_MERGES, layer_merge
 from cpattn.plan import v4costs
 from cpattn.plan.collectives import comm_time
 from cpattn.plan.costs import attention_flops, causal_pairs, collective_time, ep_all_to_all_time, expected_experts
@@ -62,7 +65,7 @@ from cpattn.plan.profiles import Profile
 from cpattn.plan.rules import check_layout, layout_space
 from cpattn.plan.specs import WEIGHT_BYTES, ModelSpec
 
-DCP_MERGES = ("local_a2a", "fold", "a2a", "ag_rs")
+DCP_MERGES = PROGRAM_MERGES  # cpattn.dcp.layer_merges: every name prices (a TP output projection follows)
 PCP_METHODS = ("ring", "allgather")
 KERNELS_PER_LAYER = {"prefill": 24, "decode": 30}  # launches per layer (norms, projections, rope, attention, MLP)
 
@@ -105,6 +108,9 @@ class Options:
     reserve: float = 0.05
     allow_pcp_with_dcp: bool = False
     max_batched_tokens: int = 8192
+
+    def __post_init__(self):  # an old spelling ("fold") warns and becomes its name ("local_fold")
+        object.__setattr__(self, "dcp_merge", layer_merge(self.dcp_merge, DCP_MERGES, what="dcp_merge"))
 
 
 @dataclass
@@ -249,7 +255,9 @@ def _dcp_comm(spec: ModelSpec, lay: Layout, batch: int, prof: Profile, crosses: 
         return q_gather + coll("all_to_all", partial)
     if merge == "local_a2a":
         return coll("all_to_all", partial)
-    if merge == "fold":
+    if merge == "local_ag":
+        return coll("all_gather", partial)
+    if merge == "local_fold":
         return lse
     raise ValueError(f"dcp_merge must be one of {DCP_MERGES}; got {merge!r}")
 
