@@ -146,6 +146,7 @@ class BlockManager:
         self._cached_upto: dict[Hashable, int] = {}  # spans of each request cache_blocks has looked at
         self._hits = self._queries = self._evictions = 0
         self._fresh: list[int] = []  # handed out since the last take_fresh(): their rows are stale
+        self.changes = 0  # table changes so far: an unchanged count means every table_ids tuple still holds
 
     # -- sizes -------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -264,6 +265,7 @@ class BlockManager:
             return False
         table = self._tables.setdefault(req_id, [])
         self._tuples.pop(req_id, None)
+        self.changes += 1
         if prefix is not None and prefix.block_ids:
             for b in prefix.block_ids:
                 if self._ref[b] == 0:
@@ -282,6 +284,26 @@ class BlockManager:
             self._ref[b] = 1
             table.append(b)
             self._fresh.append(b)
+        return True
+
+    def allocate_each(self, requests: Sequence[tuple[Hashable, int]]) -> bool:
+        """:meth:`allocate` ``(req_id, num_tokens)`` for each pair, in order, all or nothing: False, changing
+        nothing, when the free queue cannot cover them all (a step's running requests growing at once).
+
+        >>> bm = BlockManager(3, 2); _ = bm.allocate("a", 2), bm.allocate("b", 2)
+        >>> bm.allocate_each([("a", 3), ("b", 3)]), bm.block_table("a")     # 2 blocks needed, 1 free
+        (False, [0])
+        >>> bm.allocate_each([("a", 3), ("b", 2)]), bm.block_table("a")
+        (True, [0, 2])
+        """
+        tables, need = self._tables, 0
+        for req_id, num_tokens in requests:
+            table = tables.get(req_id)
+            need += max(self.blocks_for(num_tokens) - (0 if table is None else len(table)), 0)
+        if need > len(self._free):
+            return False
+        for req_id, num_tokens in requests:
+            self.allocate(req_id, num_tokens)
         return True
 
     def take_fresh(self) -> list[int]:
@@ -327,11 +349,13 @@ class BlockManager:
                 self._release(table[keep:])
                 del table[keep:]
                 self._tuples.pop(req_id, None)
+                self.changes += 1
 
     def free(self, req_id: Hashable) -> None:
         """Release every block of the request (finished, aborted or preempted); unknown ids are a no-op."""
         self._release(self._tables.pop(req_id, []))
         self._tuples.pop(req_id, None)
+        self.changes += 1
         self._cached_upto.pop(req_id, None)
 
 

@@ -70,7 +70,8 @@ class Scheduler:
 
     Call :meth:`schedule`, run the step, then :meth:`update` with its outputs, once per step.
     ``fast_paths``: a step of one-token decodes is built and committed by :mod:`cpattn.engine.decode_rows`
-    (the same result; False: the general code, which the tests compare it with).
+    (the same result; False: the general code, which the tests compare it with); the steady case -- the
+    previous decode step's requests again, nothing to admit -- is built without the general loop.
     """
 
     fast_paths = True
@@ -93,6 +94,9 @@ class Scheduler:
         self._finished_since: list[Hashable] = []
         self._pending: SchedulerOutput | None = None
         self._last_decode: SchedulerOutput | None = None  # the latest step decode_rows built
+        self._last_changes = -1  # blocks.changes when it was built (decode_rows.steady_output)
+        self._steady: SchedulerOutput | None = None  # that step, committed one token a row, nothing finished
+        self._committed: Sequence[int] = ()  # the tokens it committed
         self._steps = self._uniform = self._preemptions = 0
 
     # -- requests ----------------------------------------------------------------------------
@@ -136,6 +140,7 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
+            self._steady = None  # the running list changed
         self._finish(req, "abort")
         return True
 
@@ -156,6 +161,12 @@ class Scheduler:
         """Pick this step's rows (see the module docstring for the order and the rules)."""
         if self._pending is not None and self._pending.req_ids:
             raise ValueError("schedule() called twice: call update() with the last step's outputs first")
+        out = self.fast_paths and decode_rows.steady_output(self)  # the last decode step again, one token on
+        if out:
+            self._pending = out
+            self._steps += 1
+            self._uniform += 1
+            return out
         budget, rows, preempted = self.max_num_batched_tokens, [], []
         running, allocate = self.running, self.blocks.allocate
         i = 0
