@@ -38,7 +38,8 @@ METHODS = ("ring", "allgather")
 
 @dataclass(frozen=True)
 class Context:
-    """Cached KV of earlier tokens, contiguous and replicated on every rank.
+    """One layer's context: the cached K/V of the tokens before each request's new ones, contiguous and
+    replicated on every rank (docs/engine.md "Words": the engine's prefix, as one attention call reads it).
 
     k: [Tc, Hkv, Dqk]; v: [Tc, Hkv, Dv]; cu_seqlens: [B+1] -- request b's
     cached keys are ``k[cu_seqlens[b]:cu_seqlens[b+1]]``; every new token of

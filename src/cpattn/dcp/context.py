@@ -1,4 +1,7 @@
-"""A DCP-sharded cache of earlier tokens as the context of a prefill (chunked prefill over DCP)."""
+"""A DCP-sharded cache of earlier tokens as the context of a prefill (chunked prefill over DCP).
+
+"Context" as in docs/engine.md "Words": one layer's K/V of the tokens before the new ones, as an
+attention call reads it (:class:`cpattn.Context` is the contiguous, replicated kind)."""
 
 from __future__ import annotations
 

@@ -83,12 +83,8 @@ def dcp_merge(o: torch.Tensor, l: torch.Tensor, *, group: Group, merge: str) -> 
         return merge_attn_states(got[..., :dv], got[..., dv])
     hl = h // n
     if merge == "ag_rs":
-        lses = group.all_gather(l[None], dim=0)  # [N, T, H]
-        total = lse_weights(lses)[2]  # [T, H]: the merged LSE (NaN if any rank's is NaN)
-        empty = l == float("-inf")  # only an empty partial is zeroed; NaN and underflow are not masked
-        w = torch.where(empty, 0.0, torch.exp(l - total))  # [T, H]
-        part = torch.where(empty[..., None], 0.0, o)  # an empty partial may hold garbage
-        out = group.reduce_scatter(part * w[..., None], dim=1)  # [T, H/N, Dv]
+        w, total = dcp_fold_weights(l, group=group)  # [T, H] each: the LSE all-gather
+        out = group.reduce_scatter(rescaled(o, l, w), dim=1)  # [T, H/N, Dv]
         return out, total[:, r * hl : (r + 1) * hl]
     buf = torch.cat([o, l[..., None]], dim=-1)  # [T, H, Dv+1]
     got = group.all_to_all(buf, dim=1)  # [T, H, Dv+1]: slice j = rank j's partial of my heads
@@ -122,9 +118,18 @@ def dcp_fold_weights(l: torch.Tensor, *, group: Group) -> tuple[torch.Tensor, to
     True
     """
     lses = group.all_gather(l[None], dim=0)  # [N, T, H]
-    total = lse_weights(lses)[2]  # [T, H]
-    empty = l == float("-inf")
+    total = lse_weights(lses)[2]  # [T, H]: the merged LSE (NaN if any rank's is NaN)
+    empty = l == float("-inf")  # only an empty partial gets weight 0; NaN and underflow are not masked
     return torch.where(empty, 0.0, torch.exp(l - total)), total
+
+
+def rescaled(o: torch.Tensor, l: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``w * O_r`` with an empty partial (lse -inf, whose output may hold garbage) zeroed: [T, H, Dv].
+
+    o: [T, H, Dv], l: [T, H] this rank's partial; w: [T, H] from :func:`dcp_fold_weights`. Summed over
+    the group (a reduce-scatter, or the all-reduce after a linear projection) it is the merged output.
+    """
+    return torch.where((l == float("-inf"))[..., None], 0.0, o) * w[..., None]
 
 
 def dcp_attend_heads(

@@ -44,7 +44,9 @@ from cpattn.pcp import Context, pcp_prefill
 
 @dataclass(frozen=True)
 class Prefix:
-    """Cached KV of the tokens before each request's new ones, replicated on every prefill rank.
+    """A request's prefix: the cached KV of the tokens before its new ones (every layer, packed rows),
+    replicated on every prefill rank; each layer's part is that layer's :class:`cpattn.Context`
+    (docs/engine.md "Words": prefix, context).
 
     rows: [Tc, F] (:mod:`cpattn.engine.kv_rows`), request b's rows are
     ``rows[cu[b]:cu[b+1]]`` with ``cu = cumsum(context_lens)``; context_lens: per request.

@@ -56,6 +56,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode, dcp_fold_weights, dcp_partials, plan_tensors
+from cpattn.dcp.decode import rescaled
 from cpattn.dcp.layer_merges import LAYER_MERGES, PROGRAM_MERGES, layer_merge
 from cpattn.graphs.runner import Field
 from cpattn.ops.rows import write_kv
@@ -230,7 +231,7 @@ def decode_step(state: dict, batch: dict[str, torch.Tensor], *, cfg: ProgramConf
             o, lse = dcp_partials(q, k_cache, v_cache, meta.block_table, meta.req_indices,
                                   meta.kv_lens[group.rank], softmax_scale=hd**-0.5)  # [T, Hq, D], [T, Hq]
             w, _ = dcp_fold_weights(lse, group=group)  # [T, Hq]; 0 where this rank's partial is empty
-            a = torch.where(w[..., None] == 0, 0.0, o * w[..., None]).to(x.dtype)  # [T, Hq, D]
+            a = rescaled(o, lse, w).to(x.dtype)  # [T, Hq, D]: w_r * O_r, an empty partial zeroed
         else:  # "local_ag": every head merged on every rank [T, Hq, D]; otherwise this rank's heads [T, Hl, D]
             query, merge = LAYER_MERGES[cfg.merge]
             a = dcp_decode(q, (k_cache, v_cache), meta, group=group, merge=merge, query=query)
