@@ -170,6 +170,8 @@ class DecodeRunner:
         self.stats = RunnerStats()
         self._buffers: dict[str, torch.Tensor] = {}
         self._programs: dict[int, Callable[[], Any]] = {}
+        self._slices: dict[tuple, torch.Tensor] = {}  # (field, start, stop) -> that view of its buffer
+        self._shapes: dict[tuple, tuple] = {}  # (tokens, requests) -> the shape each field's input must have
 
     # -- capture -----------------------------------------------------------------
     @property
@@ -190,6 +192,7 @@ class DecodeRunner:
         self._buffers[CU_SEQLENS] = torch.zeros_like(self._cu_full)
         self._dirty: dict[str, int] = {}  # per field: the rows past this one hold its pad (capture: all)
         self._cu_for: tuple | None = None  # (requests, tokens) that the cu_seqlens_q buffer was made for
+        self._slices = {}  # the views of the old buffers are gone
         for size in reversed(self.sizes):
             batch = self._views(size)
             self._check_outputs(size, self._capture_one(size, batch))
@@ -264,13 +267,20 @@ class DecodeRunner:
         """
         if isinstance(query_lens, torch.Tensor):
             query_lens = query_lens.tolist()
+        num_reqs = len(query_lens)
+        if num_reqs and self._programs and query_lens.count(self.q_len) == num_reqs:  # a uniform decode batch
+            num_tokens = self.q_len * num_reqs
+            size = buckets.pick_size(self.sizes, num_tokens)
+            if size is not None:  # what classify gives it: ("graph", size)
+                self._check_batch(batch, num_tokens, num_reqs)
+                return self._replay(batch, size, num_tokens, num_reqs)
         query_lens = [int(n) for n in query_lens]
         num_tokens = sum(query_lens)
-        self._check_batch(batch, num_tokens, len(query_lens))
+        self._check_batch(batch, num_tokens, num_reqs)
         path, size = self.classify(query_lens)
         if path == "eager":
             return self._eager(batch, query_lens, size)
-        return self._replay(batch, size, num_tokens, len(query_lens))
+        return self._replay(batch, size, num_tokens, num_reqs)
 
     def _eager(self, batch, query_lens, reason):
         full = {k: v.to(self.device) for k, v in batch.items()}  # no-op when already there
@@ -282,18 +292,25 @@ class DecodeRunner:
         self.stats.last = f"eager:{reason}"
         return out
 
+    def _slice(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """``self._buffers[name][start:stop]``, made once per range (a view of the persistent buffer)."""
+        key = (name, start, stop)
+        view = self._slices.get(key)
+        if view is None:
+            view = self._slices[key] = self._buffers[name][start:stop]
+        return view
+
     def _replay(self, batch, size, num_tokens, num_reqs):
-        dirty = self._dirty
+        dirty, n_req = self._dirty, size // self.q_len
         for name, f in self.fields.items():
             buf, n = self._buffers[name], (num_tokens if f.rows == "token" else num_reqs)
             src = batch[name]
             if src.data_ptr() != buf.data_ptr() or src.dtype != buf.dtype:  # not a view of the buffer already
-                buf[:n].copy_(src)
-            rows, was = self._rows(f, size), dirty.get(name, 0)
+                self._slice(name, 0, n).copy_(src)
+            rows, was = (size if f.rows == "token" else n_req), dirty.get(name, 0)
             if was > n:  # stale rows of a bigger batch must not act
-                buf[n:rows].fill_(f.pad)
+                self._slice(name, n, rows).fill_(f.pad)
             dirty[name] = max(n, was) if was > rows else n  # rows past it hold the pad
-        n_req = size // self.q_len
         if self._cu_for != (n_req, num_tokens):  # cu_seqlens_q is a function of the two
             torch.clamp(self._cu_full[: n_req + 1], max=num_tokens, out=self._buffers[CU_SEQLENS][: n_req + 1])
             self._cu_for = (n_req, num_tokens)
@@ -306,9 +323,21 @@ class DecodeRunner:
         def cut(t):
             return t[:num_tokens] if t.shape[0] == size else t[:num_reqs] if t.shape[0] == n_req else t
 
+        if type(out) is tuple and all(type(t) is torch.Tensor for t in out):  # the common flat output
+            return tuple([cut(t) for t in out])
         return pytree.tree_map(cut, out)
 
     def _check_batch(self, batch, num_tokens, num_reqs):
+        shapes = self._shapes.get((num_tokens, num_reqs))
+        if shapes is None:
+            shapes = self._shapes[(num_tokens, num_reqs)] = tuple(
+                (name, (num_tokens if f.rows == "token" else num_reqs, *f.shape)) for name, f in self.fields.items())
+        if len(batch) == len(shapes):
+            try:
+                if all(batch[name].shape == want for name, want in shapes):
+                    return
+            except KeyError:
+                pass
         missing = sorted(set(self.fields) - set(batch))
         extra = sorted(set(batch) - set(self.fields))
         if missing or extra:
