@@ -17,6 +17,7 @@ from cpattn.plan import Layout, Options, get_model, get_profile, layouts, predic
 from cpattn.plan.costs import causal_pairs, collective_time, expected_experts, flash_tile_pairs
 from cpattn.plan.profiles import ASCEND_910C, B200, CPU_DEFAULT, H200, Link, Profile
 from cpattn.plan.specs import from_hf_config
+from cpattn.plan.model import DCP_MERGES
 from cpattn.bench.perf.validate import table
 from cpattn.plan.bench_model import (concurrent_share, predict_dcp, predict_graph, predict_pcp, profile_gaps,
                                      ring_pairs)
@@ -227,8 +228,12 @@ def test_pcp_splits_prefill_and_the_merge_variants_order():
     two = predict(spec, prof, Layout(16, 2, 1), context=32768, batch=1)
     assert 0.4 < two.ttft_s / one.ttft_s < 0.9
     costs = {m: predict(spec, prof, Layout(16, 1, 16), context=32768, batch=8,
-                        opts=Options(dcp_merge=m)).parts["decode"]["cp_comm"] for m in ("ag_rs", "a2a", "local_a2a")}
+                        opts=Options(dcp_merge=m)).parts["decode"]["cp_comm"] for m in DCP_MERGES}
     assert costs["local_a2a"] < costs["a2a"] < costs["ag_rs"]
+    assert 0 < costs["local_fold"] < costs["local_a2a"]  # T x H LSEs, not [O | L]
+    # local_ag: every rank gathers every rank's whole [O | L] (an all-to-all moves 1/N of it): fewer collectives,
+    # more bytes (at 16 ranks and batch 8 the bytes win)
+    assert costs["local_ag"] > costs["local_a2a"] > 0
 
 
 def test_data_parallel_replicas_share_the_experts():
