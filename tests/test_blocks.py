@@ -178,3 +178,13 @@ def test_random_operations_keep_the_books(seed, num_blocks, block_size, dcp):
         bm.free(r)
     check_books(bm, [])
     assert bm.num_used == 0
+
+
+def test_cached_prefix_is_a_deprecated_alias_of_prefix_hit():
+    import pytest
+
+    from cpattn.engine import blocks
+
+    with pytest.warns(DeprecationWarning, match="use cpattn.engine.blocks.PrefixHit"):
+        assert blocks.CachedPrefix is blocks.PrefixHit
+    assert isinstance(blocks.BlockManager(4, 2).lookup([], 0), blocks.PrefixHit)
