@@ -95,6 +95,29 @@ def check_first(o: RequestOutput, first: dict) -> None:
         del first[o.request_id]
 
 
+def pd_params(prompt_token_ids: Sequence[int], params: SamplingParams | None, max_model_len: int,
+              rng: random.Random) -> SamplingParams:
+    """A P/D request's whole-request params, checked: the prompt + ``max_tokens - 1`` fit ``max_model_len``
+    (else ValueError), and a request without a seed gets one drawn from ``rng``, so both roles sample the
+    first token alike (the same draw on every rank that shares ``rng``'s seed).
+
+    >>> p = pd_params([1, 2, 3], SamplingParams(max_tokens=2, seed=None), 8, random.Random(0))
+    >>> p.max_tokens, p.seed is not None
+    (2, True)
+    >>> pd_params([1, 2, 3], SamplingParams(max_tokens=7), 8, random.Random(0))
+    Traceback (most recent call last):
+    ...
+    ValueError: request needs 3 prompt + 7 max_tokens - 1 tokens; max_model_len is 8: shorten it or raise max_model_len
+    """
+    p = params or SamplingParams()
+    if len(prompt_token_ids) + p.max_tokens - 1 > max_model_len:
+        raise ValueError(f"request needs {len(prompt_token_ids)} prompt + {p.max_tokens} max_tokens - 1 "
+                         f"tokens; max_model_len is {max_model_len}: shorten it or raise max_model_len")
+    if getattr(p, "seed", 0) is None:  # one seed for both roles, so the first token is sampled alike
+        p = dataclasses.replace(p, seed=rng.randrange(2**63))
+    return p
+
+
 class PDEngine:
     """Prefill on ``pcp_size`` ranks, decode on ``dcp_size`` ranks, the KV through a pool (module doc).
 
@@ -164,12 +187,7 @@ class PDEngine:
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
                     request_id: Hashable | None = None) -> Hashable:
         """Queue a request on the producer (checked now); returns its id."""
-        p = params or SamplingParams()
-        if len(prompt_token_ids) + p.max_tokens - 1 > self.max_model_len:
-            raise ValueError(f"request needs {len(prompt_token_ids)} prompt + {p.max_tokens} max_tokens - 1 "
-                             f"tokens; max_model_len is {self.max_model_len}: shorten it or raise max_model_len")
-        if getattr(p, "seed", 0) is None:  # one seed for both roles, so the first token is sampled alike
-            p = dataclasses.replace(p, seed=self._rng.randrange(2**63))
+        p = pd_params(prompt_token_ids, params, self.max_model_len, self._rng)
         first = dataclasses.replace(p, max_tokens=1)
         rid = self.prefill.add_request(prompt_token_ids, first, request_id=request_id)
         self._params[rid] = p

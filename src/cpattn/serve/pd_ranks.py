@@ -61,7 +61,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.engine.connector_pd import consumer_hand_off, producer_hand_off
 from cpattn.engine.outputs import EngineStats, RequestOutput
-from cpattn.engine.pd_engine import PDStats, check_first, hands_off
+from cpattn.engine.pd_engine import PDStats, check_first, hands_off, pd_params
 from cpattn.engine.run_rank import pd_role
 from cpattn.engine.sampling import SamplingParams
 
@@ -101,12 +101,7 @@ class RankPD:
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
                     request_id: Hashable) -> Hashable:
         """Queue a request on the producer (checked there; the consumer ranks only record it)."""
-        p = params or SamplingParams()
-        if len(prompt_token_ids) + p.max_tokens - 1 > self.max_model_len:
-            raise ValueError(f"request needs {len(prompt_token_ids)} prompt + {p.max_tokens} max_tokens - 1 "
-                             f"tokens; max_model_len is {self.max_model_len}: shorten it or raise max_model_len")
-        if getattr(p, "seed", 0) is None:  # one seed for both roles, so the first token is sampled alike
-            p = dataclasses.replace(p, seed=self._rng.randrange(2**63))
+        p = pd_params(prompt_token_ids, params, self.max_model_len, self._rng)
         i = self._next
         if self.role == "prefill":
             self.engine.add_request(prompt_token_ids, dataclasses.replace(p, max_tokens=1), request_id=i)
