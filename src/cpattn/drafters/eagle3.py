@@ -40,6 +40,7 @@ from cpattn.drafters import cache as kv
 from cpattn.drafters import checkpoint
 from cpattn.drafters.chain import ChainState
 from cpattn.engine.drafters import DraftSettings
+from cpattn.models.draft_target import target_of
 from cpattn.models.common import mlp_dense, rms_norm, rope_cos_sin, rope_half, rope_inv_freq
 
 
@@ -63,18 +64,24 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, cfg: Any, *, draft_vocab: int | None = None,
                    target_layer_ids: tuple[int, ...] | None = None) -> Eagle3Config:
-        """The head for a target config: its hidden and MLP sizes and attention heads (a target without GQA
-        fields, e.g. MLA, gets ``hidden / heads``-dim heads, two queries per KV head), and low/mid/high
-        layers spread over its depth (default ``(0, n // 2 - 1, n - 2)``: never the last layer, whose state
-        the target's own head reads)."""
+        """The head for a target config: its hidden and MLP sizes and draft heads as its family declares them
+        (:func:`~cpattn.models.draft_target.target_of`; a target without GQA fields, e.g. MLA, gets
+        ``hidden / heads``-dim heads, two queries per KV head), and low/mid/high layers spread over its depth
+        (default ``(0, n // 2 - 1, n - 2)``: never the last layer, whose state the target's own head reads).
+        A target whose hidden rows are wider than ``H`` (DeepSeek-V4's streams) is refused: use DSpark."""
+        t = target_of(cfg)
+        if t.row_width != t.hidden_size:
+            raise ValueError(f"{type(cfg).__name__}: a layer's hidden row is {t.row_width} wide, not hidden_size "
+                             f"{t.hidden_size}; Eagle3 fuses [H] rows: draft this target with DSpark "
+                             "(DSparkConfig.for_target reads the row width)")
         n = cfg.num_hidden_layers
         ids = target_layer_ids or tuple(sorted({0, max(n // 2 - 1, 0), max(n - 2, 0)}))
-        heads, kv_heads, head_dim = attention_shape(cfg)
-        return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        heads, kv_heads, head_dim = t.attention_shape
+        return cls(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
                    num_attention_heads=heads, num_key_value_heads=kv_heads,
                    head_dim=head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab or cfg.vocab_size,
-                   target_layer_ids=tuple(ids), rms_norm_eps=cfg.rms_norm_eps, rope=dict(cfg.rope),
-                   max_position_embeddings=cfg.max_position_embeddings)
+                   target_layer_ids=tuple(ids), rms_norm_eps=t.rms_norm_eps, rope=dict(t.rope),
+                   max_position_embeddings=t.max_position_embeddings)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "target_layer_ids": list(self.target_layer_ids), "method": "eagle3"}
@@ -86,17 +93,15 @@ class Eagle3Config:
 
 
 def attention_shape(cfg: Any) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of a draft layer for target ``cfg``: the target's own GQA shape,
-    or for a target without one (MLA) ``hidden / heads``-dim heads, two queries per KV head.
+    """(query heads, KV heads, head dim) of a draft layer for target ``cfg``, as its family declares them
+    (:attr:`cpattn.models.draft_target.DraftTarget.attention_shape`): the target's own GQA shape, or for a
+    target without one (MLA) ``hidden / heads``-dim heads, two queries per KV head.
 
     >>> from cpattn.models import deepseek_v3
     >>> attention_shape(deepseek_v3.DeepseekV3Config.tiny())
     (4, 2, 16)
     """
-    heads = cfg.num_attention_heads
-    if isinstance(getattr(cfg, "num_key_value_heads", None), int) and isinstance(getattr(cfg, "head_dim", None), int):
-        return heads, cfg.num_key_value_heads, cfg.head_dim
-    return heads, max(1, heads // 2), cfg.hidden_size // heads
+    return target_of(cfg).attention_shape
 
 
 def fuse(params: dict, cfg: Eagle3Config, rows: dict) -> torch.Tensor:

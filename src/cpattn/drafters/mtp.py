@@ -32,7 +32,6 @@ Example
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -44,6 +43,7 @@ from cpattn.drafters import cache as kv
 from cpattn.drafters import checkpoint
 from cpattn.drafters.chain import ChainState
 from cpattn.engine.drafters import DraftSettings
+from cpattn.models.draft_target import target_of
 from cpattn.models.family import get_family
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models.common import rms_norm, rope_cos_sin, rope_inv_freq
@@ -52,16 +52,14 @@ TARGETS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # families whose check
 
 
 def block_config(cfg: Any) -> Any:
-    """The target config extended by the MTP layer N (its MLP: MoE when the target has routed experts).
+    """The target config extended by the MTP layer N, each per-layer field as its family declares that layer
+    (:attr:`~cpattn.models.draft_target.DraftTarget.mtp_layer`: MoE MLP when the target has routed experts;
+    GLM-5's indexer kind "full").
 
     >>> block_config(v3.DeepseekV3Config.tiny()).mlp_layer_types
     ('dense', 'sparse', 'sparse')
     """
-    kind = "sparse" if cfg.n_routed_experts else "dense"
-    extra = {"mlp_layer_types": (*cfg.mlp_layer_types, kind), "num_hidden_layers": cfg.num_hidden_layers + 1}
-    if hasattr(cfg, "indexer_types"):  # GLM-5's per-layer indexer kinds have one entry per layer too
-        extra["indexer_types"] = (*cfg.indexer_types, "full")
-    return dataclasses.replace(cfg, **extra)
+    return target_of(cfg).extend(cfg)
 
 
 def mtp_logits_features(params: dict, cfg: Any, layer: int, tokens: torch.Tensor, h: torch.Tensor,

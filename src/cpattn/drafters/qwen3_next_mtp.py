@@ -33,7 +33,6 @@ Example
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -47,6 +46,7 @@ from cpattn.drafters.chain import ChainState
 from cpattn.engine.drafters import DraftSettings
 from cpattn.models import qwen3_next as qn
 from cpattn.models.common import lm_head
+from cpattn.models.draft_target import target_of
 
 TARGETS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # hybrid families whose checkpoints carry ``mtp.*``
 SHARED = ("model.embed_tokens.weight", "lm_head.weight")  # the target's tensors the module reads
@@ -54,15 +54,13 @@ OWN = ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hid
 
 
 def block_config(cfg: qn.Qwen3NextConfig) -> qn.Qwen3NextConfig:
-    """The target config extended by the MTP layer as layer N (full attention; MoE when the target has experts).
+    """The target config extended by the MTP layer as layer N, as its family declares it (full attention; MoE
+    when the target has experts).
 
     >>> block_config(qn.Qwen3NextConfig.tiny()).layer_types[-1], block_config(qn.Qwen3NextConfig.tiny()).mlp_layer_types
     ('full_attention', ('sparse', 'sparse', 'dense', 'sparse', 'sparse'))
     """
-    kind = "sparse" if cfg.num_experts else "dense"
-    return dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 1,
-                               layer_types=(*cfg.layer_types, "full_attention"),
-                               mlp_layer_types=(*cfg.mlp_layer_types, kind))
+    return target_of(cfg).extend(cfg)
 
 
 def as_layer(params: dict, n: int) -> dict:

@@ -110,11 +110,11 @@ def speed_rank(group, data, target: str, methods: dict, prompts, new_tokens: int
     model, cfg, params, heads = load(data, target)
     torch.set_num_threads(1)
     b = len(prompts)
-    runs = {"plain": lambda: speculative_generate_on_rank(group, model, params, cfg, prompts, new_tokens, pcp=False,
+    runs = {"plain": lambda: speculative_generate_on_rank(group, model, params, cfg, prompts, new_tokens, pcp_size=1,
                                                           graph=backend, capture_sizes=[b])}
     for method, k in methods.items():
         runs[f"{method} k={k}"] = (lambda m=method, kk=k: speculative_generate_on_rank(
-            group, model, params, cfg, prompts, new_tokens, pcp=False, drafter=heads[m], num_speculative_tokens=kk,
+            group, model, params, cfg, prompts, new_tokens, pcp_size=1, drafter=heads[m], num_speculative_tokens=kk,
             graph=backend, capture_sizes=[b * (1 + kk)]))
     names = list(runs)
     times = {n: [] for n in names}

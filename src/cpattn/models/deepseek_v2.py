@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from cpattn.models.draft_target import mla_target
 from cpattn.models.family import ModelFamily
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models.checks import bad, check_fields
@@ -161,4 +162,5 @@ def init_params(cfg: DeepseekV2Config, *, seed: int = 0, std: float = 0.02,
 
 
 FAMILY = ModelFamily(name="deepseek_v2", config_class=DeepseekV2Config, attention="mla", forward=forward,
-                     init_params=init_params, kv_layouts=v3.kv_layouts, capturable=True)
+                     init_params=init_params, kv_layouts=v3.kv_layouts, capturable=True,
+                     draft_target=mla_target)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cpattn.models.draft_target import mla_target
 from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.common import Attention, mlp_dense, pre_norm_decoder, rope_cos_sin, rope_inv_freq
 from cpattn.models.deepseek_v3_config import CONFIG_RULES, DeepseekV3Config, check_config  # noqa: F401 (re-exported)
@@ -240,4 +241,5 @@ def kv_layouts(cfg: DeepseekV3Config) -> tuple[KVLayout, ...]:
 
 
 FAMILY = ModelFamily(name="deepseek_v3", config_class=DeepseekV3Config, attention="mla", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=True)
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True,
+                     draft_target=mla_target)

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.models import deepseek_v3 as v3
+from cpattn.models.draft_target import mla_target
 from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.checks import check_fields
 from cpattn.models.common import config_dict, rope_half
@@ -154,4 +155,5 @@ def kv_layouts(cfg: DeepseekV32Config) -> tuple[KVLayout, ...]:
 
 
 FAMILY = ModelFamily(name="deepseek_v32", config_class=DeepseekV32Config, attention="dsa", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=True)
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True,
+                     draft_target=mla_target)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cpattn.models.draft_target import DraftTarget, paired_heads
 from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.common import load_checkpoint, normalize_params, rope_cos_sin, rope_inv_freq
 from cpattn.models.deepseek_v4_config import CONFIG_RULES, HF_KINDS, DeepseekV4Config, check_config  # noqa: F401
@@ -243,7 +244,23 @@ def kv_layouts(cfg: DeepseekV4Config) -> tuple[KVLayout, ...]:
     return (KVLayout(1, cfg.head_dim, cfg.head_dim, values_in_keys=True),) * cfg.num_hidden_layers
 
 
+def draft_target(cfg: DeepseekV4Config) -> DraftTarget:
+    """What drafters read of V4: a layer's row is its ``hc_mult`` streams flattened (``n_hc * H``); no dense
+    MLP, so a draft layer takes the experts' size; the sliding layers' RoPE (``rope_main``, without the
+    compressed layers' YaRN); :func:`~cpattn.models.draft_target.paired_heads`; no MTP layer declared.
+
+    >>> t = draft_target(DeepseekV4Config.tiny())
+    >>> t.row_width, t.intermediate_size, t.rope["rope_theta"], t.mtp_layer
+    (64, 16, 10000.0, None)
+    """
+    heads, kv_heads, head_dim = paired_heads(cfg)
+    return DraftTarget(hidden_size=cfg.hidden_size, row_width=cfg.hc_mult * cfg.hidden_size,
+                       intermediate_size=cfg.moe_intermediate_size, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim, rope=dict(cfg.rope_main),
+                       max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
+
+
 FAMILY = ModelFamily(name="deepseek_v4", config_class=DeepseekV4Config, attention="v4", forward=forward,
                      init_params=init_params, kv_layouts=kv_layouts, capturable=True, cache="v4",
                      stages=V4Stages(forward),
-                     rename=param_name, load_dtype=load_dtype)
+                     rename=param_name, load_dtype=load_dtype, draft_target=draft_target)

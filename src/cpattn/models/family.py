@@ -47,6 +47,10 @@ this declaration: it never sniffs module names or config attributes.
   requests (a :class:`cpattn.linear.state.RecurrentCache`); the hybrid
   family's forward then takes the linear step as its fifth argument,
   ``forward(params, cfg, tokens, attn, lin, *, logits_index=None)``.
+- ``draft_target`` (optional): ``draft_target(cfg)`` -> the
+  :class:`~cpattn.models.draft_target.DraftTarget` drafters size their
+  layers from (hidden row width, MLP size, draft heads, RoPE, the kinds of
+  an MTP layer N); None: no drafter reads this family's hidden rows.
 - ``stages`` (deprecated, optional): the old way to declare DeepSeek-V4's
   kind, a :class:`cpattn.v4.engine.V4Stages`; a family passing it is taken
   as ``cache="v4"`` and its V4 backend runs over those stages. Declare
@@ -175,6 +179,7 @@ class ModelFamily:
     load_dtype: Callable[[str, torch.dtype], torch.dtype | None] | None = None
     cache: str = "paged"
     recurrent_cache: Callable[..., Any] | None = None
+    draft_target: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         legacy = self.stages  # the deprecated declaration of DeepSeek-V4's kind
@@ -222,17 +227,40 @@ class ModelFamily:
                            num_kv_heads=layout.num_kv_heads, tp_splits_kv_heads=False)
 
 
-def get_family(model: ModelFamily | ModuleType | str | dict) -> ModelFamily:
-    """A family by itself, its module (``FAMILY``), its ``model_type`` name, or a config dict's ``model_type``.
+def get_family(model: ModelFamily | ModuleType | str | dict | Any) -> ModelFamily:
+    """A family by itself, its module (``FAMILY``), its ``model_type`` name, a config dict's ``model_type``,
+    or one of its configs (the family whose ``config_class`` is nearest in the config's class MRO).
 
     >>> get_family({"model_type": "deepseek_v32"}).attention
     'dsa'
+    >>> from cpattn.models.glm_moe_dsa import GlmMoeDsaConfig
+    >>> get_family(GlmMoeDsaConfig.tiny()).name
+    'glm_moe_dsa'
     """
     if isinstance(model, ModelFamily):
         return model
     if isinstance(model, ModuleType):
         return model.FAMILY
+    if model is not None and not isinstance(model, (str, dict)):
+        return family_of_config(model)
     name = model.get("model_type") if isinstance(model, dict) else model
     if name not in FAMILY_MODULES:
         raise ValueError(f"model_type {name!r} is not supported; supported: {sorted(FAMILY_MODULES)}")
     return importlib.import_module(FAMILY_MODULES[name]).FAMILY
+
+
+def family_of_config(cfg: Any) -> ModelFamily:
+    """The family a config belongs to: the one whose ``config_class`` is nearest in ``type(cfg).__mro__``
+    (a family's config may subclass another's: GLM-5's is DeepSeek-V3.2's, V3.2's is V3's).
+
+    >>> from cpattn.models.deepseek_v32 import DeepseekV32Config
+    >>> family_of_config(DeepseekV32Config.tiny()).name
+    'deepseek_v32'
+    """
+    families = [get_family(name) for name in FAMILY_MODULES]
+    for cls in type(cfg).__mro__:
+        for fam in families:
+            if fam.config_class is cls:
+                return fam
+    raise ValueError(f"{type(cfg).__name__} is no family's config; supported families: {sorted(FAMILY_MODULES)} "
+                     "(pass a config of one of them, e.g. cpattn.models.qwen3.Qwen3Config)")

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from cpattn.models.draft_target import DraftTarget, mla_target
 from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models import deepseek_v3 as v3
 from cpattn.models import deepseek_v32 as v32
@@ -253,5 +254,16 @@ def kv_bytes_per_token(cfg: GlmMoeDsaConfig, dtype: torch.dtype = torch.bfloat16
             "model": sum(lay.row_width for lay in lays) * size, "model_if_all_full": full * len(lays)}
 
 
+def draft_target(cfg: GlmMoeDsaConfig) -> DraftTarget:
+    """DeepSeek-V3.2's draft target; the MTP layer N also gains an indexer kind, its own ("full").
+
+    >>> draft_target(GlmMoeDsaConfig.tiny()).mtp_layer
+    {'mlp_layer_types': 'sparse', 'indexer_types': 'full'}
+    """
+    t = mla_target(cfg)
+    return dataclasses.replace(t, mtp_layer={**t.mtp_layer, "indexer_types": "full"})
+
+
 FAMILY = ModelFamily(name="glm_moe_dsa", config_class=GlmMoeDsaConfig, attention="dsa", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=True)
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True,
+                     draft_target=draft_target)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cpattn.models.draft_target import gqa_target
 from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.common import (
     Attention,
@@ -250,4 +251,5 @@ def kv_layouts(cfg: Qwen3Config) -> tuple[KVLayout, ...]:
 
 
 FAMILY = ModelFamily(name="qwen3", config_class=Qwen3Config, attention="gqa", forward=forward,
-                     init_params=init_params, kv_layouts=kv_layouts, capturable=True)
+                     init_params=init_params, kv_layouts=kv_layouts, capturable=True,
+                     draft_target=gqa_target)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from cpattn.models.draft_target import gqa_target
 from cpattn.models.family import ModelFamily
 from cpattn.models import qwen3
 from cpattn.models.checks import bad, check_at_most, check_fields
@@ -199,4 +200,5 @@ def init_params(cfg: Qwen3MoeConfig, *, seed: int = 0, std: float = 0.02,
 
 
 FAMILY = ModelFamily(name="qwen3_moe", config_class=Qwen3MoeConfig, attention="gqa", forward=forward,
-                     init_params=init_params, kv_layouts=qwen3.kv_layouts, capturable=True)
+                     init_params=init_params, kv_layouts=qwen3.kv_layouts, capturable=True,
+                     draft_target=gqa_target)

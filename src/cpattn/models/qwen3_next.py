@@ -70,6 +70,7 @@ import torch.nn.functional as F
 
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.common import Attention, lm_head, mlp_dense, rope_cos_sin, rope_inv_freq
+from cpattn.models.draft_target import DraftTarget, dense_target
 from cpattn.models.family import KVLayout, ModelFamily
 from cpattn.models.moe import moe_experts, softmax_route
 from cpattn.models.qwen3_next_config import CONFIG_RULES, LAYER_TYPES, MODEL_TYPES, Qwen3NextConfig
@@ -343,6 +344,18 @@ def init_params(cfg: Qwen3NextConfig, *, seed: int = 0, std: float = 0.02, dtype
     return p
 
 
+def draft_target(cfg: Qwen3NextConfig) -> DraftTarget:
+    """The target's own GQA shape; its ``mtp.*`` module runs as layer N with full attention and an MLP that
+    is MoE when the target has experts.
+
+    >>> draft_target(Qwen3NextConfig.tiny()).mtp_layer
+    {'layer_types': 'full_attention', 'mlp_layer_types': 'sparse'}
+    """
+    return dense_target(cfg, (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
+                        {"layer_types": "full_attention", "mlp_layer_types": "sparse" if cfg.num_experts else "dense"})
+
+
 FAMILY = ModelFamily(name="qwen3_next", config_class=Qwen3NextConfig, attention="gqa", forward=forward,
                      init_params=init_params, kv_layouts=kv_layouts, capturable=False, rename=param_name,
-                     load_dtype=load_dtype, cache="hybrid", recurrent_cache=recurrent_cache)
+                     load_dtype=load_dtype, cache="hybrid", recurrent_cache=recurrent_cache,
+                     draft_target=draft_target)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpattn.models.draft_target import target_of
+
 
 @dataclass(frozen=True)
 class DSparkConfig:
@@ -47,19 +49,17 @@ class DSparkConfig:
     @classmethod
     def for_target(cls, cfg: Any, *, block_size: int, mask_token_id: int, num_layers: int = 1,
                    markov_rank: int = 16, target_layer_ids: tuple[int, ...] | None = None) -> DSparkConfig:
-        """A head for a target: its sizes (:func:`target_sizes`; heads as
-        :func:`~cpattn.drafters.eagle3.attention_shape`); fused layers default to (0, n // 2 - 1, n - 2).
+        """A head for a target: its sizes (:func:`target_sizes`; heads as its family declares them,
+        :attr:`~cpattn.models.draft_target.DraftTarget.attention_shape`); fused layers default to (0, n // 2 - 1, n - 2).
 
         >>> from cpattn.models.deepseek_v4 import DeepseekV4Config
         >>> c = DSparkConfig.for_target(DeepseekV4Config.tiny(), block_size=4, mask_token_id=63)
         >>> c.target_layer_ids, c.target_hidden_size, c.feature_size, c.intermediate_size   # 2 streams of 32
         ((0, 1), 64, 128, 16)
         """
-        from cpattn.drafters.eagle3 import attention_shape
-
         n = cfg.num_hidden_layers
         ids = target_layer_ids or tuple(sorted({0, max(n // 2 - 1, 0), max(n - 2, 0)}))
-        heads, kv_heads, head_dim = attention_shape(cfg)
+        heads, kv_heads, head_dim = target_of(cfg).attention_shape
         return cls(hidden_size=cfg.hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
                    num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=cfg.vocab_size,
                    target_layer_ids=tuple(ids), block_size=block_size, mask_token_id=mask_token_id,
@@ -77,7 +77,9 @@ class DSparkConfig:
 
 def target_sizes(cfg: Any) -> dict:
     """The :class:`DSparkConfig` fields a head takes from its target's config besides its hidden size,
-    vocabulary and heads: the width of one fused layer's row, the draft MLP's size, RoPE, positions, eps.
+    vocabulary and heads, as the target's family declares them
+    (:class:`~cpattn.models.draft_target.DraftTarget`): the width of one fused layer's row, the draft MLP's
+    size, RoPE, positions, eps.
 
     A DeepSeek-V4 layer's row is its ``hc_mult`` streams flattened (``n_hc * H``); V4 has no dense MLP, so
     the draft layer takes the experts' size (``moe_intermediate_size``), and the sliding layers' RoPE
@@ -89,15 +91,9 @@ def target_sizes(cfg: Any) -> dict:
     >>> s["target_hidden_size"], s["intermediate_size"], s["rope"]["rope_theta"], s["max_position_embeddings"]
     (64, 16, 10000.0, 256)
     """
-    from cpattn.models.deepseek_v4 import DeepseekV4Config
-
-    if isinstance(cfg, DeepseekV4Config):
-        return {"target_hidden_size": cfg.hc_mult * cfg.hidden_size, "intermediate_size": cfg.moe_intermediate_size,
-                "rope": dict(cfg.rope_main), "max_position_embeddings": cfg.max_position_embeddings,
-                "rms_norm_eps": cfg.rms_norm_eps}
-    return {"target_hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-            "rope": dict(cfg.rope), "max_position_embeddings": cfg.max_position_embeddings,
-            "rms_norm_eps": cfg.rms_norm_eps}
+    t = target_of(cfg)
+    return {"target_hidden_size": t.row_width, "intermediate_size": t.intermediate_size, "rope": dict(t.rope),
+            "max_position_embeddings": t.max_position_embeddings, "rms_norm_eps": t.rms_norm_eps}
 
 
 def check_features(cfg: DSparkConfig, n: int) -> None:
