@@ -24,6 +24,7 @@ import urllib.request
 import pytest
 
 from cpattn.serve import cli as serve_cli
+from serve_helpers import ids as _ids  # noqa: F401 - test_serve imports it from here
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SRC = str(ROOT / "src")
@@ -145,11 +146,6 @@ def _metrics(base: str) -> dict[str, float]:
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in r.read().decode().splitlines()
                                          if ln and not ln.startswith("#"))}
-
-
-def _ids(choice) -> list[int]:
-    """A completion choice's token ids (the ``token_ids`` field cpattn adds)."""
-    return list(choice.model_extra["token_ids"])
 
 
 def ask_concurrently(client, name: str, jobs: dict, timeout: float) -> tuple[dict, list]:

@@ -1,4 +1,4 @@
-"""One-server P/D (``kv_both``) on real ranks: ``--pcp P --dcp D --distributed-executor-backend mp``.
+"""One-server P/D (``kv_both``) on real ranks: ``--pcp P --dcp D --distributed-executor-backend mp`` (or torchrun).
 
 - The protocol in process (the simulated mesh, the same code the gloo ranks run): rank 0's
   :class:`~cpattn.serve.engine_loop.EngineLoop` over a :class:`~cpattn.serve.pd_ranks.RankPD` with a
@@ -9,15 +9,18 @@
   greedy tokens equal one device's (streamed too), a seeded sampled request (with logprobs) equals the
   thread P/D engine's (``PDEngine``, the engine the ``uni`` server runs), a closed stream aborted with
   its blocks freed on both roles (``/metrics`` per role), loopback-only listeners, SIGTERM exits 0.
+- The same under torchrun (``external_launcher``, three workers): greedy tokens equal one device's.
+- Refusals before any rank starts: an in-process pool on rank processes, a torchrun world other than P + D.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 
 import pytest
+from serve_helpers import ids as _ids
+from serve_helpers import run_jobs
 from test_serve_flags import Served, _free_port, _greedy, _metrics, embedded, needs_serving  # noqa: F401
 
 P1 = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: two chunks of the 8-token budget
@@ -36,7 +39,6 @@ def _pd_loop(g, family, params, cfg, jobs):
     """Rank 0: an EngineLoop with a Mirror over RankPD serving ``jobs`` (prompt, max_tokens, abort after k
     tokens or None); the others follow. Returns rank 0's tokens per job (None: aborted) and its stats;
     the others their role's blocks in use."""
-    from cpattn.engine.llm import SamplingParams
     from cpattn.serve.engine_loop import EngineLoop
     from cpattn.serve.pd_ranks import RankPD
     from cpattn.serve.ranks import Mirror, follow
@@ -48,25 +50,9 @@ def _pd_loop(g, family, params, cfg, jobs):
         return engine.engine.stats.blocks_used
     loop = EngineLoop(engine, mirror=Mirror(g), idle_wait_s=0.05)
 
-    async def one(prompt, n, cut):
-        sub = loop.submit(prompt, SamplingParams(max_tokens=n), asyncio.get_running_loop())
-        rid = await asyncio.wrap_future(sub.request_id)
-        while not (out := await sub.outputs.get()).finished:
-            if cut is not None and len(out.token_ids) >= cut:
-                loop.abort(rid)
-                return None
-        return list(out.token_ids)
-
-    async def all_jobs():
-        first = asyncio.ensure_future(one(*jobs[0]))
-        await asyncio.sleep(0.2)
-        return [await first, *await asyncio.gather(*(one(*j) for j in jobs[1:]))]
-
     try:
-        got = asyncio.run(all_jobs())
-        time.sleep(0.3)
+        got = run_jobs(loop, jobs)
     finally:
-        loop.stop()
         engine.close()
     return got, loop.stats
 
@@ -124,10 +110,6 @@ def pd_server():
         yield srv
     finally:
         srv.stop()
-
-
-def _ids(choice) -> list[int]:
-    return list(choice.model_extra["token_ids"])
 
 
 def _thread_pd(embedded, prompt, params):
@@ -209,14 +191,59 @@ def test_pd_mp_server_listens_on_loopback_only_and_stops(pd_server):
     assert pd_server.stop() == 0, pd_server.proc.stderr.read()
 
 
-TORCHRUN = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+@pytest.mark.slow
+@needs_serving
+def test_pd_under_torchrun(embedded):
+    """``torchrun --nproc-per-node 3 -m cpattn serve --pcp 2 --dcp 1 --kv-transfer-config kv_both``: the ranks
+    torchrun started run the same RankPD as ``mp``'s; greedy tokens (the real ``openai`` client) equal one
+    device's, every listener is on loopback, and SIGTERM to torchrun ends every worker."""
+    import pathlib
+    import shutil
+
+    from cpattn.comm.listeners import listening, process_tree
+    from test_serve_ranks import _alive, _start_line
+
+    torchrun = shutil.which("torchrun") or str(pathlib.Path(sys.executable).with_name("torchrun"))
+    port, master = _free_port(), _free_port()
+    srv = Served([torchrun, "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(master),
+                  "-m", "cpattn", "serve", "--model-type", "qwen3", "--pcp", "2", "--dcp", "1",
+                  "--kv-transfer-config", KV, "--block-size", "4", "--max-num-batched-tokens", "8",
+                  "--max-num-seqs", "4", "--max-model-len", "256", "--port", str(port)], port)
+    tree = []
+    try:
+        line = _start_line(srv)
+        assert "P/D: prefill PCP 2 -> decode DCP 1 via blocks rank to rank" in line, line
+        assert "3 gloo ranks (external_launcher)" in line, line
+        client = srv.client()
+        r = client.completions.create(model=NAME, prompt=[P1, P2], max_tokens=6, temperature=0)
+        assert [_ids(c) for c in sorted(r.choices, key=lambda c: c.index)] == \
+            [_greedy(embedded, P1, 6), _greedy(embedded, P2, 6)]
+        chunks = [_ids(c.choices[0]) for c in client.completions.create(model=NAME, prompt=P2[::-1], max_tokens=5,
+                                                                         stream=True, temperature=0) if c.choices]
+        assert sum(chunks, []) == _greedy(embedded, P2[::-1], 5)
+        assert _metrics(srv.base)["cpattn_handed_off_requests_total"] == 3
+        tree = process_tree(srv.proc.pid)
+        mine = [x for x in listening(tree[1:]) if x.port != master]  # torchrun's rendezvous store is its own
+        assert any(x.port == port for x in mine) and all(x.loopback for x in mine), mine
+    finally:
+        tree = tree or process_tree(srv.proc.pid)
+        srv.stop()  # torchrun's own exit status after a signal is not 0 (it raises SignalException)
+        deadline = time.monotonic() + 60
+        while any(map(_alive, tree[1:])) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in tree[1:] if _alive(p)], "a torchrun worker outlived it"
+
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
 @pytest.mark.parametrize("env, argv, said", [
     ({}, ["--kv-pool", "memory", "--distributed-executor-backend", "mp"], ["argument --kv-pool", "drop --kv-pool"]),
-    (TORCHRUN, [], ["argument --distributed-executor-backend", "external_launcher with --kv-transfer-config",
-                    "use --distributed-executor-backend mp"]),
-], ids=["memory-pool", "torchrun"])
+    ({**TORCHRUN, "WORLD_SIZE": "3"}, ["--kv-pool", "memory"],
+     ["argument --kv-pool", "memory with --distributed-executor-backend external_launcher", "drop --kv-pool"]),
+    (TORCHRUN, [], ["argument --distributed-executor-backend", "WORLD_SIZE=2 with --pcp=2 --dcp=1 and kv_role kv_both",
+                    "torchrun --nproc-per-node 3, or --pcp + --dcp = 2"]),
+], ids=["memory-pool", "memory-pool-torchrun", "torchrun-world-size"])
 def test_pd_refusals_on_real_ranks(env, argv, said, capsys, monkeypatch):
     from test_serve_flags import _refusal
 

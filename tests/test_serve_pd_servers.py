@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from serve_helpers import ids as _ids
 from test_serve_flags import Served, _free_port, _greedy, _metrics, embedded, needs_serving  # noqa: F401
 from test_serve_ranks import _thread_mesh_tokens
 
@@ -30,10 +31,6 @@ def _role(role: str, pool: str, argv: list[str]) -> Served:
     return Served([sys.executable, "-m", "cpattn", "serve", "--model-type", "qwen3", "--block-size", "4",
                    "--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--max-model-len", "256",
                    "--kv-transfer-config", kv, "--kv-pool", pool, *argv, "--port", str(port)], port)
-
-
-def _ids(choice) -> list[int]:
-    return list(choice.model_extra["token_ids"])
 
 
 @pytest.mark.slow

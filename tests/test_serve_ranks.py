@@ -13,14 +13,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pathlib
 import sys
 import time
 
 import pytest
-from test_serve_flags import (Served, _free_port, _greedy, _ids, _metrics, ask_concurrently, embedded,  # noqa: F401
+from serve_helpers import ids as _ids
+from serve_helpers import run_jobs
+from test_serve_flags import (Served, _free_port, _greedy, _metrics, ask_concurrently, embedded,  # noqa: F401
                               needs_serving, sigterm_mid_stream)
 
 P1 = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: two chunks of the 8-token budget
@@ -32,7 +33,7 @@ def _mirrored(g, family, params, cfg, jobs):
     """Rank 0: an EngineLoop with a Mirror serving ``jobs`` (prompt, max_tokens, abort after k tokens or
     None); rank 1: follow. Returns rank 0's final tokens per job (None: aborted) and each rank's steps."""
     from cpattn.config import SchedulerConfig
-    from cpattn.engine.llm import LLMEngine, SamplingParams
+    from cpattn.engine.llm import LLMEngine
     from cpattn.serve.engine_loop import EngineLoop
     from cpattn.serve.ranks import Mirror, follow
 
@@ -43,25 +44,7 @@ def _mirrored(g, family, params, cfg, jobs):
     mirror = Mirror(g)
     loop = EngineLoop(engine, mirror=mirror, idle_wait_s=0.05)
 
-    async def one(prompt, n, cut):
-        sub = loop.submit(prompt, SamplingParams(max_tokens=n), asyncio.get_running_loop())
-        rid = await asyncio.wrap_future(sub.request_id)
-        while not (out := await sub.outputs.get()).finished:
-            if cut is not None and len(out.token_ids) >= cut:
-                loop.abort(rid)
-                return None
-        return list(out.token_ids)
-
-    async def all_jobs():
-        first = asyncio.ensure_future(one(*jobs[0]))
-        await asyncio.sleep(0.2)  # the others arrive while the first runs
-        return [await first, *await asyncio.gather(*(one(*j) for j in jobs[1:]))]
-
-    try:
-        got = asyncio.run(all_jobs())
-        time.sleep(0.3)  # idle turns (heartbeats) reach the follower
-    finally:
-        loop.stop()
+    got = run_jobs(loop, jobs)
     return got, engine.stats.steps, engine.stats.blocks_used, mirror.turns
 
 

@@ -8,9 +8,10 @@ engine); captured decode steps with ``--compilation-config '{"cudagraph_mode": "
 n-gram speculative decoding with ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'``
 (or ``"mtp"``: the ``--model`` checkpoint's own MTP module);
 elastic CP with ``--pcp-policy elastic`` (only chunks of at least ``--pcp-min-tokens`` run PCP); P/D in
-this one process with ``--kv-transfer-config '{"kv_connector": "CpattnPoolConnector", "kv_role":
-"kv_both"}'``: a prefill role on ``--pcp`` ranks hands each request's KV through ``--kv-pool`` to a decode
-role on ``--dcp`` ranks (:class:`cpattn.engine.pd_engine.PDEngine`).
+this one server with ``--kv-transfer-config '{"kv_connector": "CpattnPoolConnector", "kv_role":
+"kv_both"}'``: a prefill role on ``--pcp`` ranks hands each request's KV to a decode role on ``--dcp``
+ranks, in this process through ``--kv-pool`` (:class:`cpattn.engine.pd_engine.PDEngine`) or on
+``--pcp + --dcp`` gloo ranks (``mp`` or torchrun; :class:`cpattn.serve.pd_ranks.RankPD`).
 Listens on 127.0.0.1:8000 unless ``--host`` / ``--port`` say otherwise; Ctrl-C or SIGTERM stops it
 (exit 0). Prompts are token ids, or text when ``--model DIR`` has a ``tokenizer.json``; see
 docs/serve.md for the endpoints and what is not done yet.
@@ -85,10 +86,12 @@ def parser():
                    help="--pcp-policy elastic: the shortest chunk that runs PCP (default: the planner's break-even "
                         "on this machine)")
     p.add_argument("--kv-transfer-config", type=flags.kv_transfer_config, default=None, metavar="JSON",
-                   help='P/D in this one process, vLLM\'s shape: \'{"kv_connector": "CpattnPoolConnector", '
+                   help='P/D in this one server, vLLM\'s shape: \'{"kv_connector": "CpattnPoolConnector", '
                         '"kv_role": "kv_both"}\' -- a prefill role on --pcp P ranks (PCP) hands each request\'s KV '
-                        'through --kv-pool to a decode role on --dcp D ranks (DCP); e.g. --pcp 2 --dcp 2 '
-                        '(default: one engine, no P/D)')
+                        'to a decode role on --dcp D ranks (DCP); e.g. --pcp 2 --dcp 2. uni: both roles in this '
+                        'process, the KV through --kv-pool (default memory); mp / external_launcher: P + D gloo '
+                        'rank processes (prefill ranks 0..P-1, decode P..), the KV rank to rank or through an '
+                        'lmdb / mooncake --kv-pool (default: one engine, no P/D)')
     p.add_argument("--kv-pool", type=flags.kv_pool, default=None, metavar="SPEC",
                    help="with --kv-transfer-config: the connector's store, memory (in-process), lmdb:DIR or "
                         "mooncake:HOST:PORT (default: memory)")
@@ -149,23 +152,27 @@ def check_backend(a) -> str:
     and checked against the layout, or a one-line usage error (exit 2)."""
     role = (a.kv_transfer_config or {}).get("kv_role")
     backend = a.distributed_executor_backend or ("external_launcher" if under_torchrun() else "uni")
-    flag, dcp = "--distributed-executor-backend", a.decode_context_parallel_size
-    if backend == "external_launcher" and role == "kv_both":
-        cli.bad_value(PROG, flag, "external_launcher with --kv-transfer-config kv_role kv_both",
-                      "one-server P/D runs on the ranks this command starts, not torchrun's",
-                      "use --distributed-executor-backend mp (--pcp + --dcp ranks)")
-    if backend == "mp" and role == "kv_both" and a.kv_pool == "memory":
-        cli.bad_value(PROG, "--kv-pool", "memory with --distributed-executor-backend mp",
+    from cpattn.serve.launch import world_size
+
+    flag, dcp, n = "--distributed-executor-backend", a.decode_context_parallel_size, world_size(a)
+    if backend in ("mp", "external_launcher") and role == "kv_both" and a.kv_pool == "memory":
+        cli.bad_value(PROG, "--kv-pool", f"memory with --distributed-executor-backend {backend}",
                       "an in-process pool is not shared by rank processes",
                       "drop --kv-pool (the blocks go rank to rank), or pass lmdb:DIR or mooncake:HOST:PORT")
     if backend == "external_launcher":
         if not under_torchrun():
             cli.bad_value(PROG, flag, "external_launcher outside torchrun", "external_launcher ranks are started "
-                          f"by torchrun", f"torchrun --nproc-per-node {dcp} -m cpattn serve ..., or use mp")
-        if int(os.environ["WORLD_SIZE"]) != dcp:
-            cli.bad_value(PROG, flag, f"torchrun's WORLD_SIZE={os.environ['WORLD_SIZE']} with --dcp={dcp}",
+                          f"by torchrun", f"torchrun --nproc-per-node {n} -m cpattn serve ..., or use mp")
+        world = os.environ["WORLD_SIZE"]
+        if int(world) != n and role == "kv_both":
+            pcp = a.prefill_context_parallel_size
+            cli.bad_value(PROG, flag, f"torchrun's WORLD_SIZE={world} with --pcp={pcp} --dcp={dcp} and kv_role "
+                          "kv_both", "one-server P/D spans the world: --pcp prefill ranks, then --dcp decode ranks",
+                          f"torchrun --nproc-per-node {n}, or --pcp + --dcp = {world}")
+        if int(world) != n:
+            cli.bad_value(PROG, flag, f"torchrun's WORLD_SIZE={world} with --dcp={dcp}",
                           "the engine spans the world: one rank per DCP rank",
-                          f"torchrun --nproc-per-node {dcp}, or --dcp {os.environ['WORLD_SIZE']}")
+                          f"torchrun --nproc-per-node {dcp}, or --dcp {world}")
     elif backend == "mp" and under_torchrun():
         cli.bad_value(PROG, flag, "mp under torchrun", "torchrun started the ranks already",
                       "drop the flag (external_launcher is the default under torchrun)")
