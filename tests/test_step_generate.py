@@ -1,4 +1,5 @@
-"""``step_generate`` (the fixed batch as a step-loop schedule) against the fixed-batch driver it is to replace.
+"""``step_generate`` (the fixed batch as a step-loop schedule, what ``cpattn.engine.generate`` now runs where it
+can) against the fixed-batch composition it replaces (``cpattn.engine.composed``).
 
 Float64 tiny models: the tokens must be equal, the logits and prompt logits close to ~1e-9 (the two
 compositions sum attention partials in other orders), for the layouts both run: one device, DCP, PCP + DCP
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from cpattn.engine.drafters import NgramDrafter
+from cpattn.engine.batch import Prompts
+from cpattn.engine.composed import composed
 from cpattn.engine.driver import engine_configs, generate
 from cpattn.engine.family import get_family
 from cpattn.engine.step_generate import step_generate
@@ -45,8 +48,10 @@ def test_the_step_loop_gives_the_drivers_generation(family, layout):
     cfg, params = model(family)
     prompts = batch(cfg.vocab_size)
     pre, dec = engine_configs(family, cfg, block_size=4, **layout)
-    want = generate(family, params, cfg, prompts, 5, prefill=pre, decode=dec)
+    want = composed(get_family(family), params, cfg, Prompts.of(prompts), 5, prefill=pre, decode=dec)
     got = step_generate(family, params, cfg, prompts, 5, prefill=pre, decode=dec)
+    routed = generate(family, params, cfg, prompts, 5, prefill=pre, decode=dec)  # the public entry: the step loop
+    assert torch.equal(routed.tokens, got.tokens) and torch.equal(routed.logits, got.logits)
     assert torch.equal(got.tokens, want.tokens)
     assert got.logits.shape == want.logits.shape and torch.allclose(got.logits, want.logits, **TOL)
     assert torch.allclose(got.prompt_logits, want.prompt_logits, **TOL)
@@ -58,11 +63,13 @@ def test_drafts_in_the_step_loop_are_the_drivers_tokens():
     cfg, params = model("qwen3")
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], batch(cfg.vocab_size)[0]]
     pre, dec = engine_configs("qwen3", cfg, dcp_size=2, block_size=4, num_speculative_tokens=2)
-    want = generate("qwen3", params, cfg, prompts, 7, prefill=pre, decode=dec, drafter=NgramDrafter())
+    want = composed(get_family("qwen3"), params, cfg, Prompts.of(prompts), 7, prefill=pre, decode=dec,
+                    drafter=NgramDrafter())
     got = step_generate("qwen3", params, cfg, prompts, 7, prefill=pre, decode=dec, drafter=NgramDrafter())
     assert torch.equal(got.tokens, want.tokens)
     assert torch.allclose(got.logits, want.logits, **TOL)
-    assert got.stats.drafted > 0 and got.stats.accepted == want.stats.accepted, (got.stats, want.stats)
+    for f in ("steps", "rows", "drafted", "accepted", "emitted", "accepted_hist"):  # k drafts verified per row
+        assert getattr(got.stats, f) == getattr(want.stats, f), f
 
 
 def test_layouts_one_engine_cannot_run_are_refused():
@@ -70,3 +77,21 @@ def test_layouts_one_engine_cannot_run_are_refused():
     pre, dec = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=4)
     with pytest.raises(ValueError, match="pcp_size=2 with dcp_size=4"):
         step_generate("qwen3", params, cfg, [[1, 2]], 2, prefill=pre, decode=dec)
+
+
+@pytest.mark.parametrize("family, layout, drafter, why", [
+    ("deepseek_v4", dict(dcp_size=2), None, "keeps its own cache"),
+    ("qwen3_next", dict(dcp_size=2), None, "keeps its own cache"),
+    ("qwen3", dict(pcp_size=2, dcp_size=4), None, "one engine runs PCP over its DCP group"),
+    ("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4, num_speculative_tokens=2), NgramDrafter(),
+     "P/D with a drafter"),
+    ("qwen3", dict(pcp_size=3, dcp_size=2, pd=True, interleave_size=4), None, "engine is refused"),  # 4 heads % 3
+])
+def test_generate_keeps_the_composition_for_what_the_step_loop_cannot_run(family, layout, drafter, why):
+    from cpattn.engine.driver import step_loop_runs
+    from cpattn.engine.step_generate import refusal
+
+    cfg, _ = model(family)
+    pre, dec = engine_configs(family, cfg, block_size=4, **layout)
+    assert why in refusal(get_family(family), cfg, pre, dec, drafter)
+    assert not step_loop_runs(get_family(family), cfg, pre, dec, drafter)

@@ -18,9 +18,11 @@ Topologies:
   ``world.recv``), on torch.distributed or a simulated mesh alike; with a
   KV pool the prefill ranks start from its whole blocks and only the blocks
   past them cross the P/D link (each decode rank loads its own from the pool);
-- **simulated** (:func:`generate`): a mesh of P simulated ranks prefills, the
-  KV travels in memory (rows, or whole blocks for a P/D consumer), a mesh of
-  N simulated ranks decodes; any P and N.
+- **simulated** (:func:`generate`): the step loop where it can run the layout
+  (:mod:`cpattn.engine.step_generate`: every prompt submitted at step 0 and
+  drained, one engine or a P/D pair); else (:mod:`cpattn.engine.composed`) a
+  mesh of P simulated ranks prefills, the KV travels in memory (rows, or whole
+  blocks for a P/D consumer), a mesh of N simulated ranks decodes; any P and N.
 
 Every rank returns the same :class:`~cpattn.engine.result.Generation`
 (tokens, the logits they came from, prompt logits, speculative counts) with
@@ -316,27 +318,22 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
     return Generation(tokens, logits, plogits, dec_stats or SpecStats(), run)
 
 
-def _simulated_pd(family, params, cfg, p: Prompts, max_new_tokens, prefill, decode, algorithms, drafter,
-                  prompt_logits) -> Generation:
-    """P/D on a simulated world of P + N ranks, the per-rank code of a torch.distributed run; decode rank 0's
-    Generation with prefill rank 0's prompt logits and prefill time. The prefill ranks wait for the decode
-    in the final all-reduce, so a rank may wait longer than the default 120 s on a slow decode."""
-    pcp_size = prefill.parallel.pcp_size
-    gens = simulate(pcp_size + decode.parallel.dcp_size, _disaggregated, family, params, cfg, p, max_new_tokens,
-                    prefill, decode, algorithms, drafter, None, prompt_logits, timeout_s=1800.0)
-    first, dec = gens[0], gens[pcp_size]
-    for r, g in enumerate(gens[pcp_size + 1:], 1):
-        if g.stats.draft_digest != dec.stats.draft_digest:
-            raise RuntimeError(f"DCP rank {r} drafted differently from rank 0; the replicated drafters diverged")
-    facts = dataclasses.replace(dec.facts, prefill_s=first.facts.prefill_s,
-                                bytes_sent={**first.facts.bytes_sent, **dec.facts.bytes_sent})
-    return Generation(dec.tokens, dec.logits, first.prompt_logits, dec.stats, facts)
+def step_loop_runs(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> bool:
+    """Whether :func:`generate`'s run goes through the step loop (:func:`cpattn.engine.step_generate.refusal`
+    names what it cannot run yet; those runs keep the fixed-batch composition below)."""
+    from cpattn.engine.step_generate import refusal  # here: it imports the step loop, which imports this module
+
+    return refusal(family, cfg, prefill, decode, drafter) is None
 
 
 def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
              prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(), drafter=None,
              prompt_logits: bool = True) -> Generation:
     """A run on simulated meshes: P ranks prefill, the KV travels in memory, N ranks decode (any P, N).
+
+    Runs through the step loop (:func:`cpattn.engine.step_generate.step_generate`: every prompt submitted at
+    step 0, drained) where it can (:func:`step_loop_runs`), else through
+    :func:`cpattn.engine.composed.composed` (what follows describes that composition).
 
     The KV moves as request-order rows, each decode rank keeping its own
     tokens. When the decode engine is a P/D consumer, the run is the
@@ -348,34 +345,12 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
     pcp_size, dcp_size = prefill.parallel.pcp_size, decode.parallel.dcp_size
     family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, pcp_size + dcp_size,
                          "simulated")
-    steps = max_new_tokens - 1
-    if decode.kv_transfer.kv_role == "kv_consumer":
-        return _simulated_pd(family, params, cfg, p, max_new_tokens, prefill, decode, algorithms, drafter,
-                             prompt_logits)
+    if step_loop_runs(family, cfg, prefill, decode, drafter):
+        from cpattn.engine.step_generate import step_generate  # here: it imports the step loop, which imports this
 
-    backend = family.backend
+        return step_generate(family, params, cfg, p.lists(), max_new_tokens, prefill=prefill, decode=decode,
+                             drafter=drafter, prompt_logits=prompt_logits)
+    from cpattn.engine.composed import composed
 
-    def prefill_rank(g):
-        out = prefill_fn(g, family, params, cfg, p, algorithms, prompt_logits, None, hidden_layers(drafter))
-        return out, backend.collect(g, out), g.stats.total_sent()  # the hand-off payload, the same on every rank
-
-    t0 = time.perf_counter()
-    out, collected, sent = simulate(pcp_size, prefill_rank)[0]
-    prefill_s = time.perf_counter() - t0
-
-    def decode_rank(g):
-        shard = new_shard(family, cfg, params, p, steps, decode, drafter, g)
-        backend.place(shard, collected, g)
-        dec = run_decode(g, family, params, cfg, shard, p, out.first_logits.argmax(-1), steps, decode, algorithms,
-                         drafter, None, prompt_hidden=drafter_hidden(out, p))
-        run = RunFacts(prefill_s=prefill_s, step_s=tuple(dec.step_s), bytes_sent={"prefill": sent,
-                       "decode": g.stats.total_sent()}, kv_bytes=shard.kv_bytes(), runner=dec.runner)
-        return _generation(out.first_logits, dec, out.prompt_logits, run)
-
-    gens = simulate(dcp_size, decode_rank)
-    for r, g in enumerate(gens[1:], 1):
-        if not torch.equal(g.tokens, gens[0].tokens):
-            raise RuntimeError(f"DCP rank {r} generated different tokens than rank 0; the ranks diverged")
-        if g.stats.draft_digest != gens[0].stats.draft_digest:
-            raise RuntimeError(f"DCP rank {r} drafted differently from rank 0; the replicated drafters diverged")
-    return gens[0]
+    return composed(family, params, cfg, p, max_new_tokens, prefill=prefill, decode=decode, algorithms=algorithms,
+                    drafter=drafter, prompt_logits=prompt_logits)

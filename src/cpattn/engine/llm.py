@@ -191,11 +191,11 @@ class LLMEngine:
                                    num_speculative_tokens=k, tier2=self.connector)
         self._hidden: dict[Hashable, tuple[int, dict]] = {}  # target hidden rows not yet given to the drafter
         self.max_model_len = sched.max_model_len or nb * block * n
-        self.proposer = Proposer(drafter, k, max_num_seqs=sched.max_num_seqs, max_len=self.max_model_len + k + 1) \
-            if drafter is not None else None
         self._mesh = None if world is not None else SimMesh(n)
         groups = [world] if world is not None else self._mesh.groups()
         capture = pick_backend(config, family, groups[0]) if config.compilation.captures else None
+        self.proposer = Proposer(drafter, k, max_num_seqs=sched.max_num_seqs, max_len=self.max_model_len + k + 1,
+                                 graph=capture) if drafter is not None else None  # graph mode: draft steps captured
         sizes = config.compilation.capture_sizes
 
         make = V4StepRunner if v4 else HybridStepRunner if hybrid else StepRunner  # V4 / hybrid: own runners

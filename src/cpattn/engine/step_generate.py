@@ -13,7 +13,10 @@ run) and returns its :class:`~cpattn.engine.result.Generation`, built from the s
 The scheduler is set so the batch is the driver's: every prompt admitted and prefilled in step 0 (budget
 = all prompt tokens, ``max_num_seqs = B``), prefix caching off (each prompt computed whole, so its prompt
 logits are every position's). Greedy, so the tokens are the driver's, one-device's; logits agree to the
-last bits (float64 runs: ~1e-12).
+last bits (float64 runs: ~1e-12). With k drafts the requests ask for k tokens more and are stopped (aborted,
+outputs cut) once they have N: so every decode step verifies k drafts per row, as the driver does (the
+scheduler would cut a request's last drafts at its ``max_tokens``), and the counters match the driver's;
+the drafter then also proposes once after a request's last step (drafts never verified).
 
 What the step loop cannot give the same way (:class:`~cpattn.engine.result.RunFacts`): ``handoff`` is
 empty in one engine (a PCP chunk's rows go to their DCP owners inside the step), ``prefill_s`` / ``ttft_s``
@@ -60,11 +63,53 @@ def fixed_batch_scheduler(prompt_lens, max_new_tokens: int, k: int = 0) -> Sched
     """
     b = len(prompt_lens)
     return SchedulerConfig(max_num_batched_tokens=max(sum(prompt_lens), b * (1 + k)), max_num_seqs=b,
-                           enable_prefix_caching=False, max_model_len=max(prompt_lens) + max_new_tokens + k)
+                           enable_prefix_caching=False, max_model_len=max(prompt_lens) + max_new_tokens + 2 * k + 1)
 
 
 def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
     return sched.max_num_seqs * -(-sched.max_model_len // (block_size * ranks)) + 1
+
+
+def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
+    """Why the step loop cannot run this driver-style layout (None: it can): a family whose runner keeps
+    no prompt rows (deepseek_v4, hybrid), PCP over other ranks than the DCP group's, P/D with a drafter, or
+    an engine the layout rules refuse (a P/D producer of P ranks is an engine of DCP P: heads % P).
+
+    >>> from cpattn.engine.driver import engine_configs
+    >>> from cpattn.models import qwen3
+    >>> cfg = qwen3.Qwen3Config.tiny()
+    >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=2, dcp_size=2)) is None
+    True
+    >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=2, dcp_size=4))
+    'pcp_size=2 with dcp_size=4: one engine runs PCP over its DCP group'
+    """
+    p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
+    pd = decode.kv_transfer.kv_role == "kv_consumer"
+    if not (family.backend.per_token_kv and family.cache == "paged"):
+        return f"{family.name} keeps its own cache (ModelFamily.cache={family.cache!r}): no prompt rows in the step loop"
+    if pd and drafter is not None:
+        return "P/D with a drafter: PDEngine has no speculative decoding"
+    if not pd and p not in (1, n):
+        return f"pcp_size={p} with dcp_size={n}: one engine runs PCP over its DCP group"
+    k = decode.speculative.num_speculative_tokens if drafter is not None else 0
+    bs = decode.cache.block_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GuideCompatWarning)
+        return _refused_configs(family, cfg, p, n, pd, k, bs, decode, drafter)
+
+
+def _refused_configs(family, cfg, p, n, pd, k, bs, decode, drafter) -> str | None:
+    from cpattn.config import ConfigError
+    from cpattn.engine.driver import engine_configs
+
+    try:
+        for size, pcp in ((p, p), (n, 1)) if pd else ((n, p),):
+            engine_configs(family, cfg, dcp_size=size, pcp_size=pcp, one_engine=pcp > 1, block_size=bs,
+                           interleave_size=bs if pd else decode.cache.cp_kv_cache_interleave_size,
+                           num_speculative_tokens=k, speculative_method=getattr(drafter, "method", None))
+    except (ConfigError, ValueError) as e:
+        return f"the step loop's engine is refused: {str(e).splitlines()[0]}"
+    return None
 
 
 def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_new_tokens: int, *,
@@ -97,20 +142,29 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
                          return_logits=True, return_prompt_logits=prompt_logits and paged)
 
 
-def run_batch(engine, prompts, max_new_tokens: int) -> tuple[list, RunFacts, SpecStats]:
-    """Submit every prompt at step 0, step until all finish: (final outputs in prompt order, RunFacts, SpecStats)."""
-    params = SamplingParams(max_tokens=max_new_tokens)
+def run_batch(engine, prompts, max_new_tokens: int, k: int = 0) -> tuple[list, RunFacts, SpecStats]:
+    """Submit every prompt at step 0, step until each has ``max_new_tokens``: (final outputs in prompt order,
+    RunFacts, SpecStats). With k drafts per step the requests ask for k more tokens and are stopped (aborted)
+    once they have ``max_new_tokens``, their outputs cut there: so every decode step verifies k drafts per
+    row, as the driver's decode does (a request's own ``max_tokens`` would cut its last drafts short)."""
+    params = SamplingParams(max_tokens=max_new_tokens + k)
     ids = [engine.add_request(list(p), params) for p in prompts]
-    final, times, sent, rows, steps, ran = {}, [], [], 0, 0, None
     main = getattr(engine, "decode", engine)  # PDEngine: the consumer's counters
+    latest, times, sent, ran = {}, [], [], None
+    spec = dict(steps=0, rows=0, drafted=0, accepted=0, hist=[0] * (k + 1), digest=0)
+    reqs = main.scheduler.requests
     while engine.has_unfinished():
+        before = {rid: len(r.output) for rid, r in reqs.items() if r.status == "running"}
         t0 = time.perf_counter()
-        final.update({o.request_id: o for o in engine.step() if o.finished})
+        for o in engine.step():
+            latest[o.request_id] = o
+            if not o.finished and len(o.token_ids) >= max_new_tokens:
+                engine.abort_request(o.request_id)
         times.append(time.perf_counter() - t0)
         sent.append(main.stats.bytes_sent)
         ran, prev = main.last_step, ran  # a PDEngine step may not step the consumer: then the same object
-        decodes = 0 if ran is None or ran is prev else sum(not p for p in ran[0].is_prefill)
-        rows, steps = rows + decodes, steps + (decodes > 0)
+        if ran is not None and ran is not prev:
+            _count(spec, ran[0], before, reqs)
     s = main.stats
     runner = main.runners[0]
     graph = getattr(runner, "graph", None)
@@ -119,10 +173,38 @@ def run_batch(engine, prompts, max_new_tokens: int) -> tuple[list, RunFacts, Spe
                      bytes_sent={"prefill": sent[0] if sent else 0, "decode": (sent[-1] - sent[0]) if sent else 0},
                      kv_bytes=shard.kv_bytes() if hasattr(shard, "kv_bytes") else 0,
                      runner=None if graph is None else graph.stats.as_dict())
-    outs = [final[i] for i in ids]
-    stats = SpecStats(steps=steps, rows=rows, drafted=s.drafted_tokens, accepted=s.accepted_tokens,
-                      emitted=rows + s.accepted_tokens, graph_steps=s.replayed_steps)
+    outs = [_cut(latest[i], max_new_tokens) for i in ids]
+    stats = SpecStats(steps=spec["steps"], rows=spec["rows"], drafted=spec["drafted"], accepted=spec["accepted"],
+                      emitted=spec["rows"] + spec["accepted"], graph_steps=s.replayed_steps,
+                      accepted_hist=spec["hist"], draft_digest=spec["digest"])
     return outs, facts, stats
+
+
+def _count(spec: dict, out, before: dict, reqs) -> None:
+    """Add one step's decode rows to ``spec``: drafts verified, accepted (tokens gained - 1), the histogram."""
+    drafts, n = [], 0
+    for b, rid in enumerate(out.req_ids):
+        if out.is_prefill[b] or rid not in before:
+            continue
+        d, gained = len(out.draft_tokens[b]), len(reqs[rid].output) - before[rid]
+        a = max(0, gained - 1)
+        n += 1
+        spec["drafted"] += d
+        spec["accepted"] += a
+        spec["hist"][min(a, len(spec["hist"]) - 1)] += 1
+        drafts.extend(out.draft_tokens[b])
+    if n:
+        spec["steps"] += 1
+        spec["rows"] += n
+        spec["digest"] = hash((spec["digest"], tuple(drafts)))
+
+
+def _cut(o, n: int):
+    """A request's output with its first ``n`` tokens (and their logits rows)."""
+    if len(o.token_ids) == n:
+        return o
+    return dataclasses.replace(o, token_ids=o.token_ids[:n], logits=None if o.logits is None else o.logits[:n],
+                               finished=True, finish_reason="length")
 
 
 def generation(outs, facts: RunFacts, stats: SpecStats) -> Generation:
@@ -147,7 +229,8 @@ def step_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max
     engine = build_engine(family, params, cfg, lens, max_new_tokens, prefill=prefill, decode=decode, drafter=drafter,
                           prompt_logits=prompt_logits, world=world)
     try:
-        outs, facts, stats = run_batch(engine, prompts, max_new_tokens)
+        k = decode.speculative.num_speculative_tokens if drafter is not None else 0
+        outs, facts, stats = run_batch(engine, prompts, max_new_tokens, k)
     finally:
         engine.close()
     return generation(outs, facts, stats)
