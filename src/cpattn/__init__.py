@@ -47,17 +47,6 @@ __all__ = [
     "DecodeRunner", "Field", "capture_sizes", "check_static",
 ]
 
+from cpattn._lazy import lazy_exports  # noqa: E402
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cpattn' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
