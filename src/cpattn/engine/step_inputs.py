@@ -8,7 +8,8 @@ id appended to a row every ``block_size * dcp_size`` tokens. :class:`BlockTableR
 ``[rows, width]`` int64 table and, per row, the block ids it holds (the tuple it was given); a step writes
 only the rows whose tables changed -- an unchanged row (the same tuple object, as
 :meth:`cpattn.engine.blocks.BlockManager.table_ids` hands out, or an equal one) costs one comparison, a
-grown row its new columns, any other row is rewritten -- in one indexed write for the whole step.
+grown row its new columns, any other row is rewritten -- in one indexed write for the whole step; the
+very tuple of tables of the last call (a steady decode step hands on the previous one) costs nothing.
 (vLLM's persistent input batch keeps its block tables the same way; the code is ours.)
 
 Example
@@ -56,23 +57,29 @@ class BlockTableRows:
         self.table = torch.full((max(rows, 1), width), pad, dtype=torch.int64)
         self._held: list[tuple] = [()] * self.table.shape[0]
         self.writes = 0
+        self._last: tuple = ((), None)  # (tables, the view returned for them) of the last update
 
     def update(self, tables: Sequence[Sequence[int]], req_ids: Sequence[Hashable] = ()) -> torch.Tensor:
         """Rows ``0 .. B-1`` hold ``tables[b]`` (block ids, padded); returns ``table[:B]`` [B, width].
 
         req_ids: named in the error for a table wider than ``width``.
         """
+        last, view = self._last
+        if tables is last and view is not None:  # the same tuple of tables again (a steady decode step)
+            return view
         n_rows, width = len(tables), self.width
         if n_rows > self.table.shape[0]:  # grow (doubling), the rows held so far kept
             grown = torch.full((max(n_rows, 2 * self.table.shape[0]), width), self.pad, dtype=torch.int64)
             grown[: self.table.shape[0]] = self.table
             self._held += [()] * (grown.shape[0] - self.table.shape[0])
             self.table = grown
-        held, flat, vals = self._held, [], []
+        held, flat, vals, frozen = self._held, [], [], type(tables) is tuple
         for b, ids in enumerate(tables):
             old = held[b]
             if ids is old:
                 continue
+            if type(ids) is not tuple:  # a list may change in place: no shortcut for these tables next time
+                frozen = False
             ids = tuple(ids)
             n, n_old = len(ids), len(old)
             if n == n_old and ids == old:
@@ -93,7 +100,9 @@ class BlockTableRows:
         if flat:
             self.table.view(-1)[torch.tensor(flat, dtype=torch.int64)] = torch.tensor(vals, dtype=torch.int64)
             self.writes += len(flat)
-        return self.table[:n_rows]
+        view = self.table[:n_rows]
+        self._last = (tables, view) if frozen else ((), None)
+        return view
 
 
 class LogitRows(Mapping):
