@@ -14,7 +14,8 @@ a rank that raises or dies ends every rank (spawn's watch) and the command
 says so in one line, exit 1.
 
 ``external_launcher`` (:func:`torchrun_rank`): every torchrun worker runs
-``cpattn serve``; the world comes from torchrun's environment
+``cpattn serve`` (``--dcp`` workers; one-server P/D: ``--pcp + --dcp``, the same
+:class:`~cpattn.serve.pd_ranks.RankPD` as ``mp``); the world comes from torchrun's environment
 (:func:`cpattn.comm.dist.init_from_env`, gloo). Rank 0 serves and takes
 torchrun's (or the terminal's) signals as the one-process server does; the
 other ranks ignore SIGINT / SIGTERM and stop when rank 0's last turn says so. With a loopback
