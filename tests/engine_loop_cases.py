@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine.llm import LLMEngine, SamplingParams
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_float64(family: str, seed: int):
+    """(config, params) of ``family``'s tiny config in float64 (one copy per (family, seed) for the session)."""
+    from cpattn.models.family import get_family
+
+    fam = get_family(family)
+    cfg = fam.config_class.tiny()
+    return cfg, fam.init_params(cfg, seed=seed, dtype=torch.float64)
 
 
 def run_schedule(engine: LLMEngine, schedule: list[dict]) -> tuple[dict, list]:

@@ -9,14 +9,12 @@ driver's rows (:func:`cpattn.engine.generate`) are the second comparison.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from engine_loop_cases import tiny_float64
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine.drafters import NgramDrafter
-from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.pd_engine import PDEngine
 from cpattn.engine.reference import reference_generate
@@ -27,11 +25,8 @@ N = 5
 TOL = dict(rtol=1e-9, atol=1e-9)
 
 
-@functools.lru_cache(maxsize=None)
 def model(family: str):
-    fam = get_family(family)
-    cfg = fam.config_class.tiny()
-    return cfg, fam.init_params(cfg, seed=1, dtype=torch.float64)
+    return tiny_float64(family, seed=1)
 
 
 def prompts(vocab: int, lens=(11, 3, 17), seed: int = 3) -> list[list[int]]:

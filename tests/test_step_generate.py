@@ -8,10 +8,9 @@ in one engine, P/D, and with n-gram drafts.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from engine_loop_cases import tiny_float64
 
 from cpattn.engine.drafters import NgramDrafter
 from cpattn.engine.batch import Prompts
@@ -25,11 +24,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 TOL = dict(rtol=1e-9, atol=1e-9)
 
 
-@functools.lru_cache(maxsize=None)
 def model(family: str):
-    fam = get_family(family)
-    cfg = fam.config_class.tiny()
-    return cfg, fam.init_params(cfg, seed=2, dtype=torch.float64)
+    return tiny_float64(family, seed=2)
 
 
 def batch(vocab: int) -> list[list[int]]:
