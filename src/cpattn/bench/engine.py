@@ -84,7 +84,8 @@ def _decode_rows(group, params, cfg, batch: int, steps: int, graph: str | None) 
     """Host fraction of ``steps`` uniform decode steps at ``batch`` requests (after their prefill)."""
     from cpattn.engine.llm import SamplingParams
 
-    eng = _engine(group, params, cfg, batch=batch, budget=64 * batch, graph=graph, num_blocks=batch * 8,
+    per_request = -(-(64 + steps + 8) // 16)  # 16-token blocks of a request at its longest (any --steps)
+    eng = _engine(group, params, cfg, batch=batch, budget=64 * batch, graph=graph, num_blocks=batch * per_request,
                   max_model_len=64 + steps + 8)  # block tables (and a captured step) as wide as the requests need
     for i in range(batch):
         eng.add_request([(7 * i + j) % cfg.vocab_size for j in range(64)], SamplingParams(max_tokens=steps + 3))
