@@ -360,7 +360,7 @@ class BlockManager:
 
 
 def __getattr__(name: str):
-    if name == "CachedPrefix":  # renamed (issue 28 point 5: "prefix" is a request's tokens already cached)
+    if name == "CachedPrefix":  # renamed: "prefix" is a request's tokens already cached, this is a lookup's answer
         import warnings
 
         warnings.warn("cpattn.engine.blocks.CachedPrefix is deprecated; use cpattn.engine.blocks.PrefixHit",
