@@ -22,7 +22,8 @@ What the step loop cannot give the same way (:class:`~cpattn.engine.result.RunFa
 empty in one engine (a PCP chunk's rows go to their DCP owners inside the step), ``prefill_s`` / ``ttft_s``
 are step 0's time, ``step_s`` the later steps', ``bytes_sent`` ``{"prefill": step 0, "decode": the rest}``
 (DCP rank 0); ``stats`` (:class:`~cpattn.engine.decode.SpecStats`) carries steps, drafted, accepted,
-graph_steps, emitted, rows (no ``accepted_hist`` or ``draft_digest``).
+graph_steps, emitted, rows and accepted_hist as the driver counts them; its ``draft_digest`` hashes the
+step loop's drafts, so it differs from the driver's.
 
 Example
 -------
