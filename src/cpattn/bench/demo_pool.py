@@ -61,16 +61,18 @@ def pool_rank(group: Group, spec: Spec, family, cfg, params, pre_cfg=None, dec_c
     earlier ones stored. Per request: TTFT (step 0, barrier to first token, the slowest rank's), blocks found
     (``hit_blocks``, ``blocks_loaded``: this rank's) / stored (all ranks'), bytes loaded by this rank
     (:attr:`~cpattn.engine.connector.PoolConnector.loaded_bytes`), tokens ``[1, POOL_NEW_TOKENS]`` (checked
-    against one device by the caller); and why the store was unavailable, if it said so (a
-    :class:`~cpattn.pool.PoolUnavailableWarning`). ``pre_cfg`` / ``dec_cfg``: unused (the fixed batch's)."""
+    against one device by the caller); and why the store was unavailable or cold, if it said so (a
+    :class:`~cpattn.pool.PoolUnavailableWarning` or :class:`~cpattn.pool.PoolDamagedWarning`).
+    ``pre_cfg`` / ``dec_cfg``: unused (the fixed batch's)."""
     from cpattn.engine.pooling import open_for_run, release
-    from cpattn.pool import PoolUnavailableWarning
+    from cpattn.pool import PoolDamagedWarning, PoolUnavailableWarning
 
     reqs = pool_requests(spec, cfg.vocab_size)
     label = PoolSpec(spec.kv_pool, model=spec.model_dir or f"{family.name}-tiny-seed{spec.seed}")
     out: dict[str, list[dict]] = {name: [] for name in reqs}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PoolUnavailableWarning)
+        warnings.simplefilter("always", PoolDamagedWarning)
         pool, opened = open_for_run(label, family, cfg, params, spec.block_size)
         try:
             order = [("warm-up", 0), ("warm-up", 1)] + [(name, r) for r in range(spec.pool_rounds)
@@ -80,7 +82,8 @@ def pool_rank(group: Group, spec: Spec, family, cfg, params, pre_cfg=None, dec_c
         finally:
             if opened:
                 release(pool)
-    reasons = [_reason(str(w.message)) for w in caught if issubclass(w.category, PoolUnavailableWarning)]
+    reasons = [_reason(str(w.message)) for w in caught
+               if issubclass(w.category, (PoolUnavailableWarning, PoolDamagedWarning))]
     return {"requests": out, "unavailable": reasons[0] if reasons else None}
 
 
@@ -115,10 +118,12 @@ def _request(group: Group, spec: Spec, family, cfg, params, prompt: list[int], p
 
 
 def _reason(message: str) -> str:
-    """The store's own reason inside a :class:`~cpattn.pool.PoolUnavailableWarning` message (else all of it).
+    """The store's own reason inside a pool warning's message (else all of it after ``cpattn KV pool:``).
 
     >>> _reason("cpattn KV pool: the store is unavailable (no master at h:1 (start one)); continuing without ...")
     'no master at h:1 (start one)'
+    >>> _reason("cpattn KV pool: /p/data.mdb is damaged (truncated); moved it to data.mdb.damaged and ...")
+    '/p/data.mdb is damaged (truncated); moved it to data.mdb.damaged and ...'
     """
     m = re.match(r".*?the store is unavailable \((.*)\); continuing", message, re.S)
-    return m.group(1) if m else message
+    return m.group(1) if m else message.removeprefix("cpattn KV pool: ")

@@ -113,7 +113,7 @@ def pool_lines(p: dict, spec: dict) -> list[str]:
     n, block, rounds = spec["prompt_len"], spec["block_size"], p["rounds"]
     head = f"KV pool {spec['kv_pool']}:"
     if p["status"] == "served nothing":
-        why = f"the store is unavailable ({p['unavailable']})" if p["unavailable"] else \
+        why = f"the store said why ({p['unavailable']})" if p["unavailable"] else \
             "every lookup missed (no reason given by the store)"
         return [f"{head} the pool served nothing: 0 of {p['shareable_blocks']} shareable blocks in each of {rounds} "
                 f"warm requests; {why}; no speed-up to report"]

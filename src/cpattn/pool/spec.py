@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 
 USAGE = "use lmdb:DIR or mooncake:HOST:PORT"
 
@@ -112,6 +113,11 @@ def check_pool_spec(spec: str) -> None:
 def lmdb_file_damage(directory: str) -> str | None:
     """Why ``directory/data.mdb`` must not be mapped (truncated, not LMDB), or None (absent or sound header).
 
+    Safe while other processes write the pool: the header is read *before* the file's size (LMDB writes a
+    commit's pages before its meta page and never shrinks the file, so a header read first never records
+    pages past a size taken after it), and a short file is read again a few times before it is called
+    truncated.
+
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as d:
     ...     lmdb_file_damage(d) is None                              # no file yet: fine
@@ -124,36 +130,47 @@ def lmdb_file_damage(directory: str) -> str | None:
     if struct.calcsize("P") != 8:  # the header layout below is the 64-bit one
         return None
     path = os.path.join(directory, _DATA)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:  # LMDB initialises an empty file as a new database
-                return None
-            metas = []
-            for page in (0, 1):
-                psize = 4096 if page == 0 else metas[0][0]
-                f.seek(page * psize)
-                raw = f.read(160)
-                if len(raw) < 160:
-                    return f"{size} bytes: truncated inside meta page {page}"
-                _, _, flags = _META.unpack_from(raw, 0)
-                magic, version = struct.unpack_from("<II", raw, 16)
-                if not flags & _P_META or magic != _MAGIC:
-                    return f"page {page} is not an LMDB meta page (magic {magic:#x}, flags {flags:#x})"
-                if version != 1:
-                    return f"LMDB format version {version}, this lmdb reads 1"
-                psize = struct.unpack_from("<I", raw, 40)[0]
-                if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
-                    return f"page size {psize} in meta page {page} is not a power of two in 512..65536"
-                last, txnid = struct.unpack_from("<QQ", raw, 136)
-                metas.append((psize, last, txnid))
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        return f"unreadable ({err.strerror or err})"
+    why = None
+    for attempt in range(3):
+        try:
+            why = _header_damage(path)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            return f"unreadable ({err.strerror or err})"
+        if why is None or not why.endswith(": truncated"):
+            return why
+        if attempt < 2:
+            time.sleep(0.05)  # a writer between our two reads: its next commit is on disk by now
+    return why
+
+
+def _header_damage(path: str) -> str | None:
+    """One look at ``path``'s two meta pages, then its size (see :func:`lmdb_file_damage`)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # LMDB initialises an empty file as a new database
+            return None
+        metas = []
+        for page in (0, 1):
+            psize = 4096 if page == 0 else metas[0][0]
+            f.seek(page * psize)
+            raw = f.read(160)
+            if len(raw) < 160:
+                return f"{os.fstat(f.fileno()).st_size} bytes: truncated inside meta page {page}"
+            _, _, flags = _META.unpack_from(raw, 0)
+            magic, version = struct.unpack_from("<II", raw, 16)
+            if not flags & _P_META or magic != _MAGIC:
+                return f"page {page} is not an LMDB meta page (magic {magic:#x}, flags {flags:#x})"
+            if version != 1:
+                return f"LMDB format version {version}, this lmdb reads 1"
+            psize = struct.unpack_from("<I", raw, 40)[0]
+            if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+                return f"page size {psize} in meta page {page} is not a power of two in 512..65536"
+            last, txnid = struct.unpack_from("<QQ", raw, 136)
+            metas.append((psize, last, txnid))
+        size = os.fstat(f.fileno()).st_size  # after the header: a commit landing meanwhile only grows it
     psize, last, _ = max(metas, key=lambda m: m[2])
     need = (last + 1) * psize
     if size < need:
         return f"{size} bytes, but its header records {last + 1} pages of {psize} bytes ({need} bytes): truncated"
     return None
-
