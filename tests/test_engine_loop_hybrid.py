@@ -179,6 +179,7 @@ def test_serve_builds_a_hybrid_engine_without_prefix_caching():
     assert out.finished and len(out.token_ids) > 0 and eng.stats.blocks_used == 0
 
 
+@pytest.mark.slow  # seeded sampling over every layout (~1.5 s): slow lane; the greedy layouts stay fast
 def test_seeded_sampling_is_the_same_whatever_the_layout_and_preemptions():
     """temperature > 0: a token is a pure function of the logits, the seed and its output index, so one device
     with room for everything, DCP 2 and PCP 2 + DCP 2 with a pool that preempts give the same tokens."""

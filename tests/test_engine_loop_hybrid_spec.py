@@ -72,6 +72,7 @@ def test_drafts_with_a_preemption():
     assert got == [greedy(tuple(p)) for p in reqs]
 
 
+@pytest.mark.slow  # seeded sampling (~2 s): slow lane; the greedy n-gram drafts above stay fast
 def test_seeded_sampling_with_drafts_is_the_same_as_without():
     """temperature > 0: the emitted tokens do not depend on the drafts (cpattn.engine.sampling's verify)."""
     reqs = prompts()
@@ -93,6 +94,7 @@ def test_captured_decode_with_drafts_replays():
     assert eng.stats.replayed_steps > 0 and eng.stats.accepted_tokens > 0, eng.stats
 
 
+@pytest.mark.slow  # ~1.5 s: slow lane; test_engine_loop's hidden-state drafters stay fast
 def test_a_drafter_reading_hidden_states_is_served():
     """A drafter declaring ``hidden_layers`` (was refused) gets the target's rows; MTP: tests/test_hybrid_mtp.py."""
     class Head(NgramDrafter):  # n-gram drafts, and the residual stream after layer 1 handed to each proposal
@@ -105,6 +107,7 @@ def test_a_drafter_reading_hidden_states_is_served():
     assert eng.stats.accepted_tokens > 0, eng.stats
 
 
+@pytest.mark.slow  # a draft model (~2 s): slow lane; the n-gram drafts above stay fast
 def test_draft_model_drafts_give_the_greedy_tokens():
     """A draft model (a tiny dense Qwen3 over the same vocabulary) is a token drafter too: lossless. A random
     draft model's drafts are (nearly) all rejected, so this covers its path and the rollback; the n-gram tests

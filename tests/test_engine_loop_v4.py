@@ -173,6 +173,7 @@ def test_refused_at_construction_and_add_request():
     assert not eng.has_unfinished()
 
 
+@pytest.mark.slow  # seeded sampling over every layout (~2 s): slow lane; the greedy layouts stay fast
 def test_seeded_sampling_is_the_same_whatever_the_layout_and_preemptions():
     """temperature > 0 (cpattn.engine.sampling: a token is a pure function of the logits, the seed and its
     output index): one device with room for everything, DCP 2 and PCP 2 + DCP 2 with a pool that preempts."""

@@ -265,6 +265,7 @@ def test_from_checkpoint_reads_the_composite_qwen3_5_form(tmp_path):
     assert all(torch.equal(back.params[n], d.params[n]) for n in d.params)
 
 
+@pytest.mark.slow  # ~1 s: slow lane; the lossless MTP cases above stay fast
 def test_step_loop_mtp_with_preemption():
     """A pool too small for every request: a preempted request recomputes and its hidden rows start over."""
     reqs = prompts()
@@ -273,6 +274,7 @@ def test_step_loop_mtp_with_preemption():
     assert eng.stats.preemptions > 0 and eng.stats.accepted_tokens > 0, eng.stats
 
 
+@pytest.mark.slow  # ~1 s: slow lane; the lossless MTP cases above stay fast
 def test_step_loop_mtp_with_seeded_sampling():
     """temperature > 0: the tokens do not depend on the drafts (as without a drafter)."""
     reqs = prompts()
