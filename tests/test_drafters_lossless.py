@@ -136,7 +136,10 @@ def test_graph_mode(method):
     check(out, ref, k)
     eager = speculative_generate(model, params, cfg, ps, NEW, drafter=head(method), num_speculative_tokens=k,
                                  dcp_size=2)
-    assert torch.equal(out.logits, eager.logits)
+    assert torch.equal(out.tokens, eager.tokens)
+    # a replay pads its batch to the captured size, and a float64 matmul over another row count may round the
+    # last bit differently on some CPUs (AVX-512 / AMX: up to 7.1e-15 here, bit-equal on others)
+    torch.testing.assert_close(out.logits, eager.logits, rtol=0, atol=1e-12)
     assert out.stats.graph_steps == out.stats.steps
     proposals = out.stats.steps + 1  # the step loop proposes after the prefill and after every decode step
     for state in rec.states:

@@ -45,7 +45,8 @@ _EXPORTS = {
     "DCPContext": "cpattn.dcp.context",
     **dict.fromkeys(("MERGES", "QUERIES", "collectives_per_call", "dcp_attend_heads", "dcp_decode",
                      "dcp_fold_weights", "dcp_merge", "dcp_partials"), "cpattn.dcp.decode"),
-    **dict.fromkeys(("LAYER_MERGES", "ENGINE_MERGES", "PROGRAM_MERGES", "layer_merge"), "cpattn.dcp.layer_merges"),
+    **dict.fromkeys(("LAYER_MERGES", "ENGINE_MERGES", "ENGINE_MERGE", "PROGRAM_MERGES", "layer_merge"),
+                    "cpattn.dcp.layer_merges"),
     **dict.fromkeys(("DCPMeta", "dcp_plan", "plan_tensors"), "cpattn.dcp.plan"),
 }
 __all__ = list(_EXPORTS)

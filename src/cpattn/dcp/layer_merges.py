@@ -27,6 +27,9 @@ name           ``(query, merge)``  wiring                                       
                                    the merged heads)
 =============  ==================  ==========================================================  ====
 
+``ENGINE_MERGES`` are the four the engine runs, ``ENGINE_MERGE`` (``local_ag``)
+the default of every engine door; ``PROGRAM_MERGES`` all five.
+
 ``"fold"`` is ``"local_fold"``'s old name (still accepted, with a
 DeprecationWarning, by :func:`layer_merge`).
 
@@ -34,8 +37,8 @@ Example
 -------
 >>> LAYER_MERGES["local_a2a"], COLLECTIVES["local_a2a"]
 (('local', 'a2a'), 2)
->>> layer_merge("ag_rs", ENGINE_MERGES)
-'ag_rs'
+>>> layer_merge("ag_rs", ENGINE_MERGES), ENGINE_MERGE, COLLECTIVES[ENGINE_MERGE]
+('ag_rs', 'local_ag', 1)
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ LAYER_MERGES = {"local_ag": ("local", "ag"), "local_a2a": ("local", "a2a"), "a2a
                 "ag_rs": ("gather", "ag_rs"), "local_fold": ("local", "fold")}
 COLLECTIVES = {"local_ag": 1, "local_a2a": 2, "a2a": 3, "ag_rs": 4, "local_fold": 2}  # per layer, head step included
 ENGINE_MERGES = ("local_ag", "local_a2a", "a2a", "ag_rs")  # DCPStep's (cpattn.engine.paged_cache)
+ENGINE_MERGE = "local_ag"  # every engine door's default (Algorithms, LLMEngine, generate, DCPStep): 1 collective
 PROGRAM_MERGES = tuple(LAYER_MERGES)  # a TP program with a row-parallel output projection (demo program, planner)
 RENAMED = {"fold": "local_fold"}  # old spelling -> name
 

@@ -35,6 +35,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.models.family import CACHE_KINDS, register_backends
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 
@@ -96,7 +97,7 @@ class CacheBackend(Protocol):
     def recv(self, world: Group, cache, prompts, cfg: Any, *, prefill_ranks: list[int], decode_group: Group,
              dtype: torch.dtype): ...
 
-    def program(self, group: Group, family, params: dict, cfg: Any, cache, *, merge: str = "ag_rs",
+    def program(self, group: Group, family, params: dict, cfg: Any, cache, *, merge: str = ENGINE_MERGE,
                 hidden_layers: tuple | None = None) -> DecodeProgram: ...
 
 

@@ -43,6 +43,7 @@ from cpattn.engine.drafters import check_drafter, speculative_fields
 from cpattn.models.family import ModelFamily
 from cpattn.engine.options import Algorithms
 from cpattn.engine.result import Generation
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 def _family(model: ModelFamily | ModuleType | str) -> ModelFamily | str:
@@ -80,12 +81,13 @@ def _on_group(group: Group, fn: str, name: str, size: int | None, old: str, flag
 
 def generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, pcp_size: int = 1,
              dcp_size: int = 1, pcp_method: str = "ring", block_size: int = 4, interleave_size: int = 1,
-             dcp_merge: str = "ag_rs", dsa_split: str = "balanced") -> Generation:
+             dcp_merge: str = ENGINE_MERGE, dsa_split: str = "balanced") -> Generation:
     """Greedy generation: prefill on ``pcp_size`` simulated ranks, decode on ``dcp_size`` (the KV moves in memory).
 
     pcp_method: "ring" or "allgather"; dsa_split: a DSA model's prefill split
     ("balanced" head-tail or "contiguous"); block_size / interleave_size: the
-    decode cache layout; dcp_merge: "ag_rs" or "a2a".
+    decode cache layout; dcp_merge: one of the engine's merges (:data:`cpattn.dcp.ENGINE_MERGES`), by default
+    :data:`cpattn.dcp.ENGINE_MERGE` (``"local_ag"``, as every engine door).
     """
     pre, dec = driver.engine_configs(_family(model), cfg, pcp_size=pcp_size, dcp_size=dcp_size, block_size=block_size,
                                      interleave_size=interleave_size)
@@ -95,7 +97,7 @@ def generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, 
 
 def generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
                      pcp_size: int | None = None, dcp_size: int | None = None, pcp_method: str = "ring",
-                     block_size: int = 4, interleave_size: int = 1, dcp_merge: str = "ag_rs",
+                     block_size: int = 4, interleave_size: int = 1, dcp_merge: str = ENGINE_MERGE,
                      dsa_split: str = "balanced", pcp: bool | None = None, dcp: bool | None = None) -> Generation:
     """:func:`generate` as one rank of a real (or simulated) group; run it on every rank.
 
@@ -119,7 +121,8 @@ def generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list,
 def speculative_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, drafter=None,
                          num_speculative_tokens: int = 0, pcp_size: int = 1, dcp_size: int = 1,
                          pcp_method: str = "ring", block_size: int = 4, interleave_size: int = 1,
-                         dcp_merge: str = "ag_rs", graph=False, capture_sizes: list[int] | None = None) -> Generation:
+                         dcp_merge: str = ENGINE_MERGE, graph=False,
+                         capture_sizes: list[int] | None = None) -> Generation:
     """:func:`generate` with a drafter (:mod:`cpattn.engine.drafters`): k drafts verified per DCP step.
 
     graph: verify through a DecodeRunner (True: the 'eager' backend on the
@@ -139,7 +142,7 @@ def speculative_generate(model, params: dict, cfg: Any, prompts: list, max_new_t
 def speculative_generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
                                  drafter=None, num_speculative_tokens: int = 0, pcp_size: int | None = None,
                                  pcp_method: str = "ring", block_size: int = 4, interleave_size: int = 1,
-                                 dcp_merge: str = "ag_rs", graph=False,
+                                 dcp_merge: str = ENGINE_MERGE, graph=False,
                                  capture_sizes: list[int] | None = None, pcp: bool | None = None) -> Generation:
     """:func:`speculative_generate` as one rank of a real group (DCP decode over ``group``; PCP prefill over
     it with ``pcp_size = group.size``, the default, or on every rank alone with 1; ``pcp``: deprecated bool)."""
@@ -176,7 +179,7 @@ def pd_configs(model, cfg: Any, *, pcp_size: int, dcp_size: int, block_size: int
 @renamed_kwargs(prefill_size="pcp_size", decode_size="dcp_size")
 def disagg_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *, pcp_size: int,
                     dcp_size: int, block_size: int = 4, pcp_method: str = "ring", drafter=None,
-                    num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs", graph=False) -> Generation:
+                    num_speculative_tokens: int = 0, dcp_merge: str = ENGINE_MERGE, graph=False) -> Generation:
     """P/D on simulated meshes: prefill on ``pcp_size`` ranks, whole blocks dealt in memory, decode on ``dcp_size``."""
     check_drafter(drafter, num_speculative_tokens, settings=False)
     k = num_speculative_tokens if drafter is not None else 0
@@ -191,7 +194,7 @@ def disagg_generate(model, params: dict, cfg: Any, prompts: list, max_new_tokens
 @renamed_kwargs(prefill_size="pcp_size", decode_size="dcp_size")
 def pd_generate_on_rank(world: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
                         pcp_size: int, dcp_size: int, block_size: int = 4, pcp_method: str = "ring",
-                        drafter=None, num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs",
+                        drafter=None, num_speculative_tokens: int = 0, dcp_merge: str = ENGINE_MERGE,
                         graph=False) -> Generation:
     """One rank of a P/D pair in a torch.distributed world of ``pcp_size + dcp_size`` processes.
 
@@ -237,7 +240,7 @@ def _one_engine(config: EngineConfig, size: int, drafter, k: int, graph) -> Engi
 
 def pcp_dcp_generate_on_rank(group: Group, model, params: dict, cfg: Any, prompts: list, max_new_tokens: int, *,
                              config: EngineConfig, pcp_method: str = "ring", exchange: str = "a2a", drafter=None,
-                             num_speculative_tokens: int = 0, dcp_merge: str = "ag_rs", graph=False) -> Generation:
+                             num_speculative_tokens: int = 0, dcp_merge: str = ENGINE_MERGE, graph=False) -> Generation:
     """PCP prefill writing the DCP layout of the same ranks (one owner all-to-all), then DCP decode.
 
     config: one engine with ``pcp_size == dcp_size == group.size`` and

@@ -59,6 +59,7 @@ from cpattn.models.family import ModelFamily
 from cpattn.engine.logits import forward_logits
 from cpattn.engine.paged_cache import DCPStep, PagedShard
 from cpattn.graphs.runner import DecodeRunner, Field
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 @dataclass
@@ -180,7 +181,7 @@ def decode_step(state: dict, batch: dict[str, torch.Tensor], *, family: ModelFam
 
 
 def make_runner(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: PagedShard, *,
-                num_speculative_tokens: int, max_requests: int, merge: str = "ag_rs",
+                num_speculative_tokens: int, max_requests: int, merge: str = ENGINE_MERGE,
                 capture_sizes: list[int] | None = None, backend: str = "eager",
                 hidden_layers: tuple | None = None) -> DecodeRunner:
     """A captured :class:`~cpattn.graphs.DecodeRunner` for steps of 1 + k tokens per request.
@@ -202,7 +203,7 @@ def make_runner(group: Group, family: ModelFamily, params: dict, cfg: Any, shard
 
 
 def decode(group: Group, family: ModelFamily, params: dict, cfg: Any, shard: PagedShard, prompts: list[list[int]],
-           first: torch.Tensor, steps: int, *, drafter=None, num_speculative_tokens: int = 0, merge: str = "ag_rs",
+           first: torch.Tensor, steps: int, *, drafter=None, num_speculative_tokens: int = 0, merge: str = ENGINE_MERGE,
            runner: DecodeRunner | None = None, on_step=None, prompt_hidden: TargetHidden | None = None,
            draft_graph: str | None = None) -> DecodeOut:
     """``steps`` more greedy tokens per request from a filled DCP shard; run it on every rank of the DCP group.

@@ -62,6 +62,7 @@ from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.sampling import SamplingParams
 from cpattn.engine.scheduler import ModelOutput, Scheduler
 from cpattn.models.family import ModelFamily, get_family
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 def _engine_seed(seed: int | None, world: Group | None) -> int:
@@ -131,7 +132,7 @@ class LLMEngine:
                  scheduler: SchedulerConfig | None = None, world: Group | None = None, dcp_size: int = 1,
                  pcp_size: int = 1, block_size: int = 16, interleave_size: int = 1, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
-                 merge: str = "local_ag", drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
+                 merge: str = ENGINE_MERGE, drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
                  poison: bool = False, seed: int | None = None, kv_role: str = "kv_both",
                  pcp_policy: str = "always", pcp_min_tokens: int | None = None, kv_connector=None,
                  return_logits: bool = False, return_prompt_logits: bool = False) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpattn.dcp.layer_merges import ENGINE_MERGES, layer_merge
+from cpattn.dcp.layer_merges import ENGINE_MERGE, ENGINE_MERGES, layer_merge
 
 CHOICES = {"pcp_method": ("ring", "allgather"), "dsa_split": ("balanced", "contiguous"),
            "dcp_merge": ENGINE_MERGES, "handoff": ("a2a", "allgather")}
@@ -39,7 +39,7 @@ class Algorithms:
 
     pcp_method: str = "ring"
     dsa_split: str = "balanced"
-    dcp_merge: str = "local_ag"
+    dcp_merge: str = ENGINE_MERGE
     handoff: str = "a2a"
 
     def __post_init__(self):

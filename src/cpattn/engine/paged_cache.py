@@ -28,7 +28,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.dcp import DCPMeta, dcp_decode
-from cpattn.dcp.layer_merges import ENGINE_MERGES, LAYER_MERGES, layer_merge
+from cpattn.dcp.layer_merges import ENGINE_MERGE, ENGINE_MERGES, LAYER_MERGES, layer_merge
 from cpattn.models.family import KVLayout, nan_caches
 from cpattn.engine.kv_rows import unpack_rows
 from cpattn.dsa.paged import dsa_topk, sparse_partials_merged
@@ -132,7 +132,7 @@ class DCPStep:
     group: Group
     shard: PagedShard
     meta: DCPMeta
-    merge: str = "ag_rs"
+    merge: str = ENGINE_MERGE
     positions: torch.Tensor = field(init=False)
 
     def __post_init__(self):

@@ -58,6 +58,7 @@ from cpattn.engine.connector_pd import MemoryLink, PDConnector, moves_blocks
 from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams, drain
 from cpattn.engine.pooling import open_for_run, release
 from cpattn.models.family import get_family
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class PDEngine:
     def __init__(self, model, params: dict, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
-                 poison: bool = False, merge: str = "local_ag", seed: int = 0, kv_connector=None,
+                 poison: bool = False, merge: str = ENGINE_MERGE, seed: int = 0, kv_connector=None,
                  return_logits: bool = False, return_prompt_logits: bool = False) -> None:
         family = get_family(model)
         v4 = family.backend.name == "v4"  # no per-token blocks: its whole state goes over (connector_v4)

@@ -68,6 +68,7 @@ from cpattn.engine.connector import from_args as connector_args
 from cpattn.engine.connector_pd import GroupLink, PDConnector, consumer_hand_off, producer_hand_off
 from cpattn.engine.llm import LLMEngine, RequestOutput, SamplingParams
 from cpattn.engine.pd_engine import check_first, hands_off
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
              scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
              graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None, poison: bool = False,
              seed: int = 0, on_step: Callable[[str, LLMEngine, list[RequestOutput]], None] | None = None,
-             max_steps: int = 100_000, merge: str = "local_ag",
+             max_steps: int = 100_000, merge: str = ENGINE_MERGE,
              before_step: Callable[[str, LLMEngine], None] | None = None,
              kv_connector=None, return_logits: bool = False,
              return_prompt_logits: bool = False) -> dict[int, RequestOutput]:
@@ -180,7 +181,7 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
 
 def pd_role(world: Group, model, params: dict, cfg: Any, *, pcp_size: int, dcp_size: int = 1, block_size: int = 16,
             kv_connector=None, graph_mode: str = "NONE", graph_backend: str = "auto", capture_sizes=None,
-            merge: str = "local_ag", **common) -> tuple[str, LLMEngine]:
+            merge: str = ENGINE_MERGE, **common) -> tuple[str, LLMEngine]:
     """This rank's P/D role and engine on a world of ``pcp_size + dcp_size`` ranks (every rank calls it):
     ``("prefill", producer engine)`` on world ranks ``0 .. P-1`` (PCP over them), ``("decode", consumer
     engine)`` on ``P ..`` (DCP, with the capture / merge options). ``kv_connector``: the connector both

@@ -72,6 +72,7 @@ from cpattn.engine.step_inputs import BlockTableRows, LogitRows, OneTokenRows, i
 from cpattn.graphs.runner import DecodeRunner
 from cpattn.layout.rows import cu_seqlens
 from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 _NOTHING = ModelOutput()  # a partial chunk's row: nothing sampled
@@ -146,7 +147,7 @@ class StepRunner:
     chunk_logits: dict | None = None  # this step's, while it runs (run_prefill_rows fills it under PCP)
 
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
-                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
+                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = ENGINE_MERGE,
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "auto",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:

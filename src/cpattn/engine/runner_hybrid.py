@@ -86,6 +86,7 @@ from cpattn.graphs.runner import DecodeRunner, Field
 from cpattn.layout.rows import cu_seqlens
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.family import ModelFamily, get_family, param_dtype
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | None, *, kv_pool=None,
@@ -154,7 +155,7 @@ class HybridStepRunner(StepRunner):
     other_caches = ("hybrid",)
 
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
-                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "local_ag",
+                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = ENGINE_MERGE,
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:

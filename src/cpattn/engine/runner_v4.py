@@ -80,6 +80,7 @@ from cpattn.v4.cache import V4Cache
 from cpattn.v4.engine import V4DecodeCache
 from cpattn.v4.handoff import V4Handoff
 from cpattn.v4.prefill import GatheredEntries, TailRows
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 def v4_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | None, *, kv_pool=None,
@@ -184,7 +185,7 @@ class V4StepRunner:
     """
 
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
-                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = "ag_rs",
+                 block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = ENGINE_MERGE,
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
                  hidden_layers: tuple | None = None, poison: bool = False, connector=None) -> None:

@@ -54,6 +54,7 @@ from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.decode import V4DecodeStep, cache_state, decode_plan, plan_fields
 from cpattn.v4.handoff import V4Handoff, collect, recv_handoff, seed_cache, send_handoff
 from cpattn.v4.prefill import V4PrefillOut, v4_prefill
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 @dataclass
@@ -186,7 +187,7 @@ class V4Stages:
         self.place(holder, h)
         return first, HandoffFacts(bytes_received=got)
 
-    def decode_program(self, group: Group, params: dict, cfg: Any, holder: V4DecodeCache, *, merge: str = "ag_rs",
+    def decode_program(self, group: Group, params: dict, cfg: Any, holder: V4DecodeCache, *, merge: str = ENGINE_MERGE,
                        hidden_layers: tuple | None = None) -> V4DecodeProgram:
         """The decode program over this rank's cache (``merge`` is unused: V4 merges with one all-gather)."""
         return V4DecodeProgram(self.forward, cfg, group, params, holder, hidden_layers=hidden_layers)

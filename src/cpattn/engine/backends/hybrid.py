@@ -92,6 +92,7 @@ from cpattn.linear.pcp_step import PCPLinearStep
 from cpattn.linear.state import RecurrentCache
 from cpattn.models.family import param_dtype
 from cpattn.engine.backends.hybrid_states import SlotStates, commit_positions, pending_states
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 def _refuse(family, what: str, why: str, fix: str) -> None:
@@ -251,7 +252,7 @@ class HybridProgram:
     :meth:`commit` then keeps, per request, the state after its last accepted token (the attention layers'
     rejected rows lie past ``seq_lens``, as in the paged program)."""
 
-    def __init__(self, family, cfg: Any, group: Group, params: dict, cache: HybridCache, *, merge: str = "ag_rs",
+    def __init__(self, family, cfg: Any, group: Group, params: dict, cache: HybridCache, *, merge: str = ENGINE_MERGE,
                  hidden_layers: tuple | None = None):
         self.cache = cache
         self.width = cache.width
@@ -350,7 +351,7 @@ class HybridBackend:
             got += t.numel() * t.element_size()
         return first, dataclasses.replace(facts, bytes_received=facts.bytes_received + got)
 
-    def program(self, group: Group, family, params: dict, cfg: Any, cache: HybridCache, *, merge: str = "ag_rs",
+    def program(self, group: Group, family, params: dict, cfg: Any, cache: HybridCache, *, merge: str = ENGINE_MERGE,
                 hidden_layers: tuple | None = None) -> HybridProgram:
         return HybridProgram(family, cfg, group, params, cache, merge=merge, hidden_layers=hidden_layers)
 

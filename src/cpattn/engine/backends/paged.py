@@ -45,6 +45,7 @@ from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.prefill import PrefillOut, gather_unshard, prefill
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.layout.rows import cu_seqlens, request_of
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 def request_order(plan, total: int, context_lens: tuple[int, ...]):
@@ -102,7 +103,7 @@ class PagedProgram:
     ``tokens``, ``seq_lens`` and ``block_table`` rows (:func:`~cpattn.engine.decode.step_fields`); nothing
     to commit (rejected drafts' rows lie past ``seq_lens`` and are overwritten)."""
 
-    def __init__(self, family, cfg: Any, group: Group, params: dict, shard: PagedShard, *, merge: str = "ag_rs",
+    def __init__(self, family, cfg: Any, group: Group, params: dict, shard: PagedShard, *, merge: str = ENGINE_MERGE,
                  hidden_layers: tuple | None = None):
         self.shard = shard
         self.step = functools.partial(decode_step, family=family, cfg=cfg, group=group, merge=merge,
@@ -174,7 +175,7 @@ class PagedBackend:
         place_blocks(cache, received)
         return first, facts
 
-    def program(self, group: Group, family, params: dict, cfg: Any, cache: PagedShard, *, merge: str = "ag_rs",
+    def program(self, group: Group, family, params: dict, cfg: Any, cache: PagedShard, *, merge: str = ENGINE_MERGE,
                 hidden_layers: tuple | None = None) -> PagedProgram:
         return PagedProgram(family, cfg, group, params, cache, merge=merge, hidden_layers=hidden_layers)
 

@@ -27,6 +27,7 @@ from cpattn.engine.options import Algorithms
 from cpattn.v4.engine import V4DecodeCache, V4DecodeProgram, V4Stages
 from cpattn.v4.handoff import V4Handoff
 from cpattn.v4.prefill import V4PrefillOut
+from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,6 @@ class V4Backend:
              decode_group: Group, dtype: torch.dtype):
         return self.stages.recv(cache, prompts, src=prefill_ranks[0], world=world)
 
-    def program(self, group: Group, family, params: dict, cfg: Any, cache: V4DecodeCache, *, merge: str = "ag_rs",
+    def program(self, group: Group, family, params: dict, cfg: Any, cache: V4DecodeCache, *, merge: str = ENGINE_MERGE,
                 hidden_layers: tuple | None = None) -> V4DecodeProgram:
         return self.stages.decode_program(group, params, cfg, cache, merge=merge, hidden_layers=hidden_layers)
