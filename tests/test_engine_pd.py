@@ -199,3 +199,39 @@ def test_an_abort_while_waiting_on_the_consumer_drops_its_received_blocks():
     assert list(final[a].token_ids) == expected("qwen3", dict(prompt=pa, max_tokens=6))
     assert pd.decode.connector._inbox == {} and pd.prefill.connector._outbox == {}
     assert pd.stats.decode.blocks_used == 0
+
+
+@pytest.mark.parametrize("p,d,graph", [(2, 2, True), (1, 2, False)])
+def test_the_consumer_verifies_token_drafts_losslessly(p, d, graph):
+    """Speculative decoding on the consumer (an n-gram drafter, k = 3; captured verify steps at P2/D2): tokens stay
+    one-device greedy, drafts get accepted and rejected, the producer drafts nothing; a drafter that reads hidden
+    states is refused in one line."""
+    from cpattn.engine.drafters import NgramDrafter
+
+    cfg, params = model("qwen3")
+    g = torch.Generator().manual_seed(11)
+    unit = torch.randint(0, cfg.vocab_size, (5,), generator=g).tolist()
+    reqs = [dict(prompt=unit * 4, max_tokens=6, arrive=0), dict(prompt=unit[:3] * 3, max_tokens=6, arrive=1),
+            dict(prompt=torch.randint(0, cfg.vocab_size, (17,), generator=g).tolist(), max_tokens=6, arrive=2)]
+    pd = PDEngine("qwen3", params, cfg, pcp_size=p, dcp_size=d, block_size=BLOCK, num_blocks=40, poison=True,
+                  graph_mode="FULL_DECODE_ONLY" if graph else "NONE", graph_backend="eager",
+                  drafter=NgramDrafter(), num_speculative_tokens=3,
+                  scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3))
+    final = serve(pd, reqs)
+    for i, r in enumerate(reqs):
+        assert list(final[i].token_ids) == expected("qwen3", r), f"request {i}"
+    s = pd.stats
+    assert 0 < s.decode.accepted_tokens < s.decode.drafted_tokens, s.decode
+    assert s.prefill.drafted_tokens == 0 and s.handed_off == 3
+    assert s.decode.blocks_used == 0 and s.prefill.blocks_used == 0
+    if graph:
+        assert s.decode.replayed_steps > 0, s.decode
+    pd.close()
+
+    class Hidden(NgramDrafter):
+        hidden_layers = ("final",)
+        method = "mtp"
+
+    with pytest.raises(ValueError, match="drafter='mtp' reads the target's hidden states"):
+        PDEngine("qwen3", params, cfg, pcp_size=p, dcp_size=d, block_size=BLOCK, drafter=Hidden(),
+                 num_speculative_tokens=2)

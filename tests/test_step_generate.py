@@ -68,6 +68,32 @@ def test_drafts_in_the_step_loop_are_the_drivers_tokens():
         assert getattr(got.stats, f) == getattr(want.stats, f), f
 
 
+@pytest.mark.parametrize("pcp_size", [2, 1])
+def test_pd_with_token_drafts_in_the_step_loop_is_the_drivers_generation(pcp_size):
+    """P/D with an n-gram drafter (PDEngine's consumer drafts): the composition's tokens, logits and SpecStats."""
+    cfg, params = model("qwen3")
+    g = torch.Generator().manual_seed(11)
+    unit = torch.randint(0, cfg.vocab_size, (5,), generator=g).tolist()
+    prompts = [unit * 4, unit[:3] * 3]  # repetitive: drafts get accepted
+    pre, dec = engine_configs("qwen3", cfg, pcp_size=pcp_size, dcp_size=2, pd=True, block_size=4, interleave_size=4,
+                              num_speculative_tokens=3)
+    from cpattn.engine.driver import step_loop_runs
+
+    assert step_loop_runs(get_family("qwen3"), cfg, pre, dec, NgramDrafter())  # generate takes the step loop
+    want = composed(get_family("qwen3"), params, cfg, Prompts.of(prompts), 7, prefill=pre, decode=dec,
+                    drafter=NgramDrafter())
+    got = generate("qwen3", params, cfg, prompts, 7, prefill=pre, decode=dec, drafter=NgramDrafter())
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, **TOL)
+    for f in ("steps", "rows", "drafted", "accepted", "emitted", "accepted_hist"):
+        assert getattr(got.stats, f) == getattr(want.stats, f), f
+    assert got.stats.accepted > 0
+
+
+class _HiddenDrafter(NgramDrafter):
+    hidden_layers = ("final",)  # as an MTP / Eagle3 head declares
+
+
 def test_layouts_one_engine_cannot_run_are_refused():
     cfg, params = model("qwen3")
     pre, dec = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=4)
@@ -79,8 +105,8 @@ def test_layouts_one_engine_cannot_run_are_refused():
     ("deepseek_v4", dict(dcp_size=2), None, "keeps its own cache"),
     ("qwen3_next", dict(dcp_size=2), None, "keeps its own cache"),
     ("qwen3", dict(pcp_size=2, dcp_size=4), None, "one engine runs PCP over its DCP group"),
-    ("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4, num_speculative_tokens=2), NgramDrafter(),
-     "P/D with a drafter"),
+    ("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4, num_speculative_tokens=2), _HiddenDrafter(),
+     "P/D with a drafter reading hidden states"),
     ("qwen3", dict(pcp_size=3, dcp_size=2, pd=True, interleave_size=4), None, "engine is refused"),  # 4 heads % 3
 ])
 def test_generate_keeps_the_composition_for_what_the_step_loop_cannot_run(family, layout, drafter, why):

@@ -2,7 +2,8 @@
 
 :func:`~cpattn.engine.driver.generate` runs through the step loop where it can
 (:mod:`cpattn.engine.step_generate`); :func:`composed` runs the rest -- families that keep their own cache
-(deepseek_v4, hybrid), PCP over other ranks than the decode's (any P, N), P/D with a drafter -- and is what
+(deepseek_v4, hybrid), PCP over other ranks than the decode's (any P, N), P/D with a drafter reading hidden
+states -- and is what
 tests/test_step_generate.py compares the step loop with: P simulated ranks prefill, the KV travels in
 memory (rows, or whole blocks for a P/D consumer: :func:`_simulated_pd`, the torch.distributed run's own
 per-rank code), N simulated ranks decode.

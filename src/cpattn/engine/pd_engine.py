@@ -139,14 +139,24 @@ class PDEngine:
         :class:`~cpattn.engine.llm.LLMEngine`, per role.
     return_logits / return_prompt_logits: as :class:`~cpattn.engine.llm.LLMEngine` (opt-in): the consumer's
         logits of every output token, the producer's prompt logits (on the consumer's outputs once handed off).
+    drafter / num_speculative_tokens: speculative decoding on the consumer (the producer samples one token
+        and needs none): a drafter that reads tokens only (``NgramDrafter``, a draft model). One that reads
+        the target's hidden states (MTP, Eagle3, DSpark) is refused: the consumer computes only a prompt's
+        tail, so it never holds the target's hidden rows of the blocks handed over.
     """
 
     def __init__(self, model, params: dict, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, kv_pool=None, graph_mode: str = "NONE",
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  poison: bool = False, merge: str = ENGINE_MERGE, seed: int = 0, kv_connector=None,
-                 return_logits: bool = False, return_prompt_logits: bool = False) -> None:
+                 return_logits: bool = False, return_prompt_logits: bool = False, drafter=None,
+                 num_speculative_tokens: int = 0) -> None:
         family = get_family(model)
+        if getattr(drafter, "hidden_layers", None) is not None:
+            name = getattr(drafter, "method", type(drafter).__name__)
+            raise ValueError(f"drafter={name!r} reads the target's hidden states, which a P/D consumer does not "
+                             "have for the prompt blocks it is handed; pass a token drafter (NgramDrafter, a draft "
+                             "model) or serve it colocated (LLMEngine)")
         v4 = family.backend.name == "v4"  # no per-token blocks: its whole state goes over (connector_v4)
         if v4 and kv_pool is not None:
             raise ValueError(f"kv_pool: {family.name} keeps its own cache (window rings + compressed entries), not "
@@ -176,7 +186,7 @@ class PDEngine:
                                      return_logits=return_logits, return_prompt_logits=return_prompt_logits, **common)
         self.decode = LLMEngine(family, params, cfg, dcp_size=dcp_size, graph_mode=graph_mode, kv_role="kv_consumer",
                                 graph_backend=graph_backend, capture_sizes=capture_sizes, return_logits=return_logits,
-                                **common)
+                                drafter=drafter, num_speculative_tokens=num_speculative_tokens, **common)
         self._prompt_logits: dict[Hashable, Any] = {}  # the producer's, for the consumer's outputs
         self.pool = self.pool or self.prefill.pool  # the pool a given connector holds, if any
         self.max_model_len = min(self.prefill.max_model_len, self.decode.max_model_len)

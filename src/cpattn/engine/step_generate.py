@@ -73,8 +73,9 @@ def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
 
 def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
     """Why the step loop cannot run this driver-style layout (None: it can): a family whose runner keeps
-    no prompt rows (deepseek_v4, hybrid), PCP over other ranks than the DCP group's, P/D with a drafter, or
-    an engine the layout rules refuse (a P/D producer of P ranks is an engine of DCP P: heads % P).
+    no prompt rows (deepseek_v4, hybrid), PCP over other ranks than the DCP group's, P/D with a drafter
+    reading hidden states, or an engine the layout rules refuse (a P/D producer of P ranks is an engine of
+    DCP P: heads % P).
 
     >>> from cpattn.engine.driver import engine_configs
     >>> from cpattn.models import qwen3
@@ -88,8 +89,8 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     pd = decode.kv_transfer.kv_role == "kv_consumer"
     if not (family.backend.per_token_kv and family.cache == "paged"):
         return f"{family.name} keeps its own cache (ModelFamily.cache={family.cache!r}): no prompt rows in the step loop"
-    if pd and drafter is not None:
-        return "P/D with a drafter: PDEngine has no speculative decoding"
+    if pd and getattr(drafter, "hidden_layers", None) is not None:
+        return "P/D with a drafter reading hidden states: PDEngine's consumer drafts from tokens only"
     if not pd and p not in (1, n):
         return f"pcp_size={p} with dcp_size={n}: one engine runs PCP over its DCP group"
     k = decode.speculative.num_speculative_tokens if drafter is not None else 0
@@ -124,9 +125,8 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
     comp = decode.compilation
     paged = family.backend.per_token_kv and family.cache == "paged"
     if decode.kv_transfer.kv_role == "kv_consumer":
-        if drafter is not None:
-            raise ValueError("step_generate: P/D with a drafter: PDEngine has no speculative decoding yet")
         return PDEngine(family, params, cfg, pcp_size=p, dcp_size=n, block_size=bs, kv_connector=PDConnector(),
+                        drafter=drafter, num_speculative_tokens=k,
                         scheduler=dataclasses.replace(sched, enable_prefix_caching=True),
                         num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
                         capture_sizes=comp.capture_sizes, return_logits=True,
