@@ -140,11 +140,12 @@ def test_against_the_fixed_batch_driver():
     assert torch.allclose(torch.cat([o.prompt_logits for o in outs]), fixed.prompt_logits, **TOL)
 
 
-@pytest.mark.parametrize("family, dcp", [("qwen3_next", 1), ("qwen3_next", 2), ("qwen3_5", 2)])
-def test_a_hybrid_model_hands_back_every_row(family, dcp):
+@pytest.mark.parametrize("family, dcp, pcp", [("qwen3_next", 1, 1), ("qwen3_next", 2, 1), ("qwen3_next", 2, 2),
+                                              ("qwen3_5", 2, 2)])
+def test_a_hybrid_model_hands_back_every_row(family, dcp, pcp):
     """Qwen3-Next / Qwen3.5 (linear layers' states carried between chunks), chunked by a budget of 7 beside
-    decodes: every prompt row and output row equals the one-device fixed-batch run of the request alone (whose
-    logits tests/test_qwen3_next_hf.py checks against transformers)."""
+    decodes, chunks under PCP (the scan) at pcp 2: every prompt row and output row equals the one-device
+    fixed-batch run of the request alone (whose logits tests/test_qwen3_next_hf.py checks against transformers)."""
     from test_engine_loop_hybrid import model as hybrid_model, prompt
 
     from cpattn.engine.driver import engine_configs, generate
@@ -152,10 +153,12 @@ def test_a_hybrid_model_hands_back_every_row(family, dcp):
     cfg, params = hybrid_model(family)
     batch = [prompt(n, s) for n, s in ((11, 1), (3, 2), (17, 3))]
     pre, dec = engine_configs(family, cfg)  # one device
-    engine = LLMEngine(family, params, cfg, dcp_size=dcp, block_size=4, num_blocks=32, poison=True,
-                       return_logits=True, return_prompt_logits=True,
+    engine = LLMEngine(family, params, cfg, dcp_size=dcp, pcp_size=pcp, block_size=4,
+                       num_blocks=32, poison=True, return_logits=True, return_prompt_logits=True,
                        scheduler=SchedulerConfig(max_num_batched_tokens=7, max_num_seqs=3, enable_prefix_caching=False))
-    for o, p in zip(engine.generate(batch, SamplingParams(max_tokens=N)), batch):
+    outs = engine.generate(batch, SamplingParams(max_tokens=N))
+    assert engine.stats.pcp_steps > 0 if pcp > 1 else engine.stats.pcp_steps == 0
+    for o, p in zip(outs, batch):
         ref = generate(family, params, cfg, [p], N, prefill=pre, decode=dec)
         assert list(o.token_ids) == ref.tokens[0].tolist()
         assert torch.allclose(o.logits, ref.logits[0], **TOL)
@@ -163,10 +166,7 @@ def test_a_hybrid_model_hands_back_every_row(family, dcp):
         assert torch.allclose(o.prompt_logits, ref.prompt_logits.reshape(-1, cfg.vocab_size)[:len(p)], **TOL)
 
 
-@pytest.mark.parametrize("family, pcp, why", [("deepseek_v4", 1, "prefills a prompt whole"),
-                                              ("qwen3_next", 2, "its PCP prefill keeps only each chunk's last row")])
-def test_prompt_rows_a_runner_does_not_keep_are_refused(family, pcp, why):
-    cfg, params = model(family)
-    with pytest.raises(ValueError, match=f"return_prompt_logits=True: the .* runner .*{why}"):
-        LLMEngine(family, params, cfg, dcp_size=pcp, pcp_size=pcp, block_size=4, num_blocks=16,
-                  return_prompt_logits=True)
+def test_prompt_rows_deepseek_v4_does_not_keep_are_refused():
+    cfg, params = model("deepseek_v4")
+    with pytest.raises(ValueError, match="return_prompt_logits=True: the .* runner .*prefills a prompt whole"):
+        LLMEngine("deepseek_v4", params, cfg, block_size=4, num_blocks=16, return_prompt_logits=True)

@@ -239,7 +239,7 @@ class HybridStepRunner(StepRunner):
         pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
             if self.pcp_size > 1 else []
         if pre:  # the long chunks under PCP, then the decodes and short chunks through the DCP step
-            super().execute(rows_of(out, []))  # the fresh blocks' poisoning
+            super().execute(rows_of(out, []))  # the fresh blocks' poisoning (and chunk_logits = {} if kept)
             sent, t0 = self.group.stats.total_sent(), time.perf_counter()
             outputs, rows, hidden = self._pcp_chunks(rows_of(out, pre))
             times = [0.0, time.perf_counter() - t0, 0.0]
@@ -249,7 +249,8 @@ class HybridStepRunner(StepRunner):
                 outputs, rows = {**outputs, **o}, {**rows, **r}
                 hidden = None if hidden is None else {**hidden, **h}
                 times = [a + b for a, b in zip(times, more)]
-            res = StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), hidden)
+            res = StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), hidden,
+                             chunk_logits=self.chunk_logits)
         else:
             res = super().execute(out)
         rows = [b for b, d in enumerate(out.draft_tokens) if d]
@@ -284,8 +285,10 @@ class HybridStepRunner(StepRunner):
             return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
 
         init = RecurrentCache(tuple(map(take, self.states.conv)), tuple(map(take, self.states.state)))
+        chunks = self.chunk_logits  # a dict while the runner hands back prompt logits
         res = hybrid_prefill(g, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms,
-                             prefix=prefix, states=init, hidden_layers=self.hidden_layers)
+                             prefix=prefix, states=init, hidden_layers=self.hidden_layers,
+                             prompt_logits=chunks is not None)
         paged_handoff(g, g, g, view, res, self.algorithms)
         for dst, src in zip((*self.states.conv, *self.states.state), (*res.states.conv, *res.states.state)):
             dst[slots] = src.to(dst.dtype)
@@ -301,4 +304,6 @@ class HybridStepRunner(StepRunner):
                 logits[rid] = first[b:b + 1]
             if hidden is not None:  # request order, the new rows only
                 hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
+            if chunks is not None:  # [q, V] request order, the new rows only
+                chunks[rid] = res.prompt_logits[cu[b]:cu[b + 1]]
         return outputs, logits, hidden
