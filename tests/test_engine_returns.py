@@ -166,7 +166,23 @@ def test_a_hybrid_model_hands_back_every_row(family, dcp, pcp):
         assert torch.allclose(o.prompt_logits, ref.prompt_logits.reshape(-1, cfg.vocab_size)[:len(p)], **TOL)
 
 
-def test_prompt_rows_deepseek_v4_does_not_keep_are_refused():
-    cfg, params = model("deepseek_v4")
-    with pytest.raises(ValueError, match="return_prompt_logits=True: the .* runner .*prefills a prompt whole"):
-        LLMEngine("deepseek_v4", params, cfg, block_size=4, num_blocks=16, return_prompt_logits=True)
+@pytest.mark.parametrize("dcp, pcp", [(1, 1), (2, 1), (2, 2)])
+def test_deepseek_v4_hands_back_every_row(dcp, pcp):
+    """DeepSeek-V4 (window, CSA and HCA layers; each prompt prefilled whole, beside decodes, under PCP at pcp 2):
+    every prompt row and output row equals the one-device fixed-batch run of the request alone."""
+    from test_engine_loop_v4 import model as v4_model, prompt, sched
+
+    from cpattn.engine.driver import engine_configs, generate
+
+    cfg, params = v4_model()
+    batch = [prompt(n, s) for n, s in ((5, 0), (20, 1), (9, 2))]
+    pre, dec = engine_configs("deepseek_v4", cfg)  # one device
+    engine = LLMEngine("deepseek_v4", params, cfg, dcp_size=dcp, pcp_size=pcp, block_size=4, num_blocks=32,
+                       return_logits=True, return_prompt_logits=True, scheduler=sched(max_num_seqs=2))
+    outs = engine.generate(batch, SamplingParams(max_tokens=N))
+    for o, p in zip(outs, batch):
+        ref = generate("deepseek_v4", params, cfg, [p], N, prefill=pre, decode=dec)
+        assert list(o.token_ids) == ref.tokens[0].tolist()
+        assert torch.allclose(o.logits, ref.logits[0], **TOL)
+        assert o.prompt_logits.shape == (len(p), cfg.vocab_size)
+        assert torch.allclose(o.prompt_logits, ref.prompt_logits.reshape(-1, cfg.vocab_size)[:len(p)], **TOL)

@@ -122,7 +122,7 @@ class LLMEngine:
         (:mod:`cpattn.engine.sampling`); None: a random one (under torchrun rank 0's, shared).
     return_logits / return_prompt_logits: opt-in, off by default (no cost then): each RequestOutput also
         carries the raw logits row of every output token / the logits of every prompt position computed
-        (:mod:`cpattn.engine.returns`; prompt logits: not deepseek_v4, refused in one line).
+        (:mod:`cpattn.engine.returns`).
 
     ``engine.last_step`` is ``(SchedulerOutput, replayed)`` of the latest step (what ran, and whether
     it replayed a captured program); ``engine.stats`` the counters.
@@ -200,10 +200,6 @@ class LLMEngine:
         sizes = config.compilation.capture_sizes
 
         make = V4StepRunner if v4 else HybridStepRunner if hybrid else StepRunner  # V4 / hybrid: own runners
-        if return_prompt_logits and v4:
-            raise ValueError(f"return_prompt_logits=True: the {family.name} runner ({make.__name__}) does not hand "
-                             "back its prompt rows' logits (it prefills a prompt whole and keeps only its last row); "
-                             "pass return_prompt_logits=False")
         if v4 and pcp_policy != "always":
             raise ValueError(f"pcp_policy={pcp_policy!r}: a deepseek_v4 prompt is prefilled in one step by its own "
                              "runner; pass pcp_policy='always'")

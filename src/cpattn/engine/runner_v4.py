@@ -182,7 +182,12 @@ class V4StepRunner:
     """One rank's V4 model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`.
 
     ``live``: requests holding a slot; ``graph``: the captured decode runner (``capture`` given) or None.
+    ``runner.prompt_logits = True`` (off by default): each step also hands back every prompt row's logits
+    of the prompts it prefilled (``StepResult.chunk_logits``; none for a state a P/D producer handed over).
     """
+
+    prompt_logits = False
+    chunk_logits: dict | None = None
 
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = ENGINE_MERGE,
@@ -241,6 +246,7 @@ class V4StepRunner:
         if not out.req_ids:
             return StepResult({}, {}, False, 0)
         sent, t0 = self.group.stats.total_sent(), time.perf_counter()
+        self.chunk_logits = {} if self.prompt_logits else None
         pre = [b for b, p in enumerate(out.is_prefill) if p]
         dec = [b for b, p in enumerate(out.is_prefill) if not p]
         outputs, logits = {}, {}
@@ -259,7 +265,7 @@ class V4StepRunner:
             times = [a + b for a, b in zip(times, tm)]
             replayed = replayed or r
         return StepResult(outputs, logits, replayed, self.group.stats.total_sent() - sent, *times,
-                          len(pre) if self.pcp_size > 1 else 0, None)
+                          len(pre) if self.pcp_size > 1 else 0, None, chunk_logits=self.chunk_logits)
 
     def _prefill(self, out: SchedulerOutput, rows: list[int]):
         """Prefill each row's whole query (context 0), seed its slot, sample its first token."""
@@ -288,7 +294,11 @@ class V4StepRunner:
         prompts = Prompts.of([list(out.input_ids[b]) for b in rows], vocab_size=self.cfg.vocab_size)
         t1 = time.perf_counter()
         pg = self.prefill_group
-        res = self.backend.prefill(pg, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms)
+        res = self.backend.prefill(pg, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms,
+                                   prompt_logits=self.chunk_logits is not None)
+        if self.chunk_logits is not None:  # [T, V] request order: each prompt's rows
+            cu = prompts.cu_seqlens
+            self.chunk_logits.update({rid: res.prompt_logits[cu[j]:cu[j + 1]] for j, rid in enumerate(rids)})
         collected = self.backend.collect(pg, res)
         before = self.holder.cache
         self.backend.place(self.holder, _to_slots(collected, slots, before.batch), self.group)
