@@ -169,7 +169,8 @@ def test_a_hybrid_model_hands_back_every_row(family, dcp, pcp):
 @pytest.mark.parametrize("dcp, pcp", [(1, 1), (2, 1), (2, 2)])
 def test_deepseek_v4_hands_back_every_row(dcp, pcp):
     """DeepSeek-V4 (window, CSA and HCA layers; each prompt prefilled whole, beside decodes, under PCP at pcp 2):
-    every prompt row and output row equals the one-device fixed-batch run of the request alone."""
+    every prompt row and output row equals the one-device fixed-batch run of the request alone; at pcp 2 a P/D
+    pair gives the same rows (the producer's)."""
     from test_engine_loop_v4 import model as v4_model, prompt, sched
 
     from cpattn.engine.driver import engine_configs, generate
@@ -180,6 +181,13 @@ def test_deepseek_v4_hands_back_every_row(dcp, pcp):
     engine = LLMEngine("deepseek_v4", params, cfg, dcp_size=dcp, pcp_size=pcp, block_size=4, num_blocks=32,
                        return_logits=True, return_prompt_logits=True, scheduler=sched(max_num_seqs=2))
     outs = engine.generate(batch, SamplingParams(max_tokens=N))
+    if pcp > 1:  # and P/D: the producer's prompt rows on the consumer's outputs (its state handed over)
+        pd = PDEngine("deepseek_v4", params, cfg, pcp_size=2, dcp_size=2, block_size=4, return_logits=True,
+                      return_prompt_logits=True)
+        pd_outs = pd.generate(batch, SamplingParams(max_tokens=N))
+        pd.close()
+        for a, b in zip(pd_outs, outs):
+            assert a.token_ids == b.token_ids and torch.allclose(a.prompt_logits, b.prompt_logits, **TOL)
     for o, p in zip(outs, batch):
         ref = generate("deepseek_v4", params, cfg, [p], N, prefill=pre, decode=dec)
         assert list(o.token_ids) == ref.tokens[0].tolist()
