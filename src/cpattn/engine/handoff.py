@@ -32,7 +32,6 @@ Example
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -40,23 +39,10 @@ from cpattn._deprecation import renamed_kwargs
 from cpattn.comm.group import Group
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.logits import acc_dtype
-from cpattn.layout.dcp import dcp_owner, owned_blocks, reshard_kv_blocks
+from cpattn.layout.dcp import HandoffFacts, dcp_owner, owned_blocks, reshard_kv_blocks
 from cpattn.layout.rows import request_of
 
 METHODS = ("a2a", "allgather")
-
-
-@dataclass(frozen=True)
-class HandoffFacts:
-    """What one rank's hand-off did: rows (or blocks) it sent / kept / received, bytes sent and received."""
-
-    rows_sent: int = 0
-    rows_kept: int = 0
-    rows_received: int = 0
-    blocks_sent: int = 0
-    blocks_received: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
 
 
 def row_owners(plan, rank: int, *, dcp_size: int, interleave_size: int):

@@ -28,7 +28,6 @@ Example
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,7 @@ from cpattn.engine.kv_rows import pack_rows
 from cpattn.engine.logits import as_logits
 from cpattn.engine.options import Algorithms
 from cpattn.engine.prefill_steps import DSACPStep, PCPStep, Prefix
-from cpattn.layout.pcp import PCPPlan, pcp_plan, pcp_shard
+from cpattn.layout.pcp import PCPPlan, gather_unshard, pcp_plan, pcp_shard
 
 
 @dataclass(frozen=True)
@@ -76,20 +75,6 @@ def split_plan(family: ModelFamily, cu_seqlens: list[int], size: int, *, algorit
     if family.attention == "dsa":
         return dsa_cp_plan(cu_seqlens, size, context_lens=context_lens, split=algorithms.dsa_split)
     return pcp_plan(cu_seqlens, size, context_lens=context_lens)
-
-
-def gather_unshard(group: Group, x: torch.Tensor, plan: Any) -> torch.Tensor:
-    """All-gather every rank's [T_r, ...] rows of a token split and restore request order: -> [T, ...].
-
-    One all-gather, padded to ``plan.max_tokens``; works for any plan with
-    ``num_tokens``, ``max_tokens`` and ``restore_index``.
-    """
-    t_max = plan.max_tokens
-    flat = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # [T_r, F] (T_r may be 0)
-    flat = torch.nn.functional.pad(flat, (0, 0, 0, t_max - flat.shape[0]))  # [t_max, F]
-    everything = group.all_gather(flat)  # [P * t_max, F], rank-major
-    rows = torch.cat([everything[j * t_max : j * t_max + m] for j, m in enumerate(plan.num_tokens)])
-    return rows[plan.restore_index.to(rows.device)].view(-1, *x.shape[1:])
 
 
 def prefill(group: Group, family: ModelFamily, params: dict, cfg: Any, prompts: Prompts, *,

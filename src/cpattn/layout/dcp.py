@@ -22,6 +22,8 @@ an unsharded (prefill) cache and the DCP layout when ``I == B`` (§4.5).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from cpattn.ops import checks
@@ -258,3 +260,16 @@ def _check_transfer(dcp_size: int, interleave_size: int, block_size: int) -> Non
             f"{interleave_size}, block_size={block_size}. With a smaller interleave each block mixes "
             "tokens of several ranks; set cp_kv_cache_interleave_size = block_size for P/D and KV pooling"
         )
+
+
+@dataclass(frozen=True)
+class HandoffFacts:
+    """What one rank's hand-off did: rows (or blocks) it sent / kept / received, bytes sent and received."""
+
+    rows_sent: int = 0
+    rows_kept: int = 0
+    rows_received: int = 0
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0

@@ -18,6 +18,7 @@ small index tensors), built once per batch and shared by every layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -228,3 +229,17 @@ def contiguous_causal_pairs(seq_lens: list[int], pcp_size: int, rank: int) -> in
 def _prefix_pairs(s: int, e: int) -> int:
     """sum_{t=s}^{e-1} (t + 1): query t sees keys 0..t."""
     return (e * (e + 1) - s * (s + 1)) // 2
+
+
+def gather_unshard(group, x: torch.Tensor, plan) -> torch.Tensor:
+    """All-gather every rank's [T_r, ...] rows of a token split and restore request order: -> [T, ...].
+
+    ``group``: a :class:`~cpattn.comm.group.Group`. One all-gather, padded to ``plan.max_tokens``; works for
+    any plan with ``num_tokens``, ``max_tokens`` and ``restore_index`` (the PCP plan, a DSA-CP plan).
+    """
+    t_max = plan.max_tokens
+    flat = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # [T_r, F] (T_r may be 0)
+    flat = torch.nn.functional.pad(flat, (0, 0, 0, t_max - flat.shape[0]))  # [t_max, F]
+    everything = group.all_gather(flat)  # [P * t_max, F], rank-major
+    rows = torch.cat([everything[j * t_max : j * t_max + m] for j, m in enumerate(plan.num_tokens)])
+    return rows[plan.restore_index.to(rows.device)].view(-1, *x.shape[1:])

@@ -75,6 +75,7 @@ from typing import Any
 import torch
 
 from cpattn.config import ModelConfig
+from cpattn.ops.logits import param_dtype
 
 # model_type -> the module that defines FAMILY (imported on first use)
 FAMILY_MODULES = {
@@ -128,22 +129,6 @@ class KVLayout:
         """Elements of one token's row in this layer: keys, values unless in keys, indexer key."""
         values = 0 if self.values_in_keys else self.num_kv_heads * self.v_head_dim
         return self.num_kv_heads * self.head_dim + values + self.index_head_dim
-
-
-def param_dtype(params: dict) -> torch.dtype:
-    """The dtype a model runs in (and its KV cache is kept in): the floating dtype holding most of its
-    parameter elements -- a DeepSeek router kept in float32 beside bfloat16 weights does not count.
-
-    >>> param_dtype({"router": torch.zeros(4, dtype=torch.float32), "w": torch.zeros(8, dtype=torch.bfloat16)})
-    torch.bfloat16
-    """
-    counts: dict[torch.dtype, int] = {}
-    for t in params.values():
-        if t.is_floating_point():
-            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
-    if not counts:
-        raise ValueError("params hold no floating-point tensor; pass the model's weights")
-    return max(counts, key=counts.get)
 
 
 def nan_caches(layouts: tuple[KVLayout, ...], lead: tuple[int, ...], dtype: torch.dtype, device) -> tuple:

@@ -44,11 +44,11 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.config import EngineConfig
-from cpattn.engine.batch import Prompts
-from cpattn.engine.handoff import HandoffFacts
-from cpattn.models.family import param_dtype
-from cpattn.engine.logits import forward_logits
-from cpattn.engine.options import Algorithms
+from cpattn.layout.batch import Prompts
+from cpattn.layout.dcp import HandoffFacts
+from cpattn.ops.logits import param_dtype
+from cpattn.ops.logits import forward_logits
+from cpattn.config.algorithms import Algorithms
 from cpattn.graphs.runner import Field
 from cpattn.v4.cache import V4Cache, V4Layout
 from cpattn.v4.decode import V4DecodeStep, cache_state, decode_plan, plan_fields

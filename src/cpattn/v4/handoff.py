@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.engine.logits import acc_dtype, as_logits
+from cpattn.ops.logits import acc_dtype, as_logits
 from cpattn.layout.dcp import dcp_slot_mapping
 from cpattn.layout.rows import cu_seqlens, request_of
 from cpattn.ops.rows import write_rows

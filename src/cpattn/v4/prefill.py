@@ -21,7 +21,7 @@ would have to be cached too).
 Example
 -------
 >>> import torch, cpattn
->>> from cpattn.engine.batch import Prompts
+>>> from cpattn.layout.batch import Prompts
 >>> from cpattn.models import deepseek_v4 as v4
 >>> cfg = v4.DeepseekV4Config.tiny()
 >>> params = v4.init_params(cfg)
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.engine.batch import Prompts
-from cpattn.engine.logits import as_logits
-from cpattn.engine.prefill import gather_unshard
+from cpattn.layout.batch import Prompts
+from cpattn.ops.logits import as_logits
+from cpattn.layout.pcp import gather_unshard
 from cpattn.layout.pcp import PCPPlan, pcp_shard
 from cpattn.v4.attention import LayerInput
 from cpattn.v4.cache import V4Layout
