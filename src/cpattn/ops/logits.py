@@ -42,7 +42,6 @@ def forward_logits(forward, params: dict, cfg, tokens: torch.Tensor, *attn, hidd
     return logits, logits.argmax(-1), hidden
 
 
-
 def param_dtype(params: dict) -> torch.dtype:
     """The dtype a model runs in (and its KV cache is kept in): the floating dtype holding most of its
     parameter elements -- a DeepSeek router kept in float32 beside bfloat16 weights does not count.
