@@ -28,16 +28,24 @@ def loop_collectives(group, pid_dir):
 
 
 def raise_on_rank1(group, pid_dir):
+    """Both ranks write their pid and meet once (so each pid file exists), then rank 1 raises."""
     with open(os.path.join(pid_dir, f"{group.rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
+    group.all_reduce(torch.ones(1))
     if group.rank == 1:
         raise ValueError("boom on purpose")
     return group.all_reduce(torch.ones(1))
 
 
 def sigkill_rank1(group, pid_dir):
+    """Both ranks write their pid and meet once, then rank 1 kills itself.
+
+    Without the first meeting rank 1 could die while rank 0 is still connecting its mesh, and rank 0
+    would fail before writing its pid (seen once in CI).
+    """
     with open(os.path.join(pid_dir, f"{group.rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
+    group.all_reduce(torch.ones(1))
     if group.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return group.all_reduce(torch.ones(1))
