@@ -3,7 +3,8 @@ can) against the fixed-batch composition it replaces (``cpattn.engine.composed``
 
 Float64 tiny models: the tokens must be equal, the logits and prompt logits close to ~1e-9 (the two
 compositions sum attention partials in other orders), for the layouts both run: one device, DCP, PCP + DCP
-in one engine, P/D, and with n-gram drafts.
+in one engine, P/D, and with n-gram drafts; for paged-cache families, DeepSeek-V4 (its own cache) and a
+hybrid model (paged KV + recurrent states).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 from engine_loop_cases import tiny_float64
 
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.batch import Prompts
 from cpattn.engine.composed import composed
 from cpattn.engine.driver import engine_configs, generate
@@ -39,6 +40,11 @@ def batch(vocab: int) -> list[list[int]]:
     pytest.param("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4), marks=pytest.mark.slow),
     pytest.param("deepseek_v32", dict(pcp_size=2, dcp_size=2), marks=pytest.mark.slow),  # DSA-CP
     pytest.param("deepseek_v2", dict(dcp_size=2), marks=pytest.mark.slow),  # MLA
+    ("deepseek_v4", dict(pcp_size=2, dcp_size=2)),  # its own cache kind (window rings + compressed entries)
+    pytest.param("deepseek_v4", dict(dcp_size=2), marks=pytest.mark.slow),
+    pytest.param("deepseek_v4", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4), marks=pytest.mark.slow),
+    ("qwen3_next", dict(pcp_size=2, dcp_size=2)),  # hybrid: paged KV + recurrent states
+    pytest.param("qwen3_next", dict(dcp_size=2), marks=pytest.mark.slow),
 ])
 def test_the_step_loop_gives_the_drivers_generation(family, layout):
     cfg, params = model(family)
@@ -102,8 +108,7 @@ def test_layouts_one_engine_cannot_run_are_refused():
 
 
 @pytest.mark.parametrize("family, layout, drafter, why", [
-    ("deepseek_v4", dict(dcp_size=2), None, "keeps its own cache"),
-    ("qwen3_next", dict(dcp_size=2), None, "keeps its own cache"),
+    ("qwen3_next", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4), None, "not the linear layers'"),
     ("qwen3", dict(pcp_size=2, dcp_size=4), None, "one engine runs PCP over its DCP group"),
     ("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4, num_speculative_tokens=2), _HiddenDrafter(),
      "P/D with a drafter reading hidden states"),

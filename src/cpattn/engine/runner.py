@@ -186,6 +186,10 @@ class StepRunner:
                                       capture_sizes=list(capture_sizes) if capture_sizes else None,
                                       max_size=max(q, max_num_seqs * q), backend=capture).capture()
 
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's KV storage (the whole block pool, used or not)."""
+        return self.shard.kv_bytes()
+
     def batch(self, out: SchedulerOutput, width: int | None = None) -> dict[str, torch.Tensor]:
         """The step's inputs: tokens [T], seq_lens [B], block_table [B, width] (spare-padded).
 

@@ -199,6 +199,10 @@ class HybridStepRunner(StepRunner):
     def live(self) -> int:
         return len(self.slots)
 
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's storage: the attention layers' block pool and every slot's recurrent states."""
+        return self.shard.kv_bytes() + self.states.state_bytes()
+
     def release(self, req_ids) -> None:
         """Drop the states of ``req_ids`` (finished, aborted or preempted: a readmission recomputes them)."""
         for rid in req_ids:

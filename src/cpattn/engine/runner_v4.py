@@ -227,6 +227,10 @@ class V4StepRunner:
     def live(self) -> int:
         return len(self.slots)
 
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's V4 cache storage (window rings and compressed entries, every slot)."""
+        return self.holder.kv_bytes()
+
     def release(self, req_ids) -> None:
         """Drop the state of ``req_ids`` (finished, aborted or preempted: a readmission recomputes it)."""
         for rid in req_ids:

@@ -56,15 +56,21 @@ from cpattn.engine.sampling import SamplingParams
 from cpattn.models.family import ModelFamily, get_family
 
 
-def fixed_batch_scheduler(prompt_lens, max_new_tokens: int, k: int = 0) -> SchedulerConfig:
+def fixed_batch_scheduler(prompt_lens, max_new_tokens: int, k: int = 0, *, chunked: bool = True) -> SchedulerConfig:
     """A scheduler under which a batch runs as the driver's: all prompts prefilled in step 0, then decodes.
+    ``chunked=False`` (DeepSeek-V4: a prompt, or its recompute, in one step): no chunked prefill, and the
+    budget holds a whole ``max_model_len``.
 
     >>> fixed_batch_scheduler([3, 5], 4).max_num_batched_tokens, fixed_batch_scheduler([3, 5], 4).max_num_seqs
     (8, 2)
+    >>> fixed_batch_scheduler([3, 5], 4, chunked=False).max_num_batched_tokens
+    10
     """
-    b = len(prompt_lens)
-    return SchedulerConfig(max_num_batched_tokens=max(sum(prompt_lens), b * (1 + k)), max_num_seqs=b,
-                           enable_prefix_caching=False, max_model_len=max(prompt_lens) + max_new_tokens + 2 * k + 1)
+    b, longest = len(prompt_lens), max(prompt_lens)
+    max_model_len = longest + max_new_tokens + 2 * k + 1
+    budget = max(sum(prompt_lens), b * (1 + k), 0 if chunked else max_model_len)
+    return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=b, enable_prefix_caching=False,
+                           enable_chunked_prefill=chunked, max_model_len=max_model_len)
 
 
 def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
@@ -72,9 +78,9 @@ def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
 
 
 def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
-    """Why the step loop cannot run this driver-style layout (None: it can): a family whose runner keeps
-    no prompt rows (deepseek_v4, hybrid), PCP over other ranks than the DCP group's, P/D with a drafter
-    reading hidden states, or an engine the layout rules refuse (a P/D producer of P ranks is an engine of
+    """Why the step loop cannot run this driver-style layout (None: it can): P/D of a hybrid model (its
+    recurrent states go over only in the composition), DeepSeek-V4 with a drafter reading hidden states,
+    PCP over other ranks than the DCP group's, P/D with a drafter reading hidden states, or an engine the layout rules refuse (a P/D producer of P ranks is an engine of
     DCP P: heads % P).
 
     >>> from cpattn.engine.driver import engine_configs
@@ -87,8 +93,10 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     """
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pd = decode.kv_transfer.kv_role == "kv_consumer"
-    if not (family.backend.per_token_kv and family.cache == "paged"):
-        return f"{family.name} keeps its own cache (ModelFamily.cache={family.cache!r}): no prompt rows in the step loop"
+    if pd and family.cache == "hybrid":
+        return f"P/D of {family.name}: PDEngine hands over KV blocks, not the linear layers' recurrent states"
+    if family.cache == "v4" and getattr(drafter, "hidden_layers", None) is not None:
+        return f"{family.name} with a drafter reading hidden states: its step loop keeps no hidden rows"
     if pd and getattr(drafter, "hidden_layers", None) is not None:
         return "P/D with a drafter reading hidden states: PDEngine's consumer drafts from tokens only"
     if not pd and p not in (1, n):
@@ -120,17 +128,17 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
     to logits. ``world``: this rank's group (colocated under torchrun / a simulated world), else simulated."""
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     k = decode.speculative.num_speculative_tokens if drafter is not None else 0
-    sched = fixed_batch_scheduler(prompt_lens, max_new_tokens, k)
+    v4 = family.cache == "v4"  # a prompt in one step, no shared blocks (runner_v4.v4_scheduler_config)
+    sched = fixed_batch_scheduler(prompt_lens, max_new_tokens, k, chunked=not v4)
     bs = decode.cache.block_size
     comp = decode.compilation
-    paged = family.backend.per_token_kv and family.cache == "paged"
-    if decode.kv_transfer.kv_role == "kv_consumer":
+    if decode.kv_transfer.kv_role == "kv_consumer":  # the pool tier of the prefix cache carries the blocks
         return PDEngine(family, params, cfg, pcp_size=p, dcp_size=n, block_size=bs, kv_connector=PDConnector(),
                         drafter=drafter, num_speculative_tokens=k,
-                        scheduler=dataclasses.replace(sched, enable_prefix_caching=True),
+                        scheduler=dataclasses.replace(sched, enable_prefix_caching=not v4),
                         num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
                         capture_sizes=comp.capture_sizes, return_logits=True,
-                        return_prompt_logits=prompt_logits and paged)
+                        return_prompt_logits=prompt_logits)
     if p not in (1, n):
         raise ValueError(f"step_generate: pcp_size={p} with dcp_size={n}: one engine runs PCP over its DCP group; "
                          f"pass pcp_size 1 or {n} (or a P/D pair)")
@@ -140,7 +148,7 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
                          interleave_size=decode.cache.cp_kv_cache_interleave_size, graph_mode=comp.graph_mode,
                          graph_backend=comp.graph_backend, capture_sizes=comp.capture_sizes, scheduler=sched,
                          num_blocks=_blocks(sched, bs, n), drafter=drafter, num_speculative_tokens=k,
-                         return_logits=True, return_prompt_logits=prompt_logits and paged)
+                         return_logits=True, return_prompt_logits=prompt_logits)
 
 
 def run_batch(engine, prompts, max_new_tokens: int, k: int = 0) -> tuple[list, RunFacts, SpecStats]:
@@ -169,10 +177,9 @@ def run_batch(engine, prompts, max_new_tokens: int, k: int = 0) -> tuple[list, R
     s = main.stats
     runner = main.runners[0]
     graph = getattr(runner, "graph", None)
-    shard = getattr(runner, "shard", None)
     facts = RunFacts(ttft_s=times[0] if times else 0.0, prefill_s=times[0] if times else 0.0, step_s=tuple(times[1:]),
                      bytes_sent={"prefill": sent[0] if sent else 0, "decode": (sent[-1] - sent[0]) if sent else 0},
-                     kv_bytes=shard.kv_bytes() if hasattr(shard, "kv_bytes") else 0,
+                     kv_bytes=runner.kv_bytes(),
                      runner=None if graph is None else graph.stats.as_dict())
     outs = [_cut(latest[i], max_new_tokens) for i in ids]
     stats = SpecStats(steps=spec["steps"], rows=spec["rows"], drafted=spec["drafted"], accepted=spec["accepted"],
@@ -222,7 +229,7 @@ def step_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max
                   prompt_logits: bool = True, world=None) -> Generation:
     """:func:`cpattn.engine.driver.generate` through the step loop (module docstring): B prompts,
     ``max_new_tokens`` greedy tokens each; returns tokens [B, N], logits [B, N, V], prompt_logits [T, V]
-    (None for a family whose runner keeps no prompt rows: deepseek_v4, hybrid), stats, facts.
+    (None with ``prompt_logits=False``), stats, facts.
     ``algorithms``: accepted for the driver's signature; the step loop picks its own (``pcp_method`` auto).
     ``world``: run on this rank's group (every rank calls it; colocated only)."""
     family = get_family(model)
