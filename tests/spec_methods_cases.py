@@ -24,7 +24,7 @@ from cpattn.lab import sequence as sq
 from cpattn.lab import target as tg
 from cpattn.lab.corpus import Corpus
 from cpattn.engine.dense_cache import DenseKVCache
-from cpattn.engine.drafters import DRAFTERS
+from cpattn.drafters.registry import DRAFTERS
 from cpattn.engine.family import get_family
 from cpattn.models import deepseek_v4 as v4
 

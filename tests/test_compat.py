@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 from cpattn.config import ConfigError, EngineConfig, GuideCompatWarning
-from cpattn.engine.drafters import NgramDrafter, truncated
+from cpattn.drafters.draft_model import truncated
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.models import qwen3
 from cpattn.models.generate import generate, pcp_dcp_config, pcp_dcp_generate
 

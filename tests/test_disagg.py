@@ -15,7 +15,7 @@ from spec_pd_cases import pd_cases, prompts, tiny_qwen3
 from cpattn.comm.launch import spawn
 from cpattn.comm.sim import SimMesh
 from cpattn.engine.batch import Prompts
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.handoff import deal_blocks, request_blocks
 from cpattn.engine.prefill import gather_unshard, prefill
 from cpattn.layout.dcp import unshard_kv_blocks

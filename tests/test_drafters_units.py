@@ -26,8 +26,10 @@ from cpattn.lab.corpus import Corpus
 from cpattn.lab.train import main as train_main
 from cpattn.lab.train import target_main, train_drafter
 from cpattn.engine.dense_cache import DenseKVCache
-from cpattn.engine.drafters import (DRAFTERS, DraftSettings, ModelDrafter, NgramDrafter, TargetHidden, check_drafter,
-                                    speculative_fields)
+from cpattn.drafters.draft_model import ModelDrafter
+from cpattn.drafters.ngram import NgramDrafter
+from cpattn.drafters.registry import DRAFTERS
+from cpattn.engine.drafters import DraftSettings, TargetHidden, check_drafter, speculative_fields
 from cpattn.graphs.check import check_static
 from cpattn.models import deepseek_v3, deepseek_v32, qwen3
 from cpattn.models.generate import pcp_dcp_config, pcp_dcp_generate, speculative_generate

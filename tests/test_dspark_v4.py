@@ -131,7 +131,7 @@ def test_train_draft_command_on_a_v4_checkpoint(tmp_path, capsys):
     """A random-init V4 target saved as a checkpoint (``target.save``) reads back equal; ``cpattn train-draft
     --method dspark`` trains a head for it that the registry loads; Eagle3 is refused with the rule."""
     from cpattn.lab.train import main as train_main
-    from cpattn.engine.drafters import DRAFTERS
+    from cpattn.drafters.registry import DRAFTERS
 
     cfg = v4.DeepseekV4Config.tiny()
     params = v4.init_params(cfg, seed=1, std=0.2)

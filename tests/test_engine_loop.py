@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpattn.config import SchedulerConfig
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.reference import reference_generate
@@ -250,7 +250,7 @@ def test_gloo_ranks_give_the_simulated_tokens():
 def test_speculative_steps_stay_lossless(method, dcp, graph):
     """k drafts per running request verified in the same steps as prefill chunks; accepted ones committed,
     rejected KV rolled back; tokens still one-device greedy (repetitive prompts so drafts get accepted)."""
-    from cpattn.engine.drafters import truncated
+    from cpattn.drafters.draft_model import truncated
 
     cfg, params = model("qwen3")
     drafter = NgramDrafter() if method == "ngram" else truncated("qwen3", params, cfg, num_layers=1)

@@ -16,7 +16,7 @@ import torch
 from test_engine_loop_hybrid import LAYOUTS, engine, model, prompt, sched
 
 from cpattn.engine import engine_configs, generate
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.llm import SamplingParams
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),

@@ -20,7 +20,8 @@ from lanes import examples
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine import engine_configs, generate
-from cpattn.engine.drafters import DraftSettings, NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
+from cpattn.engine.drafters import DraftSettings
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.models import deepseek_v4 as v4
 

@@ -6,7 +6,7 @@ preemptions, a stop token and an abort."""
 import pytest
 
 from cpattn.config import SchedulerConfig
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.models import qwen3
 

@@ -206,7 +206,7 @@ def test_the_consumer_verifies_token_drafts_losslessly(p, d, graph):
     """Speculative decoding on the consumer (an n-gram drafter, k = 3; captured verify steps at P2/D2): tokens stay
     one-device greedy, drafts get accepted and rejected, the producer drafts nothing; a drafter that reads hidden
     states is refused in one line."""
-    from cpattn.engine.drafters import NgramDrafter
+    from cpattn.drafters.ngram import NgramDrafter
 
     cfg, params = model("qwen3")
     g = torch.Generator().manual_seed(11)

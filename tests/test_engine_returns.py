@@ -14,7 +14,7 @@ import torch
 from engine_loop_cases import tiny_float64
 
 from cpattn.config import SchedulerConfig
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.pd_engine import PDEngine
 from cpattn.engine.reference import reference_generate

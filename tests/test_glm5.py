@@ -41,7 +41,7 @@ from cpattn.engine import driver  # noqa: E402
 from cpattn.engine.batch import Prompts  # noqa: E402
 from cpattn.engine.decode import decode_step  # noqa: E402
 from cpattn.engine.dense_cache import DenseKVCache  # noqa: E402
-from cpattn.engine.drafters import NgramDrafter  # noqa: E402
+from cpattn.drafters.ngram import NgramDrafter  # noqa: E402
 from cpattn.engine.family import KVLayout  # noqa: E402
 from cpattn.engine.paged_cache import DCPStep, PagedShard  # noqa: E402
 from cpattn.engine.prefill import gather_unshard, prefill  # noqa: E402

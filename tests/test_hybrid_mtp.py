@@ -23,7 +23,8 @@ from test_engine_loop_hybrid import LAYOUTS, engine, model, prompt, sched
 
 from cpattn.drafters.qwen3_next_mtp import Qwen3NextMTPDrafter, as_layer, block_config, mtp_logits_features
 from cpattn.engine import engine_configs, generate
-from cpattn.engine.drafters import NgramDrafter, TargetHidden
+from cpattn.drafters.ngram import NgramDrafter
+from cpattn.engine.drafters import TargetHidden
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.models import qwen3_next as qn
 
@@ -194,7 +195,7 @@ def test_from_checkpoint_reads_the_mtp_tensors(tmp_path):
     assert back.model == "qwen3_next" and back.cfg == cfg
     assert sorted(back.params) == sorted(d.params)
     assert all(torch.equal(back.params[n], d.params[n]) for n in d.params)
-    from cpattn.engine.drafters import DRAFTERS
+    from cpattn.drafters.registry import DRAFTERS
 
     routed = DRAFTERS["mtp"].from_checkpoint(tmp_path / "full")  # the registry's "mtp" reads a hybrid checkpoint
     assert isinstance(routed, Qwen3NextMTPDrafter) and sorted(routed.params) == sorted(d.params)

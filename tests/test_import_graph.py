@@ -1,20 +1,27 @@
 """The packages of ``src/cpattn`` import each other without a loop.
 
 Each top-level package (or module) is a node; an edge is an ``import cpattn.X`` / ``from cpattn.X import``
-anywhere in a file of the package, inside functions too (read from the source, nothing is imported). Left
-out, by design: the old paths kept for one release, each a module whose docstring says so ("Old path of",
-"Deprecated path", "Deprecated old path") and which the library never imports; and one lazy edge,
-``cpattn plan calibrate | validate | anchors`` handing over to the benchmark side (``plan/cli.py``).
+anywhere in a file of the package, inside functions too, or a string naming a module ``"cpattn.X..."``
+(``"cpattn.X.y:name"``), as a registry that imports by name holds it (read from the source, nothing is
+imported). Left out, by design: the old paths kept for one release, each a module whose docstring says so
+("Old path of", "Deprecated path", "Deprecated old path") and which the library never imports.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "cpattn"
 OLD_PATH = ("Old path of", "Deprecated path", "Deprecated old path")
-LAZY = {("plan/cli.py", "bench")}  # `cpattn plan calibrate|validate|anchors` dispatches to cpattn.bench.perf.cli
+NAMED = re.compile(r"^cpattn(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?$")  # a module named in a string (a registry's entry)
+
+
+def named_modules(tree: ast.AST) -> list[tuple[str, int]]:
+    """The modules a file names in strings, as a registry importing by name holds them: [(module, line)]."""
+    return [(n.value.split(":")[0], n.lineno) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and NAMED.match(n.value)]
 
 
 def package(parts: tuple[str, ...]) -> str:
@@ -31,14 +38,16 @@ def edges() -> dict[str, dict[str, list[str]]]:
         if doc.startswith(OLD_PATH):
             continue
         src = package(rel.parts)
+        found = named_modules(tree)
         for node in ast.walk(tree):
             mods = [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            for m in mods:
-                if m.startswith("cpattn."):
-                    dst = package(tuple(m.split(".")[1:]))
-                    if dst != src and (rel.as_posix(), dst) not in LAZY:
-                        out.setdefault(src, {}).setdefault(dst, []).append(f"{rel}:{node.lineno}")
+            found += [(m, node.lineno) for m in mods]
+        for m, line in found:
+            if m.startswith("cpattn."):
+                dst = package(tuple(m.split(".")[1:]))
+                if dst != src:
+                    out.setdefault(src, {}).setdefault(dst, []).append(f"{rel}:{line}")
     return out
 
 
@@ -73,6 +82,11 @@ def loops(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
 def test_the_finder_sees_a_loop():
     assert loops({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}, "d": {"a": []}}) == [["a", "b", "c"]]
     assert loops({"a": {"b": []}, "b": {}}) == []
+
+
+def test_a_registry_naming_a_module_is_an_edge():
+    tree = ast.parse('R = {"ngram": "cpattn.drafters.ngram:NgramDrafter"}\nx = "cpattn is fast"')
+    assert named_modules(tree) == [("cpattn.drafters.ngram", 1)]
 
 
 def test_no_package_loop():

@@ -30,7 +30,7 @@ from hf_oracle import (  # noqa: E402
 
 from cpattn.models import deepseek_v2, load_checkpoint, qwen3_moe  # noqa: E402
 from cpattn.models.generate import disagg_generate, generate, speculative_generate  # noqa: E402
-from cpattn.engine.drafters import NgramDrafter  # noqa: E402
+from cpattn.drafters.ngram import NgramDrafter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

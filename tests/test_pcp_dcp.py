@@ -17,7 +17,7 @@ from cpattn.comm.sim import SimMesh, simulate
 from cpattn.config import ConfigError, EngineConfig
 from cpattn.engine import driver
 from cpattn.engine.batch import Prompts
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.handoff import exchange
 from cpattn.engine.kv_rows import row_width
 from cpattn.engine.options import Algorithms

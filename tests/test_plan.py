@@ -279,7 +279,7 @@ def test_pcp_terms_is_deprecated_and_unused_by_the_library(capsys):
     import warnings
 
     from cpattn.bench.perf.anchors import pcp_terms, ttft_terms
-    from cpattn.plan.cli import main
+    from cpattn.bench.perf.cli import main
 
     for call in (lambda: pcp_terms(), lambda: ttft_terms([32768, 65536, 131072], [6.0, 17.0, 57.0])):
         with pytest.warns(DeprecationWarning, match="absolute anchors: cpattn.bench.perf.anchors.pcp_anchor"):
@@ -344,9 +344,9 @@ def test_nothing_fits_is_said():
 
 # ----------------------------------------------------------------------------- the CLI
 def _run(argv, capsys):
-    from cpattn.plan.cli import main
+    from cpattn.cli import main  # the command line: `cpattn plan ARGV` (calibrate | validate | anchors included)
 
-    code = main(argv)
+    code = main(["plan", *argv])
     return code, capsys.readouterr()
 
 

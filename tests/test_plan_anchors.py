@@ -32,7 +32,7 @@ def test_llama_anchor_lands_near_the_published_77_s():
 
 
 def test_cli_anchors_print_absolute_numbers(capsys):
-    from cpattn.plan.cli import main
+    from cpattn.bench.perf.cli import main
 
     assert main(["anchors", "--json", "-"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -79,7 +79,7 @@ def default_profile(tmp_path, monkeypatch):
 
 
 def test_calibrate_refuses_to_replace_the_default_profile(default_profile, capsys):
-    from cpattn.plan.cli import main
+    from cpattn.bench.perf.cli import main
 
     path, calls = default_profile
     path.parent.mkdir()
@@ -94,7 +94,7 @@ def test_calibrate_refuses_to_replace_the_default_profile(default_profile, capsy
 
 
 def test_calibrate_writes_a_missing_default_or_an_explicit_out(default_profile, tmp_path, capsys):
-    from cpattn.plan.cli import main
+    from cpattn.bench.perf.cli import main
 
     path, calls = default_profile
     assert main(["calibrate", "--quick"]) == 0 and load_profile(str(path)).device == "fitted"

@@ -13,7 +13,7 @@ def test_table_prices_the_naive_guess_against_the_measurement():
 
 
 def test_cli_validate_shows_the_naive_column(tmp_path, capsys):
-    from cpattn.plan.cli import main
+    from cpattn.bench.perf.cli import main
 
     bench = {"spec": {"seq_lens": [4096], "heads": 16, "kv_heads": 16, "head_dim": 128}, "world_size": 2,
              "rows": [{"method": "ring", "vs_one_rank": 0.6, "cpu_vs_one_rank": 0.55}]}

@@ -142,7 +142,7 @@ def test_speculative_decoding_gives_hf_generate_tokens(pcp, dcp, pd, method):
     """Drafts in the fixed-batch path (n-gram; Qwen3-Next's MTP module, random weights: it reads the prompt's
     hidden states from the prefill, across P/D too, and each step's verified rows): HF's greedy tokens."""
     from cpattn.drafters.qwen3_next_mtp import Qwen3NextMTPDrafter
-    from cpattn.engine.drafters import NgramDrafter
+    from cpattn.drafters.ngram import NgramDrafter
 
     cfg, params, prompts, _, hf_tokens = reference()
     drafter = NgramDrafter(max_ngram=2) if method == "ngram" else Qwen3NextMTPDrafter.random(cfg, params, std=0.2)

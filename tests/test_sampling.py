@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine import SamplingParams as FromPackage
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.reference import reference_generate

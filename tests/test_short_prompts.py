@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.reference import reference_generate
 from cpattn.models import deepseek_v2, deepseek_v3, deepseek_v32, qwen3, qwen3_moe
 from cpattn.models.generate import (

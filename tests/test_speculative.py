@@ -19,7 +19,9 @@ from spec_pd_cases import prompts, spec_cases
 from cpattn.comm.launch import spawn
 from cpattn.graphs import buckets
 from cpattn.engine.decode import accept_drafts
-from cpattn.engine.drafters import DraftSettings, ModelDrafter, NgramDrafter, ngram_lookup, truncated
+from cpattn.drafters.draft_model import ModelDrafter, truncated
+from cpattn.drafters.ngram import NgramDrafter, ngram_lookup
+from cpattn.engine.drafters import DraftSettings
 from cpattn.models.generate import generate, speculative_generate
 
 NEW = 14

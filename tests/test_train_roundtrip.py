@@ -15,7 +15,7 @@ from cpattn.lab import target as tg
 from cpattn.drafters.mtp import MTPDrafter
 from cpattn.lab.train import main as train_draft
 from cpattn.lab.train import target_main
-from cpattn.engine.drafters import DRAFTERS
+from cpattn.drafters.registry import DRAFTERS
 from cpattn.models.generate import generate, speculative_generate
 
 pytestmark = pytest.mark.slow

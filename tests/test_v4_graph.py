@@ -27,7 +27,7 @@ import torch
 from cpattn.comm.sim import SimMesh
 from cpattn.engine import Algorithms, Prompts, driver
 from cpattn.engine.decode import decode, make_runner
-from cpattn.engine.drafters import NgramDrafter
+from cpattn.drafters.ngram import NgramDrafter
 from cpattn.graphs import check_static
 from cpattn.graphs.backends import CompileBackend
 from cpattn.models import deepseek_v4 as v4

@@ -53,6 +53,7 @@ BENCHMARKS = {
     "drafts": ("cpattn.lab.report:main",
                "MTP / Eagle3 / DSpark on tiny trained targets: acceptance per position; decode tok/s vs plain, DCP 1 and 2"),
 }
+PLAN_EXPERIMENTS = ("calibrate", "validate", "anchors")  # cpattn plan SUB: benchmark-side (cpattn.bench.perf.cli)
 POOL = {
     "serve": ("cpattn.pool.server:main", "a Mooncake master on 127.0.0.1 and a long-lived process holding the pool's memory"),
 }
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         if rest[0] not in table:
             return _unknown(f"cpattn {cmd}", what, rest[0], list(table))
         prog, target, rest = f"cpattn {cmd} {rest[0]}", table[rest[0]][0], rest[1:]
+    elif cmd == "plan" and rest and rest[0] in PLAN_EXPERIMENTS:  # the planner's experiments run benchmarks
+        prog, target = f"cpattn plan {rest[0]}", "cpattn.bench.perf.cli:main"
     elif cmd in COMMANDS:
         prog, target = f"cpattn {cmd}", COMMANDS[cmd][0]
     else:

@@ -51,7 +51,8 @@ def spec_model(layers: int = 4):
 def acceptance_rows(new_tokens: int, ks: list[int]) -> list[dict]:
     """Part 1: one row per (drafter, k)."""
     import torch
-    from cpattn.engine.drafters import ModelDrafter, NgramDrafter, truncated
+    from cpattn.drafters.draft_model import ModelDrafter, truncated
+    from cpattn.drafters.ngram import NgramDrafter
     from cpattn.models import qwen3
     from cpattn.engine.classic import generate, speculative_generate
 

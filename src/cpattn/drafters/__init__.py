@@ -21,8 +21,8 @@ greedy continuations) is the lab's, :mod:`cpattn.lab`, which nothing here import
 
 Beside them the two drafters that read tokens only: :mod:`~cpattn.drafters.ngram`
 (prompt lookup, no weights) and :mod:`~cpattn.drafters.draft_model` (a small
-model of the target's family, its own dense cache); their names are also
-importable from :mod:`cpattn.engine.drafters`.
+model of the target's family, its own dense cache).
 
-All are reachable by name from :data:`cpattn.engine.drafters.DRAFTERS`.
+All are reachable by name from :data:`cpattn.drafters.registry.DRAFTERS`
+(:mod:`cpattn.engine.drafters` holds the protocol they follow).
 """

@@ -70,10 +70,10 @@ the target's hidden states of the rows computed since the last call (a
 the 1 + k verified rows after a step, the leading ``1 + accepted`` final);
 ``rollback(requests, keep_lens)`` drops what it holds past the tokens the
 target accepted. Registered by name in
-:data:`~cpattn.engine.drafters.DRAFTERS` (n-gram, draft model, and the
+:data:`~cpattn.drafters.registry.DRAFTERS` (n-gram, draft model, and the
 guide's MTP, Eagle3 and DSpark from :mod:`cpattn.drafters`):
 
->>> from cpattn.engine.drafters import DRAFTERS
+>>> from cpattn.drafters.registry import DRAFTERS
 >>> state = DRAFTERS["ngram"]().start(num_requests=1, max_len=16)
 >>> state.propose([[4, 5, 6, 4]], 2, [0]).tolist()
 [[5, 6]]

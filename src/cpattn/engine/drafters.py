@@ -1,4 +1,5 @@
-"""Drafters for speculative decoding, all behind one protocol and one registry (:data:`DRAFTERS`).
+"""The drafter protocol of speculative decoding (the drafters themselves, and their registry
+:data:`cpattn.drafters.registry.DRAFTERS`, live in :mod:`cpattn.drafters`).
 
 A *drafter* is a picklable description (weights included) with three
 declarations and one call:
@@ -41,44 +42,35 @@ The draft state's two calls, once per verification step each:
   cache holds them); the state drops whatever it holds past them (rejected
   drafts, and the draft's own cache rows built on them).
 
-The two drafters that need no weights file of their own, n-gram prompt
+The two drafters that need no weights file of their own are n-gram prompt
 lookup (:mod:`cpattn.drafters.ngram`) and a draft model
-(:mod:`cpattn.drafters.draft_model`), are importable from here too.
+(:mod:`cpattn.drafters.draft_model`). Their names, ``DRAFTERS`` and
+``Registry`` read from here are deprecated aliases (:mod:`cpattn.engine._drafters_moved`).
 
 Example
 -------
->>> from cpattn.engine.drafters import NgramDrafter
+>>> from cpattn.drafters.ngram import NgramDrafter
 >>> d = NgramDrafter(max_ngram=2).start(num_requests=1, max_len=32)
 >>> d.propose([[5, 6, 7, 1, 5, 6]], 3, [0]).tolist()
 [[7, 1, 5]]
->>> sorted(DRAFTERS)
-['draft_model', 'dspark', 'eagle3', 'mtp', 'ngram']
+>>> check_drafter(NgramDrafter(), 3)  # the protocol and the settings cpattn implements: no error
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-# the concrete drafters live in cpattn.drafters (they import this module); their names stay importable from here
-_MOVED = {"NgramDrafter": "cpattn.drafters.ngram", "ngram_lookup": "cpattn.drafters.ngram",
-          "ModelDrafter": "cpattn.drafters.draft_model", "ModelDraftState": "cpattn.drafters.draft_model",
-          "truncated": "cpattn.drafters.draft_model"}
-
 
 def __getattr__(name: str):
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
+    from cpattn.engine import _drafters_moved  # the deprecated names (they moved to cpattn.drafters)
+
+    if name in _drafters_moved.MOVED:
+        return _drafters_moved.resolve(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_MOVED])
 
 
 @dataclass(frozen=True)
@@ -178,43 +170,6 @@ class Drafter(Protocol):
 
     def start(self, num_requests: int, max_len: int, *, graph: str | None = None) -> DraftState: ...
 
-
-
-class Registry(Mapping):
-    """Drafter name -> class, importing a method's module on first use (its weights code is not free).
-
-    >>> from cpattn.drafters.ngram import NgramDrafter
-    >>> DRAFTERS["ngram"] is NgramDrafter, "mtp" in DRAFTERS
-    (True, True)
-    """
-
-    def __init__(self, entries: dict[str, type | str]):
-        self._entries = dict(entries)
-
-    def __getitem__(self, name: str) -> type:
-        if name not in self._entries:
-            raise KeyError(f"unknown drafter {name!r}; known: {sorted(self._entries)}")
-        entry = self._entries[name]
-        if isinstance(entry, str):
-            module, cls = entry.split(":")
-            entry = self._entries[name] = getattr(importlib.import_module(module), cls)
-        return entry
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-# name -> drafter class; a drafter is built as DRAFTERS[name](**its arguments) or DRAFTERS[name].from_checkpoint(dir)
-DRAFTERS = Registry({
-    "ngram": "cpattn.drafters.ngram:NgramDrafter",
-    "draft_model": "cpattn.drafters.draft_model:ModelDrafter",
-    "mtp": "cpattn.drafters.mtp:MTPDrafter",
-    "eagle3": "cpattn.drafters.eagle3:Eagle3Drafter",
-    "dspark": "cpattn.drafters.dspark:DSparkDrafter",
-})
 
 
 def check_drafter(drafter, num_speculative_tokens: int, *, settings: bool = True) -> None:

@@ -112,7 +112,7 @@ class LLMEngine:
         ranks never race the producer's stores).
         kv_connector: instead of ``kv_pool``, any :class:`~cpattn.engine.connector.KVConnector` (a pool, the
         P/D connector, their sum); the engine binds its own copy (``engine.connector``).
-    drafter: a drafter (:class:`~cpattn.engine.drafters.NgramDrafter`, a draft model, or an MTP /
+    drafter: a drafter (:class:`~cpattn.drafters.ngram.NgramDrafter`, a draft model, or an MTP /
         Eagle3 / DSpark head, which gets the target's hidden states) with ``num_speculative_tokens`` =
         k >= 1 (or the config's); None: plain decode.
     pcp_policy: with ``pcp_size > 1``, "always" (every prefill chunk runs PCP) or "elastic" (only chunks of

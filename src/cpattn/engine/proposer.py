@@ -15,7 +15,7 @@ decode's last token and accepted drafts), as a
 
 Example
 -------
->>> from cpattn.engine.drafters import NgramDrafter
+>>> from cpattn.drafters.ngram import NgramDrafter
 >>> p = Proposer(NgramDrafter(), 2, max_num_seqs=2, max_len=16)
 >>> p.propose({"a": [1, 2, 3, 1, 2]}), p.slots
 ({'a': [3, 1]}, {'a': 0})

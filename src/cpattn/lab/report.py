@@ -46,7 +46,7 @@ def load(data, target: str, dtype=None):
     import torch
 
     from cpattn.lab import target as tg
-    from cpattn.engine.drafters import DRAFTERS
+    from cpattn.drafters.registry import DRAFTERS
 
     dtype = torch.float32 if dtype is None else dtype
 

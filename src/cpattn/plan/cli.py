@@ -40,16 +40,18 @@ from cpattn.config import cli_args as cli
 from cpattn.config.cli_output import table, write_json
 from cpattn.plan.rules import fix_of, rule_of
 
-SUBCOMMANDS = ("calibrate", "validate", "anchors")
+SUBCOMMANDS = ("calibrate", "validate", "anchors")  # cpattn.cli sends these to cpattn.bench.perf.cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``cpattn plan ARGV``; return the exit status (0 ok, 2 usage error)."""
+    """Run ``cpattn plan ARGV``; return the exit status (0 ok, 2 usage error). ``calibrate`` / ``validate``
+    / ``anchors`` are benchmark-side (:func:`cpattn.bench.perf.cli.main`, which ``cpattn plan SUB`` runs);
+    passing them here still works, deprecated (:mod:`cpattn.plan._experiments_moved`)."""
     argv = list(argv or [])
     if argv and argv[0] in SUBCOMMANDS:
-        from cpattn.bench.perf import cli as experiments  # benchmark-side: calibrate, validate, anchors
+        from cpattn.plan import _experiments_moved
 
-        return getattr(experiments, f"_{argv[0]}")(argv[1:])
+        return _experiments_moved.run(argv)
     return _plan(argv)
 
 

@@ -44,7 +44,7 @@ def build_engine(a, sched, world=None):
     graph = a.compilation_config or {"graph_mode": "NONE", "capture_sizes": None, "graph_backend": "auto"}
     spec, drafter, k = a.speculative_config, None, 0
     if spec is not None and spec["method"] == "mtp":  # the checkpoint's own MTP module (checked by check_mtp)
-        from cpattn.engine.drafters import DRAFTERS
+        from cpattn.drafters.registry import DRAFTERS
 
         drafter = DRAFTERS["mtp"].from_checkpoint(a.model, dtype=next(iter(params.values())).dtype)
         k = spec["num_speculative_tokens"]

@@ -7,7 +7,8 @@ default one); ``validate`` compares predicted and measured ratios of
 anchors. Usage errors are one line, exit 2, before any work. Each prints
 through :class:`cpattn.bench.harness.Report` (``--json -``: only JSON on
 stdout) and the model they price is the library's (:mod:`cpattn.plan`).
-(Moved from ``cpattn.plan.cli_tools``, which re-exports these names.)
+(Moved from ``cpattn.plan.cli_tools``, which re-exports these names.) ``cpattn plan calibrate ...``
+reaches :func:`main` straight from :mod:`cpattn.cli`: the planner never imports its experiments.
 """
 
 from __future__ import annotations
@@ -19,6 +20,21 @@ import os
 from cpattn.bench import harness
 from cpattn.config import cli_args as cli
 from cpattn.plan.cli import _profile
+
+
+SUBCOMMANDS = ("calibrate", "validate", "anchors")
+
+
+def main(argv: list[str]) -> int:
+    """Run ``cpattn plan SUB ARGS`` for SUB in :data:`SUBCOMMANDS` (``argv = [SUB, *ARGS]``); the exit status.
+
+    >>> main(["anchors", "--json", "-"])  # doctest: +ELLIPSIS
+    {...
+    0
+    """
+    if not argv or argv[0] not in SUBCOMMANDS:
+        raise ValueError(f"cpattn.bench.perf.cli.main: argv[0] must be one of {SUBCOMMANDS}; got {argv[:1]}")
+    return {"calibrate": _calibrate, "validate": _validate, "anchors": _anchors}[argv[0]](argv[1:])
 
 
 # ----------------------------------------------------------------------------- calibrate
