@@ -108,7 +108,6 @@ def test_layouts_one_engine_cannot_run_are_refused():
 
 
 @pytest.mark.parametrize("family, layout, drafter, why", [
-    ("qwen3_next", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4), None, "not the linear layers'"),
     ("qwen3", dict(pcp_size=2, dcp_size=4), None, "one engine runs PCP over its DCP group"),
     ("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4, num_speculative_tokens=2), _HiddenDrafter(),
      "P/D with a drafter reading hidden states"),

@@ -17,7 +17,8 @@ consumer rank ``j % D``, as in the fixed-batch hand-off (:mod:`cpattn.engine.han
   ``[n, block_size, F]``, over ``Group.send`` / ``recv`` (:func:`~cpattn.engine.handoff.send_block_pairs`).
   :class:`MemoryLink` hands them over in this process, for :class:`~cpattn.engine.pd_engine.PDEngine`.
   A DeepSeek-V4 engine has no per-token blocks: bound to one, ``PDConnector()`` hands over each
-  request's whole V4 state instead (:mod:`cpattn.engine.connector_v4`).
+  request's whole V4 state instead (:mod:`cpattn.engine.connector_v4`); bound to a hybrid engine
+  (Qwen3-Next), every prompt block plus the linear layers' states (:mod:`cpattn.engine.connector_hybrid`).
 - **fetch**, on the consumer, at admission: the received spans, from the first span sent on. A
   span the device prefix cache already holds is not asked for. The inbox entry is dropped once
   the request has run a step.
@@ -141,6 +142,10 @@ class PDConnector(KVConnector):
             from cpattn.engine.connector_v4 import V4PDConnector
 
             return V4PDConnector(self.link).bind(side)
+        if side.family.cache == "hybrid":  # blocks + the linear layers' states (connector_hybrid)
+            from cpattn.engine.connector_hybrid import HybridPDConnector
+
+            return HybridPDConnector(self.link).bind(side)
         if side.role not in ROLES:
             raise ValueError(f"PDConnector on an engine of kv_role={side.role!r}: it joins a kv_producer and a "
                              "kv_consumer (PDEngine, run_rank(pd=True)); for one engine pass kv_pool= or nothing")

@@ -204,6 +204,8 @@ class LLMEngine:
             raise ValueError(f"pcp_policy={pcp_policy!r}: a deepseek_v4 prompt is prefilled in one step by its own "
                              "runner; pass pcp_policy='always'")
         extra = {"connector": self.connector} if v4 else {"pcp_min_tokens": pcp_min}  # V4 P/D: the runner hands off
+        if hybrid:  # hybrid P/D: the runner stages / installs the linear states (connector_hybrid)
+            extra["connector"] = self.connector
 
         def runner(g: Group) -> StepRunner:  # a capture runs the step: every rank builds at once
             return make(g, family, params, cfg, num_blocks=nb, block_size=block, interleave_size=inter,

@@ -24,6 +24,9 @@ memory here, rank to rank in :func:`~cpattn.engine.run_rank.run_rank`).
 ``PoolConnector(pool, store=False) + PDConnector()`` sends only the blocks the pool does not hold.
 DeepSeek-V4 has no per-token blocks: its default connector is ``PDConnector()``, which hands each
 request's whole V4 state and first-token logits over (:mod:`cpattn.engine.connector_v4`); no pool.
+A hybrid model (Qwen3-Next) too: ``PDConnector()`` hands over every prompt block, the linear layers'
+states after the prompt and the first-token logits (:mod:`cpattn.engine.connector_hybrid`); no pool,
+no prefix caching, and the consumer computes no prompt token.
 
 The first token comes from the producer, which gives the TTFT. The consumer
 samples it again from its recomputed tail, using the same per-request seed,
@@ -129,7 +132,7 @@ class PDEngine:
         KV cache sharded over them).
     block_size: both sides' KV block (and interleave) size.
     scheduler: both roles' :class:`~cpattn.config.SchedulerConfig`; prefix caching stays on (the pool
-        is its second tier).
+        is its second tier), except for DeepSeek-V4 and hybrid models (off; None: their defaults).
     kv_pool: the connector: a :class:`~cpattn.engine.pooling.PoolSpec` (LMDB, Mooncake) or an open pool;
         None: an in-process dict pool. kv_connector: instead, a
         :class:`~cpattn.engine.connector.KVConnector` (``PDConnector()``: blocks handed over directly).
@@ -158,14 +161,19 @@ class PDEngine:
                              "have for the prompt blocks it is handed; pass a token drafter (NgramDrafter, a draft "
                              "model) or serve it colocated (LLMEngine)")
         v4 = family.backend.name == "v4"  # no per-token blocks: its whole state goes over (connector_v4)
+        hybrid = family.cache == "hybrid"  # blocks + linear states, which no pool holds (connector_hybrid)
         if v4 and kv_pool is not None:
             raise ValueError(f"kv_pool: {family.name} keeps its own cache (window rings + compressed entries), not "
                              "per-token KV blocks a pool could hold; pass kv_pool=None (the P/D connector hands over "
                              "its whole state)")
-        if v4 and kv_connector is None:
+        if hybrid and kv_pool is not None:
+            raise ValueError(f"kv_pool: {family.name} is a hybrid model, whose linear layers' states a pool of KV "
+                             "blocks does not hold; pass kv_pool=None (the P/D connector hands over the prompt's "
+                             "blocks and the states)")
+        if (v4 or hybrid) and kv_connector is None:
             kv_connector = PDConnector()
-        sched = scheduler or (None if v4 else SchedulerConfig())  # None: V4's own defaults
-        if not v4 and not sched.enable_prefix_caching:
+        sched = scheduler or (None if v4 or hybrid else SchedulerConfig())  # None: the family's own defaults
+        if not (v4 or hybrid) and not sched.enable_prefix_caching:
             raise ValueError("scheduler.enable_prefix_caching=False: P/D hands the KV over through the prefix "
                              "cache's second tier; leave prefix caching on")
         self.pool, self._opened = None, False

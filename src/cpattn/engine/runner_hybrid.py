@@ -33,7 +33,11 @@ cached context gathered from the DCP shards as a replicated prefix (as :mod:`cpa
 linear layers by the exact scan (:class:`~cpattn.linear.pcp_step.PCPLinearStep`) starting from each request's
 slot; every rank ends with the same states, written back to the slots, and the new KV rows go to their DCP
 owners by the paged hand-off. The step's decodes (and shorter chunks) then run the DCP step.
-Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph backend (persistent
+P/D (``connector``: the engine's bound :class:`~cpattn.engine.connector_hybrid.HybridPDConnector`): a producer's
+row that ends a prompt stages the request's slot states and its logits with the connector; a consumer's prompt
+rows of a handed request compute nothing (:meth:`HybridStepRunner._handed`: the handed KV rows written into the
+row's blocks, the producer's states installed and the first token sampled from the handed logits at the row
+that ends the prompt). Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph backend (persistent
 buffers, padding rows write nothing) replays uniform decode steps, of 1 + k tokens a row with drafts.
 
 Example
@@ -101,11 +105,13 @@ def hybrid_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | No
     >>> c.enable_prefix_caching, c.enable_chunked_prefill
     (False, True)
     """
+    from cpattn.engine.connector_pd import PDConnector
+
     name = family.name
     why = "cached whole blocks carry KV rows but no snapshot of the linear layers' states at block boundaries"
-    if kv_pool is not None:
+    if kv_pool is not None and not isinstance(kv_pool, PDConnector):  # PDConnector: P/D, blocks + states
         raise ValueError(f"kv_pool: {name} is a hybrid model ({why}), so a pool cannot serve its prefixes; "
-                         "pass kv_pool=None")
+                         "pass kv_pool=None (P/D: kv_connector=PDConnector(), which hands the states over)")
     if scheduler is None:
         return SchedulerConfig(enable_prefix_caching=False)
     if scheduler.enable_prefix_caching:
@@ -147,7 +153,8 @@ class HybridStepRunner(StepRunner):
     """One rank's hybrid model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`
     (``pcp_size > 1``: prefill chunks run PCP, see the module doc; ``num_speculative_tokens`` = k: decode rows of
     1 + k tokens verified with per-position states, see the module doc; ``hidden_layers``: the hidden states
-    a drafter reads, in ``StepResult.hidden`` as StepRunner gives them).
+    a drafter reads, in ``StepResult.hidden`` as StepRunner gives them; ``connector``: the engine's bound KV
+    connector, whose ``stage`` / ``take`` a P/D pair's hybrid connector has, see the module doc).
 
     ``live``: requests holding a slot; ``states``: the slots' linear-layer states.
     """
@@ -158,7 +165,8 @@ class HybridStepRunner(StepRunner):
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = ENGINE_MERGE,
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
-                 hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:
+                 hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0,
+                 connector=None) -> None:
         family = get_family(model)
         if family.cache != "hybrid":
             raise ValueError(f"HybridStepRunner runs families declaring cache='hybrid'; {family.name} declares "
@@ -170,6 +178,7 @@ class HybridStepRunner(StepRunner):
                          max_model_len=max_model_len, interleave_size=interleave_size, merge=merge, capture=None,
                          max_num_seqs=max_num_seqs, pcp_size=1, pcp_method=pcp_method, poison=poison,
                          pcp_min_tokens=pcp_min_tokens)
+        self.connector = connector  # the engine's bound KV connector (P/D: connector_hybrid), or None
         self.pcp_size = check_pcp_size(pcp_size, group, "HybridStepRunner")  # the chunks' PCP runs here (:meth:`_pcp_chunks`), not StepRunner's
         dev = params["model.embed_tokens.weight"].device
         self.states = family.recurrent_cache(cfg, batch=max_num_seqs, dtype=param_dtype(params), device=dev)
@@ -240,6 +249,31 @@ class HybridStepRunner(StepRunner):
             if out.draft_tokens[b] and not self.k:
                 raise RuntimeError(f"request {rid!r}: {len(out.draft_tokens[b])} drafts; this hybrid runner was "
                                    "built with num_speculative_tokens=0")
+        take = getattr(self.connector, "take", None)  # P/D consumer: prompt rows handed over, not computed
+        handed = {b: got for b, rid in enumerate(out.req_ids) if take is not None and out.is_prefill[b]
+                  and (got := take(rid, out.context_lens[b], out.query_lens[b])) is not None}
+        res = self._handed(out, handed) if handed else self._run(out)
+        rows = [b for b, d in enumerate(out.draft_tokens) if d]
+        if rows:  # each verify row keeps the state after its last accepted token (the bonus token's input)
+            acc = [len(res.outputs[out.req_ids[b]].sampled) - 1 for b in rows]
+            commit_positions(self.states, self._state["pending"],
+                             torch.tensor([self.slots[out.req_ids[b]] for b in rows]), torch.tensor(acc))
+            for b, a in zip(rows, acc):
+                self.seen[out.req_ids[b]] -= len(out.draft_tokens[b]) - a  # rejected drafts: not absorbed
+        for b, rid in enumerate(out.req_ids):
+            self.seen[rid] += out.query_lens[b]
+        stage = getattr(self.connector, "stage", None)  # P/D producer: the consumer gets these states
+        if stage is not None:
+            for b, rid in enumerate(out.req_ids):
+                if out.is_prefill[b] and out.samples[b] and b not in handed:
+                    slot = self.slots[rid]
+                    stage(rid, [t[slot] for t in self.states.conv], [t[slot] for t in self.states.state],
+                          res.logits[rid][-1], self.seen[rid], self.group.rank)
+        return res
+
+    def _run(self, out: SchedulerOutput) -> StepResult:
+        """The step's rows through the model: long prefill chunks under PCP (with ``pcp_size > 1``), the rest
+        through the DCP step."""
         pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
             if self.pcp_size > 1 else []
         if pre:  # the long chunks under PCP, then the decodes and short chunks through the DCP step
@@ -257,16 +291,59 @@ class HybridStepRunner(StepRunner):
                              chunk_logits=self.chunk_logits)
         else:
             res = super().execute(out)
-        rows = [b for b, d in enumerate(out.draft_tokens) if d]
-        if rows:  # each verify row keeps the state after its last accepted token (the bonus token's input)
-            acc = [len(res.outputs[out.req_ids[b]].sampled) - 1 for b in rows]
-            commit_positions(self.states, self._state["pending"],
-                             torch.tensor([self.slots[out.req_ids[b]] for b in rows]), torch.tensor(acc))
-            for b, a in zip(rows, acc):
-                self.seen[out.req_ids[b]] -= len(out.draft_tokens[b]) - a  # rejected drafts: not absorbed
-        for b, rid in enumerate(out.req_ids):
-            self.seen[rid] += out.query_lens[b]
         return res
+
+    def _handed(self, out: SchedulerOutput, handed: dict) -> StepResult:
+        """A step with prefill rows a P/D producer handed over (``handed[b]``: the connector's
+        :class:`~cpattn.engine.connector_hybrid.HybridEntry`): each writes the handed KV rows of its positions
+        ``context .. context + q - 1`` that this rank owns into its blocks, computing nothing; the row that ends
+        the prompt installs the handed states in the request's slot and samples the first token from the handed
+        logits [V]. The step's other rows then run as usual (:meth:`_run`)."""
+        rids = [out.req_ids[b] for b in handed]
+        if self.hidden_layers is not None:
+            raise ValueError(f"requests {rids}: a handed-over {self.family.name} prompt has no hidden rows for a "
+                             "drafter reading hidden states; use a token drafter (NgramDrafter) on a P/D consumer")
+        t0 = time.perf_counter()
+        super().execute(rows_of(out, []))  # the fresh blocks' poisoning, before the handed rows land in them
+        size, n, rank = self.shard.block_size, self.group.size, self.group.rank
+        rows, where, sampled = [], [], []
+        for b, e in handed.items():
+            ctx, q, table = out.context_lens[b], out.query_lens[b], out.block_tables[b]
+            for j in range(ctx // size, (ctx + q - 1) // size + 1):
+                if j % n != rank:
+                    continue
+                lo, hi = max(ctx, j * size) - j * size, min(ctx + q, (j + 1) * size) - j * size
+                rows.append(e.blocks[j][lo:hi])
+                where.append(torch.arange(lo, hi, dtype=torch.int64) + table[j // n] * size)
+            if out.samples[b]:
+                if ctx + q != e.num_tokens:
+                    raise RuntimeError(f"request {out.req_ids[b]!r}: samples after {ctx + q} tokens, but the "
+                                       f"handed prompt has {e.num_tokens}")
+                slot = self.slots[out.req_ids[b]]
+                for dst, src in zip((*self.states.conv, *self.states.state), (*e.conv, *e.state)):
+                    dst[slot] = src.to(dst.dtype)
+                sampled.append(b)
+        if rows:
+            self.shard.write_rows(torch.cat(rows), torch.cat(where))
+        outputs, logits = {out.req_ids[b]: ModelOutput() for b in handed}, {}
+        if sampled:
+            first = torch.stack([handed[b].logits for b in sampled])  # [S, V]
+            chosen = first.argmax(-1).tolist()
+            sub = rows_of(out, sampled)
+            if any(sub.sampling):
+                chosen = choose(first, chosen, sampled_positions(sub, last_only=True))
+            for i, b in enumerate(sampled):
+                outputs[out.req_ids[b]] = ModelOutput((chosen[i],))
+                logits[out.req_ids[b]] = first[i:i + 1]
+        chunks = self.chunk_logits
+        times = [time.perf_counter() - t0, 0.0, 0.0]
+        rest = [b for b in range(len(out.req_ids)) if b not in handed]
+        if not rest:
+            return StepResult(outputs, logits, False, 0, *times, 0, None, chunk_logits=chunks)
+        res = self._run(replace(rows_of(out, rest), fresh_blocks=()))  # poisoned above
+        return StepResult({**outputs, **res.outputs}, {**logits, **res.logits}, False, res.bytes_sent,
+                          *[a + b for a, b in zip(times, (res.prepare_s, res.forward_s, res.sample_s))],
+                          res.pcp_rows, res.hidden, chunk_logits=res.chunk_logits)
 
     def _pcp_chunks(self, out: SchedulerOutput):
         """The step's prefill chunks under PCP (every row a prefill): the attention layers by ring /

@@ -78,8 +78,8 @@ def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
 
 
 def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
-    """Why the step loop cannot run this driver-style layout (None: it can): P/D of a hybrid model (its
-    recurrent states go over only in the composition), DeepSeek-V4 with a drafter reading hidden states,
+    """Why the step loop cannot run this driver-style layout (None: it can): DeepSeek-V4 with a drafter
+    reading hidden states,
     PCP over other ranks than the DCP group's, P/D with a drafter reading hidden states, or an engine the layout rules refuse (a P/D producer of P ranks is an engine of
     DCP P: heads % P).
 
@@ -93,8 +93,6 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     """
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pd = decode.kv_transfer.kv_role == "kv_consumer"
-    if pd and family.cache == "hybrid":
-        return f"P/D of {family.name}: PDEngine hands over KV blocks, not the linear layers' recurrent states"
     if family.cache == "v4" and getattr(drafter, "hidden_layers", None) is not None:
         return f"{family.name} with a drafter reading hidden states: its step loop keeps no hidden rows"
     if pd and getattr(drafter, "hidden_layers", None) is not None:
@@ -135,7 +133,8 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
     if decode.kv_transfer.kv_role == "kv_consumer":  # the pool tier of the prefix cache carries the blocks
         return PDEngine(family, params, cfg, pcp_size=p, dcp_size=n, block_size=bs, kv_connector=PDConnector(),
                         drafter=drafter, num_speculative_tokens=k,
-                        scheduler=dataclasses.replace(sched, enable_prefix_caching=not v4),
+                        scheduler=dataclasses.replace(sched, enable_prefix_caching=family.cache not in ("v4",
+                                                                                                    "hybrid")),
                         num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
                         capture_sizes=comp.capture_sizes, return_logits=True,
                         return_prompt_logits=prompt_logits)
