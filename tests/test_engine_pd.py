@@ -226,12 +226,4 @@ def test_the_consumer_verifies_token_drafts_losslessly(p, d, graph):
     assert s.decode.blocks_used == 0 and s.prefill.blocks_used == 0
     if graph:
         assert s.decode.replayed_steps > 0, s.decode
-    pd.close()
-
-    class Hidden(NgramDrafter):
-        hidden_layers = ("final",)
-        method = "mtp"
-
-    with pytest.raises(ValueError, match="drafter='mtp' reads the target's hidden states"):
-        PDEngine("qwen3", params, cfg, pcp_size=p, dcp_size=d, block_size=BLOCK, drafter=Hidden(),
-                 num_speculative_tokens=2)
+    pd.close()  # drafters reading hidden states (MTP, Eagle3, DSpark): tests/test_engine_loop_pd_drafters.py

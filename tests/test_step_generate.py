@@ -109,8 +109,6 @@ def test_layouts_one_engine_cannot_run_are_refused():
 
 @pytest.mark.parametrize("family, layout, drafter, why", [
     ("qwen3", dict(pcp_size=2, dcp_size=4), None, "one engine runs PCP over its DCP group"),
-    ("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4, num_speculative_tokens=2), _HiddenDrafter(),
-     "P/D with a drafter reading hidden states"),
     ("qwen3", dict(pcp_size=3, dcp_size=2, pd=True, interleave_size=4), None, "engine is refused"),  # 4 heads % 3
 ])
 def test_generate_keeps_the_composition_for_what_the_step_loop_cannot_run(family, layout, drafter, why):

@@ -145,6 +145,10 @@ class ChainState:
         return torch.stack(drafts, 1)  # [A, k]
 
     def rollback(self, requests: list[int], keep_lens: list[int]) -> None:
-        """Keep rows of final tokens only: provisional rows are never read again (they lie past ``held``)."""
+        """Keep rows of final tokens only: provisional rows are never read again (they lie past ``held``).
+        ``keep_lens[i] = 0`` frees the slot (the engine's release): its next request starts afresh, from the
+        first position it brings rows of (after a prefix hit, not 0)."""
         for r, n in zip(requests, keep_lens):
             self.held[r] = min(self.held[r], max(int(n), self.lo[r]))
+            if not n:
+                self.started[r] = False

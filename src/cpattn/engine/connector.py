@@ -66,6 +66,9 @@ class Side:
     simulated mesh inside an engine). role: "kv_both", "kv_producer" or "kv_consumer".
     read(rank, block_id) -> [block_size, F]: a block of a DCP rank's cache (only ``rank``'s when it is
     set). barrier: makes the DCP group meet (None: nothing to wait for).
+    hidden_layers: the target hidden states the engine keeps for a drafter (its ``hidden_layers``; None: none).
+    hidden(request_id) -> (start, {name: [n, F]}) or None: the engine's kept hidden rows of a request
+    (positions ``start .. start + n - 1``), what a P/D producer hands over with the blocks.
     """
 
     family: Any
@@ -79,6 +82,8 @@ class Side:
     prefix_caching: bool
     read: Callable[[int, int], torch.Tensor]
     barrier: Callable[[], None] | None = None
+    hidden_layers: tuple | None = None
+    hidden: Callable[[Hashable], tuple | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,12 @@ class KVConnector:
 
     def request_finished(self, request_id: Hashable) -> None:
         """Forget what is held for a request that will not run on (an abort)."""
+
+    def hidden_rows(self, request_id: Hashable, context_len: int) -> tuple[int, dict] | None:
+        """Consumer: target hidden rows handed over for a request whose first computed row is at position
+        ``context_len``: ``(start, {name: [context_len - start, F]})``, the rows of positions ``start ..
+        context_len - 1`` the consumer did not compute (its drafter reads them); None: none handed."""
+        return None
 
     def close(self) -> None:
         """Release what the bound copy opened (idempotent)."""
@@ -268,6 +279,9 @@ class MultiConnector(KVConnector):
     def request_finished(self, request_id) -> None:
         for c in self.connectors:
             c.request_finished(request_id)
+
+    def hidden_rows(self, request_id, context_len):
+        return next((h for c in self.connectors if (h := c.hidden_rows(request_id, context_len)) is not None), None)
 
     @property
     def stored_blocks(self) -> int:

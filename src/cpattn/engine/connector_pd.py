@@ -22,9 +22,24 @@ consumer rank ``j % D``, as in the fixed-batch hand-off (:mod:`cpattn.engine.han
 - **fetch**, on the consumer, at admission: the received spans, from the first span sent on. A
   span the device prefix cache already holds is not asked for. The inbox entry is dropped once
   the request has run a step.
+- **hidden rows**, with a drafter that reads the target's hidden states (MTP, Eagle3, DSpark: both
+  engines keep its ``hidden_layers``; :class:`~cpattn.engine.connector.Side`). Such a drafter has its own
+  attention (or context) over every earlier position, so it needs the target's hidden rows of the whole
+  prompt, not only of the last position. The producer engine keeps each request's rows as it computes
+  its chunks; **save** stages those of positions ``0 .. usable * block_size - 1`` (where the consumer's
+  computed tail can start at the latest), flattened ``{name: [m, F]}``; **send** sends them after the
+  blocks, consumer rank d from producer rank ``d % P`` (:func:`send_hidden_rows`: an int64 header of
+  each request's start and row count and each name's width, then ``[sum m, sum F]``; in memory for a
+  :class:`MemoryLink`). At the consumer's first step of the request, :meth:`PDConnector.hidden_rows`
+  gives the rows before its first computed position, which the engine puts before the rows it computed
+  (:meth:`~cpattn.engine.llm.LLMEngine._keep_hidden`), so the drafter's first proposal reads every
+  prompt position, as in one engine that ran the prompt. Rows the producer did not compute (a prefix it
+  found cached) are not sent; the drafter then starts at the first position with a row, as
+  ``LLMEngine``'s does after a prefix hit, and so does a request the consumer preempts and recomputes.
 
 :attr:`PDConnector.stats` counts blocks and bytes sent per request. The producer ranks' counts add
-up to ``(usable - first) * block_size * F * itemsize`` bytes per request.
+up to ``(usable - first) * block_size * F * itemsize`` bytes per request, plus, with a hidden-state
+drafter, ``D * usable * block_size * sum(F_name) * itemsize`` of hidden rows (``hidden_bytes_sent``).
 
 Example
 -------
@@ -69,7 +84,8 @@ def usable_blocks(num_tokens: int, block_size: int, consumer_size: int) -> int:
 @dataclass
 class TransferStats:
     """The P/D connector's counters: blocks / bytes this rank sent (producer) or received (consumer), blocks
-    fetched into the consumer's cache, and bytes sent per request id."""
+    fetched into the consumer's cache, and bytes sent per request id (blocks and hidden rows); of them, the
+    drafter's hidden rows (``hidden_bytes_*``: with a drafter that reads the target's hidden states)."""
 
     blocks_sent: int = 0
     bytes_sent: int = 0
@@ -77,6 +93,8 @@ class TransferStats:
     bytes_received: int = 0
     blocks_loaded: int = 0
     bytes_by_request: dict = field(default_factory=dict)
+    hidden_bytes_sent: int = 0
+    hidden_bytes_received: int = 0
 
 
 class MemoryLink:
@@ -86,6 +104,7 @@ class MemoryLink:
     def __init__(self, consumer_size: int) -> None:
         self.consumer_size = consumer_size
         self._queue: deque = deque()
+        self._hidden: deque = deque()  # the drafter's hidden rows of each hand-off (PDConnector.send_hidden)
 
     def send(self, conn: PDConnector, handed: Sequence[Handoff], nblocks: list[int], start: list[int]) -> list[int]:
         box = {(b, j): conn._outbox[h.request_id][j] for b, h in enumerate(handed) for j in range(start[b], nblocks[b])}
@@ -160,6 +179,8 @@ class PDConnector(KVConnector):
         bound.width = row_width(tuple(side.family.kv_layouts(side.cfg)))
         bound.dtype = param_dtype(side.params)
         bound._outbox, bound._inbox, bound._waiting = {}, {}, {}
+        bound.hidden_names = hidden_names(side.hidden_layers)
+        bound._hidden_out, bound._hidden_in = {}, {}
         bound._stats = TransferStats()
         return bound
 
@@ -187,6 +208,8 @@ class PDConnector(KVConnector):
             usable = usable_blocks(req.num_prompt, s.block_size, d)
             self._outbox[rid] = {j: s.read(j % n, table[j // n]) for j in range(usable)
                                  if s.rank is None or j % n == s.rank}
+            if self.hidden_names is not None:
+                self._hidden_out[rid] = staged_hidden(s.hidden(rid), usable * s.block_size, self.hidden_names)
 
     def send(self, handed: Sequence[Handoff]) -> None:
         if self.side.role != "kv_producer":
@@ -202,7 +225,28 @@ class PDConnector(KVConnector):
             st.bytes_by_request[h.request_id] = st.bytes_by_request.get(h.request_id, 0) + nbytes
             st.bytes_sent += nbytes
             st.blocks_sent += nbytes // row
+        if self.hidden_names is not None and handed:
+            for h, nbytes in zip(handed, self._send_hidden(handed)):
+                st.bytes_by_request[h.request_id] = st.bytes_by_request.get(h.request_id, 0) + nbytes
+                st.bytes_sent += nbytes
+                st.hidden_bytes_sent += nbytes
         self._outbox.clear()  # staged blocks of requests not handed off (aborted, or done at the first token)
+        self._hidden_out.clear()
+
+    def _send_hidden(self, handed: Sequence[Handoff]) -> list[int]:
+        """The drafter's hidden rows of ``handed`` (staged at save) to the consumer ranks this producer rank
+        serves (consumer rank d from producer rank ``d % P``): bytes sent per request."""
+        rows = [self._hidden_out.get(h.request_id, (0, None)) for h in handed]
+        sent = [0] * len(handed)
+        if isinstance(self.link, MemoryLink):
+            self.link._hidden.append(rows)  # one copy, as every consumer rank would get it
+            return [0 if r is None else self.link.consumer_size * sum(t.nbytes for t in r.values()) for _, r in rows]
+        s, world, p = self.side, self.link.world, len(self.link.producers)
+        for d, dst in enumerate(self.link.consumers):
+            if d % p == s.rank:
+                n = send_hidden_rows(world, dst, rows, self.hidden_names, self.dtype)
+                sent = [a + b for a, b in zip(sent, n)]
+        return sent
 
     # -- consumer ---------------------------------------------------------------------------------
     def recv(self, handed: Sequence[Handoff]) -> None:
@@ -217,6 +261,8 @@ class PDConnector(KVConnector):
                 mine[b][j] = payload
                 self._stats.blocks_received += 1
                 self._stats.bytes_received += payload.nbytes
+        if self.hidden_names is not None and handed:
+            self._recv_hidden(handed)
         for h, (first, usable), blocks in zip(handed, ranges, mine):
             if usable <= first:
                 continue
@@ -226,6 +272,33 @@ class PDConnector(KVConnector):
             entry["first"] = min(entry["first"], first)
             entry["refs"].add(h.request_id)
             self._waiting[h.request_id] = key
+
+    def _recv_hidden(self, handed: Sequence[Handoff]) -> None:
+        """Take the hidden rows :meth:`_send_hidden` sent this consumer (rank d from producer rank ``d % P``)."""
+        if isinstance(self.link, MemoryLink):
+            if not self.link._hidden:
+                raise RuntimeError("MemoryLink: no hidden rows were sent; call the producer's send first")
+            rows = self.link._hidden.popleft()
+        else:
+            src = self.link.producers[self.side.rank % len(self.link.producers)]
+            rows = recv_hidden_rows(self.link.world, src, len(handed), self.hidden_names, self.dtype)
+        for h, (start, r) in zip(handed, rows):
+            if r is not None:
+                self._hidden_in[h.request_id] = (start, r)
+                nbytes = sum(t.nbytes for t in r.values()) * (self.link.consumer_size if self.side.rank is None else 1)
+                self._stats.hidden_bytes_received += nbytes
+                self._stats.bytes_received += nbytes
+
+    def hidden_rows(self, request_id, context_len):
+        held = getattr(self, "_hidden_in", None)  # (the V4 / hybrid connectors keep none)
+        got = held.get(request_id) if held else None
+        if got is None:
+            return None
+        start, rows = got
+        n = next(iter(rows.values())).shape[0]
+        if not start < context_len <= start + n:  # they do not reach (or continue to) the first computed row
+            return None
+        return start, {k: v[:context_len - start] for k, v in rows.items()}
 
     def fetch(self, tokens, start, stop):
         entry = self._inbox.get(tuple(tokens)) if self._inbox else None
@@ -242,6 +315,7 @@ class PDConnector(KVConnector):
 
     def request_finished(self, request_id) -> None:
         self._outbox.pop(request_id, None)
+        getattr(self, "_hidden_in", {}).pop(request_id, None)  # (the V4 connector keeps none)
         self._drop(request_id)
 
     def _drop(self, rid) -> None:
@@ -254,13 +328,86 @@ class PDConnector(KVConnector):
 
     def _admitted(self, out, requests) -> None:
         """Drop the inbox entries of requests that ran a step (or were aborted while waiting)."""
+        ran, held = set(out.req_ids), getattr(self, "_hidden_in", {})  # (the V4 connector keeps none)
+        for rid in [r for r in held if r in ran or getattr(requests.get(r), "status", None) == "finished"]:
+            del held[rid]  # the first computed row took them (LLMEngine._keep_hidden)
         if not self._waiting:
             return
-        ran = set(out.req_ids)
         for rid in list(self._waiting):
             req = requests.get(rid)
             if req is not None and (rid in ran or req.status == "finished"):
                 self._drop(rid)
+
+
+# -- the drafter's hidden rows (a drafter that reads the target's hidden states: MTP, Eagle3, DSpark) ----------
+def hidden_names(hidden_layers: tuple | None) -> list | None:
+    """The names of the hidden rows an engine keeps for ``hidden_layers`` (a drafter's), in the order they
+    travel: layer indices ascending, then "norm" (None: no rows kept).
+
+    >>> hidden_names((3, 1)), hidden_names(()), hidden_names(None)
+    ([1, 3, 'norm'], ['norm'], None)
+    """
+    return None if hidden_layers is None else [*sorted(hidden_layers), "norm"]
+
+
+def staged_hidden(kept: tuple[int, dict] | None, upto: int, names: Sequence) -> tuple[int, dict | None]:
+    """What a producer hands over of one request's kept hidden rows ``kept = (start, {name: [n, ...]})``
+    (positions ``start .. start + n - 1``; None: none kept): ``(start, {name: [m, F]})``, the rows of positions
+    ``start .. upto - 1`` (``upto``: the first position the consumer may compute, its usable blocks' end),
+    flattened to [m, F] and cloned; ``(start, None)`` when there are none (a prefix the producer did not
+    compute, or nothing the consumer lacks).
+
+    >>> start, rows = staged_hidden((0, {"norm": torch.arange(12.0).view(6, 2)}), 4, ["norm"])
+    >>> start, rows["norm"].shape
+    (0, torch.Size([4, 2]))
+    >>> staged_hidden((4, {"norm": torch.zeros(2, 2)}), 4, ["norm"])
+    (4, None)
+    """
+    if kept is None or kept[0] >= upto:
+        return (0 if kept is None else kept[0]), None
+    start, rows = kept
+    m = upto - start
+    if next(iter(rows.values())).shape[0] < m:
+        raise RuntimeError(f"the producer kept hidden rows of positions {start}.. but not up to {upto - 1}; "
+                           "a finished prompt's rows are all kept (LLMEngine(hidden_layers=))")
+    return start, {n: rows[n][:m].reshape(m, -1).clone() for n in names}
+
+
+def send_hidden_rows(world: Group, dst: int, rows: Sequence[tuple[int, dict | None]], names: Sequence,
+                     dtype: torch.dtype) -> list[int]:
+    """Send one consumer rank (``dst`` of ``world``) the hidden rows of a hand-off's requests, ``rows[b] =
+    (start, {name: [m_b, F]} or None)``: an int64 header ``[2B + len(names)]`` (each request's start and m_b,
+    then each name's width F, 0 when no request has rows), then, if any, the rows ``[sum m_b, sum F]`` in
+    ``dtype``. Returns the bytes sent per request. :func:`recv_hidden_rows` is its other side."""
+    have = [r for _, r in rows if r is not None]
+    widths = [have[0][n].shape[1] for n in names] if have else [0] * len(names)
+    head = [v for start, r in rows for v in (start, 0 if r is None else next(iter(r.values())).shape[0])]
+    world.send(torch.tensor(head + widths, dtype=torch.int64), dst)
+    if not have:
+        return [0] * len(rows)
+    flat = torch.cat([torch.cat([r[n].to(dtype) for n in names], 1) for r in have])  # [sum m_b, sum F]
+    world.send(flat, dst)
+    return [0 if r is None else next(iter(r.values())).shape[0] * flat.shape[1] * flat.element_size() for _, r in rows]
+
+
+def recv_hidden_rows(world: Group, src: int, num_requests: int, names: Sequence,
+                     dtype: torch.dtype) -> list[tuple[int, dict | None]]:
+    """What :func:`send_hidden_rows` sent from rank ``src`` of ``world``: ``[(start, {name: [m_b, F]} or None)]``
+    for the hand-off's ``num_requests`` requests."""
+    head = world.recv((2 * num_requests + len(names),), torch.int64, src).tolist()
+    starts, counts, widths = head[0:2 * num_requests:2], head[1:2 * num_requests:2], head[2 * num_requests:]
+    if not sum(counts):
+        return [(s, None) for s in starts]
+    flat = world.recv((sum(counts), sum(widths)), dtype, src)
+    out, at = [], 0
+    for start, m in zip(starts, counts):
+        if not m:
+            out.append((start, None))
+            continue
+        cols = torch.split(flat[at:at + m], widths, 1)
+        out.append((start, dict(zip(names, cols))))
+        at += m
+    return out
 
 
 # -- the hand-off of one world step (run_rank): which requests, their first tokens, then their blocks ----------

@@ -123,6 +123,9 @@ class LLMEngine:
     return_logits / return_prompt_logits: opt-in, off by default (no cost then): each RequestOutput also
         carries the raw logits row of every output token / the logits of every prompt position computed
         (:mod:`cpattn.engine.returns`).
+    hidden_layers: without a drafter, the target hidden states to keep anyway (a drafter's
+        ``hidden_layers``): a P/D producer keeps each request's prompt rows for its connector, which hands
+        them to the consumer's drafter (:mod:`cpattn.engine.connector_pd`). With a drafter: its own.
 
     ``engine.last_step`` is ``(SchedulerOutput, replayed)`` of the latest step (what ran, and whether
     it replayed a captured program); ``engine.stats`` the counters.
@@ -135,7 +138,8 @@ class LLMEngine:
                  merge: str = ENGINE_MERGE, drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
                  poison: bool = False, seed: int | None = None, kv_role: str = "kv_both",
                  pcp_policy: str = "always", pcp_min_tokens: int | None = None, kv_connector=None,
-                 return_logits: bool = False, return_prompt_logits: bool = False) -> None:
+                 return_logits: bool = False, return_prompt_logits: bool = False,
+                 hidden_layers: tuple | None = None) -> None:
         family = get_family(model)
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role={kv_role!r}; pass one of {', '.join(KV_ROLES)} (vLLM's kv_transfer_config roles)")
@@ -173,12 +177,14 @@ class LLMEngine:
         nb = num_blocks if num_blocks is not None else _default_blocks(sched, block * n)
         self.family, self.config, self.scheduler_config = family, config, sched
         self.connector = connector_args(kv_pool, kv_connector)  # the scheduler's second tier (cpattn.engine.connector)
+        layers = hidden_layers if drafter is None else drafter.hidden_layers  # the target hidden rows kept
         if self.connector is not None:
             barrier = None if world is None or n == 1 else (lambda: world.all_reduce(torch.zeros(1)))
             self.connector = self.connector.bind(Side(
                 family, cfg, params, block, inter, n, None if world is None else world.rank, kv_role,
                 sched.enable_prefix_caching, barrier=barrier,
-                read=lambda r, bid: self.runners[0 if self._mesh is None else r].shard.read_block(bid)))
+                read=lambda r, bid: self.runners[0 if self._mesh is None else r].shard.read_block(bid),
+                hidden_layers=layers, hidden=lambda rid: self._hidden.get(rid)))
         self.pool = getattr(self.connector, "pool", None)
         self.tier2, self.kv_role = self.connector, kv_role
         self.blocks = BlockManager(nb, block, dcp_size=n, interleave_size=inter,
@@ -212,7 +218,7 @@ class LLMEngine:
                         max_model_len=self.max_model_len, merge=merge, capture=capture,
                         capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
                         num_speculative_tokens=k, pcp_size=pcp, poison=poison, **extra,
-                        hidden_layers=None if drafter is None else drafter.hidden_layers)
+                        hidden_layers=layers)
 
         self._groups = groups
         self.runners = run_ranks(self._mesh, groups, runner, what="LLMEngine") if len(groups) > 1 \
@@ -303,6 +309,9 @@ class LLMEngine:
         self._counts["pcp_steps"] += results[0].pcp_rows > 0
         if self.connector is not None:  # the worker side: a pool stores, the P/D producer stages its blocks
             self.connector.save(out, self.scheduler.requests)
+            if self._hidden and self.proposer is None:  # a P/D producer's rows: its connector has staged them
+                for r in [r for r in self._hidden if self.scheduler.requests[r].status == "finished"]:
+                    del self._hidden[r]
         reqs, prompts, held = self.scheduler.requests, self._prompts, self._token_ids
         outs = []
         for rid in out.req_ids:  # one lookup per row; the output tokens of the last step extended (append-only)
@@ -331,7 +340,8 @@ class LLMEngine:
 
     def _keep_hidden(self, out, hidden: dict | None) -> None:
         """Gather each request's final hidden rows (position order) until its next proposal; a row
-        that does not continue them (a recompute after preemption) starts over."""
+        that does not continue them (a recompute after preemption) starts over, from the rows the KV
+        connector handed over for the positions before it, if any (a P/D consumer's prompt blocks)."""
         if hidden is None:
             return
         for b, rid in enumerate(out.req_ids):
@@ -341,7 +351,10 @@ class LLMEngine:
             start, held = self._hidden.get(rid, (out.context_lens[b], None))
             n = 0 if held is None else next(iter(held.values())).shape[0]
             if held is None or start + n != out.context_lens[b]:
-                self._hidden[rid] = (out.context_lens[b], rows)
+                got = None if self.connector is None or not out.context_lens[b] else \
+                    self.connector.hidden_rows(rid, out.context_lens[b])
+                self._hidden[rid] = (out.context_lens[b], rows) if got is None else \
+                    (got[0], {k: torch.cat([got[1][k], rows[k].reshape(rows[k].shape[0], -1)]) for k in rows})
             else:
                 self._hidden[rid] = (start, {k: torch.cat([held[k], rows[k]]) for k in held})
 

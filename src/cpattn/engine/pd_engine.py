@@ -122,6 +122,28 @@ def pd_params(prompt_token_ids: Sequence[int], params: SamplingParams | None, ma
     return p
 
 
+def producer_hidden(family, drafter) -> tuple | None:
+    """The ``hidden_layers`` a P/D producer keeps for the consumer's ``drafter``: the drafter's when it reads
+    the target's hidden states and the family has per-token blocks (DeepSeek-V4's and hybrid engines refuse
+    such drafters themselves), else None.
+
+    >>> from cpattn.drafters.ngram import NgramDrafter
+    >>> producer_hidden(get_family("qwen3"), NgramDrafter()) is None
+    True
+    """
+    layers = getattr(drafter, "hidden_layers", None)
+    return None if family.backend.name == "v4" or family.cache == "hybrid" else layers
+
+
+def hidden_carrier(connector, family, drafter):
+    """``connector``, or ``connector + PDConnector()`` when the consumer's ``drafter`` reads the target's hidden
+    states and ``connector`` holds no :class:`~cpattn.engine.connector_pd.PDConnector`: a pool holds blocks only,
+    and the P/D connector carries the prompt's hidden rows (it sends no block the pool holds)."""
+    if producer_hidden(family, drafter) is None or moves_blocks(connector):
+        return connector
+    return connector + PDConnector()
+
+
 class PDEngine:
     """Prefill on ``pcp_size`` ranks, decode on ``dcp_size`` ranks, the KV through a pool (module doc).
 
@@ -143,9 +165,9 @@ class PDEngine:
     return_logits / return_prompt_logits: as :class:`~cpattn.engine.llm.LLMEngine` (opt-in): the consumer's
         logits of every output token, the producer's prompt logits (on the consumer's outputs once handed off).
     drafter / num_speculative_tokens: speculative decoding on the consumer (the producer samples one token
-        and needs none): a drafter that reads tokens only (``NgramDrafter``, a draft model). One that reads
-        the target's hidden states (MTP, Eagle3, DSpark) is refused: the consumer computes only a prompt's
-        tail, so it never holds the target's hidden rows of the blocks handed over.
+        and needs none): any drafter. One that reads the target's hidden states (MTP, Eagle3, DSpark) gets
+        the producer's hidden rows of the prompt positions the consumer does not compute, sent with the
+        blocks (:mod:`cpattn.engine.connector_pd`), so it drafts as in one engine that ran the prompt.
     """
 
     def __init__(self, model, params: dict, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 16,
@@ -155,11 +177,6 @@ class PDEngine:
                  return_logits: bool = False, return_prompt_logits: bool = False, drafter=None,
                  num_speculative_tokens: int = 0) -> None:
         family = get_family(model)
-        if getattr(drafter, "hidden_layers", None) is not None:
-            name = getattr(drafter, "method", type(drafter).__name__)
-            raise ValueError(f"drafter={name!r} reads the target's hidden states, which a P/D consumer does not "
-                             "have for the prompt blocks it is handed; pass a token drafter (NgramDrafter, a draft "
-                             "model) or serve it colocated (LLMEngine)")
         v4 = family.backend.name == "v4"  # no per-token blocks: its whole state goes over (connector_v4)
         hybrid = family.cache == "hybrid"  # blocks + linear states, which no pool holds (connector_hybrid)
         if v4 and kv_pool is not None:
@@ -185,13 +202,15 @@ class PDEngine:
             kv_connector = PoolConnector(self.pool)
         elif kv_pool is not None:
             raise ValueError("pass kv_pool= or kv_connector=, not both (compose them: PoolConnector(pool) + PDConnector())")
+        kv_connector = hidden_carrier(kv_connector, family, drafter)
         connector = kv_connector.linked(MemoryLink(dcp_size))
         common = dict(block_size=block_size, interleave_size=block_size, scheduler=sched, kv_connector=connector,
                       num_blocks=num_blocks, poison=poison, merge=merge)
         with warnings.catch_warnings():  # the one-engine PCP + DCP warning's own fix is this P/D pair
             warnings.simplefilter("ignore", GuideCompatWarning)
             self.prefill = LLMEngine(family, params, cfg, dcp_size=pcp_size, pcp_size=pcp_size, kv_role="kv_producer",
-                                     return_logits=return_logits, return_prompt_logits=return_prompt_logits, **common)
+                                     return_logits=return_logits, return_prompt_logits=return_prompt_logits,
+                                     hidden_layers=producer_hidden(family, drafter), **common)
         self.decode = LLMEngine(family, params, cfg, dcp_size=dcp_size, graph_mode=graph_mode, kv_role="kv_consumer",
                                 graph_backend=graph_backend, capture_sizes=capture_sizes, return_logits=return_logits,
                                 drafter=drafter, num_speculative_tokens=num_speculative_tokens, **common)

@@ -67,7 +67,8 @@ from cpattn.config import GuideCompatWarning, SchedulerConfig
 from cpattn.engine.connector import from_args as connector_args
 from cpattn.engine.connector_pd import GroupLink, PDConnector, consumer_hand_off, producer_hand_off
 from cpattn.engine.llm import LLMEngine, RequestOutput, SamplingParams
-from cpattn.engine.pd_engine import check_first, hands_off
+from cpattn.engine.pd_engine import check_first, hands_off, hidden_carrier, producer_hidden
+from cpattn.models.family import get_family
 from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
@@ -98,7 +99,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
              max_steps: int = 100_000, merge: str = ENGINE_MERGE,
              before_step: Callable[[str, LLMEngine], None] | None = None,
              kv_connector=None, return_logits: bool = False,
-             return_prompt_logits: bool = False) -> dict[int, RequestOutput]:
+             return_prompt_logits: bool = False, drafter=None,
+             num_speculative_tokens: int = 0) -> dict[int, RequestOutput]:
     """The step loop on this rank of ``world`` (module doc): ``{arrival index: final RequestOutput}`` of
     the requests this rank's role finished.
 
@@ -124,6 +126,9 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
         so a hook may run a collective over its role's ranks, e.g. a barrier).
     return_logits / return_prompt_logits: every engine's (:class:`~cpattn.engine.llm.LLMEngine`, opt-in); under
         P/D the prompt logits stay on the producer ranks (their outputs are handed off, not returned).
+    drafter / num_speculative_tokens: speculative decoding on the colocated engine, or under P/D on the
+        consumer; a drafter that reads the target's hidden states (MTP, Eagle3, DSpark) gets the producer's
+        hidden rows of the prompt, sent with the blocks by the P/D connector (:mod:`cpattn.engine.connector_pd`).
     """
     arrivals = [a if isinstance(a, Arrival) else Arrival(*a) for a in arrivals]
     sampling = _seeded(arrivals, seed)
@@ -131,7 +136,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     connector = connector_args(kv_pool, kv_connector)
     common = dict(block_size=block_size, scheduler=scheduler, num_blocks=num_blocks, poison=poison,
                   kv_connector=connector, return_logits=return_logits, return_prompt_logits=return_prompt_logits)
-    decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge)
+    decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge,
+                       drafter=drafter, num_speculative_tokens=num_speculative_tokens)
     if not pd:
         if dcp_size not in (None, world.size):
             raise ValueError(f"dcp_size={dcp_size} on a world of {world.size} ranks: colocated, the engine spans "
@@ -181,10 +187,12 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
 
 def pd_role(world: Group, model, params: dict, cfg: Any, *, pcp_size: int, dcp_size: int = 1, block_size: int = 16,
             kv_connector=None, graph_mode: str = "NONE", graph_backend: str = "auto", capture_sizes=None,
-            merge: str = ENGINE_MERGE, **common) -> tuple[str, LLMEngine]:
+            merge: str = ENGINE_MERGE, drafter=None, num_speculative_tokens: int = 0,
+            **common) -> tuple[str, LLMEngine]:
     """This rank's P/D role and engine on a world of ``pcp_size + dcp_size`` ranks (every rank calls it):
     ``("prefill", producer engine)`` on world ranks ``0 .. P-1`` (PCP over them), ``("decode", consumer
-    engine)`` on ``P ..`` (DCP, with the capture / merge options). ``kv_connector``: the connector both
+    engine)`` on ``P ..`` (DCP, with the capture / merge options and ``drafter``; the producer keeps the
+    target hidden rows a drafter that reads them needs, :func:`~cpattn.engine.pd_engine.producer_hidden`). ``kv_connector``: the connector both
     roles bind (None: :class:`~cpattn.engine.connector_pd.PDConnector`, blocks rank to rank over ``world``);
     ``common``: scheduler, num_blocks, poison (as :class:`~cpattn.engine.llm.LLMEngine`).
 
@@ -201,14 +209,15 @@ def pd_role(world: Group, model, params: dict, cfg: Any, *, pcp_size: int, dcp_s
                          "start pcp_size + dcp_size ranks")
     link = GroupLink(world, range(pcp_size), range(pcp_size, pcp_size + dcp_size))
     common.update(block_size=block_size, interleave_size=block_size,
-                  kv_connector=(kv_connector or PDConnector()).linked(link))
+                  kv_connector=hidden_carrier(kv_connector or PDConnector(), get_family(model), drafter).linked(link))
     producer = world.split(range(pcp_size))
     consumer = world.split(range(pcp_size, pcp_size + dcp_size))
     if producer is not None:
         return "prefill", _engine(model, params, cfg, producer, pcp_size=producer.size, kv_role="kv_producer",
-                                  **common)
+                                  hidden_layers=producer_hidden(get_family(model), drafter), **common)
     return "decode", _engine(model, params, cfg, consumer, kv_role="kv_consumer", graph_mode=graph_mode,
-                             graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge, **common)
+                             graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge, drafter=drafter,
+                             num_speculative_tokens=num_speculative_tokens, **common)
 
 
 def _engine(model, params, cfg, group: Group, *, pcp_size: int = 1, **kwargs) -> LLMEngine:

@@ -80,7 +80,7 @@ def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
 def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
     """Why the step loop cannot run this driver-style layout (None: it can): DeepSeek-V4 with a drafter
     reading hidden states,
-    PCP over other ranks than the DCP group's, P/D with a drafter reading hidden states, or an engine the layout rules refuse (a P/D producer of P ranks is an engine of
+    PCP over other ranks than the DCP group's, or an engine the layout rules refuse (a P/D producer of P ranks is an engine of
     DCP P: heads % P).
 
     >>> from cpattn.engine.driver import engine_configs
@@ -95,8 +95,6 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     pd = decode.kv_transfer.kv_role == "kv_consumer"
     if family.cache == "v4" and getattr(drafter, "hidden_layers", None) is not None:
         return f"{family.name} with a drafter reading hidden states: its step loop keeps no hidden rows"
-    if pd and getattr(drafter, "hidden_layers", None) is not None:
-        return "P/D with a drafter reading hidden states: PDEngine's consumer drafts from tokens only"
     if not pd and p not in (1, n):
         return f"pcp_size={p} with dcp_size={n}: one engine runs PCP over its DCP group"
     k = decode.speculative.num_speculative_tokens if drafter is not None else 0

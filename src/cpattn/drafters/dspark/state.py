@@ -88,4 +88,6 @@ class DSparkState:
                 conf, anchor = self.pending.pop(r)
                 self.calibration.append((conf, int(n) - anchor - 1))
             self.held[r] = min(self.held[r], max(int(n), self.lo[r]))
+            if not n:  # the slot freed (the engine's release): its next request starts afresh
+                self.started[r] = False
 
