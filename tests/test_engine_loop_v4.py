@@ -163,9 +163,10 @@ def test_refused_at_construction_and_add_request():
     class HiddenDrafter(NgramDrafter):
         method, hidden_layers = "mtp", ("norm",)
 
-    with pytest.raises(ValueError, match="reads the target's hidden states"):
-        LLMEngine("deepseek_v4", params, cfg, block_size=4, num_blocks=16, scheduler=sched(), drafter=HiddenDrafter(),
-                  num_speculative_tokens=1)
+    # a drafter reading hidden states runs now (tests/test_engine_loop_v4_drafters.py): the final-normed rows
+    eng = LLMEngine("deepseek_v4", params, cfg, block_size=4, num_blocks=16, scheduler=sched(), drafter=HiddenDrafter(),
+                    num_speculative_tokens=1)
+    assert eng.runners[0].hidden_layers == ("norm",)
     eng = LLMEngine("deepseek_v4", params, cfg, block_size=4, num_blocks=64)  # None: V4's defaults
     assert not (eng.scheduler_config.enable_prefix_caching or eng.scheduler_config.enable_chunked_prefill)
     eng = engine("one", num_blocks=64)

@@ -51,7 +51,7 @@ class Proposer:
         self.state.rollback(slots, [len(histories[r]) - 1 for r in order])  # the target keeps what it verified
         target = None
         if self.hidden_layers is not None:
-            target = _target_hidden([hidden[r] for r in order])
+            target = _target_hidden([hidden[r] for r in order], 1 + self.k)  # a verify step's rows: uniform
         drafts = self.state.propose([histories[r] for r in order], self.k, slots, target)
         return {r: drafts[i].tolist() for i, r in enumerate(order)}
 
@@ -65,9 +65,12 @@ class Proposer:
                 self._free.sort()
 
 
-def _target_hidden(parts: list[tuple[int, dict]]) -> TargetHidden:
-    """[(start, {name: [n_i, F]})] -> a :class:`TargetHidden` with rows [A, max n, F] (zero-padded)."""
-    q = max(next(iter(h.values())).shape[0] for _, h in parts)
+def _target_hidden(parts: list[tuple[int, dict]], min_rows: int = 1) -> TargetHidden:
+    """[(start, {name: [n_i, F]})] -> a :class:`TargetHidden` with rows [A, Q, F] (zero-padded), Q = max(n_i,
+    ``min_rows``): the proposer passes 1 + k, so after a decode step the catch-up always has the verify step's
+    1 + k rows per request (``valid`` = 1 + accepted) and a captured draft step replays even when every
+    request rejected drafts (:mod:`cpattn.drafters.chain`)."""
+    q = max(min_rows, *(next(iter(h.values())).shape[0] for _, h in parts))
     rows = {}
     for name in parts[0][1]:
         first = parts[0][1][name]

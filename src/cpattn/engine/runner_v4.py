@@ -20,6 +20,14 @@ request the block pool admits):
   call per query length; a step of only 1 + k decodes replays a captured
   program when the runner has one), and its ``commit`` keeps the accepted
   drafts (the rejected rows rewound and NaN-poisoned);
+- with ``hidden_layers`` (a drafter reading the target's hidden states: DSpark
+  reads layers' hyper-connection streams ``[n, n_hc, H]``, MTP / Eagle3 the
+  normed rows ``[n, H]``), each step hands back ``StepResult.hidden[req_id] =
+  {name: [n, ...]}`` of the row's final positions as
+  :class:`~cpattn.engine.runner.StepRunner` does: a prefill's every prompt row
+  (gathered by the prefill under PCP), a decode's last token and its accepted
+  drafts (the rejected drafts' rows cut). They are outputs of the decode
+  program, so a replayed step returns them too;
 - a request the scheduler preempts, finishes or aborts loses its slot,
   whose rows are NaN-poisoned again (a later request never reads them),
   when the step that reports it (``preempted`` / ``finished``) executes.
@@ -34,7 +42,10 @@ stages each prefilled request's state, the consumer's places it in the
 request's slot at admission and samples the first token from the handed
 logits, computing no prompt token), chunked
 prefill (a V4 prompt is prefilled in one step: its compressor state does
-not continue across chunks), drafters that read the target's hidden states.
+not continue across chunks). Drafters that read the target's hidden states
+run (above), except on a P/D consumer: a handed-over state carries no hidden rows
+(:meth:`V4StepRunner._place` refuses it; ``cpattn.engine.generate`` keeps V4
+P/D with such a drafter in the composition).
 
 Example
 -------
@@ -113,10 +124,7 @@ def v4_scheduler_config(family: ModelFamily, scheduler: SchedulerConfig | None, 
         raise ValueError(f"enable_chunked_prefill=True: a {name} prompt is prefilled in one step (its compressor "
                          "state does not continue across chunks); pass SchedulerConfig(enable_chunked_prefill=False) "
                          "and max_num_batched_tokens >= the longest prompt + max_tokens - 1")
-    if drafter is not None and drafter.hidden_layers is not None:
-        raise ValueError(f"drafter: the {drafter.method} drafter reads the target's hidden states, which the {name} "
-                         "step loop does not keep; use NgramDrafter() or cpattn.engine.generate")
-    return scheduler
+    return scheduler  # ``drafter``: any (one reading hidden states gets StepResult.hidden, V4StepRunner)
 
 
 class V4Scheduler(Scheduler):
@@ -184,10 +192,15 @@ class V4StepRunner:
     ``live``: requests holding a slot; ``graph``: the captured decode runner (``capture`` given) or None.
     ``runner.prompt_logits = True`` (off by default): each step also hands back every prompt row's logits
     of the prompts it prefilled (``StepResult.chunk_logits``; none for a state a P/D producer handed over).
+    ``hidden_layers``: the layers a drafter reads (``drafter.hidden_layers``; the model forward's names: layer
+    ids give the hyper-connection streams ``[T, n_hc, H]``, ``"norm"`` the final-normed rows ``[T, H]``); each
+    step's ``StepResult.hidden[req_id]`` is then ``{name: [n, ...]}`` of the row's final positions (module
+    docstring), else None.
     """
 
     prompt_logits = False
     chunk_logits: dict | None = None
+    _hidden: dict | None = None  # the executing step's hidden rows (StepResult.hidden)
 
     def __init__(self, group: Group, model: ModelFamily | str, params: dict, cfg: Any, *, num_blocks: int,
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = ENGINE_MERGE,
@@ -200,9 +213,7 @@ class V4StepRunner:
         if self.backend.name != "v4":
             raise ValueError(f"V4StepRunner runs families declaring cache='v4'; {self.family.name} declares "
                              f"cache={self.family.cache!r}: use cpattn.engine.runner.StepRunner")
-        if hidden_layers is not None:
-            raise ValueError(f"hidden_layers={tuple(hidden_layers)}: the {self.family.name} step loop does not keep "
-                             "the target's hidden states; use a drafter that reads tokens (NgramDrafter)")
+        self.hidden_layers = None if hidden_layers is None else tuple(hidden_layers)
         self.pcp_size = check_pcp_size(pcp_size, group, "V4StepRunner")
         self.algorithms = Algorithms(pcp_method=pcp_method)
         self.prefill_group = group if self.pcp_size > 1 else SimMesh(1).groups()[0]  # else replicated on every rank
@@ -212,7 +223,8 @@ class V4StepRunner:
         cache = V4Cache.empty(lay, batch=max_num_seqs, max_len=longest + self.k + 1, dtype=param_dtype(params),
                               dcp_rank=group.rank, dcp_size=group.size, interleave_size=interleave_size)
         self.holder = V4DecodeCache(cache)
-        self.program = self.backend.program(group, self.family, params, cfg, self.holder, merge=merge)
+        self.program = self.backend.program(group, self.family, params, cfg, self.holder, merge=merge,
+                                            hidden_layers=self.hidden_layers)  # step -> (logits, argmax[, hidden])
         self.slots: dict[Hashable, int] = {}
         self._free = list(range(max_num_seqs))
         self.graph: DecodeRunner | None = None
@@ -254,6 +266,7 @@ class V4StepRunner:
         pre = [b for b, p in enumerate(out.is_prefill) if p]
         dec = [b for b, p in enumerate(out.is_prefill) if not p]
         outputs, logits = {}, {}
+        self._hidden = {} if self.hidden_layers is not None else None  # this step's, filled by _prefill / _decode
         times = [0.0, 0.0, 0.0]
         if pre:
             o, lg, tm = self._prefill(out, pre)
@@ -269,7 +282,7 @@ class V4StepRunner:
             times = [a + b for a, b in zip(times, tm)]
             replayed = replayed or r
         return StepResult(outputs, logits, replayed, self.group.stats.total_sent() - sent, *times,
-                          len(pre) if self.pcp_size > 1 else 0, None, chunk_logits=self.chunk_logits)
+                          len(pre) if self.pcp_size > 1 else 0, self._hidden, chunk_logits=self.chunk_logits)
 
     def _prefill(self, out: SchedulerOutput, rows: list[int]):
         """Prefill each row's whole query (context 0), seed its slot, sample its first token."""
@@ -299,10 +312,13 @@ class V4StepRunner:
         t1 = time.perf_counter()
         pg = self.prefill_group
         res = self.backend.prefill(pg, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms,
-                                   prompt_logits=self.chunk_logits is not None)
+                                   prompt_logits=self.chunk_logits is not None, hidden_layers=self.hidden_layers)
+        cu = prompts.cu_seqlens
         if self.chunk_logits is not None:  # [T, V] request order: each prompt's rows
-            cu = prompts.cu_seqlens
             self.chunk_logits.update({rid: res.prompt_logits[cu[j]:cu[j + 1]] for j, rid in enumerate(rids)})
+        if self._hidden is not None:  # {name: [T, ...]} request order (gathered under PCP): every prompt row
+            self._hidden.update({rid: {n: h[cu[j]:cu[j + 1]] for n, h in res.hidden.items()}
+                                 for j, rid in enumerate(rids)})
         collected = self.backend.collect(pg, res)
         before = self.holder.cache
         self.backend.place(self.holder, _to_slots(collected, slots, before.batch), self.group)
@@ -329,6 +345,10 @@ class V4StepRunner:
 
         t0 = time.perf_counter()
         rids = [out.req_ids[b] for b in rows]
+        if self.hidden_layers is not None:
+            raise ValueError(f"requests {rids}: a handed-over {self.family.name} state has no hidden rows of its "
+                             "prompt for a drafter reading hidden states; use a token drafter (NgramDrafter) on a "
+                             "P/D consumer")
         slots = [self._free.pop(0) for _ in rids]
         for b, s in zip(rows, slots):
             self.holder.cache = place_share(self.holder.cache, s, out.query_lens[b], handed[b][0])
@@ -360,6 +380,7 @@ class V4StepRunner:
             cu = torch.arange(0, (len(rows) + 1) * q, q, dtype=torch.int32)
             res = self.program.step(self.program.state, {**batch, "cu_seqlens_q": cu})
         logits, greedy = res[0], res[1]
+        full = res[2] if self.hidden_layers is not None else None  # {name: [A * q, ...]}, outputs of the step
         t2 = time.perf_counter()
         chosen = _sample(out, rows, logits, greedy.tolist())
         outputs, kept, rows_logits = {}, [], {}
@@ -371,6 +392,8 @@ class V4StepRunner:
                 a += 1
             outputs[rids[i]] = ModelOutput(tuple(g[:a + 1]))
             rows_logits[rids[i]] = logits[i * q:i * q + a + 1]
+            if full is not None:  # the last token's and the accepted drafts' rows: [1 + a, ...]
+                self._hidden[rids[i]] = {n: h[i * q:i * q + a + 1] for n, h in full.items()}
             kept.append(ctx[i] + 1 + a)
         self.program.commit(slots, kept)
         return outputs, rows_logits, [t1 - t0, t2 - t1, time.perf_counter() - t2], replayed
