@@ -78,8 +78,8 @@ def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
 
 
 def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
-    """Why the step loop cannot run this driver-style layout (None: it can): DeepSeek-V4 with a drafter
-    reading hidden states,
+    """Why the step loop cannot run this driver-style layout (None: it can): P/D of DeepSeek-V4 with a drafter
+    reading hidden states (colocated V4 runs them),
     PCP over other ranks than the DCP group's, or an engine the layout rules refuse (a P/D producer of P ranks is an engine of
     DCP P: heads % P).
 
@@ -93,8 +93,8 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     """
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pd = decode.kv_transfer.kv_role == "kv_consumer"
-    if family.cache == "v4" and getattr(drafter, "hidden_layers", None) is not None:
-        return f"{family.name} with a drafter reading hidden states: its step loop keeps no hidden rows"
+    if pd and family.cache == "v4" and getattr(drafter, "hidden_layers", None) is not None:
+        return f"P/D of {family.name} with a drafter reading hidden states: its connector hands over no hidden rows"
     if not pd and p not in (1, n):
         return f"pcp_size={p} with dcp_size={n}: one engine runs PCP over its DCP group"
     k = decode.speculative.num_speculative_tokens if drafter is not None else 0
