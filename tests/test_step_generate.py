@@ -102,13 +102,13 @@ class _HiddenDrafter(NgramDrafter):
 
 def test_layouts_one_engine_cannot_run_are_refused():
     cfg, params = model("qwen3")
-    pre, dec = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=4)
-    with pytest.raises(ValueError, match="pcp_size=2 with dcp_size=4"):
+    pre, dec = engine_configs("qwen3", cfg, pcp_size=4, dcp_size=2)
+    with pytest.raises(ValueError, match="pcp_size=4 with dcp_size=2"):
         step_generate("qwen3", params, cfg, [[1, 2]], 2, prefill=pre, decode=dec)
 
 
 @pytest.mark.parametrize("family, layout, drafter, why", [
-    ("qwen3", dict(pcp_size=2, dcp_size=4), None, "one engine runs PCP over its DCP group"),
+    ("qwen3_next", dict(pcp_size=2, dcp_size=4), None, "one engine runs PCP over its whole DCP group"),
     ("qwen3", dict(pcp_size=3, dcp_size=2, pd=True, interleave_size=4), None, "engine is refused"),  # 4 heads % 3
 ])
 def test_generate_keeps_the_composition_for_what_the_step_loop_cannot_run(family, layout, drafter, why):

@@ -92,9 +92,11 @@ class LLMEngine:
     Arguments
     ---------
     model, params, cfg: a family (or its name), its weights, its config.
-    config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, PCP size 1 or the DCP size,
+    config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, PCP size 1..the DCP size,
         block and interleave sizes, graph mode); None: built from ``dcp_size`` / ``pcp_size`` (> 1: one
-        engine with PCP + DCP, a step's prefill chunks run PCP) / ``block_size`` / ``interleave_size`` /
+        engine with PCP + DCP, a step's prefill chunks run PCP over the first ``pcp_size`` ranks of the DCP
+        group, the decodes DCP over all of them; DeepSeek-V4 and hybrid models: ``pcp_size`` 1 or
+        ``dcp_size`` only) / ``block_size`` / ``interleave_size`` /
         ``graph_mode`` / ``graph_backend`` ("auto": a compiler where the group can be traced) /
         ``capture_sizes`` by
         :func:`cpattn.engine.driver.engine_configs`.
@@ -166,9 +168,11 @@ class LLMEngine:
             raise ValueError(f"num_speculative_tokens={k} needs a drafter: pass drafter= (e.g. NgramDrafter()) or k=0")
         check_drafter(drafter, k)
         n, pcp = config.parallel.dcp_size, config.parallel.pcp_size
-        if pcp > 1 and pcp != n:
-            raise ValueError(f"pcp_size={pcp} with dcp_size={n}: the step loop runs PCP over its DCP group (one "
-                             f"engine, pcp_size = dcp_size); pass pcp_size={n} or 1")
+        if pcp > n or (pcp not in (1, n) and (v4 or hybrid)):  # StepRunner: PCP over the first pcp ranks
+            what = f"{family.name}'s runner runs PCP over its whole DCP group" if pcp < n else \
+                "PCP runs over the first pcp_size ranks of the DCP group"
+            raise ValueError(f"pcp_size={pcp} with dcp_size={n}: {what}; pass pcp_size="
+                             f"{'1 or ' + str(n) if pcp < n else f'1..{n}'}")
         if world is not None and world.size != n:
             raise ValueError(f"world: a group of {world.size} ranks, but the config's dcp_size is {n}; "
                              "start dcp_size ranks or pass their config")

@@ -102,15 +102,23 @@ class StepResult:
     chunk_logits: dict | None = None
 
 
-def check_pcp_size(pcp_size: int, group: Group, who: str) -> int:
-    """A runner's ``pcp_size``: 1 (prefill chunks run DCP attention) or ``group.size`` (PCP over the DCP group),
-    any other size a ValueError. Returns it as an int.
+def check_pcp_size(pcp_size: int, group: Group, who: str, *, sub_group: bool = False) -> int:
+    """A runner's ``pcp_size``: 1 (prefill chunks run DCP attention) or ``group.size`` (PCP over the DCP group);
+    with ``sub_group`` (StepRunner) any size up to ``group.size`` (PCP over the group's first ``pcp_size`` ranks).
+    Any other size is a ValueError. Returns it as an int.
 
     >>> from cpattn.comm.sim import SimMesh
     >>> check_pcp_size(2, SimMesh(2).groups()[0], "StepRunner"), check_pcp_size(1, SimMesh(2).groups()[0], "x")
     (2, 1)
+    >>> check_pcp_size(2, SimMesh(4).groups()[0], "StepRunner", sub_group=True)
+    2
     """
+    if sub_group and not isinstance(pcp_size, bool) and 1 <= int(pcp_size) <= group.size:
+        return int(pcp_size)
     if isinstance(pcp_size, bool) or int(pcp_size) not in (1, group.size):
+        if sub_group:
+            raise ValueError(f"{who}(pcp_size={pcp_size!r}) with a group of {group.size}: PCP runs over the first "
+                             f"pcp_size ranks of the DCP group; pass pcp_size in 1..{group.size}")
         raise ValueError(f"{who}(pcp_size={pcp_size!r}) with a group of {group.size}: a runner runs PCP over its "
                          f"DCP group; pass pcp_size={group.size} or 1")
     return int(pcp_size)
@@ -128,8 +136,10 @@ class StepRunner:
     merge: the DCP merge (:data:`cpattn.engine.paged_cache.STEP_MERGES`).
     capture: graph backend for uniform decode steps ("eager", "aot_eager", "inductor", "auto"),
         or None (every step eager); capture_sizes / max_num_seqs / num_speculative_tokens size it.
-    pcp_size: 1, or ``group.size``: the group is also the PCP group, a step's prefill chunks run PCP (``pcp_method`` "ring" or
-        "allgather"; DSA-CP for a DSA model) over it (:mod:`cpattn.engine.runner_pcp`), its decodes DCP.
+    pcp_size: 1, or P in 2..``group.size``: a step's prefill chunks run PCP (``pcp_method`` "ring" or
+        "allgather"; DSA-CP for a DSA model) over the PCP group (``runner.pcp_group``: the group itself when
+        P = ``group.size``, else its first P ranks, None on the others, which compute none of the chunks' rows;
+        :mod:`cpattn.engine.runner_pcp`), its decodes DCP over the whole group.
         ``pcp_method="auto"`` (default): "ring" for prompts from the start, "allgather" for a step whose
         chunks attend a cached context (each part then attends context and chunk in one causal call,
         :meth:`cpattn.engine.prefill_steps.PCPStep._with_context`: no separate context partials to merge).
@@ -152,7 +162,10 @@ class StepRunner:
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "auto",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
-        self.pcp_size, self._auto_pcp = check_pcp_size(pcp_size, group, "StepRunner"), pcp_method == "auto"
+        self.pcp_size, self._auto_pcp = check_pcp_size(pcp_size, group, "StepRunner", sub_group=True), \
+            pcp_method == "auto"
+        # the group a step's PCP chunks run over: the DCP group, or its first pcp_size ranks (every rank splits)
+        self.pcp_group = group if self.pcp_size in (1, group.size) else group.split(range(self.pcp_size))
         self.algorithms = Algorithms(pcp_method="ring" if self._auto_pcp else pcp_method)
         self.pcp_min_tokens = pcp_min_tokens
         if not self.family.backend.per_token_kv and self.family.cache not in self.other_caches:
@@ -224,7 +237,7 @@ class StepRunner:
                 self.shard.write_block(block_id, payloads[self.group.rank])
         if not out.req_ids:
             return StepResult({}, {}, False, 0)
-        sent, t0 = self.group.stats.total_sent(), time.perf_counter()
+        sent, t0 = self._sent(), time.perf_counter()
         pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
             if self.pcp_size > 1 else []
         if pre:  # long chunks under PCP, then the decodes and short chunks (a mixed step: eager)
@@ -242,10 +255,16 @@ class StepRunner:
                 outputs, rows = {**outputs, **o}, {**rows, **r}
                 hidden = None if hidden is None else {**hidden, **h}
                 times = [a + b for a, b in zip(times, more)]
-            return StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), hidden)
+            return StepResult(outputs, rows, False, self._sent() - sent, *times, len(pre), hidden)
         self.pcp_context.clear()  # a step without PCP chunks breaks every chain of kept contexts
         outputs, rows, replayed, times, hidden = self._forward(out, graph=True)
-        return StepResult(outputs, rows, replayed, self.group.stats.total_sent() - sent, *times, 0, hidden)
+        return StepResult(outputs, rows, replayed, self._sent() - sent, *times, 0, hidden)
+
+    def _sent(self) -> int:
+        """Bytes this rank sent so far, over the DCP group and a PCP sub-group."""
+        sub = self.pcp_group
+        return self.group.stats.total_sent() + (0 if sub is None or sub is self.group else sub.stats.total_sent())
+
 
     def _forward(self, out: SchedulerOutput, *, graph: bool):
         """Every row through the DCP step (replayed when ``graph`` allows and the step is a uniform 1+k

@@ -1,13 +1,16 @@
 """A step's prefill chunks under PCP: the chunk rows split head-tail over the group, the cached context
 gathered from the DCP-sharded cache, the new rows sent straight to the DCP ranks that own them.
 
-With ``pcp_size = group.size`` the :class:`~cpattn.engine.runner.StepRunner`'s group is both the PCP and the DCP
-group (one engine with ``pcp_size = dcp_size``, the guide's PCP + DCP layout). A step then runs
-twice: its prefill rows through :func:`cpattn.engine.prefill.prefill` (PCP ring attention, or DSA-CP
-for a DSA model, over the chunk with its cached context as a
-:class:`~cpattn.engine.prefill_steps.Prefix`), the rows placed by the paged hand-off; its decode rows
-through the ordinary DCP step. Each request's context rows are read where this rank owns them and
-summed over the group (each row has one owner), so every rank holds the prefix the chunk attends.
+The chunks run over the :class:`~cpattn.engine.runner.StepRunner`'s PCP group (``runner.pcp_group``): its
+DCP group (one engine with ``pcp_size = dcp_size``, the guide's PCP + DCP layout), or the first
+``pcp_size`` ranks of it (``1 < pcp_size < dcp_size``). A step then runs twice: its prefill rows through
+:func:`cpattn.engine.prefill.prefill` over the PCP group (PCP ring attention, or DSA-CP for a DSA model,
+over the chunk with its cached context as a :class:`~cpattn.engine.prefill_steps.Prefix`), the new rows
+sent to their DCP owners over the whole DCP group; its decode rows through the ordinary DCP step. Each
+request's context rows are read where this rank owns them and summed over the DCP group (each row has
+one owner), so every rank holds the prefix the chunk attends. A DCP rank outside a PCP sub-group computes
+none of the chunks' rows: it knows the split (host-side), sends no rows, receives those it owns, and gets
+the logits (and hidden states) from DCP rank 0, so every rank samples the same tokens.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ import dataclasses
 
 import torch
 
-from cpattn.engine.backends.paged import handoff, request_order
+from cpattn.engine.backends.paged import request_order
 from cpattn.engine.batch import Prompts
 from cpattn.engine.kv_rows import pack_rows, row_width
 from cpattn.engine.options import Algorithms
-from cpattn.engine.handoff import place_rows
-from cpattn.engine.prefill import gather_unshard, prefill
+from cpattn.engine.handoff import exchange, place_rows
+from cpattn.engine.prefill import gather_unshard, prefill, split_plan
 from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
@@ -61,6 +64,22 @@ def cached_rows(group, shard, context_lens: tuple[int, ...]) -> torch.Tensor:
     return group.all_reduce(rows)
 
 
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def from_rank0(group, x: torch.Tensor | None) -> torch.Tensor:
+    """DCP rank 0's tensor ``x`` on every rank of ``group`` (``x`` None on the others, which need not know its
+    shape): a header all-reduce (shape, dtype), then rank 0's values summed with zeros, bit for bit."""
+    head = torch.zeros(6, dtype=torch.int64)  # [dtype, ndim, *shape (up to 4 dims)]
+    if group.rank == 0:
+        head[0], head[1] = _DTYPES.index(x.dtype), x.dim()
+        head[2:2 + x.dim()] = torch.tensor(x.shape)
+    head = group.all_reduce(head).tolist()
+    shape = tuple(head[2:2 + head[1]])
+    mine = x.contiguous() if group.rank == 0 else torch.zeros(shape, dtype=_DTYPES[head[0]])
+    return group.all_reduce(mine)
+
+
 def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorithms: Algorithms):
     """PCP prefill of the step's (all-prefill) rows; returns ({req_id: ModelOutput}, {req_id: logits [1, V]},
     {req_id: {name: [q, F]}} hidden states of every row, or None without ``runner.hidden_layers``).
@@ -71,7 +90,7 @@ def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorith
     (``{req_id: rows [n, F]}``, every rank the same), so its next chunk attends that context without
     gathering it from the DCP shards again (:func:`cached_rows`, the fallback whenever a request's
     context is not exactly the rows kept: after a preemption, a prefix hit, or a chunk run without PCP)."""
-    g = runner.group
+    g, pg = runner.group, runner.pcp_group  # pg: the PCP group (None on a DCP rank outside a PCP sub-group)
     view = dataclasses.replace(runner.shard, block_table=table)
     ctx = tuple(out.context_lens)
     kept = runner.pcp_context
@@ -84,30 +103,44 @@ def run_prefill_rows(runner, out: SchedulerOutput, table: torch.Tensor, algorith
     vocab = runner.cfg.vocab_size
     prompts = Prompts.of([[0] * c + list(ids) for c, ids in zip(ctx, out.input_ids)], vocab_size=vocab)
     chunks = getattr(runner, "chunk_logits", None)  # a dict while the runner hands back prompt logits
-    res = prefill(g, runner.family, runner.params, runner.cfg, prompts, algorithms=algorithms, prefix=prefix,
-                  hidden_layers=runner.hidden_layers, prompt_logits=chunks is not None)
+    res = None if pg is None else prefill(pg, runner.family, runner.params, runner.cfg, prompts,
+                                          algorithms=algorithms, prefix=prefix, hidden_layers=runner.hidden_layers,
+                                          prompt_logits=chunks is not None)
     kept.clear()  # only requests whose prefill goes on, with exactly the context their cache holds
     cu, cu_c = cu_seqlens(out.query_lens), cu_seqlens(ctx)
-    if all(out.samples):  # every prefill completes: the hand-off of Algorithms.handoff, nothing kept
-        handoff(g, g, g, view, res, algorithms)
+    plan = split_plan(runner.family, cu, runner.pcp_size, algorithms=algorithms, context_lens=ctx) if res is None \
+        else res.plan  # outside the PCP group: the same split, host-side
+    mine = torch.zeros(0, rows.shape[1], dtype=rows.dtype) if res is None else res.rows  # [T_r, F], plan order
+    if all(out.samples):  # every prefill completes: rows straight to their owners (Algorithms.handoff), none kept
+        got, req, pos, _ = exchange(g, mine, plan, pcp_size=runner.pcp_size, dcp_size=g.size,
+                                    interleave_size=view.interleave_size, width=rows.shape[1], dtype=rows.dtype,
+                                    method=algorithms.handoff)
+        place_rows(view, got, req, pos, rank=g.rank, dcp_size=g.size)
     else:
-        new = gather_unshard(g, res.rows, res.plan)  # [T, F] request order, on every rank
-        req, pos = request_order(res.plan, new.shape[0], ctx)
+        new = gather_unshard(g, mine, plan)  # [T, F] request order, on every rank (ranks past the plan's: none)
+        req, pos = request_order(plan, new.shape[0], ctx)
         place_rows(view, new, req, pos, rank=g.rank, dcp_size=g.size)
         for b, rid in enumerate(out.req_ids):
             if not out.samples[b]:
                 kept[rid] = torch.cat([rows[cu_c[b]:cu_c[b + 1]], new[cu[b]:cu[b + 1]]])
-    first = res.first_logits  # [B, V]
+    first, full, hid = (None, None, None) if res is None else (res.first_logits, res.prompt_logits, res.hidden)
+    if pg is not g:  # a PCP sub-group: DCP rank 0's (a PCP rank's) logits and hidden states on every rank
+        first = from_rank0(g, first)  # [B, V]
+        if chunks is not None:
+            full = from_rank0(g, full)  # [T_new, V]
+        if runner.hidden_layers is not None:
+            names = [*sorted(set(runner.hidden_layers)), "norm"]  # the forward's keys: these layers, then "norm"
+            hid = {n: from_rank0(g, None if hid is None else hid[n]) for n in names}
     chosen = first.argmax(-1).tolist()
     if any(out.sampling):  # None: a greedy row
         chosen = choose(first, chosen, sampled_positions(out, last_only=True))
     outputs, logits = {}, {}
-    hidden = None if res.hidden is None else {}
+    hidden = None if hid is None else {}
     for b, rid in enumerate(out.req_ids):
         if chunks is not None:  # [T_new, V] request order
-            chunks[rid] = res.prompt_logits[cu[b]:cu[b + 1]]
+            chunks[rid] = full[cu[b]:cu[b + 1]]
         if hidden is not None:  # request order, the new rows only
-            hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
+            hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in hid.items()}
         if out.samples[b]:
             outputs[rid] = ModelOutput((chosen[b],))
             logits[rid] = first[b:b + 1]

@@ -88,15 +88,18 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     >>> cfg = qwen3.Qwen3Config.tiny()
     >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=2, dcp_size=2)) is None
     True
-    >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=2, dcp_size=4))
-    'pcp_size=2 with dcp_size=4: one engine runs PCP over its DCP group'
+    >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=2, dcp_size=4)) is None
+    True
+    >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=4, dcp_size=2))
+    'pcp_size=4 with dcp_size=2: one engine runs PCP over ranks of its DCP group'
     """
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pd = decode.kv_transfer.kv_role == "kv_consumer"
     if pd and family.cache == "v4" and getattr(drafter, "hidden_layers", None) is not None:
         return f"P/D of {family.name} with a drafter reading hidden states: its connector hands over no hidden rows"
-    if not pd and p not in (1, n):
-        return f"pcp_size={p} with dcp_size={n}: one engine runs PCP over its DCP group"
+    if not pd and p not in (1, n) and (p > n or family.cache in ("v4", "hybrid")):  # StepRunner: P < N runs
+        return f"pcp_size={p} with dcp_size={n}: one engine runs PCP over " + \
+            ("ranks of its DCP group" if p > n else f"its whole DCP group for {family.name}")
     k = decode.speculative.num_speculative_tokens if drafter is not None else 0
     bs = decode.cache.block_size
     with warnings.catch_warnings():
@@ -136,9 +139,9 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
                         num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
                         capture_sizes=comp.capture_sizes, return_logits=True,
                         return_prompt_logits=prompt_logits)
-    if p not in (1, n):
-        raise ValueError(f"step_generate: pcp_size={p} with dcp_size={n}: one engine runs PCP over its DCP group; "
-                         f"pass pcp_size 1 or {n} (or a P/D pair)")
+    if p not in (1, n) and (p > n or family.cache in ("v4", "hybrid")):  # StepRunner: PCP over its first p ranks
+        raise ValueError(f"step_generate: pcp_size={p} with dcp_size={n}: one engine runs PCP over ranks of its "
+                         f"DCP group (all of them for {family.name}); pass a P/D pair or a smaller pcp_size")
     with warnings.catch_warnings():  # PCP + DCP in one engine: the driver's pair checked the guide's rules
         warnings.simplefilter("ignore", GuideCompatWarning)
         return LLMEngine(family, params, cfg, world=world, dcp_size=n, pcp_size=p, block_size=bs,
