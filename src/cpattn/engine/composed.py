@@ -1,9 +1,9 @@
 """The fixed-batch composition of :func:`cpattn.engine.driver.generate`: a prefill mesh, the hand-off, a decode mesh.
 
 :func:`~cpattn.engine.driver.generate` runs through the step loop where it can
-(:mod:`cpattn.engine.step_generate`); :func:`composed` runs the rest -- families that keep their own cache
-(deepseek_v4, hybrid), PCP over other ranks than the decode's (any P, N), P/D with a drafter reading hidden
-states -- and is what
+(:mod:`cpattn.engine.step_generate`); :func:`composed` runs the rest -- PCP over more ranks than the
+decode's (P > N), deepseek_v4 and hybrid models with 1 < P < N, P/D of deepseek_v4 with a drafter reading
+hidden states, engines the layout rules refuse (:func:`~cpattn.engine.step_generate.refusal`) -- and is what
 tests/test_step_generate.py compares the step loop with: P simulated ranks prefill, the KV travels in
 memory (rows, or whole blocks for a P/D consumer: :func:`_simulated_pd`, the torch.distributed run's own
 per-rank code), N simulated ranks decode.

@@ -20,9 +20,10 @@ Topologies:
   past them cross the P/D link (each decode rank loads its own from the pool);
 - **simulated** (:func:`generate`): the step loop where it can run the layout
   (:mod:`cpattn.engine.step_generate`: every prompt submitted at step 0 and
-  drained, one engine or a P/D pair); else (:mod:`cpattn.engine.composed`) a
-  mesh of P simulated ranks prefills, the KV travels in memory (rows, or whole
-  blocks for a P/D consumer), a mesh of N simulated ranks decodes; any P and N.
+  drained, one engine or a P/D pair); else (:mod:`cpattn.engine.composed`:
+  the layouts :func:`cpattn.engine.step_generate.refusal` names) a mesh of P
+  simulated ranks prefills, the KV travels in memory (rows, or whole blocks for
+  a P/D consumer), a mesh of N simulated ranks decodes; any P and N.
 
 Every rank returns the same :class:`~cpattn.engine.result.Generation`
 (tokens, the logits they came from, prompt logits, speculative counts) with

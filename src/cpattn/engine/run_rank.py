@@ -109,7 +109,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     world: this rank's group (every rank calls with the same arguments).
     model, params, cfg: a family (or its name), its weights, its config.
     arrivals: the schedule (:class:`Arrival` or ``(prompt, params, step)`` tuples).
-    pd: P/D roles; pcp_size: the producer's ranks (colocated: 1, or ``world.size`` for PCP chunks);
+    pd: P/D roles; pcp_size: the producer's ranks (colocated: PCP chunks over the first ``pcp_size``
+        ranks, 1 .. ``world.size``);
         dcp_size: the consumer's ranks (colocated: ``world.size``, the default).
     block_size, interleave_size (P/D: ``block_size``), scheduler, num_blocks, poison: per engine, as
         :class:`~cpattn.engine.llm.LLMEngine`. kv_pool: the prefix cache's second tier (P/D: the
@@ -192,8 +193,9 @@ def pd_role(world: Group, model, params: dict, cfg: Any, *, pcp_size: int, dcp_s
     """This rank's P/D role and engine on a world of ``pcp_size + dcp_size`` ranks (every rank calls it):
     ``("prefill", producer engine)`` on world ranks ``0 .. P-1`` (PCP over them), ``("decode", consumer
     engine)`` on ``P ..`` (DCP, with the capture / merge options and ``drafter``; the producer keeps the
-    target hidden rows a drafter that reads them needs, :func:`~cpattn.engine.pd_engine.producer_hidden`). ``kv_connector``: the connector both
-    roles bind (None: :class:`~cpattn.engine.connector_pd.PDConnector`, blocks rank to rank over ``world``);
+    target hidden rows a drafter that reads them needs, :func:`~cpattn.engine.pd_engine.producer_hidden`).
+    ``kv_connector``: the connector both roles bind (None: :class:`~cpattn.engine.connector_pd.PDConnector`,
+    blocks rank to rank over ``world``);
     ``common``: scheduler, num_blocks, poison (as :class:`~cpattn.engine.llm.LLMEngine`).
 
     >>> import cpattn
