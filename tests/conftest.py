@@ -51,3 +51,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def one_device():
+    """The tests' one-device greedy oracle, one memo per session: ``one_device(family, params, cfg, prompts, n)``
+    -> :class:`ref.greedy.Greedy` (tokens [B, N], logits [B, N, V], prompt_logits [T, V]);
+    ``one_device.tokens(family, params, cfg, prompt, n)`` -> one prompt's list. Each token is the argmax of a
+    fresh full one-device prefill's last row (:mod:`ref.greedy`: no cache carried, no step loop, no engine), keyed
+    by the params' content, so tests share an entry only when their weights are bit-equal."""
+    from ref.greedy import OneDevice
+
+    return OneDevice()

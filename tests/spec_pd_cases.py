@@ -35,17 +35,15 @@ def prompts():
     return [pattern * 4 + pattern[:2], torch.randint(0, VOCAB, (11,), generator=g).tolist(), [7]]
 
 
-_REF: dict = {}
+TINY = {"qwen3": tiny_qwen3, "mla": tiny_mla, "dsa": tiny_dsa}
 
 
-def reference(name: str, new: int):
-    """(model, params, cfg, plain single-device greedy Generation of ``new`` tokens), cached per process."""
-    from cpattn.models.generate import generate
-
-    if (name, new) not in _REF:
-        model, params, cfg = {"qwen3": tiny_qwen3, "mla": tiny_mla, "dsa": tiny_dsa}[name]()
-        _REF[name, new] = (model, params, cfg, generate(model, params, cfg, prompts(), new))
-    return _REF[name, new]
+def reference(one_device, name: str, new: int):
+    """(model, params, cfg, the one-device greedy recompute of ``new`` tokens per prompt) of tiny model ``name``;
+    ``one_device``: conftest.py's session oracle (:class:`ref.greedy.OneDevice`, memoized by the params'
+    content), a :class:`ref.greedy.Greedy` with tokens [B, new] and logits [B, new, V] like a Generation's."""
+    model, params, cfg = TINY[name]()
+    return model, params, cfg, one_device(model.FAMILY, params, cfg, prompts(), new)
 
 
 def spec_cases(group, cases):

@@ -123,14 +123,14 @@ def test_gloo_send_recv_split():
     _check(spawn(4, _p2p_program, timeout_s=120), 4)
 
 
-def test_pd_per_rank_code_runs_on_the_simulated_mesh():
+def test_pd_per_rank_code_runs_on_the_simulated_mesh(one_device):
     """The P/D path of generate_on_rank (what gloo ranks run) on P + N simulated ranks: world.split makes the
     two groups, whole blocks move with send / recv; the tokens are one-device greedy's."""
     from spec_pd_cases import prompts, reference
 
     from cpattn.models.generate import pd_generate_on_rank
 
-    _, params, cfg, ref = reference("qwen3", 6)
+    _, params, cfg, ref = reference(one_device, "qwen3", 6)
     outs = simulate(5, pd_generate_on_rank, "qwen3", params, cfg, prompts(), 6, pcp_size=3, dcp_size=2,
                     block_size=4)
     assert all(torch.equal(o.tokens, ref.tokens) for o in outs)

@@ -27,9 +27,11 @@ NEW = 12
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def reference(name: str):
-    """(model, params, cfg, plain greedy Generation of NEW tokens) for a tiny model."""
-    return spec_pd_cases.reference(name, NEW)
+@pytest.fixture(scope="module")
+def reference(one_device):
+    """name -> (model, params, cfg, the one-device greedy recompute of NEW tokens) for a tiny model
+    (:func:`spec_pd_cases.reference`; conftest.py's ``one_device`` oracle)."""
+    return lambda name: spec_pd_cases.reference(one_device, name, NEW)
 
 
 LAYOUTS = [(1, 1), (2, 2), (3, 4), (5, 2), (8, 8), (7, 1), (4, 8), (6, 4)]  # (prefill PCP, decode DCP)
@@ -37,7 +39,7 @@ LAYOUTS = [(1, 1), (2, 2), (3, 4), (5, 2), (8, 8), (7, 1), (4, 8), (6, 4)]  # (p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("p,n", LAYOUTS, ids=[f"P{p}-N{n}" for p, n in LAYOUTS])
-def test_matches_single_engine(p, n):
+def test_matches_single_engine(reference, p, n):
     model, params, cfg, ref = reference("qwen3")
     out = disagg_generate(model, params, cfg, prompts(), NEW, pcp_size=p, dcp_size=n,
                           block_size=2 if n == 8 else 4, pcp_method="allgather" if p == 5 else "ring")
@@ -46,14 +48,14 @@ def test_matches_single_engine(p, n):
 
 
 @pytest.mark.parametrize("name", ["mla", "dsa"])
-def test_mla_dsa_with_speculation(name):
+def test_mla_dsa_with_speculation(reference, name):
     model, params, cfg, ref = reference(name)
     out = disagg_generate(model, params, cfg, prompts(), NEW, pcp_size=2, dcp_size=2, block_size=4,
                           drafter=NgramDrafter(), num_speculative_tokens=2)
     assert torch.equal(out.tokens, ref.tokens)
 
 
-def test_blocks_are_whole_and_dealt_round_robin():
+def test_blocks_are_whole_and_dealt_round_robin(reference):
     """Block j of a request goes to decode rank j % N as local block j // N; tails past the prompt are NaN."""
     model, params, cfg, _ = reference("qwen3")
     ps = Prompts.of(prompts())
@@ -95,7 +97,7 @@ def test_config_rules():
 
 
 @pytest.mark.slow
-def test_on_gloo_ranks():
+def test_on_gloo_ranks(reference):
     """One world of 4 gloo processes: P=2 -> N=2 (plain and speculative), then P=3 -> N=1."""
     model, params, cfg, ref = reference("qwen3")
     args = ("qwen3", params, cfg, prompts(), NEW)

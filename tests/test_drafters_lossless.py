@@ -3,7 +3,8 @@ a no-cache recomputation, P/D (simulated and gloo), float32, graph mode.
 
 Targets and heads are the shipped tiny trained ones (tests/data/speculative, see spec_methods_cases.py), so
 drafts do get accepted and every rollback path runs. The reference is plain single-device greedy generation
-(cpattn.models.generate.generate, itself checked against Hugging Face); float64 makes every logit match to
+(conftest.py's ``one_device``, :mod:`ref.greedy`: each token the argmax of a fresh full one-device prefill's last
+row, no engine code); float64 makes every logit match to
 rounding, so tokens must be identical; float32 counts near-tie flips (DESIGN.md §5).
 """
 
@@ -31,17 +32,16 @@ METHODS = ("mtp", "eagle3", "dspark")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-_REF: dict = {}
-
-
-def reference(method: str, dtype=torch.float64):
-    """(model, params, cfg, prompts, plain one-device greedy Generation) of the method's target."""
-    key = (TARGET_OF[method], dtype)
-    if key not in _REF:
+@pytest.fixture(scope="module")
+def reference(one_device):
+    """method -> (model, params, cfg, prompts, plain one-device greedy of NEW tokens) of the method's target;
+    the greedy is conftest.py's ``one_device`` (a fresh full prefill per token, no engine code)."""
+    def ref(method: str, dtype=torch.float64):
         model, cfg, params = target(TARGET_OF[method], dtype)
         ps = prompts(TARGET_OF[method])
-        _REF[key] = (model, params, cfg, ps, generate(model, params, cfg, ps, NEW))
-    return _REF[key]
+        return model, params, cfg, ps, one_device(model, params, cfg, ps, NEW)
+
+    return ref
 
 
 # k = 1..4, each over its own topology: one device; PCP 2 prefill; DCP 2 decode; PCP 2 + DCP 2
@@ -50,7 +50,7 @@ CASES = [(m, k, topo) for m in METHODS for k, topo in zip((1, 2, 3, 4), ("1x1", 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,k,topo", CASES, ids=[f"{m}-k{k}-{t}" for m, k, t in CASES])
-def test_equals_plain_greedy(method, k, topo):
+def test_equals_plain_greedy(reference, method, k, topo):
     model, params, cfg, ps, ref = reference(method)
     d = head(method)
     if topo == "pcp2+dcp2":
@@ -71,7 +71,7 @@ def test_equals_plain_greedy(method, k, topo):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_drafts_equal_a_no_cache_recomputation(method):
+def test_drafts_equal_a_no_cache_recomputation(reference, method):
     """Every proposal of the cached, rolled-back, uniformly padded draft state (DCP 2, k = 3) equals the
     drafter recomputed from scratch on the target's hidden states of the history."""
     model, params, cfg, ps, ref = reference(method)
@@ -104,7 +104,7 @@ def test_no_cache_reference_attends_in_float64():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_pd_simulated(method):
+def test_pd_simulated(reference, method):
     model, params, cfg, ps, ref = reference(method)
     out = disagg_generate(model, params, cfg, ps, NEW, pcp_size=2, dcp_size=2, drafter=head(method),
                           num_speculative_tokens=2)
@@ -112,7 +112,7 @@ def test_pd_simulated(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_float32(method):
+def test_float32(reference, method):
     """float32: verification logits within 1e-4 of plain decode; a differing token only at a near tie."""
     model, params, cfg, ps, ref = reference(method, torch.float32)
     out = speculative_generate(model, params, cfg, ps, NEW, drafter=head(method, dtype=torch.float32),
@@ -125,7 +125,7 @@ def test_float32(method):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_graph_mode(method):
+def test_graph_mode(reference, method):
     """FULL_DECODE_ONLY: the verify step and the draft steps replay captures (sizes multiples of 1 + k where a
     request brings 1 + k rows), with the tokens and logits of eager."""
     model, params, cfg, ps, ref = reference(method)
@@ -152,7 +152,7 @@ def test_graph_mode(method):
 
 
 @pytest.mark.slow
-def test_on_gloo_ranks():
+def test_on_gloo_ranks(reference, one_device):
     """Real gloo processes: P/D (2 prefill -> 2 decode ranks, hidden states sent with the KV, each name's
     width first) for each method, and DSpark on DeepSeek-V4 (its rows are n_hc * H streams); identical drafts
     on both decode ranks."""
@@ -161,7 +161,7 @@ def test_on_gloo_ranks():
         model, params, cfg, ps, ref = reference(method)
         runs.append(((model, params, cfg, ps, NEW), head(method), k, ref))
     v4_args = ("deepseek_v4", v4_target(), V4_CFG, v4_prompts(), NEW)
-    runs.append((v4_args, v4_trained()[0], 3, generate(*v4_args)))
+    runs.append((v4_args, v4_trained()[0], 3, one_device(*v4_args)))
     cases = [(pd_generate_on_rank, args, {"pcp_size": 2, "dcp_size": 2, "block_size": 4, "drafter": d,
                                           "num_speculative_tokens": k}) for args, d, k, _ in runs]
     per_rank = spawn(4, run_cases, cases)
@@ -173,7 +173,7 @@ def test_on_gloo_ranks():
 
 
 @pytest.mark.slow
-def test_graph_compiled():
+def test_graph_compiled(reference):
     """The verify step (returning the hidden rows the drafter reads) and Eagle3's catch-up step compiled by
     torch.compile (aot_eager, fullgraph; one rank: a compiled step cannot trace the simulated mesh's threads)
     and replayed for every step: the tokens of plain greedy generation. (Each draft step alone compiles and
@@ -189,7 +189,7 @@ def test_graph_compiled():
 
 
 @pytest.mark.slow
-def test_other_targets_with_random_heads():
+def test_other_targets_with_random_heads(one_device):
     """Losslessness does not depend on the head: Eagle3 on Qwen3-MoE, MTP on DeepSeek-V3.2 and on GLM-5 (DSA with
     shared-indexer layers), random heads, under PCP + DCP on one engine (the guide's methods for GQA and DSA)."""
     from cpattn.drafters.eagle3 import Eagle3Drafter
@@ -209,7 +209,7 @@ def test_other_targets_with_random_heads():
                                                               dtype=torch.float64)),
             ("glm_moe_dsa", gparams, gcfg, MTPDrafter.random("glm_moe_dsa", gcfg, target_params=gparams, std=0.3,
                                                              dtype=torch.float64))):
-        ref = generate(model, params, cfg, ps, 10)
+        ref = one_device(model, params, cfg, ps, 10)
         outs = simulate(2, pcp_dcp_generate_on_rank, model, params, cfg, ps, 10,
                         config=pcp_dcp_config(model, cfg, 2, interleave_size=2), drafter=d, num_speculative_tokens=2)
         same_on_every_rank(outs)

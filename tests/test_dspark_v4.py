@@ -4,15 +4,15 @@ n_hc * H features), lossless under every layout, identical drafts on every rank,
 The target is a random-init tiny V4 (sliding, CSA and HCA layers, 2 streams; float64), the head a DSpark head
 trained in the fixture for a few seconds on the target's own greedy continuations (``greedy_data`` takes a
 family with its own stages through the engine), so drafts are accepted and rejected and every rollback runs.
-The oracle is plain one-device greedy generation (``cpattn.models.generate.generate``, itself checked against
-Hugging Face's V4 in test_v4_engine.py); float64 makes every logit match to rounding, so tokens must be equal.
+The oracle is plain one-device greedy generation (conftest.py's ``one_device``, :mod:`ref.greedy`: a fresh
+full one-device prefill per token, no engine code; the forward is checked against Hugging Face's V4); float64
+makes every logit match to rounding, so tokens must be equal.
 The target and head live in spec_methods_cases.py; real gloo ranks (P/D 2 -> 2) run in
 test_drafters_lossless.py::test_on_gloo_ranks with the other methods.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -25,7 +25,7 @@ from cpattn.drafters.dspark import DSparkConfig, DSparkDrafter
 from cpattn.engine.drafters import TargetHidden
 from cpattn.models import deepseek_v4 as v4
 from cpattn.models.generate import (
-    disagg_generate, generate, pcp_dcp_config, pcp_dcp_generate_on_rank, speculative_generate,
+    disagg_generate, pcp_dcp_config, pcp_dcp_generate_on_rank, speculative_generate,
 )
 from spec_methods_cases import DATA, Recorder, check_lossless, same_on_every_rank
 from spec_methods_cases import V4_CFG as CFG
@@ -42,13 +42,15 @@ def head() -> DSparkDrafter:
     return trained()[0]
 
 
-@functools.cache
-def reference():
-    return generate("deepseek_v4", target(), CFG, prompts(), NEW)
+@pytest.fixture(scope="module")
+def reference(one_device):
+    """Plain one-device greedy of the V4 target: conftest.py's ``one_device`` (a fresh full prefill per token,
+    no engine code); its logits are the recompute's, compared at 1e-9."""
+    return one_device("deepseek_v4", target(), CFG, prompts(), NEW)
 
 
-def check(out, k: int) -> None:
-    check_lossless(out, reference(), k, rtol=1e-9, atol=1e-9)
+def check(ref, out, k: int) -> None:
+    check_lossless(out, ref, k, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.slow
@@ -75,32 +77,32 @@ def test_head_for_a_v4_target():
 # k = 2, 3 on one device and with PCP 2 prefill (DCP 2 decode, k = 4: the no-cache recomputation test)
 @pytest.mark.slow
 @pytest.mark.parametrize("k,pcp", [(2, 1), (3, 2)])
-def test_equals_plain_greedy(k, pcp):
-    check(speculative_generate("deepseek_v4", target(), CFG, prompts(), NEW, drafter=head(), num_speculative_tokens=k,
-                               pcp_size=pcp), k)
+def test_equals_plain_greedy(reference, k, pcp):
+    check(reference, speculative_generate("deepseek_v4", target(), CFG, prompts(), NEW, drafter=head(),
+                                          num_speculative_tokens=k, pcp_size=pcp), k)
 
 
 @pytest.mark.slow
-def test_one_engine_pcp2_dcp2_and_pd():
+def test_one_engine_pcp2_dcp2_and_pd(reference):
     """PCP 2 + DCP 2 on the same ranks (one engine, the colocated V4 hand-off) and P/D (PCP 2 -> DCP 2, the
     prompts' hidden states sent with the hand-off): identical drafts on both decode ranks."""
     outs = simulate(2, pcp_dcp_generate_on_rank, "deepseek_v4", target(), CFG, prompts(), NEW,
                     config=pcp_dcp_config("deepseek_v4", CFG, 2, interleave_size=2), drafter=head(),
                     num_speculative_tokens=3)
     same_on_every_rank(outs)
-    check(outs[0], 3)
-    check(disagg_generate("deepseek_v4", target(), CFG, prompts(), NEW, pcp_size=2, dcp_size=2,
+    check(reference, outs[0], 3)
+    check(reference, disagg_generate("deepseek_v4", target(), CFG, prompts(), NEW, pcp_size=2, dcp_size=2,
                           drafter=head(), num_speculative_tokens=2), 2)
 
 
 @pytest.mark.slow  # trains the head: the full suite runs it, the fast lane does not
-def test_drafts_equal_a_no_cache_recomputation():
+def test_drafts_equal_a_no_cache_recomputation(reference):
     """DCP 2 decode, k = 4: lossless, and every proposal of the cached, rolled-back draft state (hidden rows
     from the verify steps) equals the head recomputed from scratch on the one-device prefill's hidden states
     of the history."""
     rec = Recorder(head())
-    check(speculative_generate("deepseek_v4", target(), CFG, prompts(), NEW, drafter=rec, num_speculative_tokens=4,
-                               dcp_size=2, interleave_size=2), 4)
+    check(reference, speculative_generate("deepseek_v4", target(), CFG, prompts(), NEW, drafter=rec,
+                                          num_speculative_tokens=4, dcp_size=2, interleave_size=2), 4)
     seen = {(tuple(h), tuple(d)) for histories, drafts in rec.log for h, d in zip(histories, drafts)}  # both ranks'
     assert len(seen) >= 12
     d = head()
@@ -111,14 +113,14 @@ def test_drafts_equal_a_no_cache_recomputation():
 
 
 @pytest.mark.slow
-def test_graph_mode():
+def test_graph_mode(reference):
     """FULL_DECODE_ONLY with DCP 2: the verify step (returning the streams) and the DSpark block step replay
     captures (the 'eager' backend: persistent buffers, padding), with plain greedy's tokens and logits."""
     k = 3
     rec = Recorder(head())
     out = speculative_generate("deepseek_v4", target(), CFG, prompts(), NEW, drafter=rec, num_speculative_tokens=k,
                                dcp_size=2, graph=True)
-    check(out, k)
+    check(reference, out, k)
     assert out.stats.graph_steps == out.stats.steps
     for state in rec.states:
         step = state.runners[1 + k]

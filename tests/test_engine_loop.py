@@ -1,9 +1,10 @@
 """The step loop (LLMEngine = Scheduler + BlockManager + StepRunner) against one-device greedy generation.
 
-The oracle: :func:`cpattn.engine.reference.reference_generate` of each request alone, on a dense cache,
-no chunking, no parallelism. Whatever the arrivals, the token budget (so the chunk boundaries), the batch
-mix, preemptions, prefix-cache hits and aborts, each request's tokens must equal it (float64 weights: the
-chunked and the whole-prompt attention differ in their last bits only). Freshly handed-out blocks are
+The oracle: conftest.py's ``one_device`` (:mod:`ref.greedy`) of each request alone: each token the argmax of a
+fresh one-device full prefill's last row, no cache carried, no chunking, no parallelism, no engine code.
+Whatever the arrivals, the token budget (so the chunk boundaries), the batch mix, preemptions, prefix-cache
+hits and aborts, each request's tokens must equal it (float64 weights: the chunked and the whole-prompt
+attention differ in their last bits only). Freshly handed-out blocks are
 NaN-poisoned, so a read of stale or never-written rows turns the logits NaN and the tokens wrong.
 """
 
@@ -21,7 +22,6 @@ from cpattn.config import SchedulerConfig
 from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine, SamplingParams
-from cpattn.engine.reference import reference_generate
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]  # PCP + DCP in one engine
@@ -36,26 +36,26 @@ def model(family: str, heads: int | None = None):
     return cfg, fam.init_params(cfg, seed=1, dtype=torch.float64)
 
 
-@functools.lru_cache(maxsize=None)
-def reference(family: str, prompt: tuple[int, ...], heads: int | None = None) -> list[int]:
+def reference(one_device, family: str, prompt: tuple[int, ...], heads: int | None = None) -> list[int]:
+    """MAX_TOKENS one-device greedy tokens of ``prompt`` alone (``one_device``: conftest.py's session oracle)."""
     cfg, params = model(family, heads)
-    return reference_generate(family, params, cfg, [list(prompt)], MAX_TOKENS).tokens[0].tolist()
+    return one_device.tokens(family, params, cfg, list(prompt), MAX_TOKENS)
 
 
-def expected(family: str, req: dict, heads: int | None = None) -> list[int]:
+def expected(one_device, family: str, req: dict, heads: int | None = None) -> list[int]:
     """One-device greedy tokens of the request alone: max_tokens of them, cut after the first stop token."""
-    ref = reference(family, tuple(req["prompt"]), heads)[: req["max_tokens"]]
+    ref = reference(one_device, family, tuple(req["prompt"]), heads)[: req["max_tokens"]]
     for j, t in enumerate(ref):
         if t in req.get("stop", ()):
             return ref[: j + 1]
     return ref
 
 
-def check_run(family: str, engine: LLMEngine, schedule: list[dict], heads: int | None = None) -> list:
+def check_run(one_device, family: str, engine: LLMEngine, schedule: list[dict], heads: int | None = None) -> list:
     """Run the schedule; assert every request's tokens, the replay rule and that no block leaks."""
     ids, steps = run_schedule(engine, schedule)
     for i, rid in ids.items():
-        got, want = list(engine.scheduler.requests[rid].output), expected(family, schedule[i], heads)
+        got, want = list(engine.scheduler.requests[rid].output), expected(one_device, family, schedule[i], heads)
         if "abort" in schedule[i]:
             assert want[: len(got)] == got, f"aborted request {i}: {got} is not a prefix of {want}"
         else:
@@ -97,7 +97,7 @@ def shared_schedule(vocab: int, seed: int = 0) -> list[dict]:
     pytest.param("deepseek_v32", 2, 1, None, True, marks=pytest.mark.slow),  # DSA-CP chunks, indexer keys paged
     pytest.param("glm_moe_dsa", 2, 2, None, False, marks=pytest.mark.slow),
 ])
-def test_every_family_serves_a_mixed_schedule_exactly(family, dcp, interleave, heads, pcp):
+def test_every_family_serves_a_mixed_schedule_exactly(one_device, family, dcp, interleave, heads, pcp):
     """Chunked prefill beside decodes (chunks under DCP attention, or PCP with their cached context),
     prefix hits, captured uniform decode steps, DCP-sharded blocks."""
     cfg, params = model(family, heads)
@@ -105,7 +105,7 @@ def test_every_family_serves_a_mixed_schedule_exactly(family, dcp, interleave, h
                        interleave_size=interleave,
                        graph_mode="FULL_DECODE_ONLY", num_blocks=24, poison=True,
                        scheduler=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3))
-    steps = check_run(family, engine, shared_schedule(cfg.vocab_size), heads)
+    steps = check_run(one_device, family, engine, shared_schedule(cfg.vocab_size), heads)
     s = engine.stats
     assert s.prefix_hit_tokens >= 4 * dcp * ((18 // (4 * dcp))), s  # the shared 18 tokens' full spans
     assert s.replayed_steps > 0 and s.eager_steps > 0, s
@@ -114,7 +114,7 @@ def test_every_family_serves_a_mixed_schedule_exactly(family, dcp, interleave, h
     assert (s.pcp_steps > 0) == pcp, s
 
 
-def test_preemption_recomputes_exactly():
+def test_preemption_recomputes_exactly(one_device):
     """A pool too small for the running requests: the newest is preempted, recomputed, still exact."""
     cfg, params = model("qwen3")
     g = torch.Generator().manual_seed(5)
@@ -122,25 +122,25 @@ def test_preemption_recomputes_exactly():
              for n in (7, 9, 6)]
     engine = LLMEngine("qwen3", params, cfg, dcp_size=1, block_size=2, num_blocks=8, poison=True,
                        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=3))
-    check_run("qwen3", engine, sched)
+    check_run(one_device, "qwen3", engine, sched)
     assert engine.stats.preemptions > 0
 
 
-def test_stop_token_and_abort():
+def test_stop_token_and_abort(one_device):
     cfg, params = model("qwen3")
     g = torch.Generator().manual_seed(7)
     p1, p2 = (torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 12))
-    stop = reference("qwen3", tuple(p1))[2]
+    stop = reference(one_device, "qwen3", tuple(p1))[2]
     sched = [dict(prompt=p1, max_tokens=6, arrive=0, stop=[stop]), dict(prompt=p2, max_tokens=6, arrive=0, abort=3)]
     engine = LLMEngine("qwen3", params, cfg, dcp_size=2, block_size=4, num_blocks=8,
                        scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2))
-    check_run("qwen3", engine, sched)
+    check_run(one_device, "qwen3", engine, sched)
     reqs = engine.scheduler.requests
     assert reqs[0].finish_reason == "stop" and reqs[0].output[-1] == stop and len(reqs[0].output) <= 3
     assert reqs[1].finish_reason == "abort"
 
 
-def test_poison_reaches_stale_blocks():
+def test_poison_reaches_stale_blocks(one_device):
     """The poisoning the exactness tests rely on is real: a block handed out anew is NaN where not written."""
     cfg, params = model("qwen3")
     engine = LLMEngine("qwen3", params, cfg, block_size=4, num_blocks=4, poison=True,
@@ -152,7 +152,7 @@ def test_poison_reaches_stale_blocks():
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
     out = engine.step()
     first = engine.last_step[0].block_tables[0][0]
-    assert out[0].token_ids == tuple(expected("qwen3", dict(prompt=[1, 2, 3], max_tokens=1)))
+    assert out[0].token_ids == tuple(expected(one_device, "qwen3", dict(prompt=[1, 2, 3], max_tokens=1)))
     assert not k[first, :3].isnan().any() and k[first, 3:].isnan().all()  # stale row 3 poisoned, never read
 
 
@@ -177,7 +177,7 @@ requests = st.lists(st.fixed_dictionaries({
     "abort": st.one_of(st.none(), st.integers(0, 12)), "stop": st.booleans()}), min_size=1, max_size=6)
 
 
-def draw_schedule(vocab: int, reqs: list[dict], seed: int) -> list[dict]:
+def draw_schedule(one_device, vocab: int, reqs: list[dict], seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for r in reqs:
@@ -189,14 +189,14 @@ def draw_schedule(vocab: int, reqs: list[dict], seed: int) -> list[dict]:
         if r["abort"] is not None:
             req["abort"] = r["arrive"] + r["abort"]
         if r["stop"]:
-            req["stop"] = [reference("qwen3", tuple(prompt))[r["len"] % MAX_TOKENS]]
+            req["stop"] = [reference(one_device, "qwen3", tuple(prompt))[r["len"] % MAX_TOKENS]]
         out.append(req)
     return out
 
 
-def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed):
+def property_run(one_device, reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed):
     cfg, params = model("qwen3")
-    sched = draw_schedule(cfg.vocab_size, reqs, seed)
+    sched = draw_schedule(one_device, cfg.vocab_size, reqs, seed)
     span = block * dcp
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in sched)
     num_blocks = -(-longest // span) + spare  # small spare: preemptions
@@ -208,7 +208,7 @@ def property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, 
                        drafter=NgramDrafter() if k else None, num_speculative_tokens=k,
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
                                                  enable_chunked_prefill=chunked))
-    check_run("qwen3", engine, sched)
+    check_run(one_device, "qwen3", engine, sched)
 
 
 schedules = dict(reqs=requests, dcp=st.sampled_from([1, 2]), block=st.sampled_from([2, 4]),
@@ -218,21 +218,21 @@ schedules = dict(reqs=requests, dcp=st.sampled_from([1, 2]), block=st.sampled_fr
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(**schedules)
-def test_any_schedule_gives_one_device_greedy_tokens(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp,
-                                                     seed):
-    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed)
+def test_any_schedule_gives_one_device_greedy_tokens(one_device, reqs, dcp, block, budget, seqs, spare, chunked, graph,
+                                                     k, pcp, seed):
+    property_run(one_device, reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed)
 
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**schedules)
-def test_any_schedule_gives_one_device_greedy_tokens_more(reqs, dcp, block, budget, seqs, spare, chunked, graph,
-                                                          k, pcp, seed):
-    property_run(reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed)
+def test_any_schedule_gives_one_device_greedy_tokens_more(one_device, reqs, dcp, block, budget, seqs, spare, chunked,
+                                                          graph, k, pcp, seed):
+    property_run(one_device, reqs, dcp, block, budget, seqs, spare, chunked, graph, k, pcp, seed)
 
 
 @pytest.mark.slow
-def test_gloo_ranks_give_the_simulated_tokens():
+def test_gloo_ranks_give_the_simulated_tokens(one_device):
     """Under real processes (gloo) every rank runs its own scheduler; the tokens equal the simulated run's."""
     from cpattn.comm.launch import spawn
 
@@ -242,12 +242,12 @@ def test_gloo_ranks_give_the_simulated_tokens():
                   scheduler=dict(max_num_batched_tokens=8, max_num_seqs=3))
     per_rank = spawn(2, gloo_rank, "qwen3", cfg, 1, sched, kwargs)
     assert per_rank[0] == per_rank[1]
-    assert per_rank[0] == {i: expected("qwen3", r) for i, r in enumerate(sched)}
+    assert per_rank[0] == {i: expected(one_device, "qwen3", r) for i, r in enumerate(sched)}
 
 
 @pytest.mark.parametrize("method,dcp,graph", [("ngram", 2, True), pytest.param("draft_model", 1, False,
                                                                                 marks=pytest.mark.slow)])
-def test_speculative_steps_stay_lossless(method, dcp, graph):
+def test_speculative_steps_stay_lossless(one_device, method, dcp, graph):
     """k drafts per running request verified in the same steps as prefill chunks; accepted ones committed,
     rejected KV rolled back; tokens still one-device greedy (repetitive prompts so drafts get accepted)."""
     from cpattn.drafters.draft_model import truncated
@@ -262,7 +262,7 @@ def test_speculative_steps_stay_lossless(method, dcp, graph):
                        graph_mode="FULL_DECODE_ONLY" if graph else "NONE", graph_backend="eager",
                        drafter=drafter, num_speculative_tokens=3,
                        scheduler=SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=3))
-    steps = check_run("qwen3", engine, sched)
+    steps = check_run(one_device, "qwen3", engine, sched)
     s = engine.stats
     assert s.drafted_tokens > 0 and 0 < s.accepted_tokens <= s.drafted_tokens, s
     assert any(max(o.query_lens) == 4 and not any(o.is_prefill) for o, _ in steps if o.req_ids)
@@ -295,7 +295,7 @@ def test_bench_engine_refuses_a_chunk_longer_than_the_prompt(capsys):
 
 
 @pytest.mark.slow
-def test_a_long_prompt_in_many_chunks_under_pcp():
+def test_a_long_prompt_in_many_chunks_under_pcp(one_device):
     """A 2000-token prompt in 300-token chunks (each under PCP 2 with its DCP-sharded cached context) beside
     a short request's decodes: both one-device greedy."""
     cfg, params = model("qwen3")
@@ -304,7 +304,7 @@ def test_a_long_prompt_in_many_chunks_under_pcp():
              dict(prompt=torch.randint(0, cfg.vocab_size, (9,), generator=g).tolist(), max_tokens=6, arrive=1)]
     engine = LLMEngine("qwen3", params, cfg, dcp_size=2, pcp_size=2, block_size=16, num_blocks=72, poison=True,
                        scheduler=SchedulerConfig(max_num_batched_tokens=300, max_num_seqs=2))
-    check_run("qwen3", engine, sched)
+    check_run(one_device, "qwen3", engine, sched)
     assert engine.stats.pcp_steps >= 7
 
 
@@ -325,7 +325,7 @@ def test_generate_drains_a_fixed_batch_like_the_driver():
 
 
 @pytest.mark.parametrize("dcp", [1, 2])
-def test_the_kv_pool_is_the_prefix_caches_second_tier(tmp_path, dcp):
+def test_the_kv_pool_is_the_prefix_caches_second_tier(one_device, tmp_path, dcp):
     """A second engine (a cold device cache) over the same LMDB pool fetches the first engine's spans instead of
     computing them (NaN-poisoned fresh blocks, so a span fetched wrong or not at all shows); tokens stay one-device
     greedy."""
@@ -344,12 +344,12 @@ def test_the_kv_pool_is_the_prefix_caches_second_tier(tmp_path, dcp):
                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1))
 
     first = engine()
-    check_run("qwen3", first, sched)
+    check_run(one_device, "qwen3", first, sched)
     stored = first.stats.pool_blocks_stored
     assert stored > 0
     first.close()
     second = engine()  # a fresh device cache: every full span of the shared prefix comes from the pool
-    check_run("qwen3", second, sched)
+    check_run(one_device, "qwen3", second, sched)
     span = 4 * dcp
     assert second.stats.pool_hit_tokens >= (20 // span) * span, second.stats
     second.close()
@@ -357,7 +357,7 @@ def test_the_kv_pool_is_the_prefix_caches_second_tier(tmp_path, dcp):
 
 @pytest.mark.parametrize("method,pcp", [("mtp", False), pytest.param("eagle3", True, marks=pytest.mark.slow),
                                         pytest.param("dspark", False, marks=pytest.mark.slow)])
-def test_drafters_that_read_hidden_states_stay_lossless(method, pcp):
+def test_drafters_that_read_hidden_states_stay_lossless(one_device, method, pcp):
     """MTP (DeepSeek-V3 target), Eagle3 and DSpark (Qwen3) heads, trained checkpoints: the drafter gets the
     target's final hidden rows of every chunk and accepted decode row. Every proposal equals the head's drafts
     recomputed from scratch (no cache, the hidden states of one dense prefill of the history); tokens are
@@ -373,7 +373,7 @@ def test_drafters_that_read_hidden_states_stay_lossless(method, pcp):
                        scheduler=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3))
     ids, _ = run_schedule(engine, sched)
     for i, rid in ids.items():
-        ref = reference_generate(name, params, cfg, [sched[i]["prompt"]], 6).tokens[0].tolist()
+        ref = one_device.tokens(name, params, cfg, sched[i]["prompt"], 6)
         assert list(engine.scheduler.requests[rid].output) == ref, (method, i)
     s = engine.stats
     assert s.drafted_tokens > 0 and s.accepted_tokens > 0 and s.blocks_used == 0, s

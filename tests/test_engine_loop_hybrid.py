@@ -1,7 +1,8 @@
 """Hybrid linear-attention models in the step loop (LLMEngine over HybridStepRunner) against one-device generation.
 
-The oracle: :func:`cpattn.engine.generate` of each request alone on one device (the fixed-batch path, itself
-checked against Hugging Face in tests/test_qwen3_next_engine.py), float64 weights of the tiny Qwen3-Next config
+The oracle: conftest.py's ``one_device`` (:mod:`ref.greedy`) of each request alone: each token the argmax of a
+fresh one-device full prefill's last row (dense KV, zero linear states; no cache carried, no step loop), float64
+weights of the tiny Qwen3-Next config
 (linear, full, linear, linear; conv kernel 4). Whatever the arrivals, the token budget (so where prompts are
 cut into chunks: boundaries inside the conv kernel's width too), the batch mix, preemptions (recompute) and
 aborts, each request's tokens must equal it, for layouts 1, DCP 2 and PCP 2 + DCP 2 (every prefill chunk under
@@ -21,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpattn.config import SchedulerConfig
-from cpattn.engine import engine_configs, generate
 from cpattn.engine.llm import LLMEngine
 from cpattn.models import qwen3_5, qwen3_next as qn
 
@@ -45,16 +45,14 @@ def model(family: str = "qwen3_next"):
     return cfg, mod.init_params(cfg, seed=1, std=0.2, dtype=torch.float64)
 
 
-@functools.lru_cache(maxsize=None)
-def reference(prompt: tuple[int, ...], family: str = "qwen3_next") -> list[int]:
+def reference(one_device, prompt: tuple[int, ...], family: str = "qwen3_next") -> list[int]:
+    """MAX_TOKENS one-device greedy tokens of ``prompt`` alone (``one_device``: conftest.py's session oracle)."""
     cfg, params = model(family)
-    pre, dec = engine_configs(family, cfg)  # one device
-    return generate(family, params, cfg, [list(prompt)], MAX_TOKENS, prefill=pre, decode=dec,
-                    prompt_logits=False).tokens[0].tolist()
+    return one_device.tokens(family, params, cfg, list(prompt), MAX_TOKENS)
 
 
-def expected(req: dict, family: str = "qwen3_next") -> list[int]:
-    ref = reference(tuple(req["prompt"]), family)[: req["max_tokens"]]
+def expected(one_device, req: dict, family: str = "qwen3_next") -> list[int]:
+    ref = reference(one_device, tuple(req["prompt"]), family)[: req["max_tokens"]]
     for j, t in enumerate(ref):
         if t in req.get("stop", ()):
             return ref[: j + 1]
@@ -72,33 +70,33 @@ def engine(layout: str, num_blocks: int, family: str = "qwen3_next", **kw) -> LL
                      scheduler=kw.pop("scheduler", sched()), poison=True, **kw)
 
 
-def check_run(eng: LLMEngine, schedule: list[dict], family: str = "qwen3_next") -> list:
+def check_run(one_device, eng: LLMEngine, schedule: list[dict], family: str = "qwen3_next") -> list:
     """Run the schedule (:func:`engine_loop_cases.check_schedule`); assert too that no slot leaks."""
-    steps = check_schedule(eng, schedule, lambda req: expected(req, family))
+    steps = check_schedule(eng, schedule, lambda req: expected(one_device, req, family))
     for r in eng.runners:
         assert r.live == 0 and sorted(r._free) == list(range(eng.scheduler_config.max_num_seqs))
         assert all(bool(t.isnan().all()) for t in (*r.states.conv, *r.states.state)), "a slot left unpoisoned"
     return steps
 
 
-def staggered() -> list[dict]:
+def staggered(one_device) -> list[dict]:
     """Five requests arriving over five steps, prompts of 5 to 17 tokens (several chunks each at budget 7)."""
     lens, arrive, max_tokens = (5, 13, 9, 17, 11), (0, 0, 2, 3, 5), (6, 6, 6, 5, 4)
     reqs = [{"prompt": prompt(n, s), "arrive": a, "max_tokens": m}
             for s, (n, a, m) in enumerate(zip(lens, arrive, max_tokens))]
     reqs[2]["abort"] = 11  # after some tokens, in every layout
-    last = reference(tuple(reqs[4]["prompt"]))[:4]
+    last = reference(one_device, tuple(reqs[4]["prompt"]))[:4]
     assert last[3] not in last[:3]
     reqs[4]["stop"] = (last[3],)  # its 4th (last) token: "stop" wins over "length", the schedule unchanged
     return reqs
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_staggered_chunked_schedule_matches_one_device(layout):
+def test_staggered_chunked_schedule_matches_one_device(one_device, layout):
     n = LAYOUTS[layout][0]
     eng = engine(layout, num_blocks=8 // n)  # 32 tokens of KV accounting: the requests do not all fit
-    schedule = staggered()
-    steps = check_run(eng, schedule)
+    schedule = staggered(one_device)
+    steps = check_run(one_device, eng, schedule)
     s = eng.stats
     assert s.preemptions > 0, "the small block pool should force a preemption (recompute)"
     assert any(any(o.is_prefill) and not all(o.is_prefill) for o, _ in steps), "no mixed step ran"
@@ -114,16 +112,16 @@ def test_staggered_chunked_schedule_matches_one_device(layout):
 
 
 @pytest.mark.parametrize("layout", ["one", "dcp2"])
-def test_eager_captured_decode_replays_uniform_steps(layout):
+def test_eager_captured_decode_replays_uniform_steps(one_device, layout):
     reqs = [{"prompt": prompt(n, 10 + n), "arrive": a, "max_tokens": MAX_TOKENS} for n, a in ((11, 0), (6, 0), (3, 3))]
     eng = engine(layout, num_blocks=40, graph_mode="FULL_DECODE_ONLY", graph_backend="auto")  # auto: eager here
-    check_run(eng, reqs)
+    check_run(one_device, eng, reqs)
     assert eng.stats.replayed_steps > 0 and eng.stats.eager_steps > 0, eng.stats
 
 
-def test_qwen3_5_dcp2_matches_one_device():
+def test_qwen3_5_dcp2_matches_one_device(one_device):
     reqs = [{"prompt": prompt(n, 30 + n), "arrive": a, "max_tokens": MAX_TOKENS} for n, a in ((12, 0), (5, 1), (9, 2))]
-    check_run(engine("dcp2", num_blocks=6, family="qwen3_5"), reqs, family="qwen3_5")
+    check_run(one_device, engine("dcp2", num_blocks=6, family="qwen3_5"), reqs, family="qwen3_5")
 
 
 def test_refused_at_construction():
@@ -146,25 +144,26 @@ requests = st.lists(st.fixed_dictionaries({
     "abort": st.one_of(st.none(), st.integers(0, 10))}), min_size=1, max_size=4)
 
 
-def run_property(layout: str, reqs: list[dict], num_blocks: int, budget: int, seed: int) -> None:
+def run_property(one_device, layout: str, reqs: list[dict], num_blocks: int, budget: int,
+                 seed: int) -> None:
     schedule = [{"prompt": prompt(r["len"], 1000 * seed + i), "arrive": r["arrive"], "max_tokens": r["max_tokens"],
                  **({} if r["abort"] is None else {"abort": r["abort"]})} for i, r in enumerate(reqs)]
     eng = engine(layout, num_blocks=num_blocks // LAYOUTS[layout][0], scheduler=sched(max_num_batched_tokens=budget))
-    check_run(eng, schedule)
+    check_run(one_device, eng, schedule)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests, num_blocks=st.integers(8, 20), budget=st.integers(2, 12), seed=st.integers(0, 3))
-def test_property_arrivals_budgets_and_lengths(reqs, num_blocks, budget, seed):
-    run_property("one", reqs, num_blocks, budget, seed)
+def test_property_arrivals_budgets_and_lengths(one_device, reqs, num_blocks, budget, seed):
+    run_property(one_device, "one", reqs, num_blocks, budget, seed)
 
 
 @pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests, num_blocks=st.integers(8, 20), budget=st.integers(2, 12), seed=st.integers(0, 50),
        layout=st.sampled_from(list(LAYOUTS)))
-def test_property_arrivals_budgets_and_lengths_all_layouts(reqs, num_blocks, budget, seed, layout):
-    run_property(layout, reqs, num_blocks, budget, seed)
+def test_property_arrivals_budgets_and_lengths_all_layouts(one_device, reqs, num_blocks, budget, seed, layout):
+    run_property(one_device, layout, reqs, num_blocks, budget, seed)
 
 
 def test_serve_builds_a_hybrid_engine_without_prefix_caching():
@@ -180,7 +179,7 @@ def test_serve_builds_a_hybrid_engine_without_prefix_caching():
 
 
 @pytest.mark.slow  # seeded sampling over every layout (~1.5 s): slow lane; the greedy layouts stay fast
-def test_seeded_sampling_is_the_same_whatever_the_layout_and_preemptions():
+def test_seeded_sampling_is_the_same_whatever_the_layout_and_preemptions(one_device):
     """temperature > 0: a token is a pure function of the logits, the seed and its output index, so one device
     with room for everything, DCP 2 and PCP 2 + DCP 2 with a pool that preempts give the same tokens."""
     from cpattn.engine.llm import SamplingParams
@@ -193,7 +192,7 @@ def test_seeded_sampling_is_the_same_whatever_the_layout_and_preemptions():
 
     one, none = run("one", 64)
     assert none == 0
-    assert one != [expected({"prompt": r["prompt"], "max_tokens": MAX_TOKENS}) for r in reqs]  # not greedy
+    assert one != [expected(one_device, {"prompt": r["prompt"], "max_tokens": MAX_TOKENS}) for r in reqs]  # not greedy
     for layout in ("dcp2", "pcp2_dcp2"):
         got, preempted = run(layout, 4)
         assert preempted > 0 and got == one, (layout, got, one)

@@ -3,8 +3,9 @@
 Oracle: :func:`cpattn.engine.reference.reference_generate` of each request alone (float64 weights, dense
 cache, one prefill): its ``logits`` [N, V] per output token and ``prompt_logits`` rows of the request. The
 step loop's rows come from chunked prefill (DCP attention, or PCP with the cached context), a mixed batch,
-preemption and recompute, drafts; float64, so they must agree to ~1e-9 and the tokens exactly. The fixed-batch
-driver's rows (:func:`cpattn.engine.generate`) are the second comparison.
+preemption and recompute, drafts; float64, so they must agree to ~1e-9 and the tokens exactly. Hybrid and V4
+models (which have no dense-cache reference) compare with conftest.py's ``one_device`` (:mod:`ref.greedy`). The
+fixed-batch driver's rows (:func:`cpattn.engine.generate`) are the second comparison.
 """
 
 from __future__ import annotations
@@ -142,24 +143,22 @@ def test_against_the_fixed_batch_driver():
 
 @pytest.mark.parametrize("family, dcp, pcp", [("qwen3_next", 1, 1), ("qwen3_next", 2, 1), ("qwen3_next", 2, 2),
                                               ("qwen3_5", 2, 2)])
-def test_a_hybrid_model_hands_back_every_row(family, dcp, pcp):
+def test_a_hybrid_model_hands_back_every_row(one_device, family, dcp, pcp):
     """Qwen3-Next / Qwen3.5 (linear layers' states carried between chunks), chunked by a budget of 7 beside
-    decodes, chunks under PCP (the scan) at pcp 2: every prompt row and output row equals the one-device
-    fixed-batch run of the request alone (whose logits tests/test_qwen3_next_hf.py checks against transformers)."""
+    decodes, chunks under PCP (the scan) at pcp 2: every prompt row and output row equals the one-device greedy
+    recompute of the request alone (conftest.py's ``one_device``: a fresh full prefill per token, no engine code;
+    the forward's logits tests/test_qwen3_next_hf.py checks against transformers)."""
     from test_engine_loop_hybrid import model as hybrid_model, prompt
-
-    from cpattn.engine.driver import engine_configs, generate
 
     cfg, params = hybrid_model(family)
     batch = [prompt(n, s) for n, s in ((11, 1), (3, 2), (17, 3))]
-    pre, dec = engine_configs(family, cfg)  # one device
     engine = LLMEngine(family, params, cfg, dcp_size=dcp, pcp_size=pcp, block_size=4,
                        num_blocks=32, poison=True, return_logits=True, return_prompt_logits=True,
                        scheduler=SchedulerConfig(max_num_batched_tokens=7, max_num_seqs=3, enable_prefix_caching=False))
     outs = engine.generate(batch, SamplingParams(max_tokens=N))
     assert engine.stats.pcp_steps > 0 if pcp > 1 else engine.stats.pcp_steps == 0
     for o, p in zip(outs, batch):
-        ref = generate(family, params, cfg, [p], N, prefill=pre, decode=dec)
+        ref = one_device(family, params, cfg, [p], N)
         assert list(o.token_ids) == ref.tokens[0].tolist()
         assert torch.allclose(o.logits, ref.logits[0], **TOL)
         assert o.prompt_logits.shape == (len(p), cfg.vocab_size)
@@ -167,17 +166,15 @@ def test_a_hybrid_model_hands_back_every_row(family, dcp, pcp):
 
 
 @pytest.mark.parametrize("dcp, pcp", [(1, 1), (2, 1), (2, 2)])
-def test_deepseek_v4_hands_back_every_row(dcp, pcp):
+def test_deepseek_v4_hands_back_every_row(one_device, dcp, pcp):
     """DeepSeek-V4 (window, CSA and HCA layers; each prompt prefilled whole, beside decodes, under PCP at pcp 2):
-    every prompt row and output row equals the one-device fixed-batch run of the request alone; at pcp 2 a P/D
-    pair gives the same rows (the producer's)."""
+    every prompt row and output row equals the one-device greedy recompute of the request alone (conftest.py's
+    ``one_device``: a fresh full prefill per token, no engine code); at pcp 2 a P/D pair gives the same rows (the
+    producer's)."""
     from test_engine_loop_v4 import model as v4_model, prompt, sched
-
-    from cpattn.engine.driver import engine_configs, generate
 
     cfg, params = v4_model()
     batch = [prompt(n, s) for n, s in ((5, 0), (20, 1), (9, 2))]
-    pre, dec = engine_configs("deepseek_v4", cfg)  # one device
     engine = LLMEngine("deepseek_v4", params, cfg, dcp_size=dcp, pcp_size=pcp, block_size=4, num_blocks=32,
                        return_logits=True, return_prompt_logits=True, scheduler=sched(max_num_seqs=2))
     outs = engine.generate(batch, SamplingParams(max_tokens=N))
@@ -189,7 +186,7 @@ def test_deepseek_v4_hands_back_every_row(dcp, pcp):
         for a, b in zip(pd_outs, outs):
             assert a.token_ids == b.token_ids and torch.allclose(a.prompt_logits, b.prompt_logits, **TOL)
     for o, p in zip(outs, batch):
-        ref = generate("deepseek_v4", params, cfg, [p], N, prefill=pre, decode=dec)
+        ref = one_device("deepseek_v4", params, cfg, [p], N)
         assert list(o.token_ids) == ref.tokens[0].tolist()
         assert torch.allclose(o.logits, ref.logits[0], **TOL)
         assert o.prompt_logits.shape == (len(p), cfg.vocab_size)

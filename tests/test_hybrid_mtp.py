@@ -1,8 +1,8 @@
 """Speculative decoding on hybrid models (Qwen3-Next) with its MTP module, and drafts in the fixed-batch path.
 
-Oracles: one-device greedy generation without drafts (:func:`cpattn.engine.generate`, itself checked
-against Hugging Face in tests/test_qwen3_next_engine.py), float64 weights of tests/test_engine_loop_hybrid.py's
-model; for acceptance, an *identity-like* MTP head whose every draft is known from the greedy tokens alone:
+Oracles: one-device greedy generation without drafts (conftest.py's ``one_device``, :mod:`ref.greedy`: each
+token the argmax of a fresh full one-device prefill's last row, no engine code), float64 weights of
+tests/test_engine_loop_hybrid.py's model; for acceptance, an *identity-like* MTP head whose every draft is known from the greedy tokens alone:
 ``fc = [0 | I]`` (the embedding ignored), attention and MLP outputs zeroed, norms at their identity, so
 ``hn = h_p`` (the target's final-normed state, rms 1 here) and its draft is the target's own choice at p,
 ``t_{p+1}``: each step drafts the last token k times. A step after n emitted tokens then accepts the leading
@@ -15,7 +15,6 @@ checks the drafter's cached catch-up-and-chain; a random head checks losslessnes
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 import torch
@@ -33,13 +32,11 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 TOKENS = 12
 
 
-@functools.lru_cache(maxsize=None)
-def greedy(prompt_: tuple[int, ...], n: int = TOKENS + 4) -> list[int]:
-    """One device, no drafts (a few tokens past TOKENS: a last step's accepted drafts may reach them)."""
+def greedy(one_device, prompt_: tuple[int, ...], n: int = TOKENS + 4) -> list[int]:
+    """One device, no drafts (a few tokens past TOKENS: a last step's accepted drafts may reach them);
+    conftest.py's ``one_device``: each token the argmax of a fresh full prefill's last row."""
     cfg, params = model()
-    pre, dec = engine_configs("qwen3_next", cfg)
-    return generate("qwen3_next", params, cfg, [list(prompt_)], n, prefill=pre, decode=dec,
-                    prompt_logits=False).tokens[0].tolist()
+    return one_device.tokens("qwen3_next", params, cfg, list(prompt_), n)
 
 
 def prompts() -> list[list[int]]:
@@ -81,10 +78,10 @@ def fixed(reqs, k, drafter, *, pcp=1, dcp=1, **kw):
 
 @pytest.mark.parametrize(("pcp", "dcp", "k", "graph"), [(1, 1, 1, "NONE"), (1, 1, 3, "NONE"), (2, 2, 2, "NONE"),
                                                     (3, 1, 2, "NONE"), (1, 2, 2, "FULL_DECODE_ONLY")])
-def test_fixed_batch_identity_mtp_is_lossless_and_accepts_the_repeats(pcp, dcp, k, graph):
+def test_fixed_batch_identity_mtp_is_lossless_and_accepts_the_repeats(one_device, pcp, dcp, k, graph):
     reqs = prompts()
     out = fixed(reqs, k, identity_head(), pcp=pcp, dcp=dcp, graph_mode=graph, graph_backend="eager")
-    want = [greedy(tuple(p)) for p in reqs]
+    want = [greedy(one_device, tuple(p)) for p in reqs]
     assert out.tokens.tolist() == [w[:TOKENS] for w in want]
     expected = sum(repeat_acceptance(w, TOKENS, k) for w in want)
     assert out.stats.accepted == expected > 0, (out.stats.accepted, expected)
@@ -92,22 +89,22 @@ def test_fixed_batch_identity_mtp_is_lossless_and_accepts_the_repeats(pcp, dcp, 
 
 
 @pytest.mark.parametrize(("dcp", "k", "graph"), [(1, 2, "NONE"), (2, 3, "NONE"), (2, 2, "FULL_DECODE_ONLY")])
-def test_fixed_batch_ngram_drafts_are_lossless(dcp, k, graph):
+def test_fixed_batch_ngram_drafts_are_lossless(one_device, dcp, k, graph):
     """The fixed-batch hybrid path with drafts (was refused): n-gram drafts over prompts that repeat themselves,
     some accepted and some rejected (a committed rejected state would turn the next tokens wrong)."""
-    reqs = [prompt(6, 103) + greedy(tuple(prompt(6, 103)))[:8], prompt(4, 201) * 4]
+    reqs = [prompt(6, 103) + greedy(one_device, tuple(prompt(6, 103)))[:8], prompt(4, 201) * 4]
     out = fixed(reqs, k, NgramDrafter(), dcp=dcp, graph_mode=graph, graph_backend="eager")
-    assert out.tokens.tolist() == [greedy(tuple(p))[:TOKENS] for p in reqs]
+    assert out.tokens.tolist() == [greedy(one_device, tuple(p))[:TOKENS] for p in reqs]
     assert out.stats.drafted > out.stats.accepted > 0, out.stats
     if graph != "NONE":
         assert out.stats.graph_steps > 0, out.stats
 
 
-def test_fixed_batch_random_mtp_is_lossless():
+def test_fixed_batch_random_mtp_is_lossless(one_device):
     cfg, params = model()
     reqs = prompts()
     out = fixed(reqs, 2, Qwen3NextMTPDrafter.random(cfg, params, seed=2, std=0.2), dcp=2)
-    assert out.tokens.tolist() == [greedy(tuple(p))[:TOKENS] for p in reqs]
+    assert out.tokens.tolist() == [greedy(one_device, tuple(p))[:TOKENS] for p in reqs]
     assert out.stats.drafted > out.stats.accepted, out.stats
 
 
@@ -120,25 +117,25 @@ def run(eng, reqs) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("layout", "k"), [("one", 1), ("one", 3), ("dcp2", 2), ("pcp2_dcp2", 2)])
-def test_step_loop_identity_mtp_is_lossless_and_accepts(layout, k):
+def test_step_loop_identity_mtp_is_lossless_and_accepts(one_device, layout, k):
     """The step loop (chunked prefill: the prompt's hidden rows arrive over several steps, under PCP too)."""
     reqs = prompts()
     eng = engine(layout, num_blocks=64 // LAYOUTS[layout][0], drafter=identity_head(), num_speculative_tokens=k,
                  scheduler=sched(max_num_batched_tokens=8))
     got = run(eng, reqs)
-    want = [greedy(tuple(p)) for p in reqs]
+    want = [greedy(one_device, tuple(p)) for p in reqs]
     assert got == [w[:TOKENS] for w in want]
     # the scheduler may cut drafts (budget, max_tokens): at most the uncut count, and some accepted
     bound = sum(repeat_acceptance(w, TOKENS, k) for w in want)
     assert 0 < eng.stats.accepted_tokens <= bound, (eng.stats.accepted_tokens, bound)
 
 
-def test_step_loop_random_mtp_captured_decode_is_lossless():
+def test_step_loop_random_mtp_captured_decode_is_lossless(one_device):
     cfg, params = model()
     reqs = prompts()
     eng = engine("one", num_blocks=64, drafter=Qwen3NextMTPDrafter.random(cfg, params, seed=2, std=0.2),
                  num_speculative_tokens=2, graph_mode="FULL_DECODE_ONLY", graph_backend="eager")
-    assert run(eng, reqs) == [greedy(tuple(p))[:TOKENS] for p in reqs]
+    assert run(eng, reqs) == [greedy(one_device, tuple(p))[:TOKENS] for p in reqs]
     assert eng.stats.replayed_steps > 0, eng.stats
 
 
@@ -221,7 +218,7 @@ def test_forward_hidden_states_are_the_final_normed_rows():
     torch.testing.assert_close(torch.nn.functional.linear(hidden["norm"], lm_head(params, cfg)), plain)
 
 
-def test_qwen3_5_mtp_in_the_step_loop_is_lossless():
+def test_qwen3_5_mtp_in_the_step_loop_is_lossless(one_device):
     """Qwen3.5 (split projections, dense MLPs: the MTP layer's MLP is dense too) on DCP 2."""
     from test_engine_loop_hybrid import reference
 
@@ -233,7 +230,8 @@ def test_qwen3_5_mtp_in_the_step_loop_is_lossless():
     ids = [eng.add_request(p, SamplingParams(max_tokens=6)) for p in reqs]
     while eng.has_unfinished():
         eng.step()
-    assert [list(eng.scheduler.requests[i].output) for i in ids] == [reference(tuple(p), "qwen3_5") for p in reqs]
+    want = [reference(one_device, tuple(p), "qwen3_5") for p in reqs]
+    assert [list(eng.scheduler.requests[i].output) for i in ids] == want
     assert eng.stats.drafted_tokens > 0
 
 
@@ -267,16 +265,16 @@ def test_from_checkpoint_reads_the_composite_qwen3_5_form(tmp_path):
 
 
 @pytest.mark.slow  # ~1 s: slow lane; the lossless MTP cases above stay fast
-def test_step_loop_mtp_with_preemption():
+def test_step_loop_mtp_with_preemption(one_device):
     """A pool too small for every request: a preempted request recomputes and its hidden rows start over."""
     reqs = prompts()
     eng = engine("dcp2", num_blocks=5, drafter=identity_head(), num_speculative_tokens=2)
-    assert run(eng, reqs) == [greedy(tuple(p))[:TOKENS] for p in reqs]
+    assert run(eng, reqs) == [greedy(one_device, tuple(p))[:TOKENS] for p in reqs]
     assert eng.stats.preemptions > 0 and eng.stats.accepted_tokens > 0, eng.stats
 
 
 @pytest.mark.slow  # ~1 s: slow lane; the lossless MTP cases above stay fast
-def test_step_loop_mtp_with_seeded_sampling():
+def test_step_loop_mtp_with_seeded_sampling(one_device):
     """temperature > 0: the tokens do not depend on the drafts (as without a drafter)."""
     reqs = prompts()
 
@@ -288,7 +286,7 @@ def test_step_loop_mtp_with_seeded_sampling():
         return [list(eng.scheduler.requests[i].output) for i in ids]
 
     plain = sampled(engine("one", num_blocks=64))
-    assert plain != [greedy(tuple(p))[:TOKENS] for p in reqs]  # not greedy
+    assert plain != [greedy(one_device, tuple(p))[:TOKENS] for p in reqs]  # not greedy
     eng = engine("dcp2", num_blocks=32, drafter=identity_head(), num_speculative_tokens=2)
     assert sampled(eng) == plain and eng.stats.drafted_tokens > 0
 
@@ -303,7 +301,7 @@ def gloo_mtp_rank(group) -> tuple[list[list[int]], int]:
 
 
 @pytest.mark.slow
-def test_gloo_ranks_with_mtp_give_the_simulated_run():
+def test_gloo_ranks_with_mtp_give_the_simulated_run(one_device):
     """Under real processes every rank drafts from its own copy of the hidden states: the same tokens and the
     same accepted count as the simulated run, and the greedy tokens."""
     from cpattn.comm.launch import spawn
@@ -313,4 +311,4 @@ def test_gloo_ranks_with_mtp_give_the_simulated_run():
                  scheduler=sched(max_num_batched_tokens=8))
     sim = run(eng, prompts()), eng.stats.accepted_tokens
     assert per_rank[0] == per_rank[1] == sim
-    assert sim[0] == [greedy(tuple(p))[:TOKENS] for p in prompts()] and sim[1] > 0
+    assert sim[0] == [greedy(one_device, tuple(p))[:TOKENS] for p in prompts()] and sim[1] > 0

@@ -31,9 +31,11 @@ NEW = 12
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def reference(name: str):
-    """(model, params, cfg, plain greedy Generation of NEW tokens) for a tiny model."""
-    return spec_pd_cases.reference(name, NEW)
+@pytest.fixture(scope="module")
+def reference(one_device):
+    """name -> (model, params, cfg, the one-device greedy recompute of NEW tokens) for a tiny model
+    (:func:`spec_pd_cases.reference`; conftest.py's ``one_device`` oracle)."""
+    return lambda name: spec_pd_cases.reference(one_device, name, NEW)
 
 
 def _packed():
@@ -50,7 +52,7 @@ CASES = [(1, 1, 4, "a2a"), (2, 1, 4, "a2a"), (2, 4, 4, "allgather"), (4, 2, 4, "
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n,inter,bs,exchange", CASES, ids=[f"N{c[0]}-I{c[1]}-B{c[2]}-{c[3]}" for c in CASES])
-def test_matches_single_device(n, inter, bs, exchange):
+def test_matches_single_device(reference, n, inter, bs, exchange):
     model, params, cfg, ref = reference("qwen3")
     config = pcp_dcp_config(model, cfg, n, block_size=bs, interleave_size=inter)
     out = pcp_dcp_generate(model, params, cfg, prompts(), NEW, config=config, exchange=exchange,
@@ -60,14 +62,14 @@ def test_matches_single_device(n, inter, bs, exchange):
 
 
 @pytest.mark.parametrize("name", ["mla", "dsa"])
-def test_mla_dsa(name):
+def test_mla_dsa(reference, name):
     model, params, cfg, ref = reference(name)
     out = pcp_dcp_generate(model, params, cfg, prompts(), NEW, config=pcp_dcp_config(model, cfg, 2, interleave_size=2))
     assert torch.equal(out.tokens, ref.tokens)
 
 
 @pytest.mark.slow
-def test_with_speculative_decoding():
+def test_with_speculative_decoding(reference):
     """One engine with PCP speculates with any drafter, exactly (a method outside the guide's list is a
     compatibility note, refused with strict_guide=True: docs/compat.md); a PCP prefill engine and a DCP decode
     engine on the same ranks (the same computation) may use any drafter."""
@@ -88,7 +90,7 @@ def test_with_speculative_decoding():
 
 
 @pytest.mark.parametrize("exchange_kind", ["a2a", "allgather"])
-def test_exchange_delivers_exactly_the_owned_rows(exchange_kind):
+def test_exchange_delivers_exactly_the_owned_rows(reference, exchange_kind):
     """Each rank receives the KV of exactly the tokens it owns under DCP, equal to one device's prefill KV."""
     model, params, cfg, _ = reference("qwen3")
     tokens, cu = _packed()
@@ -115,7 +117,7 @@ def test_exchange_delivers_exactly_the_owned_rows(exchange_kind):
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(len(tokens)))
 
 
-def test_a2a_moves_fewer_bytes_than_allgather():
+def test_a2a_moves_fewer_bytes_than_allgather(reference):
     model, params, cfg, _ = reference("qwen3")
     long = [list(range(1, 60)), list(range(3, 40))]
     sent = {}
@@ -127,7 +129,7 @@ def test_a2a_moves_fewer_bytes_than_allgather():
     assert sent["a2a"] * 2 < sent["allgather"]
 
 
-def test_opt_in_and_config_checks():
+def test_opt_in_and_config_checks(reference):
     _, _, cfg = tiny_qwen3()
     with pytest.raises(ValueError, match="PCP and DCP cannot both be enabled"):
         EngineConfig.create(tp_size=4, pcp_size=2, dcp_size=2, num_kv_heads=2)
@@ -141,7 +143,7 @@ def test_opt_in_and_config_checks():
 
 
 @pytest.mark.slow
-def test_on_gloo_ranks():
+def test_on_gloo_ranks(reference):
     """Four real gloo processes: a2a and all-gather exchanges, plain and speculative decode (one spawn)."""
     model, params, cfg, ref = reference("qwen3")
     args = ("qwen3", params, cfg, prompts(), NEW)

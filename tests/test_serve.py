@@ -62,13 +62,13 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """greedy(prompt, n): one-device greedy tokens of the model the server builds (same seed, same init)."""
+def reference(one_device):
+    """greedy(prompt, n): one-device greedy tokens of the model the server builds (same seed, same init), from
+    conftest.py's ``one_device`` (a fresh full prefill per token, no engine code)."""
     from cpattn.bench.demo_setup import Spec, load_model
-    from cpattn.engine.reference import reference_generate
 
     family, cfg, params = load_model(Spec(model_type="qwen3"))
-    return lambda prompt, n: reference_generate(family, params, cfg, [prompt], n).tokens[0].tolist()
+    return lambda prompt, n: one_device.tokens(family, params, cfg, prompt, n)
 
 
 P1 = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]  # 13 tokens: two chunks of the 8-token budget
@@ -120,10 +120,9 @@ def test_the_same_seed_samples_the_same_tokens(client):
 
 
 @pytest.mark.slow
-def test_logprobs_in_openai_shape(client, reference):
+def test_logprobs_in_openai_shape(client, reference, one_device):
     import torch
     from cpattn.bench.demo_setup import Spec, load_model
-    from cpattn.engine.reference import reference_generate
 
     r = client.completions.create(model=NAME, prompt=P2, max_tokens=4, temperature=0, logprobs=2)
     choice, want = r.choices[0], reference(P2, 4)
@@ -132,7 +131,7 @@ def test_logprobs_in_openai_shape(client, reference):
     assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(4)]
     family, cfg, params = load_model(Spec(model_type="qwen3"))
-    ref = torch.log_softmax(reference_generate(family, params, cfg, [P2], 4).logits[0].double(), -1)  # [4, V]
+    ref = torch.log_softmax(one_device(family, params, cfg, [P2], 4).logits[0].double(), -1)  # [4, V]
     for j, t in enumerate(want):
         top = [(" " if j else "") + str(i) for i in ref[j].topk(2).indices.tolist()]
         assert set(lp.top_logprobs[j]) == {lp.tokens[j], *top}

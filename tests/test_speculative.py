@@ -1,7 +1,8 @@
 """Speculative decoding with DCP verification: tokens equal plain single-device greedy generation.
 
-The reference is :func:`cpattn.models.generate.generate` with pcp_size = dcp_size = 1 (a dense cache,
-one token per step), itself checked against Hugging Face in test_models_hf.py. Models are float64, so
+The reference is conftest.py's ``one_device`` (:mod:`ref.greedy`): each token the argmax of a fresh one-device
+full prefill's last row, no cache carried and no engine code (the forward is checked against Hugging Face in
+test_models_hf.py). Models are float64, so
 every logit matches to rounding and greedy tokens must be identical (no near-tie allowance needed).
 """
 
@@ -22,7 +23,7 @@ from cpattn.engine.decode import accept_drafts
 from cpattn.drafters.draft_model import ModelDrafter, truncated
 from cpattn.drafters.ngram import NgramDrafter, ngram_lookup
 from cpattn.engine.drafters import DraftSettings
-from cpattn.models.generate import generate, speculative_generate
+from cpattn.models.generate import speculative_generate
 
 NEW = 14
 
@@ -30,9 +31,11 @@ NEW = 14
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def reference(name: str):
-    """(model, params, cfg, plain greedy Generation of NEW tokens) for a tiny model."""
-    return spec_pd_cases.reference(name, NEW)
+@pytest.fixture(scope="module")
+def reference(one_device):
+    """name -> (model, params, cfg, the one-device greedy recompute of NEW tokens) for a tiny model
+    (:func:`spec_pd_cases.reference`; conftest.py's ``one_device`` oracle)."""
+    return lambda name: spec_pd_cases.reference(one_device, name, NEW)
 
 
 def check(out, ref, k: int) -> None:
@@ -68,7 +71,7 @@ CASES = [(k, d, dcp, pcp) for k, (dcp, pcp) in zip((1, 2, 3, 4), ((1, 3), (2, 1)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k,drafter,dcp,pcp", CASES, ids=[f"k{k}-{d}-dcp{n}-pcp{p}" for k, d, n, p in CASES])
-def test_matches_plain_greedy(k, drafter, dcp, pcp):
+def test_matches_plain_greedy(reference, k, drafter, dcp, pcp):
     model, params, cfg, ref = reference("qwen3")
     d = {"ngram": NgramDrafter(), "model": truncated(model, params, cfg, 1), "constant": ConstantDrafter()}[drafter]
     out = speculative_generate(model, params, cfg, prompts(), NEW, drafter=d, num_speculative_tokens=k,
@@ -77,7 +80,7 @@ def test_matches_plain_greedy(k, drafter, dcp, pcp):
     check(out, ref, k)
 
 
-def test_perfect_drafter_accepts_everything():
+def test_perfect_drafter_accepts_everything(reference):
     """The target as its own draft model: every draft accepted, 1 + k tokens per step."""
     model, params, cfg, ref = reference("qwen3")
     k = 3
@@ -88,24 +91,24 @@ def test_perfect_drafter_accepts_everything():
     assert out.stats.steps == -(-(NEW - 1) // (1 + k))
 
 
-def test_ngram_accepts_on_repetition():
+def test_ngram_accepts_on_repetition(one_device, reference):
     """Greedy decoding of a random model falls into a cycle, which prompt lookup then predicts."""
     model, params, cfg, _ = reference("qwen3")
-    long = generate(model, params, cfg, prompts()[:1], 40)
+    long = one_device(model.FAMILY, params, cfg, prompts()[:1], 40)
     out = speculative_generate(model, params, cfg, prompts()[:1], 40, drafter=NgramDrafter(), num_speculative_tokens=3)
     assert torch.equal(out.tokens, long.tokens)
     assert out.stats.acceptance_rate > 0.3 and out.stats.tokens_per_step > 1.5
 
 
 @pytest.mark.parametrize("name", ["mla", "dsa"])
-def test_mla_and_dsa(name):
+def test_mla_and_dsa(reference, name):
     model, params, cfg, ref = reference(name)
     out = speculative_generate(model, params, cfg, prompts(), NEW, drafter=NgramDrafter(), num_speculative_tokens=2,
                                dcp_size=2, pcp_size=2, interleave_size=2)
     check(out, ref, 2)
 
 
-def test_graph_mode_buckets():
+def test_graph_mode_buckets(reference):
     """Verification through a DecodeRunner: every step replays a bucket that is a multiple of 1 + k."""
     model, params, cfg, ref = reference("qwen3")
     for k, sizes in ((2, None), (1, [2, 4, 6])):
@@ -120,11 +123,11 @@ def test_graph_mode_buckets():
 
 
 @pytest.mark.slow
-def test_float32_logits_and_tokens():
+def test_float32_logits_and_tokens(one_device, reference):
     """float32: verification logits within 1e-4 of plain decode; a differing token only at a near tie (DESIGN §5)."""
     model, params64, cfg, _ = reference("qwen3")
     params = {n: t.float() for n, t in params64.items()}
-    ref = generate(model, params, cfg, prompts(), NEW)
+    ref = one_device(model.FAMILY, params, cfg, prompts(), NEW)  # the float32 recompute
     out = speculative_generate(model, params, cfg, prompts(), NEW, drafter=truncated(model, params, cfg, 1),
                                num_speculative_tokens=3, dcp_size=4, interleave_size=2)
     flips: list = []
@@ -158,7 +161,7 @@ def test_ngram_lookup_property(history, k):
     assert out[0] == (history[earlier[-1] + 1] if earlier else history[-1])
 
 
-def test_errors_name_the_problem():
+def test_errors_name_the_problem(reference):
     model, params, cfg, _ = reference("qwen3")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         speculative_generate(model, params, cfg, prompts(), 4, drafter=NgramDrafter(), num_speculative_tokens=0)
@@ -169,7 +172,7 @@ def test_errors_name_the_problem():
 
 
 @pytest.mark.slow
-def test_on_gloo_ranks():
+def test_on_gloo_ranks(reference):
     """Two real gloo ranks: PCP prefill, then DCP verification with each drafter (one spawn, three cases).
 
     The third case replays a graph compiled by torch.compile (aot_eager) for every step: 3 requests x 2
