@@ -60,6 +60,6 @@ def one_device():
     ``one_device.tokens(family, params, cfg, prompt, n)`` -> one prompt's list. Each token is the argmax of a
     fresh full one-device prefill's last row (:mod:`ref.greedy`: no cache carried, no step loop, no engine), keyed
     by the params' content, so tests share an entry only when their weights are bit-equal."""
-    from ref.greedy import OneDevice
+    from ref.greedy import ONE_DEVICE
 
-    return OneDevice()
+    return ONE_DEVICE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_loop_cases import run_schedule
+from ref.greedy import ONE_DEVICE
 from test_engine_loop import expected, model
 
 from cpattn.config import SchedulerConfig
@@ -42,7 +43,7 @@ def test_short_chunks_skip_pcp_and_tokens_stay_exact(family):
         e = engine(family, policy, min_tokens)
         ids, steps = run_schedule(e, reqs)
         assert {i: list(e.scheduler.requests[r].output) for i, r in ids.items()} == \
-               {i: expected(family, r) for i, r in enumerate(reqs)}
+               {i: expected(ONE_DEVICE, family, r) for i, r in enumerate(reqs)}
         chunks = [[q for q, p in zip(o.query_lens, o.is_prefill) if p] for o, _ in steps]
         runs[policy] = (e.stats.pcp_steps, chunks)
     always, chunks = runs["always"]
@@ -58,7 +59,7 @@ def test_never_runs_every_chunk_with_dcp_attention():
     ids, _ = run_schedule(e, schedule(cfg.vocab_size))
     assert e.stats.pcp_steps == 0
     assert [list(e.scheduler.requests[r].output) for r in ids.values()] == \
-           [expected("qwen3", r) for r in schedule(cfg.vocab_size)]
+           [expected(ONE_DEVICE, "qwen3", r) for r in schedule(cfg.vocab_size)]
 
 
 def test_the_default_threshold_is_the_planners_break_even():

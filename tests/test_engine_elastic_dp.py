@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_loop_cases import run_schedule
+from ref.greedy import ONE_DEVICE
 from test_engine_loop import expected, model
 
 from cpattn.config import SchedulerConfig
@@ -49,7 +50,7 @@ def check(family, size, reqs, heads=None, **kw):
     e = engine(family, size, heads=heads, **kw)
     ids, steps = run_schedule(e, reqs)
     assert {i: list(e.scheduler.requests[r].output) for i, r in ids.items()} == \
-           {i: expected(family, r, heads) for i, r in enumerate(reqs)}
+           {i: expected(ONE_DEVICE, family, r, heads) for i, r in enumerate(reqs)}
     stats = [r.dp_stats for r in e.runners]
     assert len({(s.steps, s.chunks, s.tokens) for s in stats}) == 1  # every rank ran the same DP steps
     want = [dp_eligible(o, kw.get("min_tokens", MIN)) for o, _ in steps]
@@ -153,7 +154,7 @@ def test_with_captured_decodes_interleave_and_prefix_hits(schedule):
                   scheduler=SchedulerConfig(max_num_batched_tokens=40 if schedule == "together" else 10,
                                             max_num_seqs=8))
     reqs = together(cfg.vocab_size) if schedule == "together" else shared_schedule(cfg.vocab_size)
-    steps = check_run("qwen3", e, reqs)
+    steps = check_run(ONE_DEVICE, "qwen3", e, reqs)
     want = [dp_eligible(o) for o, _ in steps]
     assert e.runners[0].dp_stats.steps == sum(bool(w) for w in want)
     assert e.stats.replayed_steps > 0
@@ -171,5 +172,5 @@ def test_hybrid_models_keep_todays_path():
     e = hy.engine("pcp2_dcp2", 40, pcp_policy="elastic", pcp_min_tokens=MIN,
                   scheduler=hy.sched(max_num_batched_tokens=40))
     ids, _ = run_schedule(e, reqs)
-    assert [list(e.scheduler.requests[r].output) for r in ids.values()] == [hy.expected(r) for r in reqs]
+    assert [list(e.scheduler.requests[r].output) for r in ids.values()] == [hy.expected(ONE_DEVICE, r) for r in reqs]
     assert e.runners[0].dp_stats.steps == 0

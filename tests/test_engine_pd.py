@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ref.greedy import ONE_DEVICE
 from test_engine_loop import expected, model
 
 from cpattn.config import SchedulerConfig
@@ -67,13 +68,13 @@ def test_pd_roles_give_one_device_greedy_tokens(family, p, d, heads, connector):
     arrivals, a stop token and a max_tokens=1 request (never handed off)."""
     cfg, params = model(family, heads)
     reqs = schedule(cfg.vocab_size)
-    reqs[2]["stop"] = (expected(family, reqs[2], heads)[2],)  # stops at its third token
+    reqs[2]["stop"] = (expected(ONE_DEVICE, family, reqs[2], heads)[2],)  # stops at its third token
     direct = {"kv_connector": PDConnector()} if connector == "direct" else {}
     pd = PDEngine(family, params, cfg, pcp_size=p, dcp_size=d, block_size=BLOCK, num_blocks=40, poison=True,
                   scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3), **direct)
     final = serve(pd, reqs)
     for i, r in enumerate(reqs):
-        assert list(final[i].token_ids) == expected(family, r, heads), f"request {i}"
+        assert list(final[i].token_ids) == expected(ONE_DEVICE, family, r, heads), f"request {i}"
     s = pd.stats
     assert final[2].finish_reason == "stop" and final[0].finish_reason == "length"
     assert s.handed_off == 4  # every request but the max_tokens=1 one went on to the decode role
@@ -101,7 +102,7 @@ def test_the_direct_connector_moves_kv_rows_of_the_hand_count():
                   kv_connector=PDConnector())
     prompt = list(range(1, 20))
     out = pd.generate([prompt], SamplingParams(max_tokens=3))
-    assert list(out[0].token_ids) == expected("qwen3", dict(prompt=prompt, max_tokens=3))
+    assert list(out[0].token_ids) == expected(ONE_DEVICE, "qwen3", dict(prompt=prompt, max_tokens=3))
     row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 8
     st = pd.prefill.connector.stats
     assert st.bytes_by_request == {0: 4 * BLOCK * row} and st.blocks_sent == 4
@@ -119,7 +120,7 @@ def test_the_decode_role_replays_captured_steps(connector):
                   graph_mode="FULL_DECODE_ONLY", graph_backend="eager",
                   scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3))
     final = serve(pd, reqs)
-    assert [list(final[i].token_ids) for i in range(len(reqs))] == [expected("qwen3", r) for r in reqs]
+    assert [list(final[i].token_ids) for i in range(len(reqs))] == [expected(ONE_DEVICE, "qwen3", r) for r in reqs]
     assert pd.stats.decode.replayed_steps > 0 and pd.stats.prefill.replayed_steps == 0
     pd.close()
 
@@ -196,7 +197,7 @@ def test_an_abort_while_waiting_on_the_consumer_drops_its_received_blocks():
     final = {}
     while pd.has_unfinished():
         final.update({o.request_id: o for o in pd.step() if o.finished})
-    assert list(final[a].token_ids) == expected("qwen3", dict(prompt=pa, max_tokens=6))
+    assert list(final[a].token_ids) == expected(ONE_DEVICE, "qwen3", dict(prompt=pa, max_tokens=6))
     assert pd.decode.connector._inbox == {} and pd.prefill.connector._outbox == {}
     assert pd.stats.decode.blocks_used == 0
 
@@ -219,7 +220,7 @@ def test_the_consumer_verifies_token_drafts_losslessly(p, d, graph):
                   scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3))
     final = serve(pd, reqs)
     for i, r in enumerate(reqs):
-        assert list(final[i].token_ids) == expected("qwen3", r), f"request {i}"
+        assert list(final[i].token_ids) == expected(ONE_DEVICE, "qwen3", r), f"request {i}"
     s = pd.stats
     assert 0 < s.decode.accepted_tokens < s.decode.drafted_tokens, s.decode
     assert s.prefill.drafted_tokens == 0 and s.handed_off == 3

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lanes import examples
+from ref.greedy import ONE_DEVICE
 from test_engine_loop_v4 import expected, model, prompt
 from test_engine_pd import params_of, serve
 from test_engine_run_rank import gloo_sent, merged
@@ -41,7 +42,7 @@ def schedule() -> list[dict]:
     third token, request 3 has max_tokens=1 (done on the producer, never handed off)."""
     reqs = [dict(prompt=prompt(n, 40 + i), max_tokens=m, arrive=a)
             for i, (n, m, a) in enumerate(((17, 6, 0), (1, 4, 0), (33, 6, 1), (9, 1, 3), (24, 5, 5)))]
-    reqs[2]["stop"] = (expected(reqs[2])[2],)
+    reqs[2]["stop"] = (expected(ONE_DEVICE, reqs[2])[2],)
     return reqs
 
 
@@ -108,7 +109,7 @@ def test_pd_engine_hands_v4_state_over(p, d):
     computed = counted(pd.decode)
     final = serve(pd, reqs)
     for i, r in enumerate(reqs):
-        assert list(final[i].token_ids) == expected(r), f"request {i}"
+        assert list(final[i].token_ids) == expected(ONE_DEVICE, r), f"request {i}"
     assert final[2].finish_reason == "stop" and pd.stats.handed_off == 4
     assert [c.prefills for c in computed] == [0] * d  # the consumer computed no prompt token
     assert pd.prefill.connector.stats.bytes_by_request == want_bytes(reqs, d)
@@ -130,7 +131,7 @@ def test_a_request_the_consumer_preempts_is_recomputed_there():
                   scheduler=sched())
     computed = counted(pd.decode)
     final = serve(pd, reqs)
-    assert [list(final[i].token_ids) for i in range(3)] == [expected(r) for r in reqs]
+    assert [list(final[i].token_ids) for i in range(3)] == [expected(ONE_DEVICE, r) for r in reqs]
     assert pd.stats.decode.preemptions > 0
     assert computed[0].prefills > 0 and computed[0].prefills == computed[1].prefills
     drained(pd.decode)
@@ -145,7 +146,7 @@ def test_seeded_sampling_gives_the_one_engine_tokens():
     sp = [SamplingParams(max_tokens=5, temperature=1.3, top_k=30, seed=7 + i) for i in range(3)]
     one = LLMEngine("deepseek_v4", params, cfg, block_size=BLOCK, num_blocks=64, scheduler=sched())
     want = [list(one.generate([q], s)[0].token_ids) for q, s in zip(prompts, sp)]
-    assert want != [expected(dict(prompt=q, max_tokens=5)) for q in prompts]  # not greedy
+    assert want != [expected(ONE_DEVICE, dict(prompt=q, max_tokens=5)) for q in prompts]  # not greedy
     pd = PDEngine("deepseek_v4", params, cfg, pcp_size=2, dcp_size=2, block_size=BLOCK, num_blocks=40, scheduler=sched())
     ids = [pd.add_request(q, s) for q, s in zip(prompts, sp)]
     final = {}
@@ -170,7 +171,7 @@ def test_abort_while_waiting_on_the_consumer_leaves_nothing():
     final = {}
     while pd.has_unfinished():
         final.update({o.request_id: o for o in pd.step() if o.finished})
-    assert list(final[a].token_ids) == expected(reqs[0])
+    assert list(final[a].token_ids) == expected(ONE_DEVICE, reqs[0])
     drained(pd.decode)
     pd.close()
 
@@ -205,9 +206,10 @@ def check_property(p: int, d: int, reqs: list[dict], num_blocks: int, seed: int)
     for i, r in enumerate(sched_reqs):
         got = final.get(i)
         if got is None or got.finish_reason == "abort":
-            assert "abort" in r and (got is None or expected(r)[:len(got.token_ids)] == list(got.token_ids)), i
+            want = expected(ONE_DEVICE, r)
+            assert "abort" in r and (got is None or want[:len(got.token_ids)] == list(got.token_ids)), i
         else:
-            assert list(got.token_ids) == expected(r), f"request {i}"
+            assert list(got.token_ids) == expected(ONE_DEVICE, r), f"request {i}"
     drained(pd.prefill), drained(pd.decode)
     assert pd.decode.connector._inbox == {} and pd.prefill.connector._outbox == {}
     pd.close()
@@ -247,7 +249,7 @@ def test_run_rank_pd_on_the_simulated_mesh(p, d):
     seen = {}
     kw = dict(pd=True, pcp_size=p, dcp_size=d, block_size=BLOCK, scheduler=sched(), poison=True)
     out = cpattn.simulate(p + d, pd_rank, cfg, params, arrivals(reqs), kw, seen)
-    assert merged(out) == {i: expected(r) for i, r in enumerate(reqs)}
+    assert merged(out) == {i: expected(ONE_DEVICE, r) for i, r in enumerate(reqs)}
     assert set(out[p]) == {0, 1, 2, 4} and set(out[0]) == {3}  # the max_tokens=1 request ends on the producer
     sent = {}
     for conn in seen.values():
@@ -266,7 +268,7 @@ def test_gloo_ranks_hand_v4_state_rank_to_rank():
     reqs = schedule()
     kw = dict(pd=True, pcp_size=2, dcp_size=2, block_size=BLOCK, scheduler=sched(), poison=True)
     res = spawn(4, gloo_sent, cfg, arrivals(reqs), kw, "deepseek_v4")
-    assert merged([t for t, _, _ in res]) == {i: expected(r) for i, r in enumerate(reqs)}
+    assert merged([t for t, _, _ in res]) == {i: expected(ONE_DEVICE, r) for i, r in enumerate(reqs)}
     want = want_bytes(reqs, 2)
     sent = {i: res[0][1].get(i, 0) + res[1][1].get(i, 0) for i in want}
     assert sent == want and res[2][2] + res[3][2] == sum(want.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ref.greedy import ONE_DEVICE
 from test_engine_loop import expected, model
 
 import cpattn
@@ -39,7 +40,7 @@ def arrivals(vocab: int, seed: int = 5) -> list[Arrival]:
 
 
 def want(family, arr, heads=None) -> dict:
-    return {i: expected(family, dict(prompt=a.prompt, max_tokens=a.params.max_tokens), heads)
+    return {i: expected(ONE_DEVICE, family, dict(prompt=a.prompt, max_tokens=a.params.max_tokens), heads)
             for i, a in enumerate(arr)}
 
 

@@ -155,3 +155,6 @@ class OneDevice:
             rows.append(logits[-1])
             toks.append(int(logits[-1].argmax()))
         return run
+
+
+ONE_DEVICE = OneDevice()  # the process's one memo: conftest.py's session fixture, and helpers imported across test files

@@ -78,10 +78,10 @@ def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
 
 
 def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
-    """Why the step loop cannot run this driver-style layout (None: it can): P/D of DeepSeek-V4 with a drafter
-    reading hidden states (colocated V4 runs them),
-    PCP over other ranks than the DCP group's, or an engine the layout rules refuse (a P/D producer of P ranks is an engine of
-    DCP P: heads % P).
+    """Why the step loop cannot run this driver-style layout (None: it can): P/D of DeepSeek-V4 or a hybrid
+    model with a drafter reading hidden states (their connectors hand over no hidden rows; colocated runs
+    them), PCP over more ranks than the DCP group's (or, for V4 and hybrid models, over fewer than all of
+    them), or an engine the layout rules refuse (a P/D producer of P ranks is an engine of DCP P: heads % P).
 
     >>> from cpattn.engine.driver import engine_configs
     >>> from cpattn.models import qwen3
@@ -95,7 +95,7 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     """
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pd = decode.kv_transfer.kv_role == "kv_consumer"
-    if pd and family.cache == "v4" and getattr(drafter, "hidden_layers", None) is not None:
+    if pd and family.cache in ("v4", "hybrid") and getattr(drafter, "hidden_layers", None) is not None:
         return f"P/D of {family.name} with a drafter reading hidden states: its connector hands over no hidden rows"
     if not pd and p not in (1, n) and (p > n or family.cache in ("v4", "hybrid")):  # StepRunner: P < N runs
         return f"pcp_size={p} with dcp_size={n}: one engine runs PCP over " + \
