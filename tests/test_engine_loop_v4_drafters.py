@@ -246,6 +246,10 @@ def test_pd_with_a_hidden_state_drafter_keeps_the_composition():
                               interleave_size=4, num_speculative_tokens=2, speculative_method="dspark")
     assert "P/D of deepseek_v4 with a drafter reading hidden states" in refusal(FAMILY, CFG, pre, dec, random_head())
     assert not step_loop_runs(FAMILY, CFG, pre, dec, random_head())
+    from cpattn.engine.pd_engine import PDEngine
+
+    with pytest.raises(ValueError, match="reads the target's hidden states, which the deepseek_v4 P/D connector"):
+        PDEngine("deepseek_v4", v4_target(), CFG, block_size=4, drafter=random_head(), num_speculative_tokens=2)
 
 
 @pytest.mark.slow  # trains the head (~2 s), then every layout, k and capture

@@ -124,8 +124,8 @@ def pd_params(prompt_token_ids: Sequence[int], params: SamplingParams | None, ma
 
 def producer_hidden(family, drafter) -> tuple | None:
     """The ``hidden_layers`` a P/D producer keeps for the consumer's ``drafter``: the drafter's when it reads
-    the target's hidden states and the family has per-token blocks (DeepSeek-V4's and hybrid engines refuse
-    such drafters themselves), else None.
+    the target's hidden states and the family has per-token blocks (PDEngine refuses such drafters for
+    DeepSeek-V4 and hybrid models), else None.
 
     >>> from cpattn.drafters.ngram import NgramDrafter
     >>> producer_hidden(get_family("qwen3"), NgramDrafter()) is None
@@ -187,6 +187,10 @@ class PDEngine:
             raise ValueError(f"kv_pool: {family.name} is a hybrid model, whose linear layers' states a pool of KV "
                              "blocks does not hold; pass kv_pool=None (the P/D connector hands over the prompt's "
                              "blocks and the states)")
+        if (v4 or hybrid) and getattr(drafter, "hidden_layers", None) is not None:
+            raise ValueError(f"drafter: the {drafter.method} drafter reads the target's hidden states, which the "
+                             f"{family.name} P/D connector does not hand over; pass a token drafter (NgramDrafter, "
+                             "a draft model) or serve it colocated (LLMEngine)")
         if (v4 or hybrid) and kv_connector is None:
             kv_connector = PDConnector()
         sched = scheduler or (None if v4 or hybrid else SchedulerConfig())  # None: the family's own defaults
