@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from cpattn.engine.connector import Handoff, Side
-from cpattn.engine.connector_pd import ROLES, GroupLink, MemoryLink, PDConnector, TransferStats
+from cpattn.engine.connector_pd import MemoryLink, PDConnector, TransferStats, check_bind
 from cpattn.engine.logits import acc_dtype
 from cpattn.models.family import param_dtype
 
@@ -92,16 +92,7 @@ class HybridPDConnector(PDConnector):
     def bind(self, side: Side) -> HybridPDConnector:
         from cpattn.engine.kv_rows import row_width
 
-        if side.role not in ROLES:
-            raise ValueError(f"PDConnector on an engine of kv_role={side.role!r}: it joins a kv_producer and a "
-                             "kv_consumer (PDEngine, run_rank(pd=True)); for one engine pass nothing")
-        if self.link is None:
-            raise ValueError("PDConnector has no link: use it in PDEngine or run_rank(pd=True), which give it one")
-        if side.dcp_size > 1 and side.interleave_size != side.block_size:
-            raise ValueError(f"PDConnector with dcp_size={side.dcp_size} moves whole blocks per rank: interleave_size "
-                             f"= block_size ({side.block_size}); got {side.interleave_size}")
-        if isinstance(self.link, GroupLink) and side.rank is None:
-            raise ValueError("PDConnector over a GroupLink: each rank runs its own engine (world=its role's group)")
+        check_bind(self.link, side)
         bound = copy.copy(self)
         bound.side = side
         bound.width = row_width(tuple(side.family.kv_layouts(side.cfg)))

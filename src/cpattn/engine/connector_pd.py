@@ -141,6 +141,22 @@ class GroupLink:
                                 dtype=conn.dtype, start=start)
 
 
+def check_bind(link, side: Side, *, whole_blocks: bool = True) -> None:
+    """The refusals of a P/D connector binding ``side``, one line each: an engine that is neither producer
+    nor consumer, no ``link``, DCP blocks not whole per rank (``whole_blocks``: the connector moves blocks),
+    a :class:`GroupLink` on an engine that is not its rank's."""
+    if side.role not in ROLES:
+        raise ValueError(f"PDConnector on an engine of kv_role={side.role!r}: it joins a kv_producer and a "
+                         "kv_consumer (PDEngine, run_rank(pd=True)); for one engine pass kv_pool= or nothing")
+    if link is None:
+        raise ValueError("PDConnector has no link: use it in PDEngine or run_rank(pd=True), which give it one")
+    if whole_blocks and side.dcp_size > 1 and side.interleave_size != side.block_size:
+        raise ValueError(f"PDConnector with dcp_size={side.dcp_size} moves whole blocks per rank: interleave_size "
+                         f"= block_size ({side.block_size}); got {side.interleave_size}")
+    if isinstance(link, GroupLink) and side.rank is None:
+        raise ValueError("PDConnector over a GroupLink: each rank runs its own engine (world=its role's group)")
+
+
 class PDConnector(KVConnector):
     """Whole blocks from the producer's ranks to the consumer's (module doc). ``link``: a
     :class:`GroupLink` or :class:`MemoryLink`; the P/D compositions give it (:meth:`linked`)."""
@@ -165,16 +181,7 @@ class PDConnector(KVConnector):
             from cpattn.engine.connector_hybrid import HybridPDConnector
 
             return HybridPDConnector(self.link).bind(side)
-        if side.role not in ROLES:
-            raise ValueError(f"PDConnector on an engine of kv_role={side.role!r}: it joins a kv_producer and a "
-                             "kv_consumer (PDEngine, run_rank(pd=True)); for one engine pass kv_pool= or nothing")
-        if self.link is None:
-            raise ValueError("PDConnector has no link: use it in PDEngine or run_rank(pd=True), which give it one")
-        if side.dcp_size > 1 and side.interleave_size != side.block_size:
-            raise ValueError(f"PDConnector with dcp_size={side.dcp_size} moves whole blocks per rank: interleave_size "
-                             f"= block_size ({side.block_size}); got {side.interleave_size}")
-        if isinstance(self.link, GroupLink) and side.rank is None:
-            raise ValueError("PDConnector over a GroupLink: each rank runs its own engine (world=its role's group)")
+        check_bind(self.link, side)
         bound = super().bind(side)
         bound.width = row_width(tuple(side.family.kv_layouts(side.cfg)))
         bound.dtype = param_dtype(side.params)

@@ -54,7 +54,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from cpattn.engine.connector import Handoff, KVConnector, Side
-from cpattn.engine.connector_pd import ROLES, GroupLink, MemoryLink, PDConnector, TransferStats
+from cpattn.engine.connector_pd import MemoryLink, PDConnector, TransferStats, check_bind
 from cpattn.engine.logits import acc_dtype
 from cpattn.models.family import param_dtype
 from cpattn.v4.handoff import V4Handoff
@@ -65,13 +65,7 @@ class V4PDConnector(PDConnector):
     """The P/D connector bound to a V4 engine (module doc); build it as ``PDConnector()``."""
 
     def bind(self, side: Side) -> V4PDConnector:
-        if side.role not in ROLES:
-            raise ValueError(f"PDConnector on an engine of kv_role={side.role!r}: it joins a kv_producer and a "
-                             "kv_consumer (PDEngine, run_rank(pd=True)); for one engine pass nothing")
-        if self.link is None:
-            raise ValueError("PDConnector has no link: use it in PDEngine or run_rank(pd=True), which give it one")
-        if isinstance(self.link, GroupLink) and side.rank is None:
-            raise ValueError("PDConnector over a GroupLink: each rank runs its own engine (world=its role's group)")
+        check_bind(self.link, side, whole_blocks=False)  # a whole request state goes over, not blocks
         bound = copy.copy(self)
         bound.side = side
         bound.layout = side.cfg.layout(block_size=side.block_size)
