@@ -91,7 +91,8 @@ def steady_output(sched):
     d.update(prev.__dict__)  # the fields that depend on the request set only
     d["eager_reason"] = None  # the cached property's value: every row a one-token decode
     d["context_lens"], d["seq_lens"] = ctxs, tuple([c + 1 for c in ctxs])
-    d["input_ids"], d["num_output"] = tuple([(t,) for t in sched._committed]), tuple([k + 1 for k in prev.num_output])
+    d["input_ids"] = tuple(zip(sched._committed))  # (t,) a row
+    d["num_output"] = tuple([k + 1 for k in prev.num_output])
     d["block_tables"] = prev.block_tables if blocks.changes == sched._last_changes else \
         tuple(map(blocks.table_ids, ids))
     d["preempted"], d["fresh_blocks"] = (), tuple(blocks.take_fresh())
@@ -111,16 +112,15 @@ def commit_one_each(sched, step, tokens: Sequence[int]) -> list[Hashable]:
             skipped = True
             continue
         req.num_computed = seq_len
-        req.tokens.append(t)
-        reason = "stop" if t in req.stop_token_ids else \
-            "length" if len(req.tokens) - req.num_prompt >= req.max_tokens else None
+        toks = req.tokens
+        toks.append(t)
         if caching:
-            if len(req.tokens) // span > len(req.keys):
-                blocks.extend_keys(req.keys, req.tokens)
+            if len(toks) // span > len(req.keys):
+                blocks.extend_keys(req.keys, toks)
             blocks.cache_blocks(rid, req.keys, seq_len)
-        if reason:
+        if t in req.stop_token_ids or len(toks) - req.num_prompt >= req.max_tokens:  # finished
             sched.running.remove(req)
-            sched._finish(req, reason)
+            sched._finish(req, "stop" if t in req.stop_token_ids else "length")
             done.append(rid)
         elif req.drafts:
             req.drafts = []

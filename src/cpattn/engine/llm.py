@@ -53,7 +53,7 @@ from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
 from cpattn.engine.drafters import check_drafter
 from cpattn.engine.elastic import resolve as resolve_pcp
-from cpattn.engine.outputs import EngineStats, RequestOutput, drain, request_output
+from cpattn.engine.outputs import EngineStats, RequestOutput, drain, one_token_outputs, step_outputs
 from cpattn.engine.driver import engine_configs
 from cpattn.engine.connector import Side, from_args as connector_args
 from cpattn.engine.proposer import Proposer
@@ -295,7 +295,7 @@ class LLMEngine:
         outputs = self._with_drafts(out, results[0].outputs)
         r, returns = results[0], self.returns
         had = returns.before(out, self.scheduler.requests)
-        done = set(self.scheduler.update(outputs))
+        done = self.scheduler.update(outputs)
         returns.after(had, self.scheduler.requests, r.logits, r.chunk_logits, out)
         t3 = time.perf_counter()
         times = {"schedule": t1 - t0, "prepare": r.prepare_s, "forward": r.forward_s, "sample": r.sample_s,
@@ -316,23 +316,10 @@ class LLMEngine:
             if self._hidden and self.proposer is None:  # a P/D producer's rows: its connector has staged them
                 for r in [r for r in self._hidden if self.scheduler.requests[r].status == "finished"]:
                     del self._hidden[r]
-        reqs, prompts, held = self.scheduler.requests, self._prompts, self._token_ids
-        outs = []
-        for rid in out.req_ids:  # one lookup per row; the output tokens of the last step extended (append-only)
-            req = reqs[rid]
-            toks, ids = req.tokens, held.get(rid, ())
-            start = req.num_prompt + len(ids)
-            if len(toks) == start + 1:
-                ids = ids + (toks[-1],)
-            elif len(toks) > start:
-                ids = ids + tuple(toks[start:])
-            finished = rid in done or req.status == "finished"
-            extra = () if had is None else returns.fields(rid, finished, req.num_prompt)  # (logprobs, logits, prompt)
-            if finished:
-                held.pop(rid, None)
-            else:
-                held[rid] = ids
-            outs.append(request_output(rid, prompts[rid], ids, finished, req.finish_reason, *extra))
+        steady = had is None and not done and getattr(outputs, "one_token_per_row", False)  # a token a row
+        outs = (steady and one_token_outputs(out, outputs.tokens, self._prompts, self._token_ids)) or \
+            step_outputs(out.req_ids, self.scheduler.requests, self._prompts, self._token_ids,
+                         None if had is None else returns.fields)
         t4 = time.perf_counter()
         self.step_times = {**times, "outputs": t4 - t3, "total": t4 - t0}
         return outs

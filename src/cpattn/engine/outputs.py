@@ -1,4 +1,5 @@
-"""What the step loop hands back: a request's :class:`RequestOutput` after each step, the engine's
+"""What the step loop hands back: a request's :class:`RequestOutput` after each step (a step's rows:
+:func:`step_outputs`, or :func:`one_token_outputs` for a steady decode step), the engine's
 :class:`EngineStats`, and :func:`drain` (submit every prompt, step until all finish).
 
 >>> RequestOutput(0, (1, 2), (7,), True, "length").token_ids
@@ -53,6 +54,73 @@ def request_output(request_id: Hashable, prompt_token_ids: tuple[int, ...], toke
     d["finished"], d["finish_reason"], d["logprobs"] = finished, finish_reason, logprobs
     d["logits"], d["prompt_logits"] = logits, prompt_logits
     return o
+
+
+def step_outputs(req_ids: Sequence[Hashable], requests: dict, prompts: dict, held: dict,
+                 fields=None) -> list[RequestOutput]:
+    """The :class:`RequestOutput` of each row of a committed step, in row order.
+
+    requests: the scheduler's (their ``tokens`` hold this step's commit; a request this step finished, or
+    one finished earlier, has status "finished"); prompts: ``{req_id: prompt tuple}``; held: ``{req_id:
+    output tokens as last returned}`` of unfinished requests, kept here -- a row's tuple is extended by the
+    tokens committed since (append-only), a finished request's dropped; fields: ``fields(req_id, finished,
+    num_prompt) -> (logprobs, logits, prompt_logits)`` when the engine keeps any of them
+    (:meth:`cpattn.engine.returns.Returns.fields`), None when it keeps none.
+
+    >>> from cpattn.engine.step_types import Request
+    >>> reqs = {0: Request(0, [1, 2, 7], 2, 4, frozenset(), status="running")}
+    >>> held = {}
+    >>> [o.token_ids for o in step_outputs([0], reqs, {0: (1, 2)}, held)], held
+    ([(7,)], {0: (7,)})
+    """
+    outs = []
+    for rid in req_ids:
+        req = requests[rid]
+        toks, ids = req.tokens, held.get(rid, ())
+        start = req.num_prompt + len(ids)
+        if len(toks) == start + 1:  # one token committed (a decode, a prompt's last chunk)
+            ids += (toks[-1],)
+        elif len(toks) > start:  # accepted drafts, or the first step of a request with tokens already
+            ids += tuple(toks[start:])
+        finished = req.status == "finished"
+        extra = () if fields is None else fields(rid, finished, req.num_prompt)  # (logprobs, logits, prompt)
+        if finished:
+            held.pop(rid, None)
+        else:
+            held[rid] = ids
+        outs.append(request_output(rid, prompts[rid], ids, finished, req.finish_reason, *extra))
+    return outs
+
+
+def one_token_outputs(step, tokens: Sequence[int], prompts: dict, held: dict) -> list[RequestOutput] | None:
+    """:func:`step_outputs` of a step whose every row committed exactly ``tokens[b]`` and none finished (the
+    steady decode step), without reading the requests: row b's output tokens are its tuple last returned
+    (``held``, kept here) plus ``tokens[b]``, once that tuple is as long as ``step.num_output[b]`` (the
+    outputs it had when scheduled); its RequestOutput is built inline (:func:`request_output`'s fields:
+    unfinished, nothing else kept). None when a row's held tuple is not that long (never returned yet, or
+    ``num_output`` not filled): the caller then runs :func:`step_outputs`, which finishes the rows left
+    (those extended here read as up to date).
+
+    >>> from types import SimpleNamespace
+    >>> step = SimpleNamespace(req_ids=(0, 1), num_output=(1, 1))
+    >>> held = {0: (7,), 1: (8,)}
+    >>> [o.token_ids for o in one_token_outputs(step, [5, 6], {0: (1,), 1: (2,)}, held)], held[1]
+    ([(7, 5), (8, 6)], (8, 6))
+    >>> one_token_outputs(SimpleNamespace(req_ids=(2,), num_output=(1,)), [5], {2: (3,)}, held) is None
+    True
+    """
+    outs = []
+    for rid, t, n in zip(step.req_ids, tokens, step.num_output):
+        ids = held.get(rid, ())
+        if len(ids) != n:
+            return None
+        held[rid] = ids = ids + (t,)
+        o = _new(RequestOutput)
+        d = o.__dict__
+        d["request_id"], d["prompt_token_ids"], d["token_ids"], d["finished"] = rid, prompts[rid], ids, False
+        d["finish_reason"] = d["logprobs"] = d["logits"] = d["prompt_logits"] = None
+        outs.append(o)
+    return outs if len(outs) == len(step.req_ids) else None
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from itertools import chain
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +67,7 @@ from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
 from cpattn.engine import runner_dp
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
-from cpattn.engine.step_inputs import BlockTableRows, LogitRows, OneTokenRows, int64
+from cpattn.engine.step_inputs import BlockTableRows, HostInts, LogitRows, OneTokenRows, flat, int64
 from cpattn.graphs.runner import DecodeRunner
 from cpattn.layout.rows import cu_seqlens
 from cpattn.models.family import ModelFamily, get_family, nan_caches, param_dtype
@@ -184,6 +183,7 @@ class StepRunner:
         self.shard = PagedShard(layouts, k, v, ki, torch.zeros(0, self.max_blocks, dtype=torch.int64), block_size,
                                 interleave_size)
         self._tables = BlockTableRows(self.max_blocks, self.spare, rows=max_num_seqs)
+        self._tokens, self._seq_lens = HostInts(max_num_seqs), HostInts(max_num_seqs)  # a replay's, in place
         self.pcp_context: dict = {}  # run_prefill_rows: the context of each prefill continuing under PCP
         self.poison = poison
         self.dp_stats = runner_dp.DPStats()  # data-parallel prefill of short chunks (elastic CP)
@@ -206,14 +206,17 @@ class StepRunner:
     def batch(self, out: SchedulerOutput, width: int | None = None) -> dict[str, torch.Tensor]:
         """The step's inputs: tokens [T], seq_lens [B], block_table [B, width] (spare-padded).
 
-        ``width`` None: the captured programs' ``max_blocks``, and ``block_table`` is a view of the runner's
-        persistent table (:class:`~cpattn.engine.step_inputs.BlockTableRows`: only changed rows are
-        written), valid until the next call; an eager step passes its own longest table and gets a copy."""
+        ``width`` None: the captured programs' ``max_blocks``, and every input is a view of the runner's
+        persistent host tensors (the table's :class:`~cpattn.engine.step_inputs.BlockTableRows`: only changed
+        rows are written; tokens and seq_lens: :class:`~cpattn.engine.step_inputs.HostInts`), valid until the
+        next call -- what a replay copies into its program's buffers; an eager step passes its own longest
+        table and gets tensors of its own."""
         table = self._tables.update(out.block_tables, out.req_ids)
-        if width is not None:
-            table = table[:, :width].clone()
-        return {"tokens": int64(chain.from_iterable(out.input_ids)), "seq_lens": int64(out.seq_lens),
-                "block_table": table}
+        if width is None:
+            return {"tokens": self._tokens.write(flat(out.input_ids)), "seq_lens": self._seq_lens.write(out.seq_lens),
+                    "block_table": table}
+        return {"tokens": int64(flat(out.input_ids)), "seq_lens": int64(out.seq_lens),
+                "block_table": table[:, :width].clone()}
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""

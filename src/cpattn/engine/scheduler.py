@@ -226,8 +226,8 @@ class Scheduler:
         if step is None:
             raise ValueError("update() without a scheduled step: call schedule() first")
         if self.fast_paths and getattr(outputs, "one_token_per_row", False) and outputs.req_ids == step.req_ids \
-                and all(step.samples) and not any(step.draft_tokens):
-            return decode_rows.commit_one_each(self, step, outputs.tokens)
+                and (step is self._last_decode or all(step.samples) and not any(step.draft_tokens)):
+            return decode_rows.commit_one_each(self, step, outputs.tokens)  # a decode_rows step: all sampled, no drafts
         scheduled = set(step.req_ids)
         extra = [r for r in outputs if r not in scheduled]
         if extra:
