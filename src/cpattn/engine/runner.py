@@ -268,7 +268,6 @@ class StepRunner:
         sub = self.pcp_group
         return self.group.stats.total_sent() + (0 if sub is None or sub is self.group else sub.stats.total_sent())
 
-
     def _forward(self, out: SchedulerOutput, *, graph: bool):
         """Every row through the DCP step (replayed when ``graph`` allows and the step is a uniform 1+k
         decode): (outputs, logits rows, replayed, [prepare_s, forward_s, sample_s], hidden or None)."""
