@@ -35,7 +35,8 @@ import cpattn
 from cpattn.config import SchedulerConfig
 from cpattn.engine.batch import Prompts
 from cpattn.engine.composed import composed
-from cpattn.engine.connector_pd import PDConnector, hidden_names, usable_blocks
+from cpattn.engine.connector_pd import PDConnector, usable_blocks
+from cpattn.engine.hidden_rows import hidden_names
 from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.driver import engine_configs, generate, step_loop_runs
 from cpattn.engine.family import get_family
