@@ -31,6 +31,20 @@ def pytest_configure(config):
     _hypothesis_profile(expr, config.getoption("hypothesis_profile", None))
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` deselected the slow tests: thin what the lane runs
+def pytest_collection_modifyitems(config, items):
+    """In the fast lane a parametrized test of three or more cases runs a third of them (:func:`lanes.thin`);
+    a run naming test ids (``path::name``) or with ``CPATTN_FAST_GRIDS=all`` keeps every case."""
+    from lanes import fast_lane, thin
+
+    if not fast_lane() or os.environ.get("CPATTN_FAST_GRIDS") == "all" or any("::" in a for a in config.args):
+        return
+    kept, dropped = thin(items)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def _hypothesis_profile(expr: str, flag: str | None) -> None:
     """``fast`` when ``-m`` deselects a test marked only ``slow``, else ``full``; ``--hypothesis-profile`` or
     ``HYPOTHESIS_PROFILE`` wins. Sets ``HYPOTHESIS_PROFILE`` for :func:`lanes.examples` and loads the profile."""
