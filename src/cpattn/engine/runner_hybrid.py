@@ -37,8 +37,9 @@ P/D (``connector``: the engine's bound :class:`~cpattn.engine.connector_hybrid.H
 row that ends a prompt stages the request's slot states and its logits with the connector; a consumer's prompt
 rows of a handed request compute nothing (:meth:`HybridStepRunner._handed`: the handed KV rows written into the
 row's blocks, the producer's states installed and the first token sampled from the handed logits at the row
-that ends the prompt). Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph backend (persistent
-buffers, padding rows write nothing) replays uniform decode steps, of 1 + k tokens a row with drafts.
+that ends the prompt). Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph
+backend (persistent buffers, padding rows write nothing) replays uniform decode steps, of 1 + k tokens a row
+with drafts.
 
 Example
 -------
