@@ -202,12 +202,7 @@ class HybridPDConnector(PDConnector):
             logits = world.recv((len(handed), self.vocab), self.logits_dtype, src)
             box = {d: [(_unflat(conv, b * nc, self.conv_shapes), _unflat(state, b * ns, self.state_shapes), logits[b],
                         len(h.tokens)) for b, h in enumerate(handed)]}
-        mine = [{} for _ in handed]
-        for (b, j), payload in got.items():
-            if self.side.rank is None or j % self.side.dcp_size == self.side.rank:
-                mine[b][j] = payload
-                self._stats.blocks_received += 1
-                self._stats.bytes_received += payload.nbytes
+        mine = self._keep_mine(got, len(handed))
         for b, h in enumerate(handed):
             conv, state, logits, _ = next(iter(box.values()))[b]  # the same on every consumer rank
             for d in box:

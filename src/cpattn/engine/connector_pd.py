@@ -258,18 +258,24 @@ class PDConnector(KVConnector):
         return sent
 
     # -- consumer ---------------------------------------------------------------------------------
+    def _keep_mine(self, got: dict, num_requests: int) -> list[dict]:
+        """Of the received ``got = {(b, j): block}``, the blocks this consumer rank owns (global block j on rank
+        ``j % dcp_size``; every block in memory), per request ``[{j: block}]``, counted in the stats."""
+        mine = [{} for _ in range(num_requests)]
+        for (b, j), payload in got.items():
+            if self.side.rank is None or j % self.side.dcp_size == self.side.rank:
+                mine[b][j] = payload
+                self._stats.blocks_received += 1
+                self._stats.bytes_received += payload.nbytes
+        return mine
+
     def recv(self, handed: Sequence[Handoff]) -> None:
         if self.side.role != "kv_consumer":
             raise ValueError(f"PDConnector.recv on a {self.side.role} engine; the consumer receives")
         ranges = [self._range(h) for h in handed]
         start, nblocks = [r[0] for r in ranges], [r[1] for r in ranges]
         got = self.link.recv(self, handed, nblocks, start) if any(n > a for a, n in ranges) else {}
-        mine = [{} for _ in handed]
-        for (b, j), payload in got.items():
-            if self.side.rank is None or j % self.side.dcp_size == self.side.rank:
-                mine[b][j] = payload
-                self._stats.blocks_received += 1
-                self._stats.bytes_received += payload.nbytes
+        mine = self._keep_mine(got, len(handed))
         if self.hidden_names is not None and handed:
             self._recv_hidden(handed)
         for h, (first, usable), blocks in zip(handed, ranges, mine):
