@@ -279,9 +279,11 @@ def test_bench_engine_quick_reports_every_scenario(tmp_path):
     assert bench.main(["--quick", "--batches", "2", "--steps", "3", "--prompt", "256", "--chunk", "64",
                        "--rounds", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["float32"]
-    modes = {(r["scenario"], r["mode"]): r for r in rows["rows"]}
-    assert modes[("decode b=2", "captured")]["replayed"] == 3 and modes[("decode b=2", "eager")]["replayed"] == 0
-    assert modes[("8 decodes + 64-token chunk", "eager")]["tokens"] == 64 + 8
+    modes = {(r["scenario"], r["mode"], r.get("outputs")): r for r in rows["rows"]}
+    for kind in ("final_only", "cumulative"):  # the default --output-kinds, side by side
+        assert modes[("decode b=2", "captured", kind)]["replayed"] == 3
+        assert modes[("decode b=2", "eager", kind)]["replayed"] == 0
+    assert modes[("8 decodes + 64-token chunk", "eager", None)]["tokens"] == 64 + 8
     assert all(0 < r["host_frac"]["median"] < 1 for r in rows["rows"] if isinstance(r["host_frac"], dict))
     assert rows["ttft"]["ratio"]["median"] > 0
 
@@ -292,6 +294,9 @@ def test_bench_engine_refuses_a_chunk_longer_than_the_prompt(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--prompt", "100", "--chunk", "200"])
     assert e.value.code == 2 and "--chunk" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--output-kinds", "final_only,all"])
+    assert e.value.code == 2 and "--output-kinds" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -247,11 +247,7 @@ def test_what_hybrid_pd_cannot_do_is_refused():
         PDEngine("qwen3_next", params, cfg, block_size=BLOCK, kv_pool=memory_pool("qwen3", *qwen3_tiny(), BLOCK))
     with pytest.raises(ValueError, match="enable_prefix_caching=True"):
         PDEngine("qwen3_next", params, cfg, block_size=BLOCK, scheduler=SchedulerConfig())
-    from cpattn.drafters.qwen3_next_mtp import Qwen3NextMTPDrafter
-
-    mtp = Qwen3NextMTPDrafter.random(cfg, params, seed=1)  # reads hidden states: the connector hands over none
-    with pytest.raises(ValueError, match="reads the target's hidden states, which the qwen3_next P/D connector"):
-        PDEngine("qwen3_next", params, cfg, block_size=BLOCK, drafter=mtp, num_speculative_tokens=1)
+    # (a drafter reading hidden states is served: tests/test_engine_loop_pd_hidden_v4_hybrid.py)
 
 
 def qwen3_tiny():

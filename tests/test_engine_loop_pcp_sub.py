@@ -2,12 +2,12 @@
 DCP group (``StepRunner.pcp_group``), the other ranks compute none of the chunks' rows, and the decodes run
 DCP over all dcp_size ranks.
 
-The oracle: :func:`cpattn.engine.reference.reference_generate` of each request alone (one device, a dense
-cache, no chunking), float64 tiny models, so the tokens must be equal. Requests arrive at different steps,
-prompts of 1..60 tokens (some shorter than pcp_size) are chunked by budgets of 16-64 tokens, two share a
-prefix (a prefix hit: the chunk's context is gathered from the DCP shards), blocks are NaN-poisoned, uniform
-decode steps replay a captured program. Every rank's logits are checked equal at every step. Then
-``generate`` with pcp_size=2, dcp_size=4 (now the step loop) against the fixed-batch composition
+The oracle: conftest.py's ``one_device`` (:mod:`ref.greedy`) of each request alone (a fresh one-device full
+prefill per token, no step loop or engine code), float64 tiny models, so the tokens must be equal. Requests
+arrive at different steps, prompts of 1..60 tokens (some shorter than pcp_size) are chunked by budgets of
+16-64 tokens, two share a prefix (a prefix hit: the chunk's context is gathered from the DCP shards), blocks
+are NaN-poisoned, uniform decode steps replay a captured program. Every rank's logits are checked equal at
+every step. Then ``generate`` with pcp_size=2, dcp_size=4 (now the step loop) against the fixed-batch composition
 (``cpattn.engine.composed``), and the one-line refusals.
 """
 
@@ -19,6 +19,7 @@ import threading
 import pytest
 import torch
 from engine_loop_cases import run_schedule
+from ref.greedy import ONE_DEVICE
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine import runner_pcp
@@ -27,7 +28,6 @@ from cpattn.engine.composed import composed
 from cpattn.engine.driver import engine_configs, generate, step_loop_runs
 from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine
-from cpattn.engine.reference import reference_generate
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]  # PCP + DCP in one engine
@@ -43,10 +43,10 @@ def model(family: str, heads: int | None = None):
     return cfg, fam.init_params(cfg, seed=1, dtype=torch.float64)
 
 
-@functools.lru_cache(maxsize=None)
 def reference(family: str, heads: int | None, prompt: tuple[int, ...]) -> list[int]:
+    """The request alone: conftest.py's ``one_device`` memo (no cache of its own here)."""
     cfg, params = model(family, heads)
-    return reference_generate(family, params, cfg, [list(prompt)], MAX_TOKENS).tokens[0].tolist()
+    return ONE_DEVICE.tokens(family, params, cfg, list(prompt), MAX_TOKENS)
 
 
 def schedule(vocab: int, pcp: int, dcp: int, seed: int = 0) -> list[dict]:
@@ -176,7 +176,7 @@ def test_drafters_reading_hidden_states_get_the_sub_groups_rows(method):
                        scheduler=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3))
     ids, _ = run_schedule(engine, sched)
     for i, rid in ids.items():
-        want = reference_generate(name, params, cfg, [sched[i]["prompt"]], 6).tokens[0].tolist()
+        want = ONE_DEVICE.tokens(name, params, cfg, sched[i]["prompt"], 6)
         assert list(engine.scheduler.requests[rid].output) == want, (method, i)
     s = engine.stats
     assert s.pcp_steps > 0 and s.drafted_tokens > 0 and s.accepted_tokens > 0 and s.blocks_used == 0, s
@@ -186,18 +186,16 @@ def test_drafters_reading_hidden_states_get_the_sub_groups_rows(method):
             assert d == reference_drafts(drafter.drafter, name, params, cfg, h, 2), (method, len(h))
 
 
-def test_the_runners_that_run_pcp_over_the_whole_group_refuse_a_sub_group():
-    """Hybrid models and DeepSeek-V4 keep pcp_size in (1, dcp_size); no family takes pcp_size > dcp_size."""
+def test_v4_and_hybrid_run_a_sub_group_but_not_pcp_over_dcp():
+    """Hybrid models and DeepSeek-V4 take 1 < pcp_size < dcp_size too (tests/test_engine_loop_pcp_sub_v4_hybrid.py:
+    generate runs the step loop for them); they take no pcp_size > dcp_size (paged families do:
+    tests/test_engine_loop_pcp_wide.py)."""
     for name in ("qwen3_next", "deepseek_v4"):
         cfg = get_family(name).config_class.tiny()
-        with pytest.raises(ValueError, match=f"pcp_size=2 with dcp_size=4: {name}'s runner runs PCP over its whole "
-                                             "DCP group; pass pcp_size=1 or 4"):
-            LLMEngine(name, {}, cfg, dcp_size=4, pcp_size=2)
         pre, dec = engine_configs(name, cfg, pcp_size=2, dcp_size=4, block_size=4)
-        assert not step_loop_runs(get_family(name), cfg, pre, dec)  # generate keeps the composition for them
-    cfg, _ = model("qwen3")
-    with pytest.raises(ValueError, match="pcp_size=4 with dcp_size=2: PCP runs over the first pcp_size ranks"):
-        LLMEngine("qwen3", {}, cfg, dcp_size=2, pcp_size=4)
+        assert step_loop_runs(get_family(name), cfg, pre, dec)
+        with pytest.raises(ValueError, match=f"pcp_size=4 with dcp_size=2: {name}'s runner runs PCP within its DCP"):
+            LLMEngine(name, {}, cfg, dcp_size=2, pcp_size=4)
 
 
 @pytest.mark.slow

@@ -239,17 +239,14 @@ def test_generate_captured_equals_the_composition():
     check_generate("dcp2", "random", 2, graph=True)
 
 
-def test_pd_with_a_hidden_state_drafter_keeps_the_composition():
-    """P/D of V4 with a drafter reading hidden states stays in the composition (the V4 connector hands the
-    consumer no hidden rows; V4StepRunner refuses a handed state with a hidden-state drafter)."""
+def test_pd_with_a_hidden_state_drafter_runs_the_step_loop():
+    """P/D of V4 with a drafter reading hidden states takes the step loop (the V4 connector hands the consumer
+    the prompt's hidden rows with the state): tests/test_engine_loop_pd_hidden_v4_hybrid.py checks its drafts,
+    tests/test_step_generate.py its generate against the composition."""
     pre, dec = engine_configs("deepseek_v4", CFG, pcp_size=2, dcp_size=2, pd=True, block_size=4,
                               interleave_size=4, num_speculative_tokens=2, speculative_method="dspark")
-    assert "P/D of deepseek_v4 with a drafter reading hidden states" in refusal(FAMILY, CFG, pre, dec, random_head())
-    assert not step_loop_runs(FAMILY, CFG, pre, dec, random_head())
-    from cpattn.engine.pd_engine import PDEngine
-
-    with pytest.raises(ValueError, match="reads the target's hidden states, which the deepseek_v4 P/D connector"):
-        PDEngine("deepseek_v4", v4_target(), CFG, block_size=4, drafter=random_head(), num_speculative_tokens=2)
+    assert refusal(FAMILY, CFG, pre, dec, random_head()) is None
+    assert step_loop_runs(FAMILY, CFG, pre, dec, random_head())
 
 
 @pytest.mark.slow  # trains the head (~2 s), then every layout and capture; k = 1: the random head's cases

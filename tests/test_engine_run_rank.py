@@ -55,13 +55,15 @@ def merged(per_rank: list[dict]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world,pcp", [(1, 1), (2, 1), (2, 2), (3, 3)], ids=str)
-def test_colocated_ranks_give_one_device_tokens(world, pcp):
+@pytest.mark.parametrize("world,pcp,dcp", [(1, 1, None), (2, 1, None), (2, 2, None), (3, 3, None), (2, 2, 1),
+                                           (3, 3, 2)], ids=str)
+def test_colocated_ranks_give_one_device_tokens(world, pcp, dcp):
+    """DCP over the world, or (dcp < world = pcp) PCP over it and DCP over its first dcp ranks (runner_wide)."""
     heads = 6 if world == 3 else None
     cfg, params = model("qwen3", heads)
     arr = arrivals(cfg.vocab_size)
-    per_rank = cpattn.simulate(world, run_rank, "qwen3", params, cfg, arr, pcp_size=pcp, block_size=BLOCK,
-                               scheduler=SCHED, poison=True)
+    per_rank = cpattn.simulate(world, run_rank, "qwen3", params, cfg, arr, pcp_size=pcp, dcp_size=dcp,
+                               block_size=BLOCK, scheduler=SCHED, poison=True)
     assert all(set(f) == set(range(len(arr))) for f in per_rank)  # every rank of one engine finishes every request
     assert merged(per_rank) == want("qwen3", arr, heads)
 
@@ -155,7 +157,7 @@ def test_bad_layouts_are_refused():
     with pytest.raises(RuntimeError, match="ValueError: PDConnector on an engine of kv_role='kv_both'"):
         cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, kv_connector=PDConnector())
     with pytest.raises(RuntimeError, match="ValueError: dcp_size=1 on a world of 2 ranks: colocated"):
-        cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, dcp_size=1)
+        cpattn.simulate(2, run_rank, "qwen3", params, cfg, arr, dcp_size=1)  # pcp_size 1: rank 1 would have no role
 
 
 def gloo_rank(group, cfg, arr, kwargs):

@@ -37,6 +37,8 @@ def batch(vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize("family, layout", [
     ("qwen3", dict()), ("qwen3", dict(dcp_size=2)), ("qwen3", dict(pcp_size=2, dcp_size=2, one_engine=True)),
     ("qwen3", dict(pcp_size=2, dcp_size=2)),
+    ("qwen3", dict(pcp_size=4, dcp_size=2)),  # PCP wider than DCP: the cache on the first 2 of 4 ranks (runner_wide)
+    pytest.param("deepseek_v3", dict(pcp_size=2, dcp_size=1), marks=pytest.mark.slow),  # MLA: one-rank decode
     pytest.param("qwen3", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4), marks=pytest.mark.slow),
     pytest.param("deepseek_v32", dict(pcp_size=2, dcp_size=2), marks=pytest.mark.slow),  # DSA-CP
     pytest.param("deepseek_v2", dict(dcp_size=2), marks=pytest.mark.slow),  # MLA
@@ -44,6 +46,8 @@ def batch(vocab: int) -> list[list[int]]:
     pytest.param("deepseek_v4", dict(dcp_size=2), marks=pytest.mark.slow),
     pytest.param("deepseek_v4", dict(pcp_size=2, dcp_size=2, pd=True, interleave_size=4), marks=pytest.mark.slow),
     ("qwen3_next", dict(pcp_size=2, dcp_size=2)),  # hybrid: paged KV + recurrent states
+    ("deepseek_v4", dict(pcp_size=2, dcp_size=4)),  # PCP over a sub-group: ranks 2, 3 get their V4 shares
+    ("qwen3_next", dict(pcp_size=2, dcp_size=4)),  # PCP over a sub-group: rank 0's linear states to ranks 2, 3
     pytest.param("qwen3_next", dict(dcp_size=2), marks=pytest.mark.slow),
 ])
 def test_the_step_loop_gives_the_drivers_generation(family, layout):
@@ -74,21 +78,35 @@ def test_drafts_in_the_step_loop_are_the_drivers_tokens():
         assert getattr(got.stats, f) == getattr(want.stats, f), f
 
 
-@pytest.mark.parametrize("pcp_size", [2, 1])
-def test_pd_with_token_drafts_in_the_step_loop_is_the_drivers_generation(pcp_size):
-    """P/D with an n-gram drafter (PDEngine's consumer drafts): the composition's tokens, logits and SpecStats."""
-    cfg, params = model("qwen3")
-    g = torch.Generator().manual_seed(11)
-    unit = torch.randint(0, cfg.vocab_size, (5,), generator=g).tolist()
-    prompts = [unit * 4, unit[:3] * 3]  # repetitive: drafts get accepted
-    pre, dec = engine_configs("qwen3", cfg, pcp_size=pcp_size, dcp_size=2, pd=True, block_size=4, interleave_size=4,
-                              num_speculative_tokens=3)
+def pd_drafting(family: str):
+    """(cfg, params, prompts, drafter, k) of a P/D run whose drafts get accepted: qwen3 with n-gram drafts of
+    repetitive prompts; drafters reading the target's hidden states (the P/D connector hands the consumer the
+    prompt's rows with the state): DeepSeek-V4 with a random DSpark head (layers' streams), Qwen3-Next with the
+    identity-like MTP head (final rows), tests/test_engine_loop_pd_hidden_v4_hybrid.py's."""
+    if family == "qwen3":
+        cfg, params = model("qwen3")
+        g = torch.Generator().manual_seed(11)
+        unit = torch.randint(0, cfg.vocab_size, (5,), generator=g).tolist()
+        return cfg, params, [unit * 4, unit[:3] * 3], NgramDrafter(), 3  # repetitive: drafts get accepted
+    from test_engine_loop_pd_hidden_v4_hybrid import head, model as target, schedule
+
+    cfg, params = target(family)
+    return cfg, params, [r["prompt"] for r in schedule(family)[:4]], head(family), 2
+
+
+@pytest.mark.parametrize("family,pcp_size", [("qwen3", 2), ("qwen3", 1), ("deepseek_v4", 2), ("qwen3_next", 2)])
+def test_pd_with_drafts_in_the_step_loop_is_the_drivers_generation(family, pcp_size):
+    """P/D with a drafter (PDEngine's consumer drafts; V4 and hybrid ones reading hidden states were composed
+    before their connectors handed the rows over): the composition's tokens, logits and SpecStats."""
+    cfg, params, prompts, drafter, k = pd_drafting(family)
+    pre, dec = engine_configs(family, cfg, pcp_size=pcp_size, dcp_size=2, pd=True, block_size=4, interleave_size=4,
+                              num_speculative_tokens=k, speculative_method=drafter.method)
     from cpattn.engine.driver import step_loop_runs
 
-    assert step_loop_runs(get_family("qwen3"), cfg, pre, dec, NgramDrafter())  # generate takes the step loop
-    want = composed(get_family("qwen3"), params, cfg, Prompts.of(prompts), 7, prefill=pre, decode=dec,
-                    drafter=NgramDrafter())
-    got = generate("qwen3", params, cfg, prompts, 7, prefill=pre, decode=dec, drafter=NgramDrafter())
+    assert step_loop_runs(get_family(family), cfg, pre, dec, drafter)  # generate takes the step loop
+    want = composed(get_family(family), params, cfg, Prompts.of(prompts), 7, prefill=pre, decode=dec,
+                    drafter=drafter)
+    got = generate(family, params, cfg, prompts, 7, prefill=pre, decode=dec, drafter=drafter)
     assert torch.equal(got.tokens, want.tokens)
     assert torch.allclose(got.logits, want.logits, **TOL)
     for f in ("steps", "rows", "drafted", "accepted", "emitted", "accepted_hist"):
@@ -101,15 +119,15 @@ class _HiddenDrafter(NgramDrafter):
 
 
 def test_layouts_one_engine_cannot_run_are_refused():
-    cfg, params = model("qwen3")
-    pre, dec = engine_configs("qwen3", cfg, pcp_size=4, dcp_size=2)
-    with pytest.raises(ValueError, match="pcp_size=4 with dcp_size=2"):
-        step_generate("qwen3", params, cfg, [[1, 2]], 2, prefill=pre, decode=dec)
+    cfg = get_family("deepseek_v4").config_class.tiny()  # refused before any weight is read
+    pre, dec = engine_configs("deepseek_v4", cfg, pcp_size=4, dcp_size=2)
+    with pytest.raises(ValueError, match="pcp_size=4 with dcp_size=2: deepseek_v4's runner runs PCP within its DCP"):
+        step_generate("deepseek_v4", {}, cfg, [[1, 2]], 2, prefill=pre, decode=dec)
 
 
 @pytest.mark.parametrize("family, layout, drafter, why", [
-    ("qwen3_next", dict(pcp_size=2, dcp_size=4), None, "one engine runs PCP over its whole DCP group"),
     ("qwen3", dict(pcp_size=3, dcp_size=2, pd=True, interleave_size=4), None, "engine is refused"),  # 4 heads % 3
+    ("qwen3_next", dict(pcp_size=4, dcp_size=2), None, "qwen3_next's runner runs PCP within its DCP group"),
 ])
 def test_generate_keeps_the_composition_for_what_the_step_loop_cannot_run(family, layout, drafter, why):
     from cpattn.engine.driver import step_loop_runs

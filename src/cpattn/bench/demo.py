@@ -28,10 +28,9 @@ Two engine configs are built and validated first
 engine (``pcp_size=P``, ``kv_role="kv_producer"``) and a decode engine
 (``tp_size=dcp_size=N``, ``pcp_size=1``, ``kv_role="kv_consumer"``), since
 the guide forbids PCP and DCP in one engine; cpattn runs them as one step-loop
-engine on the same ranks (exactly: the tokens are checked). ``--pcp P --dcp 1``
-(P > 1), which that engine cannot lay out on P ranks, runs the fixed-batch
-composition instead (:mod:`cpattn.bench.demo_fixed`: PCP prefill, an all-to-all
-hand-off, then the decode), and the report says which ran.
+engine on the same ranks (exactly: the tokens are checked). With ``--pcp P
+--dcp 1`` (P > 1) that engine prefills over the P ranks and decodes on the first
+one (:mod:`cpattn.engine.runner_wide`; the others hold no KV).
 
 Exit status 0 only when every parallel run's tokens equal the reference's.
 Checkpoints of other families (``--model``) run too; a family whose decode

@@ -125,7 +125,7 @@ class Timer:
         return self.group.all_gather(mine).view(self.group.size, -1).amax(0).tolist()
 
     def rank_median(self, first: int = 1) -> float:
-        """The fixed-batch run's TPOT statistic (``bench/demo_fixed.py``): each rank's median step time over
+        """The TPOT statistic of the demo's former fixed-batch run: each rank's median step time over
         steps ``first..``, the largest over the ranks (beside :meth:`slowest`'s per-step maximum, whose
         median is never below it)."""
         mine = [s.seconds for s in self.steps[first:]]
@@ -141,8 +141,8 @@ def scheduler_config(lens: list[int], new_tokens: int) -> SchedulerConfig:
 
 
 def loop_rank(group: Group, spec: Spec) -> dict:
-    """The parallel run on one rank of ``group`` (``spec.world_size`` ranks, DCP over all of them) through
-    :func:`run_rank`; every rank returns the full result (the keys of the fixed-batch run's, see module doc)."""
+    """The parallel run on one rank of ``group`` (``spec.world_size`` ranks: DCP over all of them, or with
+    ``--dcp 1`` under PCP over the first one only) through :func:`run_rank`; every rank returns the full result."""
     torch.manual_seed(spec.seed)
     family, cfg, params = load_model(spec)
     tokens, cu = prompts(spec, cfg.vocab_size)
@@ -152,7 +152,7 @@ def loop_rank(group: Group, spec: Spec) -> dict:
     n_runs = 1 if spec.graph_mode == "none" else 1 + spec.eager_row
     bar = Progress(4 + steps * n_runs, enabled=spec.progress and group.rank == 0)
     backend = graph_backend(spec, family)
-    span = spec.block_size * group.size
+    span = spec.block_size * spec.dcp  # DCP over the first spec.dcp ranks (all of them unless --dcp 1 under PCP)
     num_blocks = sum(-(-(n + n_new) // span) for n in lens)  # the batch's blocks per rank (the runner adds a spare)
 
     def run(prompts_, max_tokens: int, graph: bool, **hooks) -> tuple[Timer, dict]:
@@ -161,7 +161,8 @@ def loop_rank(group: Group, spec: Spec) -> dict:
         graph_opts = dict(graph_mode="FULL_DECODE_ONLY", graph_backend=backend, capture_sizes=sizes) if graph else {}
         with warnings.catch_warnings():  # one engine with PCP and DCP: the report says vLLM-Ascend splits it
             warnings.simplefilter("ignore", GuideCompatWarning)
-            outs = run_rank(group, family, params, cfg, arrivals, pcp_size=spec.pcp, block_size=spec.block_size,
+            outs = run_rank(group, family, params, cfg, arrivals, pcp_size=spec.pcp, dcp_size=spec.dcp,
+                            block_size=spec.block_size,
                             interleave_size=spec.interleave, scheduler=scheduler_config(lens, n_new),
                             num_blocks=num_blocks, seed=spec.seed, merge=spec.merge, on_step=timer.after,
                             before_step=timer.before, **graph_opts)

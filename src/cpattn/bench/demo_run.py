@@ -76,24 +76,24 @@ def reference(spec: Spec) -> dict:
 
 
 def through_step_loop(spec: Spec) -> bool:
-    """Whether the layout runs through :func:`cpattn.engine.run_rank` (colocated: DCP over every rank, PCP
-    over 1 or every rank); else (``--pcp W --dcp 1``, W > 1, which the step loop's one engine cannot lay out
-    on W ranks) through the fixed-batch composition of :mod:`cpattn.bench.demo_fixed`.
+    """Deprecated: every layout now runs through :func:`cpattn.engine.run_rank` (``--pcp W --dcp 1`` too).
 
-    >>> through_step_loop(Spec(pcp=2, dcp=2)), through_step_loop(Spec(pcp=1, dcp=2)), through_step_loop(Spec(dcp=1))
-    (True, True, False)
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     through_step_loop(Spec(dcp=1))
+    True
     """
-    return spec.dcp == spec.world_size
+    import warnings
+
+    warnings.warn("cpattn.bench.demo_run.through_step_loop is deprecated: every demo layout runs through "
+                  "cpattn.engine.run_rank (cpattn.bench.demo_loop.loop_rank)", DeprecationWarning, stacklevel=2)
+    return True
 
 
 def demo_rank(group: Group, spec: Spec) -> dict:
     """The parallel run on one rank of ``group`` (``spec.world_size`` ranks); every rank returns the full result:
-    :func:`cpattn.bench.demo_loop.loop_rank` (the step loop) or, for ``--dcp 1`` under PCP,
-    :func:`cpattn.bench.demo_fixed.fixed_batch_rank`."""
-    if through_step_loop(spec):
-        from cpattn.bench.demo_loop import loop_rank
+    :func:`cpattn.bench.demo_loop.loop_rank` (the step loop, every layout)."""
+    from cpattn.bench.demo_loop import loop_rank
 
-        return loop_rank(group, spec)
-    from cpattn.bench.demo_fixed import fixed_batch_rank
-
-    return fixed_batch_rank(group, spec)
+    return loop_rank(group, spec)

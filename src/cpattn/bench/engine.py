@@ -5,7 +5,10 @@ process (a one-rank gloo group, so a captured step can be compiled), the
 :class:`~cpattn.engine.llm.LLMEngine` runs:
 
 - **decode** at batch 1 / 8 / 32: every request prefilled, then uniform
-  decode steps, eager and captured (FULL_DECODE_ONLY, ``--graph-backend``);
+  decode steps, eager and captured (FULL_DECODE_ONLY, ``--graph-backend``), once per
+  ``--output-kinds`` (``SamplingParams.output_kind``: FINAL_ONLY, vLLM's offline
+  ``LLM.generate`` choice, builds no RequestOutput until a request finishes; CUMULATIVE builds
+  one per row per step), the kinds' engines stepped in interleaved blocks of 5 steps;
 - **mixed**: 8 decoding requests and one ``--chunk``-token prompt chunk in
   one step (always eager, as FULL_DECODE_ONLY asks);
 - **chunked TTFT**: one ``--prompt``-token prompt prefilled in ``--chunk``
@@ -44,7 +47,7 @@ from cpattn.config import cli_args as cli
 
 PROG = "cpattn bench engine"
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "outputs")
-COLUMNS = ["scenario", "mode", "step ms", "host %", "sched+prep %", "replayed"]
+COLUMNS = ["scenario", "mode", "outputs", "step ms", "host %", "sched+prep %", "replayed"]
 
 
 def _mlh(s: harness.Spread) -> dict:
@@ -80,31 +83,40 @@ def _engine(group, params, cfg, *, batch: int, budget: int, graph: str | None, n
                                                enable_prefix_caching=False, max_model_len=max_model_len))
 
 
-def _decode_rows(group, params, cfg, batch: int, steps: int, graph: str | None) -> dict:
-    """Host fraction of ``steps`` uniform decode steps at ``batch`` requests (after their prefill)."""
+def _decode_rows(group, params, cfg, batch: int, steps: int, graph: str | None, kinds=("FINAL_ONLY",)) -> list:
+    """Host fraction of ``steps`` uniform decode steps at ``batch`` requests (after their prefill), one row per
+    output kind (``SamplingParams.output_kind`` of every request): one engine each, timed side by side in
+    interleaved blocks of 5 steps."""
     from cpattn.engine.llm import SamplingParams
+    from cpattn.engine.outputs import RequestOutputKind
 
     per_request = -(-(64 + steps + 8) // 16)  # 16-token blocks of a request at its longest (any --steps)
-    eng = _engine(group, params, cfg, batch=batch, budget=64 * batch, graph=graph, num_blocks=batch * per_request,
-                  max_model_len=64 + steps + 8)  # block tables (and a captured step) as wide as the requests need
-    for i in range(batch):
-        eng.add_request([(7 * i + j) % cfg.vocab_size for j in range(64)], SamplingParams(max_tokens=steps + 3))
-    while eng.stats.steps < 1 or eng.last_step[0].is_prefill[0]:
-        eng.step()
-    eng.step()  # warm-up decode
-    fracs, sched, totals, phases, replayed = [], [], [], {p: [] for p in PHASES}, 0
-    for _ in range(steps):
-        eng.step()
-        t = eng.step_times
-        fracs.append((t["total"] - t["forward"]) / t["total"])
-        sched.append(_sched_prep(t))
-        totals.append(t["total"])
-        for p in PHASES:
-            phases[p].append(t[p])
-        replayed += eng.last_step[1]
-    return {"host_frac": _spread(fracs), "sched_prep_frac": _spread(sched), "step_s": _spread(totals),
-            "replayed": replayed, "steps": steps,
-            "phases_s": {p: statistics.median(v) for p, v in phases.items()}}
+    engines = {}
+    for kind in kinds:
+        eng = _engine(group, params, cfg, batch=batch, budget=64 * batch, graph=graph,
+                      num_blocks=batch * per_request, max_model_len=64 + steps + 8)  # tables as wide as needed
+        for i in range(batch):
+            eng.add_request([(7 * i + j) % cfg.vocab_size for j in range(64)],
+                            SamplingParams(max_tokens=steps + 3, output_kind=RequestOutputKind[kind]))
+        while eng.stats.steps < 1 or eng.last_step[0].is_prefill[0]:
+            eng.step()
+        eng.step()  # warm-up decode
+        engines[kind] = eng
+    times = {kind: [] for kind in kinds}
+    replayed = dict.fromkeys(kinds, 0)
+    for start in range(0, steps, 5):
+        for kind, eng in engines.items():
+            for _ in range(min(5, steps - start)):
+                eng.step()
+                times[kind].append(eng.step_times)
+                replayed[kind] += eng.last_step[1]
+    rows = []
+    for kind, ts in times.items():
+        rows.append({"outputs": kind.lower(), "host_frac": _spread([(t["total"] - t["forward"]) / t["total"] for t in ts]),
+                     "sched_prep_frac": _spread([_sched_prep(t) for t in ts]),
+                     "step_s": _spread([t["total"] for t in ts]), "replayed": replayed[kind], "steps": steps,
+                     "phases_s": {p: statistics.median(t[p] for t in ts) for p in PHASES}})
+    return rows
 
 
 def _mixed_row(group, params, cfg, chunk: int) -> dict:
@@ -173,8 +185,8 @@ def engine_rank(group, cfg: dict) -> dict:
             for graph in (None, cfg["graph_backend"]):
                 mode = "captured" if graph else "eager"
                 harness.progress(f"{dt} decode b={b} {mode}")
-                r = _decode_rows(group, params, mcfg, b, cfg["steps"], graph)
-                rows.append({"scenario": f"decode b={b}", "mode": mode, **r})
+                for r in _decode_rows(group, params, mcfg, b, cfg["steps"], graph, cfg["output_kinds"]):
+                    rows.append({"scenario": f"decode b={b}", "mode": mode, **r})
         harness.progress(f"{dt} 8 decodes + {cfg['chunk']}-token chunk; TTFT one rank")
         rows.append({"scenario": f"8 decodes + {cfg['chunk']}-token chunk", "mode": "eager",
                      **_mixed_row(group, params, mcfg, cfg["chunk"])})
@@ -196,7 +208,8 @@ def _pct(h) -> str:
 def _cells(row: dict) -> dict:
     """One table row of a scenario's result."""
     st = row["step_s"]["median"] if isinstance(row["step_s"], dict) else row["step_s"]
-    return {"scenario": row["scenario"], "mode": row["mode"], "step ms": f"{1e3 * st:.2f}",
+    return {"scenario": row["scenario"], "mode": row["mode"], "outputs": row.get("outputs", "cumulative"),
+            "step ms": f"{1e3 * st:.2f}",
             "host %": _pct(row["host_frac"]), "sched+prep %": _pct(row["sched_prep_frac"]),
             "replayed": str(row.get("replayed", "-"))}
 
@@ -214,6 +227,9 @@ def _parser():
     p.add_argument("--chunk", type=cli.positive_int, default=2048, help="prefill chunk (the step's token budget)")
     p.add_argument("--rounds", type=cli.positive_int, default=3, help="interleaved TTFT rounds")
     p.add_argument("--dtypes", default="float32,bfloat16", metavar="D,...", help="model dtypes")
+    p.add_argument("--output-kinds", default="final_only,cumulative", metavar="K,...",
+                   help="SamplingParams.output_kind of the decode rows' requests (final_only, delta, cumulative), "
+                        "timed side by side")
     p.add_argument("--graph-backend", default="cpu", metavar="NAME",
                    help="graph backend of the captured decode steps (cpu compiles with inductor; eager: no compiler)")
     return p
@@ -236,8 +252,13 @@ def main(argv=None) -> int:
         cli.bad_value(p.prog, "--chunk", args.chunk, "a chunk no longer than --prompt",
                       f"pass --chunk <= {args.prompt}")
     cli.check_backend(p.prog, "--graph-backend", args.graph_backend)
+    kinds = [k.strip().upper() for k in args.output_kinds.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("FINAL_ONLY", "DELTA", "CUMULATIVE")] or not kinds
+    if bad:
+        cli.bad_value(p.prog, "--output-kinds", args.output_kinds, "a comma list of final_only, delta, cumulative",
+                      "pass e.g. --output-kinds final_only,cumulative")
     cfg = dict(batches=list(args.batches), steps=args.steps, prompt=args.prompt, chunk=args.chunk,
-               rounds=args.rounds, dtypes=dtypes, graph_backend=args.graph_backend)
+               rounds=args.rounds, dtypes=dtypes, graph_backend=args.graph_backend, output_kinds=kinds)
     with harness.Report(args) as out:
         out.line(f"engine step loop on the demo model (tiny Qwen3), one gloo rank; graph backend {args.graph_backend}; "
                  f"host % = (step - forward) / step; sched+prep % = (schedule + prepare + update) / step; "

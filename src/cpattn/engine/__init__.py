@@ -103,6 +103,7 @@ from cpattn.engine.batch import Prompts
 from cpattn.engine.driver import engine_configs, generate, generate_on_rank
 from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from cpattn.engine.options import Algorithms
+from cpattn.engine.outputs import RequestOutputKind
 from cpattn.engine.pd_engine import PDEngine, PDStats
 from cpattn.engine.reference import reference_generate
 from cpattn.engine.run_rank import Arrival, run_rank
@@ -111,5 +112,5 @@ from cpattn.models.family import KVLayout, ModelFamily, get_family
 
 __all__ = ["Prompts", "Algorithms", "KVLayout", "ModelFamily", "get_family", "engine_configs", "generate",
            "generate_on_rank", "reference_generate", "Generation", "RunFacts", "LLMEngine", "SamplingParams",
-           "RequestOutput", "EngineStats", "PDEngine", "PDStats", "Arrival",
+           "RequestOutput", "RequestOutputKind", "EngineStats", "PDEngine", "PDStats", "Arrival",
            "run_rank"]

@@ -33,8 +33,17 @@ from the producer's bits. A request the consumer preempts after its prompt is re
 preempted while its prompt rows were still being placed places them again (the entry is kept until the
 prompt is done).
 
+**Hidden rows**, with a drafter that reads the target's hidden states (Qwen3-Next's MTP: both engines keep
+its ``hidden_layers``): **save** stages the producer's rows of all L prompt positions (flattened ``{name:
+[L, F]}``, :class:`~cpattn.engine.hidden_rows.HiddenRowsMixin`, as
+:class:`~cpattn.engine.connector_pd.PDConnector` does), **send** sends them after the states (consumer rank d
+from producer rank ``d % P``), and each consumer prompt row of the request hands back the rows of its
+positions as the step's own (:func:`~cpattn.engine.hidden_rows.handed_hidden`; kept until the prompt is
+placed), so the drafter's first proposal reads every prompt position.
+
 Bytes per request (``stats.bytes_by_request``, summed over producer ranks): the ``ceil(L / B)`` blocks
-``[B, F]`` once, and for each consumer rank the states (:meth:`HybridPDConnector.state_numel`) and V logits.
+``[B, F]`` once, and for each consumer rank the states (:meth:`HybridPDConnector.state_numel`) and V logits;
+with a hidden-state drafter, ``D * L * sum(F_name) * itemsize`` of hidden rows more (``hidden_bytes_sent``).
 
 Example
 -------
@@ -106,6 +115,7 @@ class HybridPDConnector(PDConnector):
         bound.state_dtype = one.state[0].dtype if one.state else bound.logits_dtype
         bound._outbox, bound._staged, bound._inbox, bound._waiting = {}, {}, {}, {}
         bound._stats = TransferStats()
+        bound._bind_hidden(side)
         return bound
 
     def state_numel(self) -> tuple[int, int]:
@@ -142,6 +152,7 @@ class HybridPDConnector(PDConnector):
             self._outbox[rid] = {j: s.read(j % n, table[j // n]) for j in range(prompt_blocks(req.num_prompt,
                                                                                                s.block_size))
                                  if s.rank is None or j % n == s.rank}
+            self._stage_hidden(rid, req.num_prompt)  # a drafter's: the whole prompt's (the consumer computes none)
 
     def _mine(self, d: int) -> bool:
         """Whether this producer engine sends consumer rank d's states (producer rank ``d % P`` does)."""
@@ -180,6 +191,7 @@ class HybridPDConnector(PDConnector):
             st.bytes_by_request[rid] = st.bytes_by_request.get(rid, 0) + nbytes
             st.bytes_sent += nbytes
         st.blocks_sent += sum(len(self._outbox.get(h.request_id, {})) for h in handed)
+        self._send_hidden(handed)  # after the blocks and states
         self._outbox.clear()  # staged requests not handed off (aborted, or done at the first token)
         self._staged.clear()
 
@@ -210,6 +222,7 @@ class HybridPDConnector(PDConnector):
                 self._stats.bytes_received += sum(t.nbytes for t in (*c, *s)) + lg.nbytes
             self._inbox[h.request_id] = HybridEntry(len(h.tokens), mine[b], conv, state, logits)
             self._waiting[h.request_id] = h.request_id
+        self._recv_hidden(handed)  # kept until the prompt is placed (_drop)
 
     def take(self, request_id: Hashable, context_len: int, query_len: int) -> HybridEntry | None:
         """The consumer runner: the entry of a request whose prefill row covers prompt positions
@@ -239,6 +252,7 @@ class HybridPDConnector(PDConnector):
     def _drop(self, rid) -> None:
         if self._waiting.pop(rid, None) is not None:
             self._inbox.pop(rid, None)
+            self._hidden_in.pop(rid, None)
 
 
 def _flat(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -37,6 +37,8 @@ consumer rank ``j % D``, as in the fixed-batch hand-off (:mod:`cpattn.engine.han
   prompt position, as in one engine that ran the prompt. Rows the producer did not compute (a prefix it
   found cached) are not sent; the drafter then starts at the first position with a row, as
   ``LLMEngine``'s does after a prefix hit, and so does a request the consumer preempts and recomputes.
+  The V4 and hybrid kinds, whose consumers compute no prompt token, send every prompt position's rows after
+  their state (:class:`~cpattn.engine.hidden_rows.HiddenRowsMixin`, this side of every kind).
 
 :attr:`PDConnector.stats` counts blocks and bytes sent per request. The producer ranks' counts add
 up to ``(usable - first) * block_size * F * itemsize`` bytes per request, plus, with a hidden-state
@@ -67,7 +69,7 @@ import torch
 from cpattn.comm.group import Group
 from cpattn.engine.connector import Handoff, KVConnector, Side
 from cpattn.engine.handoff import recv_block_pairs, send_block_pairs
-from cpattn.engine.hidden_rows import hidden_names, recv_hidden_rows, send_hidden_rows, staged_hidden
+from cpattn.engine.hidden_rows import HiddenRowsMixin
 from cpattn.engine.sampling import SamplingParams  # noqa: F401 - the module example's
 
 ROLES = ("kv_producer", "kv_consumer")
@@ -106,7 +108,7 @@ class MemoryLink:
     def __init__(self, consumer_size: int) -> None:
         self.consumer_size = consumer_size
         self._queue: deque = deque()
-        self._hidden: deque = deque()  # the drafter's hidden rows of each hand-off (PDConnector.send_hidden)
+        self._hidden: deque = deque()  # the drafter's hidden rows of each hand-off (HiddenRowsMixin._send_hidden)
 
     def send(self, conn: PDConnector, handed: Sequence[Handoff], nblocks: list[int], start: list[int]) -> list[int]:
         box = {(b, j): conn._outbox[h.request_id][j] for b, h in enumerate(handed) for j in range(start[b], nblocks[b])}
@@ -159,9 +161,10 @@ def check_bind(link, side: Side, *, whole_blocks: bool = True) -> None:
         raise ValueError("PDConnector over a GroupLink: each rank runs its own engine (world=its role's group)")
 
 
-class PDConnector(KVConnector):
+class PDConnector(HiddenRowsMixin, KVConnector):
     """Whole blocks from the producer's ranks to the consumer's (module doc). ``link``: a
-    :class:`GroupLink` or :class:`MemoryLink`; the P/D compositions give it (:meth:`linked`)."""
+    :class:`GroupLink` or :class:`MemoryLink`; the P/D compositions give it (:meth:`linked`). The drafter's
+    hidden rows: :class:`~cpattn.engine.hidden_rows.HiddenRowsMixin`, shared with the V4 and hybrid kinds."""
 
     def __init__(self, link=None) -> None:
         self.link = link
@@ -188,8 +191,7 @@ class PDConnector(KVConnector):
         bound.width = row_width(tuple(side.family.kv_layouts(side.cfg)))
         bound.dtype = param_dtype(side.params)
         bound._outbox, bound._inbox, bound._waiting = {}, {}, {}
-        bound.hidden_names = hidden_names(side.hidden_layers)
-        bound._hidden_out, bound._hidden_in = {}, {}
+        bound._bind_hidden(side)
         bound._stats = TransferStats()
         return bound
 
@@ -217,8 +219,7 @@ class PDConnector(KVConnector):
             usable = usable_blocks(req.num_prompt, s.block_size, d)
             self._outbox[rid] = {j: s.read(j % n, table[j // n]) for j in range(usable)
                                  if s.rank is None or j % n == s.rank}
-            if self.hidden_names is not None:
-                self._hidden_out[rid] = staged_hidden(s.hidden(rid), usable * s.block_size, self.hidden_names)
+            self._stage_hidden(rid, usable * s.block_size)
 
     def send(self, handed: Sequence[Handoff]) -> None:
         if self.side.role != "kv_producer":
@@ -234,28 +235,8 @@ class PDConnector(KVConnector):
             st.bytes_by_request[h.request_id] = st.bytes_by_request.get(h.request_id, 0) + nbytes
             st.bytes_sent += nbytes
             st.blocks_sent += nbytes // row
-        if self.hidden_names is not None and handed:
-            for h, nbytes in zip(handed, self._send_hidden(handed)):
-                st.bytes_by_request[h.request_id] = st.bytes_by_request.get(h.request_id, 0) + nbytes
-                st.bytes_sent += nbytes
-                st.hidden_bytes_sent += nbytes
+        self._send_hidden(handed)  # after the blocks
         self._outbox.clear()  # staged blocks of requests not handed off (aborted, or done at the first token)
-        self._hidden_out.clear()
-
-    def _send_hidden(self, handed: Sequence[Handoff]) -> list[int]:
-        """The drafter's hidden rows of ``handed`` (staged at save) to the consumer ranks this producer rank
-        serves (consumer rank d from producer rank ``d % P``): bytes sent per request."""
-        rows = [self._hidden_out.get(h.request_id, (0, None)) for h in handed]
-        sent = [0] * len(handed)
-        if isinstance(self.link, MemoryLink):
-            self.link._hidden.append(rows)  # one copy, as every consumer rank would get it
-            return [0 if r is None else self.link.consumer_size * sum(t.nbytes for t in r.values()) for _, r in rows]
-        s, world, p = self.side, self.link.world, len(self.link.producers)
-        for d, dst in enumerate(self.link.consumers):
-            if d % p == s.rank:
-                n = send_hidden_rows(world, dst, rows, self.hidden_names, self.dtype)
-                sent = [a + b for a, b in zip(sent, n)]
-        return sent
 
     # -- consumer ---------------------------------------------------------------------------------
     def _keep_mine(self, got: dict, num_requests: int) -> list[dict]:
@@ -276,8 +257,7 @@ class PDConnector(KVConnector):
         start, nblocks = [r[0] for r in ranges], [r[1] for r in ranges]
         got = self.link.recv(self, handed, nblocks, start) if any(n > a for a, n in ranges) else {}
         mine = self._keep_mine(got, len(handed))
-        if self.hidden_names is not None and handed:
-            self._recv_hidden(handed)
+        self._recv_hidden(handed)
         for h, (first, usable), blocks in zip(handed, ranges, mine):
             if usable <= first:
                 continue
@@ -287,33 +267,6 @@ class PDConnector(KVConnector):
             entry["first"] = min(entry["first"], first)
             entry["refs"].add(h.request_id)
             self._waiting[h.request_id] = key
-
-    def _recv_hidden(self, handed: Sequence[Handoff]) -> None:
-        """Take the hidden rows :meth:`_send_hidden` sent this consumer (rank d from producer rank ``d % P``)."""
-        if isinstance(self.link, MemoryLink):
-            if not self.link._hidden:
-                raise RuntimeError("MemoryLink: no hidden rows were sent; call the producer's send first")
-            rows = self.link._hidden.popleft()
-        else:
-            src = self.link.producers[self.side.rank % len(self.link.producers)]
-            rows = recv_hidden_rows(self.link.world, src, len(handed), self.hidden_names, self.dtype)
-        for h, (start, r) in zip(handed, rows):
-            if r is not None:
-                self._hidden_in[h.request_id] = (start, r)
-                nbytes = sum(t.nbytes for t in r.values()) * (self.link.consumer_size if self.side.rank is None else 1)
-                self._stats.hidden_bytes_received += nbytes
-                self._stats.bytes_received += nbytes
-
-    def hidden_rows(self, request_id, context_len):
-        held = getattr(self, "_hidden_in", None)  # (the V4 / hybrid connectors keep none)
-        got = held.get(request_id) if held else None
-        if got is None:
-            return None
-        start, rows = got
-        n = next(iter(rows.values())).shape[0]
-        if not start < context_len <= start + n:  # they do not reach (or continue to) the first computed row
-            return None
-        return start, {k: v[:context_len - start] for k, v in rows.items()}
 
     def fetch(self, tokens, start, stop):
         entry = self._inbox.get(tuple(tokens)) if self._inbox else None
@@ -330,7 +283,7 @@ class PDConnector(KVConnector):
 
     def request_finished(self, request_id) -> None:
         self._outbox.pop(request_id, None)
-        getattr(self, "_hidden_in", {}).pop(request_id, None)  # (the V4 connector keeps none)
+        self._hidden_in.pop(request_id, None)
         self._drop(request_id)
 
     def _drop(self, rid) -> None:
@@ -343,7 +296,7 @@ class PDConnector(KVConnector):
 
     def _admitted(self, out, requests) -> None:
         """Drop the inbox entries of requests that ran a step (or were aborted while waiting)."""
-        ran, held = set(out.req_ids), getattr(self, "_hidden_in", {})  # (the V4 connector keeps none)
+        ran, held = set(out.req_ids), self._hidden_in
         for rid in [r for r in held if r in ran or getattr(requests.get(r), "status", None) == "finished"]:
             del held[rid]  # the first computed row took them (LLMEngine._keep_hidden)
         if not self._waiting:

@@ -28,9 +28,20 @@ parameters (so a seeded request draws what the producer drew, and
 :func:`~cpattn.engine.pd_engine.check_first` still compares the two roles) and
 decodes from there. A request the consumer preempts is recomputed there, whole.
 
+**Hidden rows**, with a drafter that reads the target's hidden states (DSpark:
+both engines keep its ``hidden_layers``): the producer engine keeps each
+request's rows of every prompt position; **save** stages all L of them
+(flattened ``{name: [L, F]}``, :class:`~cpattn.engine.hidden_rows.HiddenRowsMixin`,
+as :class:`~cpattn.engine.connector_pd.PDConnector` does), **send** sends them
+after the shares (consumer rank d from producer rank ``d % P``: an int64
+header, then ``[sum L, sum F]``), and the consumer's runner hands them back as
+the placed row's own (:func:`~cpattn.engine.hidden_rows.handed_hidden`), so
+the drafter's first proposal reads every prompt position.
+
 Bytes per request (``stats.bytes_by_request``, summed over producer ranks):
 for each consumer rank, its share (:func:`~cpattn.v4.share.share_numel`) and V
-logits, in the model's and the logits' dtypes.
+logits, in the model's and the logits' dtypes; with a hidden-state drafter,
+``D * L * sum(F_name) * itemsize`` of hidden rows more (``hidden_bytes_sent``).
 
 Example
 -------
@@ -74,6 +85,7 @@ class V4PDConnector(PDConnector):
         bound.vocab = int(side.cfg.vocab_size)
         bound._outbox, bound._inbox, bound._waiting = {}, {}, {}
         bound._stats = TransferStats()
+        bound._bind_hidden(side)
         return bound
 
     # -- producer ---------------------------------------------------------------------------------
@@ -89,6 +101,11 @@ class V4PDConnector(PDConnector):
     def save(self, out, requests) -> None:
         if self.side.role == "kv_consumer":
             self._admitted(out, requests)
+            return
+        for rid in out.req_ids:  # a drafter's hidden rows: the whole prompt's (the consumer computes none of it)
+            req = requests[rid]
+            if req.status == "finished" and req.finish_reason != "abort":
+                self._stage_hidden(rid, req.num_prompt)
 
     def _mine(self, d: int, num_producers: int) -> bool:
         """Whether this producer engine sends consumer rank d's shares (producer rank ``d % P`` does)."""
@@ -130,6 +147,7 @@ class V4PDConnector(PDConnector):
             st.bytes_by_request[rid] = st.bytes_by_request.get(rid, 0) + nbytes
             st.bytes_sent += nbytes
             st.blocks_sent += bool(nbytes)  # one V4 state (not blocks) per request sent
+        self._send_hidden(handed)  # after the states
         self._outbox.clear()  # staged requests not handed off (aborted, or done at the first token)
 
     # -- consumer ---------------------------------------------------------------------------------
@@ -156,6 +174,7 @@ class V4PDConnector(PDConnector):
                 self._stats.bytes_received += flat.nbytes + lg.nbytes
             self._inbox[h.request_id] = (len(h.tokens), shares)
             self._waiting[h.request_id] = h.request_id
+        self._recv_hidden(handed)
 
     def take(self, request_id: Hashable, rank: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The consumer runner of DCP rank ``rank``: (share, first-token logits [V]) of a request whose
@@ -171,6 +190,7 @@ class V4PDConnector(PDConnector):
 
     def request_finished(self, request_id) -> None:
         self._outbox.pop(request_id, None)
+        self._hidden_in.pop(request_id, None)
         self._drop(request_id)
 
     def _drop(self, rid) -> None:

@@ -5,8 +5,9 @@ Token t of request b belongs to DCP rank ``(t // I) % N``
 so who sends which row where is known on the host, with no message about it.
 
 Engines on the same ranks (prefill ranks ``[0, P)`` and decode ranks ``[0, N)``
-of one world, N 1 or the world size, P at most the world size: a prefill over
-the first P ranks of a DCP group, whose other ranks send nothing):
+of one world, N and P at most the world size: a prefill over the first P ranks
+of a DCP group, whose other ranks send nothing, or a decode over the first N
+ranks of the PCP world, whose other ranks receive nothing: ``runner_wide``):
 
 - ``method="a2a"``: each rank groups its rows by owner and one all-to-all
   (every layer at once) brings every decode rank exactly its rows;
@@ -69,9 +70,9 @@ def exchange(world: Group, rows: torch.Tensor | None, plan, *, pcp_size: int, dc
     if method not in METHODS:
         raise ValueError(f"hand-off method must be one of {METHODS}; got {method!r}")
     w, r = world.size, world.rank
-    if not 1 <= pcp_size <= w or dcp_size not in (1, w):
-        raise ValueError(f"engines on the same {w} ranks need a prefill over ranks [0, pcp_size) with pcp_size in "
-                         f"1..{w} and a decode size of 1 or {w}; got pcp_size={pcp_size}, dcp_size={dcp_size}")
+    if not 1 <= pcp_size <= w or not 1 <= dcp_size <= w:
+        raise ValueError(f"engines on the same {w} ranks need a prefill over ranks [0, pcp_size) and a decode over "
+                         f"ranks [0, dcp_size), each size in 1..{w}; got pcp_size={pcp_size}, dcp_size={dcp_size}")
     moves = [row_owners(plan, j, dcp_size=dcp_size, interleave_size=interleave_size) if j < pcp_size
              else None for j in range(w)]
     if rows is None:

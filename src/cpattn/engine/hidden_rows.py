@@ -4,11 +4,13 @@ states (a drafter that reads them: MTP, Eagle3, DSpark) and their wire form rank
 :class:`~cpattn.engine.connector_pd.PDConnector` uses these: :func:`staged_hidden` cuts the rows of the
 positions the consumer will not compute, :func:`send_hidden_rows` / :func:`recv_hidden_rows` carry them
 over a :class:`~cpattn.comm.group.Group` (an int64 header, then one ``[sum rows, sum widths]`` tensor).
+:class:`HiddenRowsMixin` is the connector side every P/D connector kind shares (the paged one, DeepSeek-V4's,
+the hybrid one): stage at save, send after the payload, receive after it, give them to the engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -83,3 +85,109 @@ def recv_hidden_rows(world: Group, src: int, num_requests: int, names: Sequence,
         out.append((start, dict(zip(names, cols))))
         at += m
     return out
+
+
+def handed_hidden(connector, request_id: Hashable, begin: int, end: int) -> dict:
+    """A P/D consumer runner's hidden rows for a prompt row it computes none of (DeepSeek-V4, hybrid: the
+    producer handed the state over): ``{name: [end - begin, F]}``, the handed rows of positions ``begin ..
+    end - 1`` (``connector.hidden_rows``), which the step hands back as if it had computed them.
+
+    >>> class Held(HiddenRowsMixin):
+    ...     _hidden_in = {"r": (0, {"norm": torch.arange(10.0).view(5, 2)})}
+    >>> handed_hidden(Held(), "r", 2, 4)["norm"].tolist()
+    [[4.0, 5.0], [6.0, 7.0]]
+    """
+    got = connector.hidden_rows(request_id, end)
+    if got is None or got[0] > begin:
+        raise RuntimeError(f"request {request_id!r}: the P/D producer handed over no hidden rows of positions "
+                           f"{begin}..{end - 1}; both roles keep the drafter's hidden_layers (PDEngine, run_rank)")
+    start, rows = got
+    return {n: r[begin - start:] for n, r in rows.items()}
+
+
+def _in_memory(link) -> bool:
+    from cpattn.engine.connector_pd import MemoryLink  # (it imports this module)
+
+    return isinstance(link, MemoryLink)
+
+
+class HiddenRowsMixin:
+    """The hidden rows side of a P/D connector (module doc), for a drafter that reads the target's hidden
+    states; inert when the engine keeps none (``side.hidden_layers`` None). Uses the connector's ``side``,
+    ``link`` (a ``MemoryLink``: one copy in memory; a ``GroupLink``: consumer rank d from producer rank
+    ``d % P``), ``dtype`` and ``_stats``. The producer's rows go after its payload, so a kind sends (and its
+    consumer receives) them last.
+
+    >>> from types import SimpleNamespace
+    >>> held = HiddenRowsMixin()
+    >>> held._bind_hidden(SimpleNamespace(hidden_layers=(1,)))
+    >>> held.hidden_names, held.hidden_rows("r", 3)
+    ([1, 'norm'], None)
+    """
+
+    hidden_names: list | None = None
+
+    def _bind_hidden(self, side) -> None:
+        """Start empty for ``side``'s engine: the names of the rows it keeps, none staged or held."""
+        self.hidden_names = hidden_names(side.hidden_layers)
+        self._hidden_out, self._hidden_in = {}, {}
+
+    def _stage_hidden(self, request_id: Hashable, upto: int) -> None:
+        """Producer, at save: stage the kept rows of positions before ``upto`` (:func:`staged_hidden`)."""
+        if self.hidden_names is not None:
+            self._hidden_out[request_id] = staged_hidden(self.side.hidden(request_id), upto, self.hidden_names)
+
+    def _send_hidden(self, handed: Sequence) -> None:
+        """Producer, at send: the rows staged for ``handed`` to the consumer ranks this rank serves, counted
+        (``bytes_by_request``, ``bytes_sent``, ``hidden_bytes_sent``); the rows of requests not handed dropped."""
+        if self.hidden_names is not None and handed:
+            st = self._stats
+            for h, nbytes in zip(handed, self._send_hidden_rows(handed)):
+                st.bytes_by_request[h.request_id] = st.bytes_by_request.get(h.request_id, 0) + nbytes
+                st.bytes_sent += nbytes
+                st.hidden_bytes_sent += nbytes
+        if self.hidden_names is not None:
+            self._hidden_out.clear()
+
+    def _send_hidden_rows(self, handed: Sequence) -> list[int]:
+        rows = [self._hidden_out.get(h.request_id, (0, None)) for h in handed]
+        sent = [0] * len(handed)
+        if _in_memory(self.link):
+            self.link._hidden.append(rows)  # one copy, as every consumer rank would get it
+            return [0 if r is None else self.link.consumer_size * sum(t.nbytes for t in r.values()) for _, r in rows]
+        s, world, p = self.side, self.link.world, len(self.link.producers)
+        for d, dst in enumerate(self.link.consumers):
+            if d % p == s.rank:
+                n = send_hidden_rows(world, dst, rows, self.hidden_names, self.dtype)
+                sent = [a + b for a, b in zip(sent, n)]
+        return sent
+
+    def _recv_hidden(self, handed: Sequence) -> None:
+        """Consumer, at recv: take the rows :meth:`_send_hidden` sent this rank (every rank, in memory)."""
+        if self.hidden_names is None or not handed:
+            return
+        if _in_memory(self.link):
+            if not self.link._hidden:
+                raise RuntimeError("MemoryLink: no hidden rows were sent; call the producer's send first")
+            rows = self.link._hidden.popleft()
+        else:
+            src = self.link.producers[self.side.rank % len(self.link.producers)]
+            rows = recv_hidden_rows(self.link.world, src, len(handed), self.hidden_names, self.dtype)
+        for h, (start, r) in zip(handed, rows):
+            if r is not None:
+                self._hidden_in[h.request_id] = (start, r)
+                nbytes = sum(t.nbytes for t in r.values()) * (self.link.consumer_size if self.side.rank is None else 1)
+                self._stats.hidden_bytes_received += nbytes
+                self._stats.bytes_received += nbytes
+
+    def hidden_rows(self, request_id, context_len):
+        """Consumer: the handed rows of positions before ``context_len`` (``KVConnector.hidden_rows``)."""
+        held = getattr(self, "_hidden_in", None)
+        got = held.get(request_id) if held else None
+        if got is None:
+            return None
+        start, rows = got
+        n = next(iter(rows.values())).shape[0]
+        if not start < context_len <= start + n:  # they do not reach (or continue to) the first computed row
+            return None
+        return start, {k: v[:context_len - start] for k, v in rows.items()}

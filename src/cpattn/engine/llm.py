@@ -53,12 +53,14 @@ from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
 from cpattn.engine.drafters import check_drafter
 from cpattn.engine.elastic import resolve as resolve_pcp
-from cpattn.engine.outputs import EngineStats, RequestOutput, drain, one_token_outputs, step_outputs
+from cpattn.engine.outputs import (CUMULATIVE, EngineStats, RequestOutput, RequestOutputKind, drain,
+                                   one_token_outputs, step_outputs)
 from cpattn.engine.driver import engine_configs
 from cpattn.engine.connector import Side, from_args as connector_args
 from cpattn.engine.proposer import Proposer
 from cpattn.engine.returns import Returns
 from cpattn.engine.runner import StepResult, StepRunner
+from cpattn.engine.runner_wide import check_engine
 from cpattn.engine.sampling import SamplingParams
 from cpattn.engine.scheduler import ModelOutput, Scheduler
 from cpattn.models.family import ModelFamily, get_family
@@ -92,17 +94,18 @@ class LLMEngine:
     Arguments
     ---------
     model, params, cfg: a family (or its name), its weights, its config.
-    config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, PCP size 1..the DCP size,
+    config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, PCP size: 1..the DCP size, more for paged
+        families: PCP over ``pcp_size`` ranks, the decodes DCP over the first ``dcp_size``, :mod:`~.runner_wide`;
         block and interleave sizes, graph mode); None: built from ``dcp_size`` / ``pcp_size`` (> 1: one
         engine with PCP + DCP, a step's prefill chunks run PCP over the first ``pcp_size`` ranks of the DCP
-        group, the decodes DCP over all of them; DeepSeek-V4 and hybrid models: ``pcp_size`` 1 or
-        ``dcp_size`` only) / ``block_size`` / ``interleave_size`` /
+        group, the decodes DCP over all of them; for DeepSeek-V4 and hybrid models too) / ``block_size`` /
+        ``interleave_size`` /
         ``graph_mode`` / ``graph_backend`` ("auto": a compiler where the group can be traced) /
         ``capture_sizes`` by
         :func:`cpattn.engine.driver.engine_configs`.
     scheduler: the :class:`~cpattn.config.SchedulerConfig` (budget, request cap, chunking, prefix caching).
     world: this rank's group under torchrun (every rank builds the engine and calls the same methods
-        in the same order); None: a simulated mesh of ``dcp_size`` threads in this process.
+        in the same order); None: a simulated mesh of ``max(dcp_size, pcp_size)`` threads in this process.
     num_blocks: KV blocks per rank (default: ``max_num_seqs`` sequences of ``max_model_len``).
     kv_pool: a KV pool (a :class:`~cpattn.engine.pooling.PoolSpec` or an open pool) as the prefix
         cache's second tier (:mod:`cpattn.engine.pool_tier`): spans not on the device are fetched from
@@ -168,14 +171,7 @@ class LLMEngine:
             raise ValueError(f"num_speculative_tokens={k} needs a drafter: pass drafter= (e.g. NgramDrafter()) or k=0")
         check_drafter(drafter, k)
         n, pcp = config.parallel.dcp_size, config.parallel.pcp_size
-        if pcp > n or (pcp not in (1, n) and (v4 or hybrid)):  # StepRunner: PCP over the first pcp ranks
-            what = f"{family.name}'s runner runs PCP over its whole DCP group" if pcp < n else \
-                "PCP runs over the first pcp_size ranks of the DCP group"
-            raise ValueError(f"pcp_size={pcp} with dcp_size={n}: {what}; pass pcp_size="
-                             f"{'1 or ' + str(n) if pcp < n else f'1..{n}'}")
-        if world is not None and world.size != n:
-            raise ValueError(f"world: a group of {world.size} ranks, but the config's dcp_size is {n}; "
-                             "start dcp_size ranks or pass their config")
+        ranks = check_engine(family, pcp, n, world, kv_pool or kv_connector)  # max(pcp, n): runner_wide's refusals
         pcp_min = resolve_pcp(pcp_policy, pcp_min_tokens, family, cfg, pcp)
         block, inter = config.cache.block_size, config.cache.cp_kv_cache_interleave_size
         nb = num_blocks if num_blocks is not None else _default_blocks(sched, block * n)
@@ -202,7 +198,7 @@ class LLMEngine:
                                    num_speculative_tokens=k, tier2=self.connector)
         self._hidden: dict[Hashable, tuple[int, dict]] = {}  # target hidden rows not yet given to the drafter
         self.max_model_len = sched.max_model_len or nb * block * n
-        self._mesh = None if world is not None else SimMesh(n)
+        self._mesh = None if world is not None else SimMesh(ranks)
         groups = [world] if world is not None else self._mesh.groups()
         capture = pick_backend(config, family, groups[0]) if config.compilation.captures else None
         self.proposer = Proposer(drafter, k, max_num_seqs=sched.max_num_seqs, max_len=self.max_model_len + k + 1,
@@ -214,6 +210,7 @@ class LLMEngine:
             raise ValueError(f"pcp_policy={pcp_policy!r}: a deepseek_v4 prompt is prefilled in one step by its own "
                              "runner; pass pcp_policy='always'")
         extra = {"connector": self.connector} if v4 else {"pcp_min_tokens": pcp_min}  # V4 P/D: the runner hands off
+        extra.update({"dcp_size": n} if pcp > n else {})  # paged runners only: the DCP group, the world's first n
         if hybrid:  # hybrid P/D: the runner stages / installs the linear states (connector_hybrid)
             extra["connector"] = self.connector
 
@@ -232,6 +229,7 @@ class LLMEngine:
         self._prompts: dict[Hashable, tuple[int, ...]] = {}
         self.returns = Returns(return_logits, return_prompt_logits)  # logprobs, logits, prompt logits
         self._token_ids: dict[Hashable, tuple[int, ...]] = {}  # unfinished requests' output tokens, as last returned
+        self._kinds: dict[Hashable, RequestOutputKind] = {}  # unfinished requests not CUMULATIVE (outputs.step_outputs)
         self._seeds = torch.Generator().manual_seed(_engine_seed(seed, world))
         self._counts = {"replayed_steps": 0, "eager_steps": 0, "bytes_sent": 0, "last_step_bytes": 0,
                         "drafted_tokens": 0, "accepted_tokens": 0, "pcp_steps": 0}
@@ -262,12 +260,15 @@ class LLMEngine:
                                          req_id=request_id, sampling=None if p.greedy else p)  # None: argmax
         self._prompts[rid] = tuple(prompt)
         self.returns.add(rid, p.logprobs)
+        if p.output_kind is not CUMULATIVE:
+            self._kinds[rid] = p.output_kind
         return rid
 
     def abort_request(self, request_id: Hashable) -> bool:
         """Stop a request now (its blocks freed); False if it had already finished."""
         self.returns.drop(request_id)
         self._token_ids.pop(request_id, None)
+        self._kinds.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -317,9 +318,11 @@ class LLMEngine:
                 for r in [r for r in self._hidden if self.scheduler.requests[r].status == "finished"]:
                     del self._hidden[r]
         steady = had is None and not done and getattr(outputs, "one_token_per_row", False)  # a token a row
-        outs = (steady and one_token_outputs(out, outputs.tokens, self._prompts, self._token_ids)) or \
-            step_outputs(out.req_ids, self.scheduler.requests, self._prompts, self._token_ids,
-                         None if had is None else returns.fields)
+        kinds = self._kinds or None
+        outs = one_token_outputs(out, outputs.tokens, self._prompts, self._token_ids, kinds) if steady else None
+        if outs is None:
+            outs = step_outputs(out.req_ids, self.scheduler.requests, self._prompts, self._token_ids,
+                                None if had is None else returns.fields, kinds)
         t4 = time.perf_counter()
         self.step_times = {**times, "outputs": t4 - t3, "total": t4 - t0}
         return outs

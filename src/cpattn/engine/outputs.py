@@ -1,6 +1,7 @@
 """What the step loop hands back: a request's :class:`RequestOutput` after each step (a step's rows:
-:func:`step_outputs`, or :func:`one_token_outputs` for a steady decode step), the engine's
-:class:`EngineStats`, and :func:`drain` (submit every prompt, step until all finish).
+:func:`step_outputs`, or :func:`one_token_outputs` for a steady decode step), in the request's
+:class:`RequestOutputKind` (vLLM's three: every token so far, the new ones, or the final output only), the
+engine's :class:`EngineStats`, and :func:`drain` (submit every prompt, step until all finish).
 
 >>> RequestOutput(0, (1, 2), (7,), True, "length").token_ids
 (7,)
@@ -12,7 +13,26 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
+
+
+class RequestOutputKind(Enum):
+    """What a request's :class:`RequestOutput` carries after a step (``SamplingParams.output_kind``, vLLM's enum):
+    CUMULATIVE every output token so far (the default), DELTA only the tokens new since its last output (a
+    streaming server's choice), FINAL_ONLY nothing until it finishes, then every token (vLLM's offline
+    ``LLM.generate``; no per-step objects at all: the cheapest for the host).
+
+    >>> RequestOutputKind["DELTA"].value
+    1
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
 @dataclass(frozen=True)
@@ -57,7 +77,7 @@ def request_output(request_id: Hashable, prompt_token_ids: tuple[int, ...], toke
 
 
 def step_outputs(req_ids: Sequence[Hashable], requests: dict, prompts: dict, held: dict,
-                 fields=None) -> list[RequestOutput]:
+                 fields=None, kinds: dict | None = None) -> list[RequestOutput]:
     """The :class:`RequestOutput` of each row of a committed step, in row order.
 
     requests: the scheduler's (their ``tokens`` hold this step's commit; a request this step finished, or
@@ -65,7 +85,11 @@ def step_outputs(req_ids: Sequence[Hashable], requests: dict, prompts: dict, hel
     output tokens as last returned}`` of unfinished requests, kept here -- a row's tuple is extended by the
     tokens committed since (append-only), a finished request's dropped; fields: ``fields(req_id, finished,
     num_prompt) -> (logprobs, logits, prompt_logits)`` when the engine keeps any of them
-    (:meth:`cpattn.engine.returns.Returns.fields`), None when it keeps none.
+    (:meth:`cpattn.engine.returns.Returns.fields`), None when it keeps none; kinds: ``{req_id: kind}`` of
+    the unfinished requests whose :class:`RequestOutputKind` is not CUMULATIVE (None: none; a finished row's
+    entry is dropped here): a DELTA row returns the
+    tokens committed since its last output (and their logprobs / logits rows), only when there are some or it
+    finished (``held`` keeps its count of tokens returned); a FINAL_ONLY row returns nothing until it finishes.
 
     >>> from cpattn.engine.step_types import Request
     >>> reqs = {0: Request(0, [1, 2, 7], 2, 4, frozenset(), status="running")}
@@ -76,6 +100,11 @@ def step_outputs(req_ids: Sequence[Hashable], requests: dict, prompts: dict, hel
     outs = []
     for rid in req_ids:
         req = requests[rid]
+        if kinds is not None and rid in kinds:
+            o = _other_kind(kinds.pop(rid) if req.status == "finished" else kinds[rid], req, prompts[rid], held, fields)
+            if o is not None:
+                outs.append(o)
+            continue
         toks, ids = req.tokens, held.get(rid, ())
         start = req.num_prompt + len(ids)
         if len(toks) == start + 1:  # one token committed (a decode, a prompt's last chunk)
@@ -92,14 +121,35 @@ def step_outputs(req_ids: Sequence[Hashable], requests: dict, prompts: dict, hel
     return outs
 
 
-def one_token_outputs(step, tokens: Sequence[int], prompts: dict, held: dict) -> list[RequestOutput] | None:
+def _other_kind(kind: RequestOutputKind, req, prompt: tuple, held: dict, fields) -> RequestOutput | None:
+    """A DELTA or FINAL_ONLY row's output of this step (:func:`step_outputs`), or None when it has none."""
+    finished = req.status == "finished"
+    if kind is FINAL_ONLY and not finished:
+        return None
+    sent = held.pop(req.req_id, 0) if finished else held.get(req.req_id, 0)
+    new = tuple(req.tokens[req.num_prompt + sent:])
+    if not new and not finished:
+        return None
+    if not finished:
+        held[req.req_id] = sent + len(new)
+    lp, logits, prompt_logits = (None, None, None) if fields is None else fields(req.req_id, finished, req.num_prompt)
+    k = len(new)
+    if kind is DELTA:  # this output's rows only
+        lp = None if lp is None else lp[len(lp) - k:]
+        logits = None if logits is None else logits[logits.shape[0] - k:]
+    return request_output(req.req_id, prompt, new, finished, req.finish_reason, lp, logits, prompt_logits)
+
+
+def one_token_outputs(step, tokens: Sequence[int], prompts: dict, held: dict,
+                      kinds: dict | None = None) -> list[RequestOutput] | None:
     """:func:`step_outputs` of a step whose every row committed exactly ``tokens[b]`` and none finished (the
     steady decode step), without reading the requests: row b's output tokens are its tuple last returned
     (``held``, kept here) plus ``tokens[b]``, once that tuple is as long as ``step.num_output[b]`` (the
     outputs it had when scheduled); its RequestOutput is built inline (:func:`request_output`'s fields:
     unfinished, nothing else kept). None when a row's held tuple is not that long (never returned yet, or
     ``num_output`` not filled): the caller then runs :func:`step_outputs`, which finishes the rows left
-    (those extended here read as up to date).
+    (those extended here read as up to date). ``kinds`` as in :func:`step_outputs`: a FINAL_ONLY row has no
+    output, a DELTA row's is ``(tokens[b],)``.
 
     >>> from types import SimpleNamespace
     >>> step = SimpleNamespace(req_ids=(0, 1), num_output=(1, 1))
@@ -109,18 +159,29 @@ def one_token_outputs(step, tokens: Sequence[int], prompts: dict, held: dict) ->
     >>> one_token_outputs(SimpleNamespace(req_ids=(2,), num_output=(1,)), [5], {2: (3,)}, held) is None
     True
     """
-    outs = []
-    for rid, t, n in zip(step.req_ids, tokens, step.num_output):
-        ids = held.get(rid, ())
-        if len(ids) != n:
+    if len(step.num_output) != len(step.req_ids):
+        return None
+    if kinds is None:  # all CUMULATIVE: held tuples as long as the outputs scheduled
+        if any(len(held.get(rid, ())) != n for rid, n in zip(step.req_ids, step.num_output)):
             return None
-        held[rid] = ids = ids + (t,)
+    elif any((held.get(rid, 0) if kinds.get(rid) is DELTA else len(held.get(rid, ()))) != n
+             for rid, n in zip(step.req_ids, step.num_output) if kinds.get(rid) is not FINAL_ONLY):
+        return None
+    outs = []
+    for rid, t in zip(step.req_ids, tokens):
+        kind = None if kinds is None else kinds.get(rid)
+        if kind is FINAL_ONLY:
+            continue
+        if kind is DELTA:
+            held[rid], ids = held.get(rid, 0) + 1, (t,)
+        else:
+            held[rid] = ids = held.get(rid, ()) + (t,)
         o = _new(RequestOutput)
         d = o.__dict__
         d["request_id"], d["prompt_token_ids"], d["token_ids"], d["finished"] = rid, prompts[rid], ids, False
         d["finish_reason"] = d["logprobs"] = d["logits"] = d["prompt_logits"] = None
         outs.append(o)
-    return outs if len(outs) == len(step.req_ids) else None
+    return outs
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from cpattn.config import GuideCompatWarning, SchedulerConfig
 from cpattn.engine.connector import Handoff, PoolConnector
 from cpattn.engine.connector_pd import MemoryLink, PDConnector, moves_blocks
 from cpattn.engine.llm import EngineStats, LLMEngine, RequestOutput, SamplingParams, drain
+from cpattn.engine.outputs import RequestOutputKind
 from cpattn.engine.pooling import open_for_run, release
 from cpattn.models.family import get_family
 from cpattn.dcp.layer_merges import ENGINE_MERGE
@@ -114,6 +115,9 @@ def pd_params(prompt_token_ids: Sequence[int], params: SamplingParams | None, ma
     ValueError: request needs 3 prompt + 7 max_tokens - 1 tokens; max_model_len is 8: shorten it or raise max_model_len
     """
     p = params or SamplingParams()
+    if p.output_kind is not RequestOutputKind.CUMULATIVE:
+        raise ValueError(f"PDEngine: SamplingParams.output_kind={p.output_kind.name}: P/D returns CUMULATIVE "
+                         "outputs only (LLMEngine takes DELTA and FINAL_ONLY)")
     if len(prompt_token_ids) + p.max_tokens - 1 > max_model_len:
         raise ValueError(f"request needs {len(prompt_token_ids)} prompt + {p.max_tokens} max_tokens - 1 "
                          f"tokens; max_model_len is {max_model_len}: shorten it or raise max_model_len")
@@ -124,15 +128,15 @@ def pd_params(prompt_token_ids: Sequence[int], params: SamplingParams | None, ma
 
 def producer_hidden(family, drafter) -> tuple | None:
     """The ``hidden_layers`` a P/D producer keeps for the consumer's ``drafter``: the drafter's when it reads
-    the target's hidden states and the family has per-token blocks (PDEngine refuses such drafters for
-    DeepSeek-V4 and hybrid models), else None.
+    the target's hidden states (every family's P/D connector hands the rows over), else None.
 
     >>> from cpattn.drafters.ngram import NgramDrafter
     >>> producer_hidden(get_family("qwen3"), NgramDrafter()) is None
     True
+    >>> producer_hidden(get_family("deepseek_v4"), type("Head", (), {"hidden_layers": (0, 1)})())
+    (0, 1)
     """
-    layers = getattr(drafter, "hidden_layers", None)
-    return None if family.backend.name == "v4" or family.cache == "hybrid" else layers
+    return getattr(drafter, "hidden_layers", None)
 
 
 def hidden_carrier(connector, family, drafter):
@@ -167,7 +171,9 @@ class PDEngine:
     drafter / num_speculative_tokens: speculative decoding on the consumer (the producer samples one token
         and needs none): any drafter. One that reads the target's hidden states (MTP, Eagle3, DSpark) gets
         the producer's hidden rows of the prompt positions the consumer does not compute, sent with the
-        blocks (:mod:`cpattn.engine.connector_pd`), so it drafts as in one engine that ran the prompt.
+        blocks (:mod:`cpattn.engine.connector_pd`; DeepSeek-V4 and hybrid models: the whole prompt's, with
+        the state, :mod:`cpattn.engine.connector_v4`, :mod:`cpattn.engine.connector_hybrid`), so it drafts as
+        in one engine that ran the prompt.
     """
 
     def __init__(self, model, params: dict, cfg: Any, *, pcp_size: int = 1, dcp_size: int = 1, block_size: int = 16,
@@ -187,10 +193,6 @@ class PDEngine:
             raise ValueError(f"kv_pool: {family.name} is a hybrid model, whose linear layers' states a pool of KV "
                              "blocks does not hold; pass kv_pool=None (the P/D connector hands over the prompt's "
                              "blocks and the states)")
-        if (v4 or hybrid) and getattr(drafter, "hidden_layers", None) is not None:
-            raise ValueError(f"drafter: the {drafter.method} drafter reads the target's hidden states, which the "
-                             f"{family.name} P/D connector does not hand over; pass a token drafter (NgramDrafter, "
-                             "a draft model) or serve it colocated (LLMEngine)")
         if (v4 or hybrid) and kv_connector is None:
             kv_connector = PDConnector()
         sched = scheduler or (None if v4 or hybrid else SchedulerConfig())  # None: the family's own defaults

@@ -6,7 +6,8 @@ Both give the same tokens. The layout decides each rank's role:
 
 - **colocated** (``pd=False``): one :class:`~cpattn.engine.llm.LLMEngine` over the whole world.
   Its KV is sharded over the world's ranks (DCP). With ``pcp_size = world.size`` the prompt
-  chunks run PCP over the same ranks.
+  chunks run PCP over the same ranks, and ``dcp_size`` may then be smaller: DCP over the first
+  ``dcp_size`` ranks (the demo's ``--pcp 2 --dcp 1``).
 - **P/D** (``pd=True``, ``world.size = pcp_size + dcp_size``): ranks ``0 .. P-1`` are the producer
   engine, which prefills with PCP and stops at the first token. Ranks ``P ..`` are the consumer
   engine, which decodes with DCP. The KV goes through the KV connector
@@ -111,7 +112,9 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     arrivals: the schedule (:class:`Arrival` or ``(prompt, params, step)`` tuples).
     pd: P/D roles; pcp_size: the producer's ranks (colocated: PCP chunks over the first ``pcp_size``
         ranks, 1 .. ``world.size``);
-        dcp_size: the consumer's ranks (colocated: ``world.size``, the default).
+        dcp_size: the consumer's ranks (colocated: ``world.size``, the default; fewer with ``pcp_size =
+        world.size``: the decodes run DCP over the world's first ``dcp_size`` ranks, the others hold no KV,
+        :mod:`cpattn.engine.runner_wide`).
     block_size, interleave_size (P/D: ``block_size``), scheduler, num_blocks, poison: per engine, as
         :class:`~cpattn.engine.llm.LLMEngine`. kv_pool: the prefix cache's second tier (P/D: the
         connector both roles open). kv_connector: any :class:`~cpattn.engine.connector.KVConnector`
@@ -129,7 +132,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
         P/D the prompt logits stay on the producer ranks (their outputs are handed off, not returned).
     drafter / num_speculative_tokens: speculative decoding on the colocated engine, or under P/D on the
         consumer; a drafter that reads the target's hidden states (MTP, Eagle3, DSpark) gets the producer's
-        hidden rows of the prompt, sent with the blocks by the P/D connector (:mod:`cpattn.engine.connector_pd`).
+        hidden rows of the prompt, sent with the blocks by the P/D connector (:mod:`cpattn.engine.connector_pd`;
+        DeepSeek-V4 and hybrid models: every prompt position's, with the state).
     """
     arrivals = [a if isinstance(a, Arrival) else Arrival(*a) for a in arrivals]
     sampling = _seeded(arrivals, seed)
@@ -140,11 +144,13 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge,
                        drafter=drafter, num_speculative_tokens=num_speculative_tokens)
     if not pd:
-        if dcp_size not in (None, world.size):
-            raise ValueError(f"dcp_size={dcp_size} on a world of {world.size} ranks: colocated, the engine spans "
-                             f"the world; pass dcp_size={world.size} or pd=True")
+        n = world.size if dcp_size is None else dcp_size
+        if n != world.size and pcp_size != world.size:
+            raise ValueError(f"dcp_size={dcp_size} on a world of {world.size} ranks: colocated, the engine spans the "
+                             f"world (DCP over it, or PCP over it and DCP over its first dcp_size ranks); pass "
+                             f"dcp_size={world.size}, pcp_size={world.size} or pd=True")
         role, group = "colocated", world
-        engine = _engine(model, params, cfg, world, pcp_size=pcp_size, interleave_size=interleave_size,
+        engine = _engine(model, params, cfg, world, pcp_size=pcp_size, dcp_size=n, interleave_size=interleave_size,
                          **common, **decode_opts)
     else:
         role, engine = pd_role(world, model, params, cfg, pcp_size=pcp_size, dcp_size=dcp_size or 1, **common,
@@ -222,9 +228,11 @@ def pd_role(world: Group, model, params: dict, cfg: Any, *, pcp_size: int, dcp_s
                              num_speculative_tokens=num_speculative_tokens, **common)
 
 
-def _engine(model, params, cfg, group: Group, *, pcp_size: int = 1, **kwargs) -> LLMEngine:
+def _engine(model, params, cfg, group: Group, *, pcp_size: int = 1, dcp_size: int | None = None,
+            **kwargs) -> LLMEngine:
     with warnings.catch_warnings():  # a P/D producer is the guide's PCP prefill engine (see pd_engine)
         if kwargs.get("kv_role") == "kv_producer":
             warnings.simplefilter("ignore", GuideCompatWarning)
-        return LLMEngine(model, params, cfg, world=group, dcp_size=group.size, pcp_size=pcp_size, **kwargs)
+        return LLMEngine(model, params, cfg, world=group, dcp_size=dcp_size or group.size, pcp_size=pcp_size,
+                         **kwargs)
 

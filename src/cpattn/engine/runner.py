@@ -65,7 +65,7 @@ from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.runner_pcp import rows_of, run_prefill_rows
-from cpattn.engine import runner_dp
+from cpattn.engine import runner_dp, runner_wide
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.engine.step_inputs import BlockTableRows, HostInts, LogitRows, OneTokenRows, flat, int64
 from cpattn.graphs.runner import DecodeRunner
@@ -145,6 +145,9 @@ class StepRunner:
         pcp_min_tokens: with ``pcp_size > 1``, a chunk of fewer new tokens runs DCP attention with the decodes
         instead (elastic CP: PCP only where it pays, :func:`cpattn.engine.elastic.pcp_min_tokens`).
     poison: NaN-fill each freshly handed-out block before the step (tests; costs a write per block).
+    dcp_size: None (the DCP group is ``group``), or N < ``group.size`` with ``pcp_size = group.size``: ``group``
+        is the engine's world, its first N ranks the DCP group (``runner.group``, None on the others, which
+        hold no cache and take DCP rank 0's step outputs; ``runner.world``: the world): :mod:`~.runner_wide`.
 
     ``runner.prompt_logits = True`` (off by default): each step also hands back every prefill row's logits
     (``StepResult.chunk_logits``; under PCP the prefill then gathers all its rows' logits, and short chunks
@@ -159,12 +162,17 @@ class StepRunner:
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = ENGINE_MERGE,
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "auto",
-                 hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0) -> None:
-        self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
-        self.pcp_size, self._auto_pcp = check_pcp_size(pcp_size, group, "StepRunner", sub_group=True), \
+                 hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0,
+                 dcp_size: int | None = None) -> None:
+        self.family, self.params, self.cfg = get_family(model), params, cfg
+        # the engine's world, its DCP group (the first dcp_size ranks; None on the others: runner_wide)
+        self.world, self.dcp_size, group = runner_wide.dcp_of(group, dcp_size, pcp_size)
+        self.group = group
+        self.pcp_size, self._auto_pcp = check_pcp_size(pcp_size, self.world, "StepRunner", sub_group=True), \
             pcp_method == "auto"
-        # the group a step's PCP chunks run over: the DCP group, or its first pcp_size ranks (every rank splits)
-        self.pcp_group = group if self.pcp_size in (1, group.size) else group.split(range(self.pcp_size))
+        # the group a step's PCP chunks run over: the world, or its first pcp_size ranks (every rank splits)
+        w = self.world
+        self.pcp_group = w if self.pcp_size in (1, w.size) else w.split(range(self.pcp_size))
         self.algorithms = Algorithms(pcp_method="ring" if self._auto_pcp else pcp_method)
         self.pcp_min_tokens = pcp_min_tokens
         if not self.family.backend.per_token_kv and self.family.cache not in self.other_caches:
@@ -175,10 +183,11 @@ class StepRunner:
                 "use cpattn.engine.generate for it"
             raise ValueError(f"StepRunner runs paged-cache families; {self.family.name} keeps its own cache "
                              f"(ModelFamily.cache={self.family.cache!r}: {what}): {fix}")
-        span = block_size * group.size
+        span = block_size * self.dcp_size
         self.max_blocks = -(-max_model_len // span)
         layouts = self.family.kv_layouts(cfg)
-        k, v, ki = nan_caches(layouts, (num_blocks + 1, block_size), param_dtype(params), "cpu")
+        blocks = 0 if group is None else num_blocks + 1  # a rank outside the DCP group holds no cache at all
+        k, v, ki = nan_caches(layouts, (blocks, block_size), param_dtype(params), "cpu")
         self.spare = num_blocks
         self.shard = PagedShard(layouts, k, v, ki, torch.zeros(0, self.max_blocks, dtype=torch.int64), block_size,
                                 interleave_size)
@@ -192,7 +201,7 @@ class StepRunner:
                                        hidden_layers=hidden_layers)
         self._state = {"params": params, "shard": self.shard}
         self.graph: DecodeRunner | None = None
-        if capture is not None:
+        if capture is not None and group is not None:  # outside the DCP group: rank 0's decode outputs
             q = 1 + num_speculative_tokens
             self.graph = DecodeRunner(self._step, self._state, step_fields(self.max_blocks),
                                       num_speculative_tokens=num_speculative_tokens,
@@ -230,12 +239,12 @@ class StepRunner:
         dp = [] if self.prompt_logits else runner_dp.dp_rows(self, out)  # elastic CP: short chunks one rank each
         if dp:
             return runner_dp.execute_with_dp(self, out, dp)
-        if self.poison and out.fresh_blocks:
+        if self.poison and out.fresh_blocks and self.group is not None:
             ids = torch.tensor(out.fresh_blocks, dtype=torch.int64)
             for t in (*self.shard.k, *self.shard.v, *self.shard.k_index):
                 if t is not None:
                     t[ids] = float("nan")
-        for row in out.loads:  # spans fetched from the second tier, into their fresh blocks
+        for row in out.loads if self.group is not None else ():  # second-tier spans, into their fresh blocks
             for block_id, payloads in row:
                 self.shard.write_block(block_id, payloads[self.group.rank])
         if not out.req_ids:
@@ -264,9 +273,9 @@ class StepRunner:
         return StepResult(outputs, rows, replayed, self._sent() - sent, *times, 0, hidden)
 
     def _sent(self) -> int:
-        """Bytes this rank sent so far, over the DCP group and a PCP sub-group."""
-        sub = self.pcp_group
-        return self.group.stats.total_sent() + (0 if sub is None or sub is self.group else sub.stats.total_sent())
+        """Bytes this rank sent so far, over the world, the DCP group and a PCP sub-group (each counted once)."""
+        groups = {id(g): g for g in (self.world, self.group, self.pcp_group) if g is not None}
+        return sum(g.stats.total_sent() for g in groups.values())
 
     def _forward(self, out: SchedulerOutput, *, graph: bool):
         """Every row through the DCP step (replayed when ``graph`` allows and the step is a uniform 1+k
@@ -277,11 +286,15 @@ class StepRunner:
             t1 = time.perf_counter()
             res = self.graph(batch, list(out.query_lens))
             replayed = self.graph.stats.last.startswith("graph")
+        elif self.group is None:  # a PCP rank outside the DCP group: no cache, rank 0's step outputs below
+            res, t1 = None, time.perf_counter()
         else:  # eager: the table only as wide as this step's longest, so attention reads no unused block
             batch = self.batch(out, max(1, max(len(ids) for ids in out.block_tables)))
             t1 = time.perf_counter()
             cu = torch.tensor(cu_seqlens(out.query_lens), dtype=torch.int32)
             res = self._step(self._state, {**batch, "cu_seqlens_q": cu})
+        if self.world is not self.group:  # PCP wider than the DCP group: every rank takes DCP rank 0's outputs
+            res = runner_wide.step_from_rank0(self.world, res, self.hidden_layers)
         logits, greedy = res[0], res[1]
         full = res[2] if self.hidden_layers is not None else None  # {name: [T, ...]}
         if self.chunk_logits is not None and any(out.is_prefill):  # prompt_logits: each chunk's every row

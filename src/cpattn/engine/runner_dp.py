@@ -90,6 +90,8 @@ def dp_rows(runner, out: SchedulerOutput) -> list[int]:
     """The rows of ``out`` to prefill data-parallel (module docstring), or [] (then the step runs as before)."""
     if not (runner.pcp_size > 1 and runner.pcp_min_tokens > 0) or runner.other_caches or runner.hidden_layers is not None:
         return []
+    if getattr(runner, "world", runner.group) is not runner.group:  # PCP wider than DCP: short chunks join the decodes
+        return []
     rows = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] < runner.pcp_min_tokens
             and out.context_lens[b] == 0 and not out.draft_tokens[b]]
     return rows if len(rows) >= 2 else []

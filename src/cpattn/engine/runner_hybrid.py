@@ -26,9 +26,10 @@ each row's final hidden rows, a chunk's every row and a decode's last token and 
 too): a decode row of ``1 + d`` tokens (the last token and d drafts) runs the linear layers token by token,
 leaving the state after each position in per-position buffers (``pending``, [slots, 1 + k, ...]) instead
 of the slot; once acceptance is known (a drafts) the runner commits the state after position a, the last accepted token's, to the slot, so the rejected drafts
-leave no trace (their KV is rolled back by the scheduler). PCP (``pcp_size =
-dcp_size``): a step's prefill chunks (of at least ``pcp_min_tokens`` new tokens) run split head-tail over the
-group (:meth:`HybridStepRunner._pcp_chunks`): the attention layers by ring / all-gather attention with the
+leave no trace (their KV is rolled back by the scheduler). PCP (``pcp_size`` P > 1):
+a step's prefill chunks (of at least ``pcp_min_tokens`` new tokens) run split head-tail over the DCP group, or
+its first P ranks (:mod:`cpattn.engine.runner_hybrid_pcp`; the other ranks compute none of the chunks' rows,
+get their KV rows and rank 0's states and logits): the attention layers by ring / all-gather attention with the
 cached context gathered from the DCP shards as a replicated prefix (as :mod:`cpattn.engine.runner_pcp`), the
 linear layers by the exact scan (:class:`~cpattn.linear.pcp_step.PCPLinearStep`) starting from each request's
 slot; every rank ends with the same states, written back to the slots, and the new KV rows go to their DCP
@@ -37,7 +38,8 @@ P/D (``connector``: the engine's bound :class:`~cpattn.engine.connector_hybrid.H
 row that ends a prompt stages the request's slot states and its logits with the connector; a consumer's prompt
 rows of a handed request compute nothing (:meth:`HybridStepRunner._handed`: the handed KV rows written into the
 row's blocks, the producer's states installed and the first token sampled from the handed logits at the row
-that ends the prompt). Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph
+that ends the prompt; a hidden-state drafter's rows of the row's positions, handed over too, handed back as the
+step's). Captured decode: the family is not capturable by a compiler; the ``"eager"`` graph
 backend (persistent buffers, padding rows write nothing) replays uniform decode steps, of 1 + k tokens a row
 with drafts.
 
@@ -76,20 +78,16 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.config import SchedulerConfig
-from cpattn.engine.backends.hybrid import hybrid_prefill
 from cpattn.engine.backends.hybrid_states import SlotStates, commit_positions, pending_states
-from cpattn.engine.backends.paged import handoff as paged_handoff
-from cpattn.engine.batch import Prompts
 from cpattn.engine.decode import batch_step, step_fields
+from cpattn.engine.hidden_rows import handed_hidden
 from cpattn.engine.logits import forward_logits
-from cpattn.engine.prefill_steps import Prefix
 from cpattn.engine.runner import StepResult, StepRunner, check_pcp_size
-from cpattn.engine.runner_pcp import cached_rows, rows_of
+from cpattn.engine.runner_hybrid_pcp import pcp_chunks, pcp_group
+from cpattn.engine.runner_pcp import rows_of
 from cpattn.engine.sampling import choose, sampled_positions
 from cpattn.engine.scheduler import ModelOutput, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner, Field
-from cpattn.layout.rows import cu_seqlens
-from cpattn.linear.state import RecurrentCache
 from cpattn.models.family import ModelFamily, get_family, param_dtype
 from cpattn.dcp.layer_merges import ENGINE_MERGE
 
@@ -180,7 +178,8 @@ class HybridStepRunner(StepRunner):
                          max_num_seqs=max_num_seqs, pcp_size=1, pcp_method=pcp_method, poison=poison,
                          pcp_min_tokens=pcp_min_tokens)
         self.connector = connector  # the engine's bound KV connector (P/D: connector_hybrid), or None
-        self.pcp_size = check_pcp_size(pcp_size, group, "HybridStepRunner")  # the chunks' PCP runs here (:meth:`_pcp_chunks`), not StepRunner's
+        self.pcp_size = check_pcp_size(pcp_size, group, "HybridStepRunner", sub_group=True)  # not StepRunner's:
+        self.pcp_group = pcp_group(group, self.pcp_size)  # the chunks' PCP runs in runner_hybrid_pcp.pcp_chunks
         dev = params["model.embed_tokens.weight"].device
         self.states = family.recurrent_cache(cfg, batch=max_num_seqs, dtype=param_dtype(params), device=dev)
         for t in (*self.states.conv, *self.states.state):
@@ -279,8 +278,8 @@ class HybridStepRunner(StepRunner):
             if self.pcp_size > 1 else []
         if pre:  # the long chunks under PCP, then the decodes and short chunks through the DCP step
             super().execute(rows_of(out, []))  # the fresh blocks' poisoning (and chunk_logits = {} if kept)
-            sent, t0 = self.group.stats.total_sent(), time.perf_counter()
-            outputs, rows, hidden = self._pcp_chunks(rows_of(out, pre))
+            sent, t0 = self._sent(), time.perf_counter()
+            outputs, rows, hidden = pcp_chunks(self, rows_of(out, pre))
             times = [0.0, time.perf_counter() - t0, 0.0]
             dec = [b for b in range(len(out.req_ids)) if b not in set(pre)]
             if dec:
@@ -288,7 +287,7 @@ class HybridStepRunner(StepRunner):
                 outputs, rows = {**outputs, **o}, {**rows, **r}
                 hidden = None if hidden is None else {**hidden, **h}
                 times = [a + b for a, b in zip(times, more)]
-            res = StepResult(outputs, rows, False, self.group.stats.total_sent() - sent, *times, len(pre), hidden,
+            res = StepResult(outputs, rows, False, self._sent() - sent, *times, len(pre), hidden,
                              chunk_logits=self.chunk_logits)
         else:
             res = super().execute(out)
@@ -299,11 +298,8 @@ class HybridStepRunner(StepRunner):
         :class:`~cpattn.engine.connector_hybrid.HybridEntry`): each writes the handed KV rows of its positions
         ``context .. context + q - 1`` that this rank owns into its blocks, computing nothing; the row that ends
         the prompt installs the handed states in the request's slot and samples the first token from the handed
-        logits [V]. The step's other rows then run as usual (:meth:`_run`)."""
-        rids = [out.req_ids[b] for b in handed]
-        if self.hidden_layers is not None:
-            raise ValueError(f"requests {rids}: a handed-over {self.family.name} prompt has no hidden rows for a "
-                             "drafter reading hidden states; use a token drafter (NgramDrafter) on a P/D consumer")
+        logits [V]; with ``hidden_layers``, each row hands back the producer's hidden rows of its positions
+        (handed over too). The step's other rows then run as usual (:meth:`_run`)."""
         t0 = time.perf_counter()
         super().execute(rows_of(out, []))  # the fresh blocks' poisoning, before the handed rows land in them
         size, n, rank = self.shard.block_size, self.group.size, self.group.rank
@@ -327,6 +323,9 @@ class HybridStepRunner(StepRunner):
         if rows:
             self.shard.write_rows(torch.cat(rows), torch.cat(where))
         outputs, logits = {out.req_ids[b]: ModelOutput() for b in handed}, {}
+        hidden = None if self.hidden_layers is None else \
+            {out.req_ids[b]: handed_hidden(self.connector, out.req_ids[b], out.context_lens[b],
+                                           out.context_lens[b] + out.query_lens[b]) for b in handed}
         if sampled:
             first = torch.stack([handed[b].logits for b in sampled])  # [S, V]
             chosen = first.argmax(-1).tolist()
@@ -340,52 +339,9 @@ class HybridStepRunner(StepRunner):
         times = [time.perf_counter() - t0, 0.0, 0.0]
         rest = [b for b in range(len(out.req_ids)) if b not in handed]
         if not rest:
-            return StepResult(outputs, logits, False, 0, *times, 0, None, chunk_logits=chunks)
+            return StepResult(outputs, logits, False, 0, *times, 0, hidden, chunk_logits=chunks)
         res = self._run(replace(rows_of(out, rest), fresh_blocks=()))  # poisoned above
         return StepResult({**outputs, **res.outputs}, {**logits, **res.logits}, False, res.bytes_sent,
                           *[a + b for a, b in zip(times, (res.prepare_s, res.forward_s, res.sample_s))],
-                          res.pcp_rows, res.hidden, chunk_logits=res.chunk_logits)
-
-    def _pcp_chunks(self, out: SchedulerOutput):
-        """The step's prefill chunks under PCP (every row a prefill): the attention layers by ring /
-        all-gather attention over the chunk with its cached context as a replicated prefix, the linear layers
-        by the scan continuing each request's slot; the new KV rows placed by the paged hand-off, the states
-        written back to the slots. Returns ({req_id: ModelOutput}, {req_id: logits [1, V]}, {req_id: {name:
-        [q, H]}} every new row's hidden states, or None without ``hidden_layers``)."""
-        g = self.group
-        table = self.batch(out, max(len(ids) for ids in out.block_tables))["block_table"]
-        view = replace(self.shard, block_table=table)
-        ctx = tuple(out.context_lens)
-        prefix = Prefix(cached_rows(g, view, ctx), ctx)
-        prompts = Prompts.of([[0] * c + list(ids) for c, ids in zip(ctx, out.input_ids)],
-                             vocab_size=self.cfg.vocab_size)
-        slots = torch.tensor([self.slots[r] for r in out.req_ids], dtype=torch.int64)
-        keep = torch.tensor([c > 0 for c in ctx])
-
-        def take(t):
-            x = t[slots]
-            return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
-
-        init = RecurrentCache(tuple(map(take, self.states.conv)), tuple(map(take, self.states.state)))
-        chunks = self.chunk_logits  # a dict while the runner hands back prompt logits
-        res = hybrid_prefill(g, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms,
-                             prefix=prefix, states=init, hidden_layers=self.hidden_layers,
-                             prompt_logits=chunks is not None)
-        paged_handoff(g, g, g, view, res, self.algorithms)
-        for dst, src in zip((*self.states.conv, *self.states.state), (*res.states.conv, *res.states.state)):
-            dst[slots] = src.to(dst.dtype)
-        first = res.first_logits  # [B, V]
-        chosen = first.argmax(-1).tolist()
-        if any(out.sampling):  # None: a greedy row
-            chosen = choose(first, chosen, sampled_positions(out, last_only=True))
-        outputs, logits = {}, {}
-        hidden, cu = (None if res.hidden is None else {}), cu_seqlens(out.query_lens)
-        for b, rid in enumerate(out.req_ids):
-            outputs[rid] = ModelOutput((chosen[b],)) if out.samples[b] else ModelOutput()
-            if out.samples[b]:
-                logits[rid] = first[b:b + 1]
-            if hidden is not None:  # request order, the new rows only
-                hidden[rid] = {n: h[cu[b]:cu[b + 1]] for n, h in res.hidden.items()}
-            if chunks is not None:  # [q, V] request order, the new rows only
-                chunks[rid] = res.prompt_logits[cu[b]:cu[b + 1]]
-        return outputs, logits, hidden
+                          res.pcp_rows, None if hidden is None else {**hidden, **(res.hidden or {})},
+                          chunk_logits=res.chunk_logits)

@@ -9,10 +9,12 @@ running request (``max_num_seqs`` of them, each sized for the longest
 request the block pool admits):
 
 - a prefill row (a new request, or a preempted one recomputing prompt and
-  outputs) runs the backend's prefill over the group (PCP when ``pcp_size > 1``,
-  else on this rank alone, replicated), the backend's ``collect`` /
-  ``place`` seed the request's slot with its tail rows and this DCP rank's
-  entries (as the fixed-batch path's hand-off does), and the first token is
+  outputs) runs the backend's prefill over the prefill group (PCP over the DCP
+  group or its first ``pcp_size`` ranks when ``pcp_size > 1``, else on this
+  rank alone, replicated), the backend's ``collect`` / ``place`` seed the
+  request's slot with its tail rows and this DCP rank's entries (as the
+  fixed-batch path's hand-off does; a rank outside a PCP sub-group receives its
+  share: :mod:`cpattn.engine.runner_v4_pcp`), and the first token is
   sampled from the prefill's logits (greedy, or the request's sampling
   parameters through :mod:`cpattn.engine.sampling`, as the paged runner);
 - the step's decode rows run together through the backend's decode program
@@ -43,9 +45,8 @@ request's slot at admission and samples the first token from the handed
 logits, computing no prompt token), chunked
 prefill (a V4 prompt is prefilled in one step: its compressor state does
 not continue across chunks). Drafters that read the target's hidden states
-run (above), except on a P/D consumer: a handed-over state carries no hidden rows
-(:meth:`V4StepRunner._place` refuses it; ``cpattn.engine.generate`` keeps V4
-P/D with such a drafter in the composition).
+run (above), on a P/D consumer too: the handed-over state comes with the
+producer's hidden rows of the prompt (:meth:`V4StepRunner._place` hands them back).
 
 Example
 -------
@@ -79,18 +80,17 @@ from typing import Any
 import torch
 
 from cpattn.comm.group import Group
-from cpattn.comm.sim import SimMesh
 from cpattn.config import SchedulerConfig
-from cpattn.engine.batch import Prompts
+from cpattn.engine.hidden_rows import handed_hidden
 from cpattn.engine.options import Algorithms
 from cpattn.engine.runner import StepResult, check_pcp_size
+from cpattn.engine.runner_v4_pcp import prefill_group, prefill_slots
 from cpattn.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner
+from cpattn.layout.rows import cu_seqlens
 from cpattn.models.family import ModelFamily, get_family, param_dtype
 from cpattn.v4.cache import V4Cache
 from cpattn.v4.engine import V4DecodeCache
-from cpattn.v4.handoff import V4Handoff
-from cpattn.v4.prefill import GatheredEntries, TailRows
 from cpattn.dcp.layer_merges import ENGINE_MERGE
 
 
@@ -157,22 +157,6 @@ def _poison_slot(cache: V4Cache, slot: int) -> None:
             tensor[t[table][slot]] = float("nan")
 
 
-def _to_slots(h: V4Handoff, slots: list[int], batch: int) -> V4Handoff:
-    """A hand-off of ``len(slots)`` requests re-addressed to cache rows ``slots`` of a ``batch``-row cache
-    (the other rows: length 0, nothing to write)."""
-    where = torch.tensor(slots, dtype=torch.int64)
-    lens = [0] * batch
-    for j, s in enumerate(slots):
-        lens[s] = h.lens[j]
-    offsets = {}
-    for kind, off in h.entries.offsets.items():
-        full = torch.zeros(batch, dtype=off.dtype, device=off.device)
-        full[where.to(off.device)] = off
-        offsets[kind] = full
-    tail = replace(h.tail, requests=where.to(h.tail.requests.device)[h.tail.requests.long()])
-    return V4Handoff(tuple(lens), tail, GatheredEntries(h.entries.entries, h.entries.index_keys, offsets))
-
-
 def _sample(out: SchedulerOutput, rows: list[int], logits: torch.Tensor, chosen: list[int], *,
             last_only: bool = False) -> list[int]:
     """The greedy ``chosen`` tokens of ``rows``' positions, with those of sampling requests (temperature > 0,
@@ -214,9 +198,12 @@ class V4StepRunner:
             raise ValueError(f"V4StepRunner runs families declaring cache='v4'; {self.family.name} declares "
                              f"cache={self.family.cache!r}: use cpattn.engine.runner.StepRunner")
         self.hidden_layers = None if hidden_layers is None else tuple(hidden_layers)
-        self.pcp_size = check_pcp_size(pcp_size, group, "V4StepRunner")
+        self.pcp_size = check_pcp_size(pcp_size, group, "V4StepRunner", sub_group=True)
         self.algorithms = Algorithms(pcp_method=pcp_method)
-        self.prefill_group = group if self.pcp_size > 1 else SimMesh(1).groups()[0]  # else replicated on every rank
+        self.prefill_group = prefill_group(group, self.pcp_size)  # None outside a PCP sub-group (runner_v4_pcp)
+        if 1 < self.pcp_size < group.size and getattr(getattr(connector, "side", None), "role", None) == "kv_producer":
+            raise ValueError(f"pcp_size={self.pcp_size} with dcp_size={group.size}: a V4 P/D producer stages the "
+                             "prefill's state on every rank; pass pcp_size=1 or the producer's dcp_size")
         self.k = int(num_speculative_tokens)
         longest = min(max_model_len, num_blocks * block_size * group.size)  # the block pool bounds a request
         lay = cfg.layout(max_rewind=self.k, block_size=block_size)
@@ -261,7 +248,7 @@ class V4StepRunner:
         self.release([*out.preempted, *out.finished])
         if not out.req_ids:
             return StepResult({}, {}, False, 0)
-        sent, t0 = self.group.stats.total_sent(), time.perf_counter()
+        sent, t0 = self._sent(), time.perf_counter()
         self.chunk_logits = {} if self.prompt_logits else None
         pre = [b for b, p in enumerate(out.is_prefill) if p]
         dec = [b for b, p in enumerate(out.is_prefill) if not p]
@@ -281,8 +268,14 @@ class V4StepRunner:
             outputs.update(o), logits.update(lg)
             times = [a + b for a, b in zip(times, tm)]
             replayed = replayed or r
-        return StepResult(outputs, logits, replayed, self.group.stats.total_sent() - sent, *times,
+        return StepResult(outputs, logits, replayed, self._sent() - sent, *times,
                           len(pre) if self.pcp_size > 1 else 0, self._hidden, chunk_logits=self.chunk_logits)
+
+    def _sent(self) -> int:
+        """Bytes this rank sent so far, over the DCP group and a PCP sub-group."""
+        sub = self.prefill_group
+        return self.group.stats.total_sent() + (0 if sub is None or sub.size in (1, self.group.size)
+                                                else sub.stats.total_sent())
 
     def _prefill(self, out: SchedulerOutput, rows: list[int]):
         """Prefill each row's whole query (context 0), seed its slot, sample its first token."""
@@ -308,31 +301,23 @@ class V4StepRunner:
             o, lg, tm = self._prefill(out, rows)
             return {**outputs, **o}, {**logits, **lg}, [a + b for a, b in zip(times, tm)]
         slots = [self._free.pop(0) for _ in rids]
-        prompts = Prompts.of([list(out.input_ids[b]) for b in rows], vocab_size=self.cfg.vocab_size)
         t1 = time.perf_counter()
-        pg = self.prefill_group
-        res = self.backend.prefill(pg, self.family, self.params, self.cfg, prompts, algorithms=self.algorithms,
-                                   prompt_logits=self.chunk_logits is not None, hidden_layers=self.hidden_layers)
-        cu = prompts.cu_seqlens
+        res = prefill_slots(self, [list(out.input_ids[b]) for b in rows], slots,
+                            prompt_logits=self.chunk_logits is not None)  # runner_v4_pcp: every DCP rank's share
+        cu = cu_seqlens([out.query_lens[b] for b in rows])
         if self.chunk_logits is not None:  # [T, V] request order: each prompt's rows
             self.chunk_logits.update({rid: res.prompt_logits[cu[j]:cu[j + 1]] for j, rid in enumerate(rids)})
         if self._hidden is not None:  # {name: [T, ...]} request order (gathered under PCP): every prompt row
             self._hidden.update({rid: {n: h[cu[j]:cu[j + 1]] for n, h in res.hidden.items()}
                                  for j, rid in enumerate(rids)})
-        collected = self.backend.collect(pg, res)
-        before = self.holder.cache
-        self.backend.place(self.holder, _to_slots(collected, slots, before.batch), self.group)
-        lens, high = list(before.seq_lens), list(before.high_water)
-        for s, n in zip(slots, collected.lens):
-            lens[s] = high[s] = n
-        self.holder.cache = replace(self.holder.cache, seq_lens=tuple(lens), high_water=tuple(high))
+        collected = res.collected
         self.slots.update(zip(rids, slots))
         stage = getattr(self.connector, "stage", None)  # V4 P/D producer: the consumer gets this state
         if stage is not None:
             for j, rid in enumerate(rids):
-                stage(rid, collected, j, res.first_logits[j], self.group.rank)
+                stage(rid, collected, j, res.first[j], self.group.rank)
         t2 = time.perf_counter()
-        first = res.first_logits  # [B, V]
+        first = res.first  # [B, V]
         chosen = _sample(out, rows, first, first.argmax(-1).tolist(), last_only=True)
         outputs = {rid: ModelOutput((chosen[j],)) for j, rid in enumerate(rids)}
         logits = {rid: first[j:j + 1] for j, rid in enumerate(rids)}
@@ -345,10 +330,9 @@ class V4StepRunner:
 
         t0 = time.perf_counter()
         rids = [out.req_ids[b] for b in rows]
-        if self.hidden_layers is not None:
-            raise ValueError(f"requests {rids}: a handed-over {self.family.name} state has no hidden rows of its "
-                             "prompt for a drafter reading hidden states; use a token drafter (NgramDrafter) on a "
-                             "P/D consumer")
+        if self._hidden is not None:  # a drafter's: the producer's rows of every prompt position, handed over
+            self._hidden.update({rid: handed_hidden(self.connector, rid, 0, out.query_lens[b])
+                                 for rid, b in zip(rids, rows)})
         slots = [self._free.pop(0) for _ in rids]
         for b, s in zip(rows, slots):
             self.holder.cache = place_share(self.holder.cache, s, out.query_lens[b], handed[b][0])

@@ -68,6 +68,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpattn.engine.outputs import RequestOutputKind
+
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -86,6 +88,8 @@ class SamplingParams:
         Output token i is a function of (seed, i) and the logits only (module docstring).
     logprobs: None, or N >= 0: each output token's ``{token_id: logprob}`` -- the sampled token's and
         the N most likely tokens' -- in ``RequestOutput.logprobs`` (raw model logprobs).
+    output_kind: what each step's RequestOutput carries (:class:`~cpattn.engine.outputs.RequestOutputKind`):
+        every token so far (CUMULATIVE, the default), the new ones (DELTA), or the final output only (FINAL_ONLY).
 
     >>> SamplingParams(temperature=0.7, top_k=20, seed=1).greedy
     False
@@ -102,6 +106,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         def number(x) -> bool:
@@ -121,6 +126,8 @@ class SamplingParams:
             ("seed", self.seed is None or integer(self.seed), "an int or None"),
             ("logprobs", self.logprobs is None or (integer(self.logprobs) and self.logprobs >= 0),
              "None or an int >= 0 (the top logprobs returned per token)"),
+            ("output_kind", isinstance(self.output_kind, RequestOutputKind),
+             "a cpattn.engine.RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)"),
         )
         for name, ok, want in checks:
             if not ok:

@@ -5,8 +5,9 @@ run) and returns its :class:`~cpattn.engine.result.Generation`, built from the s
 :class:`~cpattn.engine.outputs.RequestOutput` s (``return_logits`` / ``return_prompt_logits``,
 :mod:`cpattn.engine.returns`) instead of the prefill -> hand-off -> decode composition:
 
-- colocated (``pcp_size`` 1 or the decode's ``dcp_size``): one :class:`~cpattn.engine.llm.LLMEngine`
-  of ``dcp_size`` ranks, its prompt chunks under PCP when ``pcp_size > 1``;
+- colocated: one :class:`~cpattn.engine.llm.LLMEngine` of ``max(pcp_size, dcp_size)`` ranks, its prompt
+  chunks under PCP when ``pcp_size > 1`` (over the DCP group's first ``pcp_size`` ranks, or, with ``pcp_size >
+  dcp_size``, over all ranks with the cache and the decodes on the first ``dcp_size``: ``runner_wide``);
 - P/D (a ``kv_consumer`` decode config): :class:`~cpattn.engine.pd_engine.PDEngine` with the P/D
   connector (whole blocks producer rank to consumer rank).
 
@@ -78,10 +79,10 @@ def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
 
 
 def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
-    """Why the step loop cannot run this driver-style layout (None: it can): P/D of DeepSeek-V4 or a hybrid
-    model with a drafter reading hidden states (their connectors hand over no hidden rows; colocated runs
-    them), PCP over more ranks than the DCP group's (or, for V4 and hybrid models, over fewer than all of
-    them), or an engine the layout rules refuse (a P/D producer of P ranks is an engine of DCP P: heads % P).
+    """Why the step loop cannot run this driver-style layout (None: it can): PCP over more ranks than the DCP
+    group's for DeepSeek-V4 and hybrid models (their runners run PCP within the DCP group; paged families run
+    it, :mod:`cpattn.engine.runner_wide`), or an engine the layout rules refuse
+    (a P/D producer of P ranks is an engine of DCP P: heads % P).
 
     >>> from cpattn.engine.driver import engine_configs
     >>> from cpattn.models import qwen3
@@ -90,16 +91,16 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     True
     >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=2, dcp_size=4)) is None
     True
-    >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=4, dcp_size=2))
-    'pcp_size=4 with dcp_size=2: one engine runs PCP over ranks of its DCP group'
+    >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=4, dcp_size=2)) is None
+    True
+    >>> v4 = get_family("deepseek_v4").config_class.tiny()
+    >>> refusal(get_family("deepseek_v4"), v4, *engine_configs("deepseek_v4", v4, pcp_size=4, dcp_size=2))
+    "pcp_size=4 with dcp_size=2: deepseek_v4's runner runs PCP within its DCP group"
     """
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pd = decode.kv_transfer.kv_role == "kv_consumer"
-    if pd and family.cache in ("v4", "hybrid") and getattr(drafter, "hidden_layers", None) is not None:
-        return f"P/D of {family.name} with a drafter reading hidden states: its connector hands over no hidden rows"
-    if not pd and p not in (1, n) and (p > n or family.cache in ("v4", "hybrid")):  # StepRunner: P < N runs
-        return f"pcp_size={p} with dcp_size={n}: one engine runs PCP over " + \
-            ("ranks of its DCP group" if p > n else f"its whole DCP group for {family.name}")
+    if not pd and p > n and family.cache in ("v4", "hybrid"):  # paged runners: a DCP group of the world's first n
+        return f"pcp_size={p} with dcp_size={n}: {family.name}'s runner runs PCP within its DCP group"
     k = decode.speculative.num_speculative_tokens if drafter is not None else 0
     bs = decode.cache.block_size
     with warnings.catch_warnings():
@@ -139,9 +140,9 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
                         num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
                         capture_sizes=comp.capture_sizes, return_logits=True,
                         return_prompt_logits=prompt_logits)
-    if p not in (1, n) and (p > n or family.cache in ("v4", "hybrid")):  # StepRunner: PCP over its first p ranks
-        raise ValueError(f"step_generate: pcp_size={p} with dcp_size={n}: one engine runs PCP over ranks of its "
-                         f"DCP group (all of them for {family.name}); pass a P/D pair or a smaller pcp_size")
+    if p > n and family.cache in ("v4", "hybrid"):  # paged runners: PCP over p ranks, DCP over the first n
+        raise ValueError(f"step_generate: pcp_size={p} with dcp_size={n}: {family.name}'s runner runs PCP within "
+                         "its DCP group; pass a P/D pair or a smaller pcp_size")
     with warnings.catch_warnings():  # PCP + DCP in one engine: the driver's pair checked the guide's rules
         warnings.simplefilter("ignore", GuideCompatWarning)
         return LLMEngine(family, params, cfg, world=world, dcp_size=n, pcp_size=p, block_size=bs,
