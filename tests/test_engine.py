@@ -1,7 +1,8 @@
 """The engine's own pieces: cached-prefix prefill (the KV-pool hook), prompt validation, layout checks.
 
-Tokens are compared with the one-device reference (:func:`cpattn.engine.reference.reference_generate`,
-itself checked against Hugging Face in test_models_hf.py); float64 tiny models, so tokens must be identical.
+Tokens and logits are compared with conftest.py's ``one_device`` (:mod:`ref.greedy`: a fresh one-device full
+prefill per token, no step loop or engine code; the model's forward is itself checked against Hugging Face in
+test_models_hf.py); float64 tiny models, so tokens must be identical.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from cpattn.engine.batch import Prompts
 from cpattn.engine.checks import engine_problems
 from cpattn.engine.prefill import gather_unshard, prefill
 from cpattn.engine.prefill_steps import Prefix
-from cpattn.engine.reference import reference_generate
 from cpattn.models import deepseek_v32, qwen3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,12 +39,12 @@ def tiny(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3", "dsa"])
 @pytest.mark.parametrize("pcp,dcp", [(1, 1), (2, 2), (3, 1), (1, 4)])
-def test_prefill_from_a_cached_prefix(name, pcp, dcp):
+def test_prefill_from_a_cached_prefix(one_device, name, pcp, dcp):
     """Prefill only past each prompt's cached prefix (PCP / DSA-CP), hand off prefix + new rows, decode: the
     tokens of a full prefill on one device."""
     family, cfg = tiny(name)
     params = family.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
-    ref = reference_generate(family, params, cfg, PROMPTS, 8)
+    ref = one_device(family, params, cfg, PROMPTS, 8)
     one = SimMesh(1).groups()[0]
     full = prefill(one, family, params, cfg, Prompts.of(PROMPTS))
     rows = gather_unshard(one, full.rows, full.plan)  # [T, F] one device's rows, request order

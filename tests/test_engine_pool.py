@@ -2,7 +2,8 @@
 cold run's tokens; lost or damaged entries are misses, never wrong KV.
 
 Real LMDB stores in a temporary directory (the embedded default); float64 tiny models, so tokens must be
-identical to the one-device reference.
+identical to conftest.py's ``one_device`` (:mod:`ref.greedy`: a fresh one-device full prefill per token, no
+engine code).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 import cpattn
 from cpattn.engine import driver
 from cpattn.engine.pooling import PoolSpec, release
-from cpattn.engine.reference import reference_generate
 from cpattn.models import deepseek_v32, qwen3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,24 +44,24 @@ SHARED = list(range(3, 3 + 18))  # 4 whole blocks and 2 tokens shared by both pr
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3", "dsa"])
 @pytest.mark.parametrize("writer,reader", [((1, 1), (2, 2)), ((1, 2), (1, 4)), ((2, 2), (1, 1)), ((2, 1), (1, 2))])
-def test_warm_run_finds_what_a_cold_run_stored(tmp_path, name, writer, reader):
+def test_warm_run_finds_what_a_cold_run_stored(one_device, tmp_path, name, writer, reader):
     fam, cfg, params = tiny(name)
     pool = PoolSpec(f"lmdb:{tmp_path}", model=f"{name}-seed0")
     cold_prompts = [SHARED + [40, 41], SHARED[:9]]
     warm_prompts = [SHARED + [50, 51, 52], SHARED[:9] + [60]]  # each shares whole blocks with a cold prompt
     cold = run(fam, cfg, params, cold_prompts, *writer, pool)
-    assert torch.equal(cold[0].tokens, reference_generate(fam, params, cfg, cold_prompts, NEW).tokens)
+    assert torch.equal(cold[0].tokens, one_device(fam, params, cfg, cold_prompts, NEW).tokens)
     assert all(g.facts.pool.hit_blocks == (0, 0) for g in cold)
     assert sum(g.facts.pool.blocks_stored for g in cold) == 5  # prompt 1's two blocks are prompt 0's first two
     warm = run(fam, cfg, params, warm_prompts, *reader, pool)
-    want = reference_generate(fam, params, cfg, warm_prompts, NEW)
+    want = one_device(fam, params, cfg, warm_prompts, NEW)
     for g in warm:
         assert torch.equal(g.tokens, want.tokens)
         assert g.facts.pool.hit_blocks == (4, 2)  # the 5th block of prompt 0 differs; prompt 1: 2 of 2 blocks
     assert sum(g.facts.pool.blocks_stored for g in warm) == 1  # prompt 0's new 5th block
 
 
-def test_a_damaged_entry_is_recomputed(tmp_path):
+def test_a_damaged_entry_is_recomputed(one_device, tmp_path):
     """Garbage written over the third stored block: the warm run loads the two before it, recomputes the rest,
     gives the right tokens, and writes the damaged block again."""
     from cpattn.pool.lmdb_store import LMDBStore
@@ -78,7 +78,7 @@ def test_a_damaged_entry_is_recomputed(tmp_path):
         txn.put(third, b"\x5a" * len(txn.get(third, db=store.blocks_db)), db=store.blocks_db)
     store.close()
     warm = run(fam, cfg, params, prompts, 2, 2, spec)
-    assert torch.equal(warm[0].tokens, reference_generate(fam, params, cfg, prompts, NEW).tokens)
+    assert torch.equal(warm[0].tokens, one_device(fam, params, cfg, prompts, NEW).tokens)
     assert all(g.facts.pool.hit_blocks == (2,) for g in warm)
     assert sum(g.facts.pool.blocks_stored for g in warm) == 1  # the damaged block, dropped and written again
 
@@ -112,7 +112,7 @@ def load_tiny_qwen3(directory):
     return qwen3.FAMILY, qwen3.Qwen3Config.from_hf(config), params
 
 
-def test_the_pool_names_a_model_by_its_weights_not_its_name(tmp_path, monkeypatch):
+def test_the_pool_names_a_model_by_its_weights_not_its_name(one_device, tmp_path, monkeypatch):
     """Two checkpoints in directories both called ``model`` (opened as "model" from each parent), then new
     weights saved over the first: each run through one pool under the same label gives its own no-pool tokens
     (a cold pool for new weights), and the same weights again find their blocks."""
@@ -124,7 +124,7 @@ def test_the_pool_names_a_model_by_its_weights_not_its_name(tmp_path, monkeypatc
         monkeypatch.chdir(tmp_path / parent)
         fam, cfg, params = load_tiny_qwen3("model")
         got = run(fam, cfg, params, prompts, 1, 1, pool)[0]
-        want = reference_generate(fam, params, cfg, prompts, NEW).tokens
+        want = one_device(fam, params, cfg, prompts, NEW).tokens
         assert torch.equal(got.tokens, want), f"{parent}/model seed {seed}: the pool served another model's KV"
         runs.append(got.facts.pool.hit_blocks)
     assert runs == [(0,), (0,), (0,)]

@@ -1,11 +1,11 @@
 """The step loop's opt-in logits (``return_logits`` / ``return_prompt_logits``) against the one-device reference.
 
-Oracle: :func:`cpattn.engine.reference.reference_generate` of each request alone (float64 weights, dense
-cache, one prefill): its ``logits`` [N, V] per output token and ``prompt_logits`` rows of the request. The
-step loop's rows come from chunked prefill (DCP attention, or PCP with the cached context), a mixed batch,
-preemption and recompute, drafts; float64, so they must agree to ~1e-9 and the tokens exactly. Hybrid and V4
-models (which have no dense-cache reference) compare with conftest.py's ``one_device`` (:mod:`ref.greedy`). The
-fixed-batch driver's rows (:func:`cpattn.engine.generate`) are the second comparison.
+Oracle: conftest.py's ``one_device`` (:mod:`ref.greedy`) of each request alone (float64 weights, a fresh
+one-device full prefill per token, no step loop or engine code): its ``logits`` [N, V] per output token and
+``prompt_logits`` rows of the request. The step loop's rows come from chunked prefill (DCP attention, or PCP
+with the cached context), a mixed batch, preemption and recompute, drafts; float64, so they must agree to ~1e-9
+and the tokens exactly. The fixed-batch driver's rows (:func:`cpattn.engine.generate`) are the second
+comparison (two engine paths agreeing).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_loop_cases import tiny_float64
+from ref.greedy import ONE_DEVICE
 
 from cpattn.config import SchedulerConfig
 from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.pd_engine import PDEngine
-from cpattn.engine.reference import reference_generate
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]  # PCP + DCP in one engine
@@ -39,7 +39,7 @@ def check(family: str, outs, batch, n: int = N, prompt_rows: bool = True) -> Non
     """Each final output's tokens, logits [n, V] and prompt logits [P, V] equal the request alone on one device."""
     cfg, params = model(family)
     for o, p in zip(outs, batch):
-        ref = reference_generate(family, params, cfg, [p], n)
+        ref = ONE_DEVICE(family, params, cfg, [p], n)  # conftest.py's one_device memo
         assert list(o.token_ids) == ref.tokens[0].tolist()
         assert o.logits.dtype == torch.float64 and o.logits.shape == ref.logits[0].shape
         assert torch.allclose(o.logits, ref.logits[0], **TOL)
@@ -77,7 +77,7 @@ def test_preemption_keeps_the_rows_computed():
     assert engine.stats.preemptions > 0
 
 
-def test_a_prefix_hit_has_only_the_computed_rows():
+def test_a_prefix_hit_has_only_the_computed_rows(one_device):
     """With prefix caching, a prompt whose first 8 tokens are cached gets the logits of the rest only."""
     cfg, params = model("qwen3")
     a = prompts(cfg.vocab_size, (10,))[0]
@@ -88,7 +88,7 @@ def test_a_prefix_hit_has_only_the_computed_rows():
     second = engine.generate([b], SamplingParams(max_tokens=2))[0]
     assert engine.stats.prefix_hit_tokens == 8
     check("qwen3", [first], [a], n=2)
-    ref = reference_generate("qwen3", params, cfg, [b], 2)
+    ref = one_device("qwen3", params, cfg, [b], 2)
     assert second.prompt_logits.shape[0] == 3 and torch.allclose(second.prompt_logits, ref.prompt_logits[8:], **TOL)
     assert torch.allclose(second.logits, ref.logits[0], **TOL)
 

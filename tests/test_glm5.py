@@ -46,7 +46,6 @@ from cpattn.engine.family import KVLayout  # noqa: E402
 from cpattn.engine.paged_cache import DCPStep, PagedShard  # noqa: E402
 from cpattn.engine.prefill import gather_unshard, prefill  # noqa: E402
 from cpattn.engine.prefill_steps import Prefix  # noqa: E402
-from cpattn.engine.reference import reference_generate  # noqa: E402
 from cpattn.graphs import check_static  # noqa: E402
 from cpattn.models import glm_moe_dsa as glm  # noqa: E402
 from cpattn.models import load_checkpoint, normalize_params  # noqa: E402
@@ -300,13 +299,13 @@ def test_dcp_step_selection_matches_float64_oracle(size, interleave_size, q_len)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pcp,dcp", [(2, 2), (3, 1)])
-def test_prefill_from_a_cached_prefix(pcp, dcp):
+def test_prefill_from_a_cached_prefix(one_device, pcp, dcp):
     """Prefill only past each prompt's cached prefix (shared layers' prefix rows carry no indexer key), hand off,
-    decode: the tokens and logits of a full prefill on one device (float64)."""
+    decode: the tokens and logits of conftest.py's ``one_device`` recompute (float64)."""
     cfg = glm.GlmMoeDsaConfig.tiny()
     params = glm.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
     prompts, context = [list(range(1, 30)), [5, 6, 7, 8, 9, 10, 11], [3, 4]], (17, 3, 1)
-    ref = reference_generate(glm.FAMILY, params, cfg, prompts, 8)
+    ref = one_device(glm.FAMILY, params, cfg, prompts, 8)  # a fresh one-device full prefill per token
     one = SimMesh(1).groups()[0]
     full = prefill(one, glm.FAMILY, params, cfg, Prompts.of(prompts))
     rows = gather_unshard(one, full.rows, full.plan)  # [T, F]

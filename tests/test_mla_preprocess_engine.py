@@ -2,7 +2,8 @@
 
 Every MLA family (DeepSeek-V2, V3, V3.2, GLM-5) decodes through
 :func:`cpattn.ops.mla_preprocess` where the step offers its paged latent
-cache; the tokens must be the one-device reference's (float64), and the
+cache; the tokens must be conftest.py's ``one_device`` recompute's (float64: a
+fresh one-device full prefill per token, no engine code), and the
 logits bitwise those of the same run with the fused op switched off
 (``mla_preprocess=False``): the op runs the model's own projection chain,
 so fusing changes no rounding, in float64 and in bf16.
@@ -17,7 +18,6 @@ import torch
 
 import cpattn
 from cpattn.engine import driver
-from cpattn.engine.reference import reference_generate
 from cpattn.models import deepseek_v2, deepseek_v3, deepseek_v32, glm_moe_dsa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,12 +51,12 @@ def counting(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("dcp", [1, 2])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_fused_decode_equals_reference_and_unfused(name, dcp, monkeypatch):
+def test_fused_decode_equals_reference_and_unfused(one_device, name, dcp, monkeypatch):
     family, config = FAMILIES[name]
     cfg = config.tiny()
     assert cfg.mla_preprocess  # on by default
     params = family.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
-    ref = reference_generate(family, params, cfg, PROMPTS, 6)
+    ref = one_device(family, params, cfg, PROMPTS, 6)
     calls = counting(monkeypatch)
     fused = run(family, params, cfg, dcp)
     assert len(calls) == 5 * cfg.num_hidden_layers * dcp  # every decode step after the first token, every layer
@@ -82,13 +82,13 @@ def test_fused_decode_in_bf16(name, monkeypatch):
 
 
 @pytest.mark.slow
-def test_fused_decode_captured(monkeypatch):
+def test_fused_decode_captured(one_device, monkeypatch):
     """The compiled decode (aot_eager, fullgraph; one rank: the simulated mesh's collectives do not trace) with the
-    fused op traced in gives the one-device reference's tokens. (GLM-5's and V3.2's DSA steps: test_glm5.py's
+    fused op traced in gives the one-device recompute's tokens. (GLM-5's and V3.2's DSA steps: test_glm5.py's
     check_static.)"""
     family, cfg = deepseek_v3.FAMILY, deepseek_v3.DeepseekV3Config.tiny()
     params = family.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
-    ref = reference_generate(family, params, cfg, PROMPTS, 6)
+    ref = one_device(family, params, cfg, PROMPTS, 6)
     calls = counting(monkeypatch)
     torch._dynamo.reset()
     (graph,) = run(family, params, cfg, 1, graph_mode="FULL_DECODE_ONLY", graph_backend="aot_eager",

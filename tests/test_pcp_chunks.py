@@ -13,7 +13,6 @@ from cpattn.engine import runner_pcp
 from cpattn.engine.kv_rows import pack_rows
 from cpattn.engine.llm import LLMEngine, SamplingParams
 from cpattn.engine.prefill_steps import PCPStep, Prefix
-from cpattn.engine.reference import reference_generate
 from cpattn.layout.rows import cu_seqlens
 from cpattn.models import qwen3
 from cpattn.models.family import KVLayout
@@ -56,30 +55,30 @@ def _engine(budget: int, num_blocks: int):
     return cfg, params, eng
 
 
-def test_continuing_chunks_attend_their_kept_context_not_a_gather(monkeypatch):
+def test_continuing_chunks_attend_their_kept_context_not_a_gather(one_device, monkeypatch):
     """A 90-token prompt in 20-token chunks under PCP 2 + DCP 2 (NaN-poisoned fresh blocks): one-device greedy
     tokens, and only chunks without a kept context gather it (none here: each chunk continues the last)."""
     calls = []
     real = runner_pcp.cached_rows
-    monkeypatch.setattr(runner_pcp, "cached_rows", lambda g, shard, ctx: calls.append(ctx) or real(g, shard, ctx))
+    monkeypatch.setattr(runner_pcp, "cached_rows", lambda g, s, ctx, *n: calls.append(ctx) or real(g, s, ctx, *n))
     cfg, params, eng = _engine(budget=20, num_blocks=32)
     prompt = [(7 * j + 3) % cfg.vocab_size for j in range(90)]
     rid = eng.add_request(prompt, SamplingParams(max_tokens=3))
     while eng.has_unfinished():
         eng.step()
-    want = reference_generate("qwen3", params, cfg, [prompt], 3).tokens[0].tolist()
+    want = one_device.tokens("qwen3", params, cfg, prompt, 3)  # a fresh one-device full prefill per token
     assert list(eng.scheduler.requests[rid].output) == want
     assert eng.stats.pcp_steps == 5 and [c for c in calls if any(c)] == []
     assert all(not r.pcp_context for r in eng.runners)  # nothing kept once the prefill completed
 
 
-def test_a_preempted_prefill_gathers_its_context_again(monkeypatch):
+def test_a_preempted_prefill_gathers_its_context_again(one_device, monkeypatch):
     """Two long prompts on a pool too small for both: the later one is preempted mid-prefill and recomputes;
     its chunks after the recompute attend the context gathered from the shards or kept anew, never the rows
     kept before the preemption -- tokens stay one-device greedy."""
     calls = []
     real = runner_pcp.cached_rows
-    monkeypatch.setattr(runner_pcp, "cached_rows", lambda g, shard, ctx: calls.append(ctx) or real(g, shard, ctx))
+    monkeypatch.setattr(runner_pcp, "cached_rows", lambda g, s, ctx, *n: calls.append(ctx) or real(g, s, ctx, *n))
     cfg, params, eng = _engine(budget=24, num_blocks=14)
     prompts = [[(5 * j + i) % cfg.vocab_size for j in range(60)] for i in (1, 2)]
     ids = [eng.add_request(p, SamplingParams(max_tokens=4)) for p in prompts]
@@ -88,4 +87,4 @@ def test_a_preempted_prefill_gathers_its_context_again(monkeypatch):
     assert eng.stats.preemptions >= 1
     for rid, p in zip(ids, prompts):
         assert list(eng.scheduler.requests[rid].output) == \
-            reference_generate("qwen3", params, cfg, [p], 4).tokens[0].tolist()
+            one_device.tokens("qwen3", params, cfg, p, 4)

@@ -8,7 +8,6 @@ from pool_blocks import random_blocks, same_blocks
 
 import cpattn
 from cpattn.engine import driver
-from cpattn.engine.reference import reference_generate
 from cpattn.models import qwen3
 from cpattn.pool import DictStore, KVPool, PoolIdentity, codec
 
@@ -74,9 +73,9 @@ def test_a_chain_stored_by_two_ranks_keeps_its_prefix(tmp_path):
         assert pool.lookup(keys) == 5 and same(pool.load(keys), data[:5])
 
 
-def test_engine_under_dcp_keeps_a_usable_prefix_in_a_small_pool(tmp_path):
+def test_engine_under_dcp_keeps_a_usable_prefix_in_a_small_pool(one_device, tmp_path):
     """A DCP = 2 run stores an 8-block prompt into an LMDB pool with room for 6 blocks; a one-device run of the
-    same prompt finds 6 blocks and gives the reference tokens."""
+    same prompt finds 6 blocks and gives the one-device recompute's tokens (conftest.py's ``one_device``)."""
     cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     params = qwen3.FAMILY.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
@@ -96,5 +95,5 @@ def test_engine_under_dcp_keeps_a_usable_prefix_in_a_small_pool(tmp_path):
     assert sum(g.facts.pool.blocks_stored for g in cold) >= 6  # a block evicted as soon as written is not kept
     warm = run(1)[0]
     assert warm.facts.pool.hit_blocks == (6,)
-    assert torch.equal(warm.tokens, reference_generate(qwen3.FAMILY, params, cfg, prompts, 3).tokens)
+    assert torch.equal(warm.tokens, one_device(qwen3.FAMILY, params, cfg, prompts, 3).tokens)
     pool.close()

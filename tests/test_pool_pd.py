@@ -3,7 +3,8 @@ decode rank loads its own cached blocks from the pool and receives only the bloc
 new whole blocks it owns (each block once).
 
 Real LMDB stores in a temporary directory (the embedded default); float64 tiny Qwen3, so tokens must be
-identical to the one-device reference and to a P/D run without a pool.
+identical to conftest.py's ``one_device`` recompute (a fresh one-device full prefill per token, no engine code)
+and to a P/D run without a pool.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from cpattn.engine import driver
 from cpattn.engine.drafters import speculative_fields
 from cpattn.engine.pooling import PoolSpec
 from cpattn.engine.prefill_steps import Prefix
-from cpattn.engine.reference import reference_generate
 from cpattn.models import qwen3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,10 +74,10 @@ def link_bytes(gens, p):
 
 
 @pytest.mark.parametrize("p,n", [(1, 1), (1, 2), (2, 1), (2, 2)], ids=lambda v: str(v))
-def test_a_warm_pd_run_starts_from_the_pool(tmp_path, prefilled, p, n):
+def test_a_warm_pd_run_starts_from_the_pool(one_device, tmp_path, prefilled, p, n):
     fam, cfg, params = tiny()
     pool = PoolSpec(f"lmdb:{tmp_path}", model="qwen3-seed0")
-    ref = reference_generate(fam, params, cfg, COLD, NEW).tokens
+    ref = one_device(fam, params, cfg, COLD, NEW).tokens
     plain = run(fam, cfg, params, COLD, p, n)
     assert torch.equal(plain[0].tokens, ref)
     prefilled.clear()
@@ -104,7 +104,7 @@ def test_a_warm_pd_run_starts_from_the_pool(tmp_path, prefilled, p, n):
     prefilled.clear()
 
     warm = run(fam, cfg, params, WARM, p, n, pool)  # a shared prefix and a new suffix
-    want = reference_generate(fam, params, cfg, WARM, NEW).tokens
+    want = one_device(fam, params, cfg, WARM, NEW).tokens
     assert all(torch.equal(g.tokens, want) for g in warm)
     pre, dec = pool_of(warm, p)
     assert all(f.hit_blocks == (4, 2) for f in pre + dec)
@@ -113,11 +113,11 @@ def test_a_warm_pd_run_starts_from_the_pool(tmp_path, prefilled, p, n):
     assert prefilled == [sum(map(len, WARM)) - 6 * BLOCK] * p
 
 
-def test_an_explicit_prefix_across_pd(tmp_path):
+def test_an_explicit_prefix_across_pd(one_device, tmp_path):
     """A whole-block cached prefix on every rank: the decode ranks keep their rows of it, the prefill sends only
     the blocks after it; a prefix that is not whole blocks is refused."""
     fam, cfg, params = tiny()
-    ref = reference_generate(fam, params, cfg, COLD, NEW).tokens
+    ref = one_device(fam, params, cfg, COLD, NEW).tokens
     spec = PoolSpec(f"lmdb:{tmp_path}", model="m")
     run(fam, cfg, params, COLD, 1, 1, spec)  # fill a pool, then read the prefix out of it
     pool = spec.open_for(fam, cfg, params, BLOCK)
@@ -141,11 +141,11 @@ def cold_then_warm(group, fam, params, cfg, p, n, spec):
 
 
 @pytest.mark.slow
-def test_gloo_pd_with_a_pool(tmp_path):
+def test_gloo_pd_with_a_pool(one_device, tmp_path):
     fam, cfg, params = tiny()
     per_rank = spawn(3, cold_then_warm, "qwen3", params, cfg, 1, 2, PoolSpec(f"lmdb:{tmp_path}", model="m"))
     for prompts, run_ in ((COLD, 0), (WARM, 1)):
-        want = reference_generate(fam, params, cfg, prompts, NEW).tokens
+        want = one_device(fam, params, cfg, prompts, NEW).tokens
         gens = [r[run_] for r in per_rank]
         assert all(torch.equal(g.tokens, want) for g in gens)
         assert all(g.facts.pool.hit_blocks == ((0, 0) if run_ == 0 else (4, 2)) for g in gens)
@@ -153,14 +153,14 @@ def test_gloo_pd_with_a_pool(tmp_path):
         assert sum(g.facts.handoff.blocks_received for g in gens[1:]) == (8 if run_ == 0 else 3)  # WARM: 6 - 4 and 3 - 2
 
 
-def test_a_hidden_state_drafter_across_pd_with_a_pool(tmp_path):
+def test_a_hidden_state_drafter_across_pd_with_a_pool(one_device, tmp_path):
     """EAGLE-3 reads the prefill's hidden states: with a warm pool they cover only the prefilled suffix, sent
-    to the decode ranks with the blocks past the prefix; tokens stay the one-device reference's."""
+    to the decode ranks with the blocks past the prefix; tokens stay the one-device recompute's."""
     model, cfg, params = target("qwen3")
     d = head("eagle3")
     ps = prompts("qwen3")
     ps = [ps[0] + ps[1], ps[0][:9] + [5]]
-    ref = reference_generate(model, params, cfg, ps, 8).tokens
+    ref = one_device(model, params, cfg, ps, 8).tokens
     pool = PoolSpec(f"lmdb:{tmp_path}", model="e")
     pre, dec = driver.engine_configs(model, cfg, pcp_size=2, dcp_size=2, block_size=BLOCK, interleave_size=BLOCK,
                                      pd=True, num_speculative_tokens=2)
@@ -173,7 +173,7 @@ def test_a_hidden_state_drafter_across_pd_with_a_pool(tmp_path):
         assert gens[2].stats.drafted > 0
 
 
-def test_a_dsa_cp_prefill_from_the_pool_across_pd(tmp_path):
+def test_a_dsa_cp_prefill_from_the_pool_across_pd(one_device, tmp_path):
     """DeepSeek-V3.2 (DSA-CP prefill, its indexer keys among the block's columns): the warm P 2 / N 2 run
     starts from the pool and sends only the blocks past the prefix."""
     from cpattn.models import deepseek_v32
@@ -184,7 +184,7 @@ def test_a_dsa_cp_prefill_from_the_pool_across_pd(tmp_path):
     cold = run(fam, cfg, params, COLD, 2, 2, pool)
     warm = run(fam, cfg, params, WARM, 2, 2, pool)
     for prompts, gens, hits, stored, blocks in ((COLD, cold, (0, 0), 5, 8), (WARM, warm, (4, 2), 1, 3)):
-        want = reference_generate(fam, params, cfg, prompts, NEW).tokens
+        want = one_device(fam, params, cfg, prompts, NEW).tokens
         assert all(torch.equal(g.tokens, want) for g in gens)
         assert all(g.facts.pool.hit_blocks == hits for g in gens)
         assert sum(g.facts.pool.blocks_stored for g in gens[2:]) == stored

@@ -23,7 +23,6 @@ from cpattn.engine import SamplingParams as FromPackage
 from cpattn.drafters.ngram import NgramDrafter
 from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine, SamplingParams
-from cpattn.engine.reference import reference_generate
 from cpattn.engine.sampling import (draw, probs, reference_probs, reference_sample, reference_verify, sample,
                                     token_logprobs, verify)
 
@@ -207,10 +206,10 @@ def baseline() -> list[tuple[int, ...]]:
     return run(engine(budget=256), arrive=(0, 0, 0, 0))
 
 
-def test_baseline_is_sampled_and_keeps_greedy_exact():
+def test_baseline_is_sampled_and_keeps_greedy_exact(one_device):
     want = baseline()
     cfg, params = model()
-    greedy = reference_generate("qwen3", params, cfg, [prompts(cfg.vocab_size)[3]], 5).tokens[0].tolist()
+    greedy = one_device.tokens("qwen3", params, cfg, prompts(cfg.vocab_size)[3], 5)
     assert list(want[3]) == greedy  # the greedy request beside the sampled ones: still one-device greedy
     assert len({t for out in want[:3] for t in out}) > 8  # sampled: not one repeated argmax
 
@@ -266,7 +265,7 @@ def test_ngram_drafts_change_nothing_under_sampling():
     assert all(abs(spec_lp[j][t] - plain_lp[j][t]) < 1e-9 for j in range(12) for t in spec_lp[j])
 
 
-def test_logprobs_are_the_raw_model_logprobs():
+def test_logprobs_are_the_raw_model_logprobs(one_device):
     e = engine(budget=8)
     ps = prompts(model()[0].vocab_size)
     outs = [e.generate([ps[0]], SamplingParams(max_tokens=5, temperature=1.5, top_k=3, seed=9, logprobs=3))[0],
@@ -274,7 +273,7 @@ def test_logprobs_are_the_raw_model_logprobs():
     cfg, params = model()
     for prompt, o, n in zip(ps, outs, (3, 0)):
         full = list(prompt) + list(o.token_ids)
-        ref = reference_generate("qwen3", params, cfg, [full], 1).prompt_logits[len(prompt) - 1:-1]  # [n, V]
+        ref = one_device("qwen3", params, cfg, [full], 1).prompt_logits[len(prompt) - 1:-1]  # [n, V]: one prefill
         lp = torch.log_softmax(ref, -1)
         assert len(o.logprobs) == len(o.token_ids)
         for j, (t, d) in enumerate(zip(o.token_ids, o.logprobs)):
@@ -284,12 +283,12 @@ def test_logprobs_are_the_raw_model_logprobs():
 
 
 @pytest.mark.slow
-def test_the_first_token_follows_the_one_device_softmax():
+def test_the_first_token_follows_the_one_device_softmax(one_device):
     """End to end on a 16-token vocabulary, DCP 2: 1500 requests of one prompt, seeds 0..1499, against
     the softmax (T 0.8, top-k 12, top-p 0.95) of one-device float64 logits of that prompt."""
     cfg, params = model(16)
     prompt = [3, 1, 4, 1, 5, 9, 2]
-    p = reference_probs(reference_generate("qwen3", params, cfg, [prompt], 1).prompt_logits[-1].tolist(),
+    p = reference_probs(one_device("qwen3", params, cfg, [prompt], 1).prompt_logits[-1].tolist(),
                         0.8, 12, 0.95)
     e = LLMEngine("qwen3", params, cfg, dcp_size=2, block_size=4, num_blocks=64,
                   scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=128, enable_prefix_caching=False))

@@ -2,8 +2,8 @@
 
 One server (embedded tiny Qwen3, DCP 2 on the simulated mesh, an 8-token step budget so prompts are
 chunked and concurrent requests share steps) serves the module; every greedy request (``temperature=0``:
-the server's default is OpenAI's 1.0) is compared with one-device greedy generation
-(``reference_generate``) of the same seeded model; seeded sampling must repeat itself. The server's start
+the server's default is OpenAI's 1.0) is compared with the one-device greedy recompute
+(conftest.py's ``one_device``: a fresh full prefill per token, no engine code) of the same seeded model; seeded sampling must repeat itself. The server's start
 (torch, the engine) takes seconds on shared cores, so the file is marked slow; its CLI checks are not.
 """
 

@@ -104,21 +104,22 @@ def test_mtp_from_a_checkpoint_without_one_exits_2(tmp_path, capsys):
     assert "declares no MTP module" in err, err
 
 
-def test_mtp_drafts_from_the_served_checkpoint(tmp_path):
+def test_mtp_drafts_from_the_served_checkpoint(one_device, tmp_path):
     """--speculative-config mtp builds the checkpoint's own MTP drafter: drafts are verified, and the tokens
-    are the same as without drafts (speculative decoding is lossless)."""
+    are the same as without drafts (speculative decoding is lossless): the one-device greedy recompute's."""
     from cpattn.engine.llm import SamplingParams
 
-    _hybrid_checkpoint(tmp_path, mtp=True)
+    cfg, params = _hybrid_checkpoint(tmp_path, mtp=True)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     runs = {}
     for spec in (None, '{"method": "mtp", "num_speculative_tokens": 2}'):
         argv = ["--model", str(tmp_path), "--dtype", "float64", *(["--speculative-config", spec] if spec else [])]
         a = serve_cli.parser().parse_args(argv)
         engine = serve_cli.build_engine(a, serve_cli.check_args(a))
-        outs = engine.generate([[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_tokens=8))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=8))
         runs[spec is not None] = ([list(o.token_ids) for o in outs], engine.stats.drafted_tokens,
                                   engine.proposer is not None and engine.proposer.hidden_layers is not None)
-    assert runs[True][0] == runs[False][0]
+    assert runs[True][0] == runs[False][0] == [one_device.tokens("qwen3_next", params, cfg, q, 8) for q in prompts]
     assert runs[True][1] > 0 and runs[False][1] == 0
     assert runs[True][2] and not runs[False][2]  # the drafter reads the target's hidden states: the MTP head
 
@@ -249,10 +250,11 @@ def embedded():
 
 
 def _greedy(embedded, prompt: list[int], n: int) -> list[int]:
-    from cpattn.engine.reference import reference_generate
+    """One-device greedy tokens: conftest.py's ``one_device`` recompute (a fresh full prefill per token)."""
+    from ref.greedy import ONE_DEVICE
 
     family, cfg, params = embedded
-    return reference_generate(family, params, cfg, [prompt], n).tokens[0].tolist()
+    return ONE_DEVICE.tokens(family, params, cfg, prompt, n)
 
 
 def _readme_serve_block() -> tuple[str, str]:

@@ -2,16 +2,17 @@
 collective and give the one-device tokens, in every path that runs per rank (PCP, DSA-CP, PCP+DCP, P/D,
 speculative), for every model family.
 
-Float64 tiny models, so tokens must be identical to :func:`cpattn.engine.reference.reference_generate`.
+Float64 tiny models, so tokens must be identical to conftest.py's ``one_device`` (:mod:`ref.greedy`: a fresh
+one-device full prefill per token, no engine code).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ref.greedy import ONE_DEVICE
 
 from cpattn.drafters.ngram import NgramDrafter
-from cpattn.engine.reference import reference_generate
 from cpattn.models import deepseek_v2, deepseek_v3, deepseek_v32, qwen3, qwen3_moe
 from cpattn.models.generate import (
     disagg_generate, generate, pcp_dcp_config, pcp_dcp_generate, speculative_generate,
@@ -44,7 +45,7 @@ def model(name):
 
 def expect(name, prompts):
     module, cfg, params = model(name)
-    return reference_generate(module.FAMILY, params, cfg, prompts, NEW).tokens
+    return ONE_DEVICE(module.FAMILY, params, cfg, prompts, NEW).tokens  # conftest.py's one_device memo
 
 
 @pytest.mark.slow
