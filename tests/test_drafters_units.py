@@ -364,11 +364,9 @@ def test_training_lowers_the_loss(method, tiny_data):
     assert frozen and all(torch.equal(d.params[n].float(), params["model.embed_tokens.weight"]) for n in frozen)
 
 
-def test_greedy_data_is_the_targets_greedy_continuation(tiny_data):
-    from cpattn.models.generate import generate
-
+def test_greedy_data_is_the_targets_greedy_continuation(tiny_data, one_device):
     cfg, params, data = tiny_data["qwen3"]
-    ref = generate(qwen3, params, cfg, data.tokens[:2, :6].tolist(), 10).tokens
+    ref = one_device("qwen3", params, cfg, data.tokens[:2, :6].tolist(), 10).tokens
     assert torch.equal(data.tokens[:2, 6:], ref)
     assert torch.equal(data.greedy[:, 5:-1], data.tokens[:, 6:])
 

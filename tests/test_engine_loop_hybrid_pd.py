@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+from ref.greedy import ONE_DEVICE
 
 import cpattn
 from cpattn.config import SchedulerConfig
@@ -53,13 +54,10 @@ def one_device(tokens: list[int]):
     return logits, lin.finish()
 
 
-@functools.lru_cache(maxsize=None)
 def greedy(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """One-device greedy recompute: n tokens, each the argmax of a full prefill's last row."""
-    toks = list(prompt)
-    for _ in range(n):
-        toks.append(int(one_device(toks)[0][-1].argmax()))
-    return tuple(toks[len(prompt):])
+    """The one-device greedy recompute of tests/ref/greedy.py (conftest's ``one_device``): n tokens."""
+    cfg, params = model()
+    return tuple(ONE_DEVICE.tokens(qn.FAMILY, params, cfg, list(prompt), n))
 
 
 def expected(r: dict) -> list[int]:

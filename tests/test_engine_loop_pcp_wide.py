@@ -239,7 +239,7 @@ def test_drafters_reading_hidden_states_get_rank0s_rows(method, pcp, dcp):
     proposal the head's drafts recomputed from scratch, drafts get accepted."""
     from spec_methods_cases import TARGET_OF, Recorder, head, prompts, reference_drafts, target
 
-    from cpattn.engine.reference import reference_generate
+    from ref.greedy import ONE_DEVICE
 
     name, cfg, params = target(TARGET_OF[method])
     drafter = Recorder(head(method))
@@ -249,7 +249,7 @@ def test_drafters_reading_hidden_states_get_rank0s_rows(method, pcp, dcp):
                        scheduler=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3))
     ids, _ = run_schedule(engine, sched)
     for i, rid in ids.items():
-        want = reference_generate(name, params, cfg, [sched[i]["prompt"]], 6).tokens[0].tolist()
+        want = ONE_DEVICE.tokens(name, params, cfg, sched[i]["prompt"], 6)
         assert list(engine.scheduler.requests[rid].output) == want, (method, i)
     s = engine.stats
     assert s.pcp_steps > 0 and s.drafted_tokens > 0 and s.accepted_tokens > 0 and s.blocks_used == 0, s

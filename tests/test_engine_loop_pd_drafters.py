@@ -30,6 +30,7 @@ import pytest
 import torch
 from spec_methods_cases import TARGET_OF, Recorder, head, target
 from spec_methods_cases import prompts as corpus_prompts
+from ref.greedy import ONE_DEVICE
 
 import cpattn
 from cpattn.config import SchedulerConfig
@@ -37,7 +38,6 @@ from cpattn.engine.batch import Prompts
 from cpattn.engine.composed import composed
 from cpattn.engine.connector_pd import PDConnector, usable_blocks
 from cpattn.engine.hidden_rows import hidden_names
-from cpattn.engine.dense_cache import DenseKVCache
 from cpattn.engine.driver import engine_configs, generate, step_loop_runs
 from cpattn.engine.family import get_family
 from cpattn.engine.llm import LLMEngine, SamplingParams
@@ -56,17 +56,10 @@ def model(method: str):
     return target(TARGET_OF[method])
 
 
-@functools.lru_cache(maxsize=None)
 def greedy(method: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """One-device greedy recompute: n tokens, each the argmax of the last row of a full dense prefill."""
+    """The one-device greedy recompute of tests/ref/greedy.py (conftest's ``one_device``): n tokens."""
     name, cfg, params = model(method)
-    fam = get_family(name)
-    toks = list(prompt)
-    for _ in range(n):
-        cache = DenseKVCache.empty(fam.kv_layouts(cfg), batch=1, max_len=len(toks), dtype=torch.float64)
-        logits = fam.forward(params, cfg, torch.tensor(toks), cache.step([len(toks)]))
-        toks.append(int(logits[-1].argmax()))
-    return tuple(toks[len(prompt):])
+    return tuple(ONE_DEVICE.tokens(name, params, cfg, list(prompt), n))
 
 
 def schedule(method: str, shared: bool = False) -> list[dict]:

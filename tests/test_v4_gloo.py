@@ -59,16 +59,13 @@ def MODEL():
 PROMPTS, NEW = [[5, 9, 2, 7, 1], [(3 * i + 1) % 64 for i in range(37)]], 6
 
 
-def test_pcp_and_dcp_on_gloo():
+def test_pcp_and_dcp_on_gloo(one_device):
     import cpattn
     from cpattn.v4.pcp import v4_pcp_plan
 
     ranks = spawn(2, both, timeout_s=240)
-    from cpattn.models import deepseek_v4 as v4
-    from cpattn.models import generate as gen
-
     cfg, params = MODEL()
-    want = gen.generate(v4, params, cfg, PROMPTS, NEW).tokens
+    want = one_device("deepseek_v4", params, cfg, PROMPTS, NEW).tokens
     for r, (_, _, (colocated, pd, facts)) in enumerate(ranks):
         assert torch.equal(colocated, want) and torch.equal(pd, want), f"rank {r}"
         assert (facts.bytes_sent > 0) if r == 0 else (facts.bytes_received > 0)  # the hand-off crossed ranks
