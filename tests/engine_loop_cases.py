@@ -1,8 +1,10 @@
-"""Helpers of tests/test_engine_loop.py: a schedule run through LLMEngine, and its gloo rank function."""
+"""Helpers of tests/test_engine_loop*.py: a schedule run through LLMEngine, its gloo rank function, and two
+spies (every rank's logits checked equal each step; the calls a function gets from every rank's thread)."""
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -83,3 +85,43 @@ def run_arrivals(engine: LLMEngine, reqs: list[dict], params: list) -> tuple[lis
         step += 1
     assert engine.stats.blocks_used == 0
     return [list(engine.scheduler.requests[i].output) for i in ids], engine.stats.preemptions
+
+
+def checked_logits(engine: LLMEngine, dcp: int | None = None) -> list[int]:
+    """Make every step of ``engine`` (a simulated mesh: one result per rank) assert that every rank's logits
+    equal rank 0's; with ``dcp``, the runners of ranks ``dcp..`` (outside the DCP group) also raise if they run
+    a DCP step. Returns a one-item list counting the checked rows."""
+    seen, execute = [0], engine._execute
+
+    def run(out):
+        results = execute(out)
+        for r, res in enumerate(results[1:], 1):
+            assert list(res.logits) == list(results[0].logits), r
+            for rid in results[0].logits:
+                assert torch.equal(res.logits[rid], results[0].logits[rid]), (r, rid)
+                seen[0] += 1
+        return results
+
+    def no_step(*_, **__):
+        raise AssertionError("a rank outside the DCP group ran a DCP step")
+
+    for r in engine.runners[dcp:] if dcp is not None else ():
+        r._step = no_step
+    engine._execute = run
+    return seen
+
+
+def record_group_calls(monkeypatch, owner, name: str, group_arg: int = 0, calls: list | None = None) -> list:
+    """Replace ``owner.name`` (a module's function, or a class's method: ``group_arg`` 1 skips ``self``) by a
+    spy that appends ``(group.rank, group.size)`` of its group argument to ``calls`` (a new list unless given;
+    returned) on every call, from any thread."""
+    calls, lock, real = [] if calls is None else calls, threading.Lock(), getattr(owner, name)
+
+    def spy(*args, **kw):
+        group = args[group_arg]
+        with lock:
+            calls.append((group.rank, group.size))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls

@@ -14,11 +14,10 @@ every step. Then ``generate`` with pcp_size=2, dcp_size=4 (now the step loop) ag
 from __future__ import annotations
 
 import functools
-import threading
 
 import pytest
 import torch
-from engine_loop_cases import run_schedule
+from engine_loop_cases import checked_logits, record_group_calls, run_schedule
 from ref.greedy import ONE_DEVICE
 
 from cpattn.config import SchedulerConfig
@@ -64,35 +63,10 @@ def schedule(vocab: int, pcp: int, dcp: int, seed: int = 0) -> list[dict]:
             dict(prompt=toks(pcp + 1), max_tokens=6, arrive=7)]
 
 
-def checked_logits(engine: LLMEngine) -> list[int]:
-    """Make every step assert that every rank's logits equal rank 0's; returns the list counting checked rows."""
-    seen, execute = [0], engine._execute
-
-    def run(out):
-        results = execute(out)
-        for r, res in enumerate(results[1:], 1):
-            assert list(res.logits) == list(results[0].logits), r
-            for rid in results[0].logits:
-                assert torch.equal(res.logits[rid], results[0].logits[rid]), (r, rid)
-                seen[0] += 1
-        return results
-
-    engine._execute = run
-    return seen
-
-
 @pytest.fixture
 def prefill_calls(monkeypatch):
     """Every PCP prefill call of run_prefill_rows: (PCP group rank, size), from every rank's thread."""
-    calls, lock, real = [], threading.Lock(), runner_pcp.prefill
-
-    def spy(group, *args, **kw):
-        with lock:
-            calls.append((group.rank, group.size))
-        return real(group, *args, **kw)
-
-    monkeypatch.setattr(runner_pcp, "prefill", spy)
-    return calls
+    return record_group_calls(monkeypatch, runner_pcp, "prefill")
 
 
 CASES = [  # family, pcp, dcp, heads, interleave, budget

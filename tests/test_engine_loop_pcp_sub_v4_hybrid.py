@@ -19,11 +19,10 @@ caching in the step loop (V4: no per-token blocks; hybrid: no state snapshots), 
 from __future__ import annotations
 
 import functools
-import threading
 
 import pytest
 import torch
-from engine_loop_cases import check_schedule
+from engine_loop_cases import check_schedule, checked_logits, record_group_calls
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine import runner_hybrid_pcp
@@ -58,41 +57,12 @@ def schedule(family: str, pcp: int) -> list[dict]:
             for s, (n, a, m) in enumerate(zip(lens, arrive, max_tokens))]
 
 
-def checked_logits(engine: LLMEngine) -> list[int]:
-    """Make every step assert that every rank's logits equal rank 0's; returns the list counting checked rows."""
-    seen, execute = [0], engine._execute
-
-    def run(out):
-        results = execute(out)
-        for r, res in enumerate(results[1:], 1):
-            assert list(res.logits) == list(results[0].logits), r
-            for rid in results[0].logits:
-                assert torch.equal(res.logits[rid], results[0].logits[rid]), (r, rid)
-                seen[0] += 1
-        return results
-
-    engine._execute = run
-    return seen
-
-
 @pytest.fixture
 def prefill_calls(monkeypatch):
     """Every prefill call of the V4 backend / the hybrid PCP chunks: (group rank, group size), from every rank."""
-    calls, lock = [], threading.Lock()
     v4 = type(get_family("deepseek_v4").backend)  # a frozen dataclass: its class's method
-    real_v4, real_hybrid = v4.prefill, runner_hybrid_pcp.hybrid_prefill
-
-    def spy(real, method: bool):
-        def call(*args, **kw):
-            group = args[int(method)]
-            with lock:
-                calls.append((group.rank, group.size))
-            return real(*args, **kw)
-        return call
-
-    monkeypatch.setattr(v4, "prefill", spy(real_v4, True))
-    monkeypatch.setattr(runner_hybrid_pcp, "hybrid_prefill", spy(real_hybrid, False))
-    return calls
+    calls = record_group_calls(monkeypatch, v4, "prefill", group_arg=1)
+    return record_group_calls(monkeypatch, runner_hybrid_pcp, "hybrid_prefill", calls=calls)
 
 
 CASES = [  # family, pcp, dcp, heads, captured, num_blocks (of dcp * 4 tokens: 48 or 36 of KV accounting)

@@ -17,11 +17,10 @@ more) and real gloo processes.
 from __future__ import annotations
 
 import functools
-import threading
 
 import pytest
 import torch
-from engine_loop_cases import run_schedule
+from engine_loop_cases import checked_logits, record_group_calls, run_schedule
 
 from cpattn.config import SchedulerConfig
 from cpattn.engine import runner_pcp
@@ -57,41 +56,10 @@ def schedule(vocab: int, pcp: int, dcp: int, seed: int = 0) -> list[dict]:
             dict(prompt=base + toks(3), max_tokens=5, arrive=2), dict(prompt=base + toks(7), max_tokens=4, arrive=5)]
 
 
-def checked(engine: LLMEngine, dcp: int) -> list[int]:
-    """Every step asserts each rank's logits equal rank 0's; the ranks outside the DCP group run no DCP step.
-    Returns the list counting checked rows."""
-    seen, execute = [0], engine._execute
-
-    def run(out):
-        results = execute(out)
-        for r, res in enumerate(results[1:], 1):
-            assert list(res.logits) == list(results[0].logits), r
-            for rid in results[0].logits:
-                assert torch.equal(res.logits[rid], results[0].logits[rid]), (r, rid)
-                seen[0] += 1
-        return results
-
-    def no_step(*_, **__):
-        raise AssertionError("a rank outside the DCP group ran a DCP step")
-
-    for r in engine.runners[dcp:]:
-        r._step = no_step
-    engine._execute = run
-    return seen
-
-
 @pytest.fixture
 def prefill_calls(monkeypatch):
     """Every PCP prefill call of run_prefill_rows: (PCP group rank, size), from every rank's thread."""
-    calls, lock, real = [], threading.Lock(), runner_pcp.prefill
-
-    def spy(group, *args, **kw):
-        with lock:
-            calls.append((group.rank, group.size))
-        return real(group, *args, **kw)
-
-    monkeypatch.setattr(runner_pcp, "prefill", spy)
-    return calls
+    return record_group_calls(monkeypatch, runner_pcp, "prefill")
 
 
 def check_layout(engine: LLMEngine, pcp: int, dcp: int) -> None:
@@ -132,7 +100,7 @@ def test_pcp_wider_than_dcp_gives_one_device_greedy_tokens(family, pcp, dcp, int
                        graph_mode=graph_mode, num_blocks=40, poison=True,
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4))
     check_layout(engine, pcp, dcp)
-    rows = checked(engine, dcp)
+    rows = checked_logits(engine, dcp)
     sched = schedule(cfg.vocab_size, pcp, dcp)
     want = expected(one_device, family, sched)
     ids, steps = run_schedule(engine, sched)
@@ -163,7 +131,7 @@ def test_preemption_recomputes_in_step_on_every_rank(family, pcp, dcp, one_devic
              for n in (9, 11, 7)]
     engine = LLMEngine(family, params, cfg, dcp_size=dcp, pcp_size=pcp, block_size=2, num_blocks=14 // dcp,
                        poison=True, scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=3))
-    checked(engine, dcp)
+    checked_logits(engine, dcp)
     ids, _ = run_schedule(engine, sched)
     want = expected(one_device, family, sched)
     for i, rid in ids.items():
@@ -179,7 +147,7 @@ def test_elastic_short_chunks_run_dcp_with_the_decodes(one_device):
     engine = LLMEngine("qwen3", params, cfg, dcp_size=2, pcp_size=3, block_size=4, num_blocks=40, poison=True,
                        pcp_policy="elastic", pcp_min_tokens=8,
                        scheduler=SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4))
-    checked(engine, 2)
+    checked_logits(engine, 2)
     sched = schedule(cfg.vocab_size, 3, 2, seed=1)
     ids, steps = run_schedule(engine, sched)
     want = expected(one_device, "qwen3", sched)
