@@ -34,8 +34,8 @@ Example (the simulated mesh: the same code as gloo ranks)
 >>> out = cpattn.simulate(3, rank)
 >>> out[1] == out[2], out[2][1]
 (True, {'calls': [], 'stop': True})
->>> out[1][0]["calls"][0][3]
-SamplingParams(max_tokens=2, stop_token_ids=(), temperature=0.5, top_p=1.0, top_k=0, seed=None, logprobs=None)
+>>> out[1][0]["calls"][0][3] == SamplingParams(max_tokens=2, temperature=0.5)
+True
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from cpattn.comm.group import Group
+from cpattn.engine.outputs import RequestOutputKind
 from cpattn.engine.sampling import SamplingParams
 
 
@@ -57,18 +58,20 @@ def params_json(p: SamplingParams) -> dict:
     [7]
     """
     d = dataclasses.asdict(p)
-    d["stop_token_ids"] = list(d["stop_token_ids"])
+    d["stop_token_ids"], d["output_kind"] = list(d["stop_token_ids"]), p.output_kind.name
     return d
 
 
 def params_from(d: dict) -> SamplingParams:
     """The SamplingParams of :func:`params_json`'s dict.
 
-    >>> p = SamplingParams(max_tokens=3, stop_token_ids=(7,), temperature=0.7, top_p=0.9, seed=2**62)
+    >>> p = SamplingParams(max_tokens=3, stop_token_ids=(7,), temperature=0.7, top_p=0.9, seed=2**62,
+    ...                    output_kind=RequestOutputKind.DELTA)
     >>> params_from(json.loads(json.dumps(params_json(p)))) == p
     True
     """
-    return SamplingParams(**{**d, "stop_token_ids": tuple(d["stop_token_ids"])})
+    return SamplingParams(**{**d, "stop_token_ids": tuple(d["stop_token_ids"]),
+                             "output_kind": RequestOutputKind[d.get("output_kind", "CUMULATIVE")]})
 
 
 def _wire(calls: list[tuple]) -> list[list]:
