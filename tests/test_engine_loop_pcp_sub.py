@@ -160,16 +160,14 @@ def test_drafters_reading_hidden_states_get_the_sub_groups_rows(method):
             assert d == reference_drafts(drafter.drafter, name, params, cfg, h, 2), (method, len(h))
 
 
-def test_v4_and_hybrid_run_a_sub_group_but_not_pcp_over_dcp():
-    """Hybrid models and DeepSeek-V4 take 1 < pcp_size < dcp_size too (tests/test_engine_loop_pcp_sub_v4_hybrid.py:
-    generate runs the step loop for them); they take no pcp_size > dcp_size (paged families do:
-    tests/test_engine_loop_pcp_wide.py)."""
+def test_v4_and_hybrid_run_a_sub_group_and_pcp_over_dcp():
+    """Hybrid models and DeepSeek-V4 take 1 < pcp_size < dcp_size too (tests/test_engine_loop_pcp_sub_v4_hybrid.py)
+    and pcp_size > dcp_size (tests/test_engine_loop_pcp_wide_v4_hybrid.py): generate runs the step loop for both."""
     for name in ("qwen3_next", "deepseek_v4"):
         cfg = get_family(name).config_class.tiny()
-        pre, dec = engine_configs(name, cfg, pcp_size=2, dcp_size=4, block_size=4)
-        assert step_loop_runs(get_family(name), cfg, pre, dec)
-        with pytest.raises(ValueError, match=f"pcp_size=4 with dcp_size=2: {name}'s runner runs PCP within its DCP"):
-            LLMEngine(name, {}, cfg, dcp_size=2, pcp_size=4)
+        for pcp, dcp in ((2, 4), (4, 2)):
+            pre, dec = engine_configs(name, cfg, pcp_size=pcp, dcp_size=dcp, block_size=4)
+            assert step_loop_runs(get_family(name), cfg, pre, dec), (name, pcp, dcp)
 
 
 @pytest.mark.slow

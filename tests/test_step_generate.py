@@ -48,6 +48,8 @@ def batch(vocab: int) -> list[list[int]]:
     ("qwen3_next", dict(pcp_size=2, dcp_size=2)),  # hybrid: paged KV + recurrent states
     ("deepseek_v4", dict(pcp_size=2, dcp_size=4)),  # PCP over a sub-group: ranks 2, 3 get their V4 shares
     ("qwen3_next", dict(pcp_size=2, dcp_size=4)),  # PCP over a sub-group: rank 0's linear states to ranks 2, 3
+    ("deepseek_v4", dict(pcp_size=3, dcp_size=2)),  # PCP wider than DCP: V4 state on ranks 0, 1 only (runner_wide)
+    ("qwen3_next", dict(pcp_size=4, dcp_size=2)),  # PCP wider than DCP: KV rows + linear states on ranks 0, 1 only
     pytest.param("qwen3_next", dict(dcp_size=2), marks=pytest.mark.slow),
 ])
 def test_the_step_loop_gives_the_drivers_generation(family, layout):
@@ -119,15 +121,14 @@ class _HiddenDrafter(NgramDrafter):
 
 
 def test_layouts_one_engine_cannot_run_are_refused():
-    cfg = get_family("deepseek_v4").config_class.tiny()  # refused before any weight is read
-    pre, dec = engine_configs("deepseek_v4", cfg, pcp_size=4, dcp_size=2)
-    with pytest.raises(ValueError, match="pcp_size=4 with dcp_size=2: deepseek_v4's runner runs PCP within its DCP"):
-        step_generate("deepseek_v4", {}, cfg, [[1, 2]], 2, prefill=pre, decode=dec)
+    cfg = get_family("qwen3").config_class.tiny()  # refused before any weight is read
+    pre, dec = engine_configs("qwen3", cfg, pcp_size=3, dcp_size=2, pd=True, interleave_size=4, block_size=4)
+    with pytest.raises(ValueError, match="num_attention_heads % tp_size == 0"):  # a P/D producer of 3: 4 heads % 3
+        step_generate("qwen3", {}, cfg, [[1, 2]], 2, prefill=pre, decode=dec)
 
 
 @pytest.mark.parametrize("family, layout, drafter, why", [
     ("qwen3", dict(pcp_size=3, dcp_size=2, pd=True, interleave_size=4), None, "engine is refused"),  # 4 heads % 3
-    ("qwen3_next", dict(pcp_size=4, dcp_size=2), None, "qwen3_next's runner runs PCP within its DCP group"),
 ])
 def test_generate_keeps_the_composition_for_what_the_step_loop_cannot_run(family, layout, drafter, why):
     from cpattn.engine.driver import step_loop_runs

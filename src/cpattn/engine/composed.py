@@ -1,10 +1,10 @@
 """The fixed-batch composition of :func:`cpattn.engine.driver.generate`: a prefill mesh, the hand-off, a decode mesh.
 
 :func:`~cpattn.engine.driver.generate` runs through the step loop where it can
-(:mod:`cpattn.engine.step_generate`; paged families with PCP over more ranks than the decode's, P > N,
-too: :mod:`cpattn.engine.runner_wide`); :func:`composed` runs the rest -- deepseek_v4 and hybrid models
-with P > N, engines the layout rules refuse
-(:func:`~cpattn.engine.step_generate.refusal`) -- and is what
+(:mod:`cpattn.engine.step_generate`; every family with PCP over more ranks than the decode's, P > N,
+too: :mod:`cpattn.engine.runner_wide`); :func:`composed` runs the rest -- engines the layout rules refuse
+(:func:`~cpattn.engine.step_generate.refusal`, e.g. a P/D producer whose size does not divide the heads) --
+and is what
 tests/test_step_generate.py compares the step loop with: P simulated ranks prefill, the KV travels in
 memory (rows, or whole blocks for a P/D consumer: :func:`_simulated_pd`, the torch.distributed run's own
 per-rank code), N simulated ranks decode.

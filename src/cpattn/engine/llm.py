@@ -210,7 +210,7 @@ class LLMEngine:
             raise ValueError(f"pcp_policy={pcp_policy!r}: a deepseek_v4 prompt is prefilled in one step by its own "
                              "runner; pass pcp_policy='always'")
         extra = {"connector": self.connector} if v4 else {"pcp_min_tokens": pcp_min}  # V4 P/D: the runner hands off
-        extra.update({"dcp_size": n} if pcp > n else {})  # paged runners only: the DCP group, the world's first n
+        extra.update({"dcp_size": n} if pcp > n else {})  # the DCP group, the world's first n (runner_wide)
         if hybrid:  # hybrid P/D: the runner stages / installs the linear states (connector_hybrid)
             extra["connector"] = self.connector
 

@@ -33,7 +33,9 @@ get their KV rows and rank 0's states and logits): the attention layers by ring 
 cached context gathered from the DCP shards as a replicated prefix (as :mod:`cpattn.engine.runner_pcp`), the
 linear layers by the exact scan (:class:`~cpattn.linear.pcp_step.PCPLinearStep`) starting from each request's
 slot; every rank ends with the same states, written back to the slots, and the new KV rows go to their DCP
-owners by the paged hand-off. The step's decodes (and shorter chunks) then run the DCP step.
+owners by the paged hand-off. The step's decodes (and shorter chunks) then run the DCP step. With
+``pcp_size > dcp_size`` (``dcp_size=``, :mod:`cpattn.engine.runner_wide`) the chunks run PCP over the whole
+world and its ranks past the DCP group hold no KV and no states (DCP rank 0's decode outputs).
 P/D (``connector``: the engine's bound :class:`~cpattn.engine.connector_hybrid.HybridPDConnector`): a producer's
 row that ends a prompt stages the request's slot states and its logits with the connector; a consumer's prompt
 rows of a handed request compute nothing (:meth:`HybridStepRunner._handed`: the handed KV rows written into the
@@ -165,7 +167,7 @@ class HybridStepRunner(StepRunner):
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0,
-                 connector=None) -> None:
+                 connector=None, dcp_size: int | None = None) -> None:
         family = get_family(model)
         if family.cache != "hybrid":
             raise ValueError(f"HybridStepRunner runs families declaring cache='hybrid'; {family.name} declares "
@@ -175,13 +177,14 @@ class HybridStepRunner(StepRunner):
                              "compiler; use graph_backend='eager' (or 'auto') or graph_mode='NONE'")
         super().__init__(group, family, params, cfg, num_blocks=num_blocks, block_size=block_size,
                          max_model_len=max_model_len, interleave_size=interleave_size, merge=merge, capture=None,
-                         max_num_seqs=max_num_seqs, pcp_size=1, pcp_method=pcp_method, poison=poison,
-                         pcp_min_tokens=pcp_min_tokens)
+                         max_num_seqs=max_num_seqs, pcp_size=pcp_size if self._wide(group, dcp_size) else 1,
+                         pcp_method=pcp_method, poison=poison, pcp_min_tokens=pcp_min_tokens, dcp_size=dcp_size)
         self.connector = connector  # the engine's bound KV connector (P/D: connector_hybrid), or None
-        self.pcp_size = check_pcp_size(pcp_size, group, "HybridStepRunner", sub_group=True)  # not StepRunner's:
-        self.pcp_group = pcp_group(group, self.pcp_size)  # the chunks' PCP runs in runner_hybrid_pcp.pcp_chunks
-        dev = params["model.embed_tokens.weight"].device
-        self.states = family.recurrent_cache(cfg, batch=max_num_seqs, dtype=param_dtype(params), device=dev)
+        self.pcp_size = check_pcp_size(pcp_size, self.world, "HybridStepRunner", sub_group=True)  # not StepRunner's:
+        self.pcp_group = pcp_group(self.world, self.pcp_size)  # the chunks' PCP: runner_hybrid_pcp.pcp_chunks
+        dev = params["model.embed_tokens.weight"].device  # outside the DCP group (runner_wide): no slot states
+        self.states = family.recurrent_cache(cfg, batch=0 if self.group is None else max_num_seqs,
+                                             dtype=param_dtype(params), device=dev)
         for t in (*self.states.conv, *self.states.state):
             t.fill_(float("nan"))  # a free slot: never read
         self.slots: dict[Hashable, int] = {}
@@ -189,12 +192,12 @@ class HybridStepRunner(StepRunner):
         self._free = list(range(max_num_seqs))
         self.k = k = num_speculative_tokens
         self.hidden_layers = hidden_layers  # a drafter's (MTP): StepRunner._forward hands each row's rows back
-        self._step = functools.partial(hybrid_loop_step, family=self.family, cfg=cfg, group=group, merge=merge,
+        self._step = functools.partial(hybrid_loop_step, family=self.family, cfg=cfg, group=self.group, merge=merge,
                                        hidden_layers=hidden_layers)
         self._state = {"params": params, "shard": self.shard, "states": self.states}
         if k:  # the state after each of a verify row's 1 + k positions, committed at the accepted one
             self._state["pending"] = pending_states(self.states, 1 + k)
-        if capture is not None:
+        if capture is not None and self.group is not None:
             fields = {**step_fields(self.max_blocks), "slots": Field("request", (), torch.int64, pad=-1)}
             if k:
                 fields["verify"] = Field("request", (), torch.bool, pad=False)
@@ -203,6 +206,11 @@ class HybridStepRunner(StepRunner):
             self.graph = DecodeRunner(step, self._state, fields, num_speculative_tokens=k,
                                       capture_sizes=list(capture_sizes) if capture_sizes else None,
                                       max_size=max_num_seqs * (1 + k), backend=capture).capture()
+
+    @staticmethod
+    def _wide(group: Group, dcp_size: int | None) -> bool:
+        """PCP over a world wider than the DCP group (:mod:`~.runner_wide`: StepRunner splits off the first N)."""
+        return dcp_size is not None and dcp_size != group.size
 
     @property
     def live(self) -> int:
@@ -219,9 +227,9 @@ class HybridStepRunner(StepRunner):
             self.seen.pop(rid, None)
             if slot is None:
                 continue
-            for t in (*self.states.conv, *self.states.state):
-                t[slot] = float("nan")
             self._free.append(slot)
+            for t in (*self.states.conv, *self.states.state) if self.group is not None else ():
+                t[slot] = float("nan")
 
     def batch(self, out: SchedulerOutput, width: int | None = None) -> dict[str, torch.Tensor]:
         """:meth:`StepRunner.batch` plus ``slots`` [B]: each row's state slot (and, with drafts, ``verify`` [B]:
@@ -256,8 +264,9 @@ class HybridStepRunner(StepRunner):
         rows = [b for b, d in enumerate(out.draft_tokens) if d]
         if rows:  # each verify row keeps the state after its last accepted token (the bonus token's input)
             acc = [len(res.outputs[out.req_ids[b]].sampled) - 1 for b in rows]
-            commit_positions(self.states, self._state["pending"],
-                             torch.tensor([self.slots[out.req_ids[b]] for b in rows]), torch.tensor(acc))
+            if self.group is not None:  # outside the DCP group: no states
+                commit_positions(self.states, self._state["pending"],
+                                 torch.tensor([self.slots[out.req_ids[b]] for b in rows]), torch.tensor(acc))
             for b, a in zip(rows, acc):
                 self.seen[out.req_ids[b]] -= len(out.draft_tokens[b]) - a  # rejected drafts: not absorbed
         for b, rid in enumerate(out.req_ids):

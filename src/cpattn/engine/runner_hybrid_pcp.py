@@ -1,4 +1,4 @@
-"""A hybrid step's prefill chunks under PCP, over the DCP group or its first ``pcp_size`` ranks.
+"""A hybrid step's prefill chunks under PCP, over the DCP group, its first ``pcp_size`` ranks, or a wider world.
 
 :class:`~cpattn.engine.runner_hybrid.HybridStepRunner` runs a step's long prefill chunks (every row a
 prefill) split head-tail over its PCP group (``runner.pcp_group``: the DCP group, or its first P ranks when
@@ -15,6 +15,13 @@ exact scan continuing each request's slot states. Then, on every DCP rank:
   expects: a rank outside the sub-group takes DCP rank 0's (:func:`cpattn.engine.runner_pcp.from_rank0`, one
   message per dtype), with the first-token logits, prompt logits and hidden states
   (:func:`cpattn.engine.runner_pcp.outputs_from_rank0`).
+
+PCP wider than the DCP group (``pcp_size = P > dcp_size = N``, :mod:`cpattn.engine.runner_wide`): the PCP group is
+the engine's world of P ranks, its first N the DCP group (``runner.group``, None on the others, which hold no KV
+and no slot states). A chunk continuing a cached context starts, on every PCP rank, from DCP rank 0's slot states
+(one message per dtype); the context rows are gathered from the DCP shards (the others add zeros), the new rows go
+to their DCP owners over the world (:func:`~cpattn.engine.handoff.exchange` with decode size N), and the states
+after the chunk and the outputs are every PCP rank's own (the same on all), written to the slots on the DCP ranks.
 
 Example
 -------
@@ -86,21 +93,27 @@ def pcp_chunks(runner, out: SchedulerOutput):
     """The step's prefill chunks under PCP (every row a prefill; module docstring), on every DCP rank.
     Returns ({req_id: ModelOutput}, {req_id: logits [1, V]}, {req_id: {name: [q, H]}} every new row's hidden
     states, or None without ``hidden_layers``)."""
-    g, pg = runner.group, runner.pcp_group
+    # w: the engine's world (the DCP group, or wider: runner_wide), its first n ranks the DCP group g (None on
+    # the others); pg: the PCP group (None on a DCP rank outside a PCP sub-group)
+    w, g, pg, n = runner.world, runner.group, runner.pcp_group, runner.dcp_size
     table = runner.batch(out, max(len(ids) for ids in out.block_tables))["block_table"]
     view = replace(runner.shard, block_table=table)
     ctx = tuple(out.context_lens)
-    prefix = Prefix(cached_rows(g, view, ctx), ctx)
+    prefix = Prefix(cached_rows(w, view, ctx, n), ctx)
     prompts = Prompts.of([[0] * c + list(ids) for c, ids in zip(ctx, out.input_ids)],
                          vocab_size=runner.cfg.vocab_size)
     slots = torch.tensor([runner.slots[r] for r in out.req_ids], dtype=torch.int64)
     keep = torch.tensor([c > 0 for c in ctx])
 
     def take(t):
+        if g is None:  # outside the DCP group: no states (DCP rank 0's below)
+            return torch.zeros(len(slots), *t.shape[1:], dtype=t.dtype)
         x = t[slots]
         return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
 
     init = RecurrentCache(tuple(map(take, runner.states.conv)), tuple(map(take, runner.states.state)))
+    if w is not g and any(ctx):  # PCP wider than the DCP group: every PCP rank starts from DCP rank 0's states
+        init = _from_rank0_states(w, init, init)
     chunks = runner.chunk_logits  # a dict while the runner hands back prompt logits
     res = None if pg is None else hybrid_prefill(pg, runner.family, runner.params, runner.cfg, prompts,
                                                  algorithms=runner.algorithms, prefix=prefix, states=init,
@@ -108,19 +121,24 @@ def pcp_chunks(runner, out: SchedulerOutput):
     if pg is g:
         paged_handoff(g, g, g, view, res, runner.algorithms)
         states, first, full, hid = res.states, res.first_logits, res.prompt_logits, res.hidden
-    else:  # a sub-group: the rows to their owners over the DCP group, rank 0's states and outputs to all
+    else:  # a sub-group or a wider world: the rows to their DCP owners over the world
         plan = pcp_plan(cu_seqlens(out.query_lens), runner.pcp_size, context_lens=ctx) if res is None else res.plan
         width = row_width(view.layouts)
-        got, req, pos, _ = exchange(g, None if res is None else res.rows, plan, pcp_size=runner.pcp_size,
-                                    dcp_size=g.size, interleave_size=view.interleave_size, width=width,
+        got, req, pos, _ = exchange(w, None if res is None else res.rows, plan, pcp_size=runner.pcp_size,
+                                    dcp_size=n, interleave_size=view.interleave_size, width=width,
                                     dtype=prefix.rows.dtype, method=runner.algorithms.handoff)
-        place_rows(view, got, req, pos, rank=g.rank, dcp_size=g.size)
+        if g is not None:
+            place_rows(view, got, req, pos, rank=w.rank, dcp_size=n)
+    if pg is w and pg is not g:  # a wider world: every rank ran the chunks, its own states and outputs
+        states, first, full, hid = res.states, res.first_logits, res.prompt_logits, res.hidden
+    elif pg is not g:  # a sub-group: DCP rank 0's states and outputs to every DCP rank
         states = _from_rank0_states(g, None if res is None else res.states, init)
         first, full, hid = outputs_from_rank0(g, *(3 * [None] if res is None else
                                                    [res.first_logits, res.prompt_logits, res.hidden]),
                                               prompt_logits=chunks is not None, hidden_layers=runner.hidden_layers)
     for dst, src in zip((*runner.states.conv, *runner.states.state), (*states.conv, *states.state)):
-        dst[slots] = src.to(dst.dtype)
+        if g is not None:  # outside the DCP group (runner_wide): no slot states to keep
+            dst[slots] = src.to(dst.dtype)
     chosen = first.argmax(-1).tolist()  # first: [B, V]
     if any(out.sampling):  # None: a greedy row
         chosen = choose(first, chosen, sampled_positions(out, last_only=True))

@@ -14,7 +14,9 @@ request the block pool admits):
   rank alone, replicated), the backend's ``collect`` / ``place`` seed the
   request's slot with its tail rows and this DCP rank's entries (as the
   fixed-batch path's hand-off does; a rank outside a PCP sub-group receives its
-  share: :mod:`cpattn.engine.runner_v4_pcp`), and the first token is
+  share: :mod:`cpattn.engine.runner_v4_pcp`; with ``pcp_size > dcp_size`` the
+  prefill runs over the whole world and its ranks past the DCP group hold no
+  state, taking DCP rank 0's decode outputs: :mod:`cpattn.engine.runner_wide`), and the first token is
   sampled from the prefill's logits (greedy, or the request's sampling
   parameters through :mod:`cpattn.engine.sampling`, as the paged runner);
 - the step's decode rows run together through the backend's decode program
@@ -85,6 +87,7 @@ from cpattn.engine.hidden_rows import handed_hidden
 from cpattn.engine.options import Algorithms
 from cpattn.engine.runner import StepResult, check_pcp_size
 from cpattn.engine.runner_v4_pcp import prefill_group, prefill_slots
+from cpattn.engine.runner_wide import dcp_of, step_from_rank0
 from cpattn.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from cpattn.graphs.runner import DecodeRunner
 from cpattn.layout.rows import cu_seqlens
@@ -190,31 +193,37 @@ class V4StepRunner:
                  block_size: int, max_model_len: int, interleave_size: int = 1, merge: str = ENGINE_MERGE,
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
-                 hidden_layers: tuple | None = None, poison: bool = False, connector=None) -> None:
+                 hidden_layers: tuple | None = None, poison: bool = False, connector=None,
+                 dcp_size: int | None = None) -> None:
         self.connector = connector  # the engine's bound KV connector (V4 P/D: connector_v4), or None
+        # the engine's world, its DCP group (the first dcp_size ranks; None on the others, no state: runner_wide)
+        self.world, self.dcp_size, group = dcp_of(group, dcp_size, pcp_size)
         self.group, self.family, self.params, self.cfg = group, get_family(model), params, cfg
         self.backend = self.family.backend
         if self.backend.name != "v4":
             raise ValueError(f"V4StepRunner runs families declaring cache='v4'; {self.family.name} declares "
                              f"cache={self.family.cache!r}: use cpattn.engine.runner.StepRunner")
         self.hidden_layers = None if hidden_layers is None else tuple(hidden_layers)
-        self.pcp_size = check_pcp_size(pcp_size, group, "V4StepRunner", sub_group=True)
+        self.pcp_size = check_pcp_size(pcp_size, self.world, "V4StepRunner", sub_group=True)
         self.algorithms = Algorithms(pcp_method=pcp_method)
-        self.prefill_group = prefill_group(group, self.pcp_size)  # None outside a PCP sub-group (runner_v4_pcp)
-        if 1 < self.pcp_size < group.size and getattr(getattr(connector, "side", None), "role", None) == "kv_producer":
+        self.prefill_group = prefill_group(self.world, self.pcp_size)  # None outside a PCP sub-group (runner_v4_pcp)
+        role = getattr(getattr(connector, "side", None), "role", None)
+        if 1 < self.pcp_size < self.dcp_size and role == "kv_producer":
             raise ValueError(f"pcp_size={self.pcp_size} with dcp_size={group.size}: a V4 P/D producer stages the "
                              "prefill's state on every rank; pass pcp_size=1 or the producer's dcp_size")
         self.k = int(num_speculative_tokens)
-        longest = min(max_model_len, num_blocks * block_size * group.size)  # the block pool bounds a request
+        longest = min(max_model_len, num_blocks * block_size * self.dcp_size)  # the block pool bounds a request
+        self.slots: dict[Hashable, int] = {}
+        self._free = list(range(max_num_seqs))
+        self.holder = self.program = self.graph = None  # outside the DCP group: no state, no decode program
+        if group is None:
+            return
         lay = cfg.layout(max_rewind=self.k, block_size=block_size)
         cache = V4Cache.empty(lay, batch=max_num_seqs, max_len=longest + self.k + 1, dtype=param_dtype(params),
                               dcp_rank=group.rank, dcp_size=group.size, interleave_size=interleave_size)
         self.holder = V4DecodeCache(cache)
         self.program = self.backend.program(group, self.family, params, cfg, self.holder, merge=merge,
                                             hidden_layers=self.hidden_layers)  # step -> (logits, argmax[, hidden])
-        self.slots: dict[Hashable, int] = {}
-        self._free = list(range(max_num_seqs))
-        self.graph: DecodeRunner | None = None
         if capture is not None:
             q = 1 + self.k
             p = self.program
@@ -227,8 +236,9 @@ class V4StepRunner:
         return len(self.slots)
 
     def kv_bytes(self) -> int:
-        """Bytes of this rank's V4 cache storage (window rings and compressed entries, every slot)."""
-        return self.holder.kv_bytes()
+        """Bytes of this rank's V4 cache storage (window rings and compressed entries, every slot; 0 outside the
+        DCP group)."""
+        return 0 if self.holder is None else self.holder.kv_bytes()
 
     def release(self, req_ids) -> None:
         """Drop the state of ``req_ids`` (finished, aborted or preempted: a readmission recomputes it)."""
@@ -236,12 +246,14 @@ class V4StepRunner:
             slot = self.slots.pop(rid, None)
             if slot is None:
                 continue
+            self._free.append(slot)
+            if self.holder is None:  # outside the DCP group: no state to drop
+                continue
             c = self.holder.cache
             _poison_slot(c, slot)
             lens, high = list(c.seq_lens), list(c.high_water)
             lens[slot] = high[slot] = 0
             self.holder.cache = replace(c, seq_lens=tuple(lens), high_water=tuple(high))
-            self._free.append(slot)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step on this rank (every rank of the group, the same ``out``)."""
@@ -272,10 +284,9 @@ class V4StepRunner:
                           len(pre) if self.pcp_size > 1 else 0, self._hidden, chunk_logits=self.chunk_logits)
 
     def _sent(self) -> int:
-        """Bytes this rank sent so far, over the DCP group and a PCP sub-group."""
-        sub = self.prefill_group
-        return self.group.stats.total_sent() + (0 if sub is None or sub.size in (1, self.group.size)
-                                                else sub.stats.total_sent())
+        """Bytes this rank sent so far, over the world, the DCP group and a PCP group (each counted once)."""
+        groups = {id(g): g for g in (self.world, self.group, self.prefill_group) if g is not None}
+        return sum(g.stats.total_sent() for g in groups.values())
 
     def _prefill(self, out: SchedulerOutput, rows: list[int]):
         """Prefill each row's whole query (context 0), seed its slot, sample its first token."""
@@ -350,19 +361,21 @@ class V4StepRunner:
         rids = [out.req_ids[b] for b in rows]
         slots = [self.slots[r] for r in rids]
         ctx = [out.context_lens[b] for b in rows]
-        held = [self.holder.cache.seq_lens[s] for s in slots]
+        held = ctx if self.holder is None else [self.holder.cache.seq_lens[s] for s in slots]
         if held != ctx:
             raise RuntimeError(f"requests {rids}: the V4 cache holds {held} tokens but the step continues after {ctx}")
         tokens = torch.tensor([t for b in rows for t in out.input_ids[b]], dtype=torch.int64)
-        batch = self.program.batch(slots, ctx, tokens)
+        batch = None if self.program is None else self.program.batch(slots, ctx, tokens)
         t1 = time.perf_counter()
-        replayed = False
-        if graph and self.graph is not None and q == self.graph.q_len:
+        replayed, res = False, None  # res None outside the DCP group: DCP rank 0's outputs below
+        if graph and self.graph is not None and q == self.graph.q_len:  # (no graph outside the DCP group)
             res = self.graph(batch, [q] * len(rows))
             replayed = self.graph.stats.last.startswith("graph")
-        else:
+        elif batch is not None:
             cu = torch.arange(0, (len(rows) + 1) * q, q, dtype=torch.int32)
             res = self.program.step(self.program.state, {**batch, "cu_seqlens_q": cu})
+        if self.world is not self.group:  # PCP wider than the DCP group: every rank takes DCP rank 0's outputs
+            res = step_from_rank0(self.world, res, self.hidden_layers)
         logits, greedy = res[0], res[1]
         full = res[2] if self.hidden_layers is not None else None  # {name: [A * q, ...]}, outputs of the step
         t2 = time.perf_counter()
@@ -379,5 +392,6 @@ class V4StepRunner:
             if full is not None:  # the last token's and the accepted drafts' rows: [1 + a, ...]
                 self._hidden[rids[i]] = {n: h[i * q:i * q + a + 1] for n, h in full.items()}
             kept.append(ctx[i] + 1 + a)
-        self.program.commit(slots, kept)
+        if self.program is not None:
+            self.program.commit(slots, kept)
         return outputs, rows_logits, [t1 - t0, t2 - t1, time.perf_counter() - t2], replayed

@@ -1,4 +1,5 @@
-"""A DeepSeek-V4 step-loop prefill into the runner's slots, on every DCP rank, PCP over the DCP group or a sub-group.
+"""A DeepSeek-V4 step-loop prefill into the runner's slots, on every DCP rank, PCP over the DCP group, a sub-group
+or a wider world.
 
 :class:`~cpattn.engine.runner_v4.V4StepRunner` prefills a step's new prompts over its *prefill group*
 (:func:`prefill_group`): one rank (``pcp_size = 1``: every DCP rank computes the same prefill), the DCP
@@ -10,6 +11,11 @@ computes nothing: it gets each request's *share* (:mod:`cpattn.v4.share`: ring r
 consumer gets it from its producer (:mod:`cpattn.engine.connector_v4`), and the first-token logits (prompt
 logits, hidden states) from DCP rank 0 (:func:`cpattn.engine.runner_pcp.outputs_from_rank0`), so every rank
 holds what the N-rank DCP decode expects and samples the same tokens.
+
+PCP wider than the DCP group (``pcp_size = P > dcp_size = N``, :mod:`cpattn.engine.runner_wide`): the prefill
+group is the engine's whole world of P ranks; every rank collects the whole state and gets the outputs, DCP
+ranks 0..N-1 place their shares (no message: each holds the collected state), ranks N..P-1 hold no state
+(``runner.holder`` None) and take DCP rank 0's decode outputs.
 
 Example
 -------
@@ -93,13 +99,14 @@ def prefill_slots(runner, prompts: list[list[int]], slots: list[int], *, prompt_
         res = backend.prefill(pg, runner.family, runner.params, runner.cfg, batch, algorithms=runner.algorithms,
                               prompt_logits=prompt_logits, hidden_layers=runner.hidden_layers)
         collected = backend.collect(pg, res)
+    if pg is not None and g is not None:  # a DCP rank that prefilled: its share into the slots
         before = runner.holder.cache
         backend.place(runner.holder, to_slots(collected, slots, before.batch), g)
         lens, high = list(before.seq_lens), list(before.high_water)
         for s, n in zip(slots, collected.lens):
             lens[s] = high[s] = n
         runner.holder.cache = replace(runner.holder.cache, seq_lens=tuple(lens), high_water=tuple(high))
-    if runner.pcp_size in (1, g.size):  # every DCP rank prefilled (alone, or in the PCP group)
+    if runner.pcp_size == 1 or pg is runner.world:  # every rank prefilled (alone, or in the PCP group)
         return PrefilledSlots(res.first_logits, res.prompt_logits, res.hidden, collected)
     send_shares(runner, collected, [len(p) for p in prompts], slots)
     first, full, hidden = outputs_from_rank0(g, None if res is None else res.first_logits,

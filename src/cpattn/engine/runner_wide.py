@@ -11,8 +11,10 @@ DCP rank 0's step outputs (logits, argmax, hidden states: :func:`step_from_rank0
 same tokens, and the scheduler each rank runs (the same deterministic copy, its block manager handing out
 ids that refer to no storage there) stays in step: preemption by recompute, later chunks, prefix hits.
 
-N = 1 is PCP prefill with one-rank decode. Runners that keep their own caches (DeepSeek-V4, hybrid models)
-and KV connectors (a pool tier, P/D) are not offered this layout (:func:`check_engine`).
+N = 1 is PCP prefill with one-rank decode. The runners that keep their own caches run it the same way: DeepSeek-V4
+(:mod:`cpattn.engine.runner_v4_pcp`: its state on the first N ranks only) and hybrid models
+(:mod:`cpattn.engine.runner_hybrid_pcp`: KV rows and linear states on the first N ranks only). KV connectors (a
+pool tier, P/D) are not offered this layout (:func:`check_engine`).
 
 >>> import cpattn
 >>> cpattn.simulate(3, lambda g: (lambda w, n, d: (w.size, n, d and d.size))(*dcp_of(g, 2, 3)))
@@ -52,24 +54,22 @@ def step_from_rank0(world: Group, res: tuple | None, hidden_layers: tuple | None
     greedy = from_rank0(world, None if res is None else res[1])
     if hidden_layers is None:
         return logits, greedy
-    names = [*sorted(set(hidden_layers)), "norm"]  # the forward's keys: these layers, then "norm"
+    names = [*sorted({i for i in hidden_layers if i != "norm"}), "norm"]  # the forward's keys: layers, "norm"
     return logits, greedy, {n: from_rank0(world, None if res is None else res[2][n]) for n in names}
 
 
 def check_engine(family, pcp_size: int, dcp_size: int, world: Group | None, connector) -> int:
     """The number of ranks an LLMEngine of this layout runs on (``max(pcp_size, dcp_size)``); a ValueError for
-    what it refuses: ``pcp_size > dcp_size`` for DeepSeek-V4 / hybrid runners or with a KV connector, or a
-    ``world`` of another size.
+    what it refuses: ``pcp_size > dcp_size`` with a KV connector, or a ``world`` of another size.
 
     >>> from cpattn.models.family import get_family
-    >>> check_engine(get_family("qwen3"), 4, 2, None, None)
-    4
+    >>> check_engine(get_family("qwen3"), 4, 2, None, None), check_engine(get_family("deepseek_v4"), 3, 2, None, None)
+    (4, 3)
     """
     p, n = pcp_size, dcp_size
-    if p > n and (family.cache in ("v4", "hybrid") or connector is not None):
-        what = f"{family.name}'s runner runs PCP within its DCP group" if connector is None else \
-            "a KV connector (pool tier, P/D) needs every rank to hold its blocks"
-        raise ValueError(f"pcp_size={p} with dcp_size={n}: {what}; pass pcp_size=1..{n}")
+    if p > n and connector is not None:
+        raise ValueError(f"pcp_size={p} with dcp_size={n}: a KV connector (pool tier, P/D) needs every rank to hold "
+                         f"its blocks; pass pcp_size=1..{n}")
     ranks = max(p, n)
     if world is not None and world.size != ranks:
         raise ValueError(f"world: a group of {world.size} ranks, but the config's max(pcp_size, dcp_size) is "

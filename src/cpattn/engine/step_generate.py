@@ -79,10 +79,9 @@ def _blocks(sched: SchedulerConfig, block_size: int, ranks: int) -> int:
 
 
 def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: EngineConfig, drafter=None) -> str | None:
-    """Why the step loop cannot run this driver-style layout (None: it can): PCP over more ranks than the DCP
-    group's for DeepSeek-V4 and hybrid models (their runners run PCP within the DCP group; paged families run
-    it, :mod:`cpattn.engine.runner_wide`), or an engine the layout rules refuse
-    (a P/D producer of P ranks is an engine of DCP P: heads % P).
+    """Why the step loop cannot run this driver-style layout (None: it can): an engine the layout rules refuse
+    (a P/D producer of P ranks is an engine of DCP P: heads % P). PCP over more ranks than the DCP group runs
+    for every family (:mod:`cpattn.engine.runner_wide`; DeepSeek-V4 and hybrid runners too).
 
     >>> from cpattn.engine.driver import engine_configs
     >>> from cpattn.models import qwen3
@@ -94,13 +93,11 @@ def refusal(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode: Engine
     >>> refusal(get_family("qwen3"), cfg, *engine_configs("qwen3", cfg, pcp_size=4, dcp_size=2)) is None
     True
     >>> v4 = get_family("deepseek_v4").config_class.tiny()
-    >>> refusal(get_family("deepseek_v4"), v4, *engine_configs("deepseek_v4", v4, pcp_size=4, dcp_size=2))
-    "pcp_size=4 with dcp_size=2: deepseek_v4's runner runs PCP within its DCP group"
+    >>> refusal(get_family("deepseek_v4"), v4, *engine_configs("deepseek_v4", v4, pcp_size=4, dcp_size=2)) is None
+    True
     """
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     pd = decode.kv_transfer.kv_role == "kv_consumer"
-    if not pd and p > n and family.cache in ("v4", "hybrid"):  # paged runners: a DCP group of the world's first n
-        return f"pcp_size={p} with dcp_size={n}: {family.name}'s runner runs PCP within its DCP group"
     k = decode.speculative.num_speculative_tokens if drafter is not None else 0
     bs = decode.cache.block_size
     with warnings.catch_warnings():
@@ -140,9 +137,6 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
                         num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
                         capture_sizes=comp.capture_sizes, return_logits=True,
                         return_prompt_logits=prompt_logits)
-    if p > n and family.cache in ("v4", "hybrid"):  # paged runners: PCP over p ranks, DCP over the first n
-        raise ValueError(f"step_generate: pcp_size={p} with dcp_size={n}: {family.name}'s runner runs PCP within "
-                         "its DCP group; pass a P/D pair or a smaller pcp_size")
     with warnings.catch_warnings():  # PCP + DCP in one engine: the driver's pair checked the guide's rules
         warnings.simplefilter("ignore", GuideCompatWarning)
         return LLMEngine(family, params, cfg, world=world, dcp_size=n, pcp_size=p, block_size=bs,
