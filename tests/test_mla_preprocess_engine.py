@@ -33,7 +33,8 @@ FAMILIES = {
 
 def run(family, params, cfg, dcp, **engine):
     pre, dec = driver.engine_configs(family, cfg, pcp_size=1, dcp_size=dcp, interleave_size=2, **engine)
-    return cpattn.simulate(dcp, driver.generate_on_rank, family, params, cfg, PROMPTS, 6, prefill=pre, decode=dec)
+    # the fixed-batch composition: its decode stage runs the fused op once per layer per decode step
+    return cpattn.simulate(dcp, driver.composed_on_rank, family, params, cfg, PROMPTS, 6, prefill=pre, decode=dec)
 
 
 def counting(monkeypatch):

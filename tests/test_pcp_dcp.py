@@ -121,9 +121,10 @@ def test_a2a_moves_fewer_bytes_than_allgather(reference):
     model, params, cfg, _ = reference("qwen3")
     long = [list(range(1, 60)), list(range(3, 40))]
     sent = {}
-    for ex in ("a2a", "allgather"):
-        outs = simulate(4, pcp_dcp_generate_on_rank, model, params, cfg, long, 2,
-                        config=pcp_dcp_config(model, cfg, 4, interleave_size=1), exchange=ex)
+    config = pcp_dcp_config(model, cfg, 4, interleave_size=1)
+    for ex in ("a2a", "allgather"):  # the fixed-batch composition's hand-off stage (the step loop has none)
+        outs = simulate(4, driver.composed_on_rank, model, params, cfg, long, 2, prefill=config, decode=config,
+                        algorithms=Algorithms(handoff=ex))
         sent[ex] = sum(o.facts.handoff.bytes_sent for o in outs)
         assert sum(o.facts.handoff.rows_kept for o in outs) + sum(o.facts.handoff.rows_sent for o in outs) == 96
     assert sent["a2a"] * 2 < sent["allgather"]
@@ -155,6 +156,9 @@ def test_on_gloo_ranks(reference):
              (driver.generate_on_rank, args, {"prefill": pre, "decode": dec, "drafter": NgramDrafter(),
                                               "algorithms": Algorithms(dcp_merge="a2a", handoff="allgather")})]
     for per_rank in spawn(4, pcp_dcp_cases, cases):
-        for out in per_rank:
-            assert torch.equal(out.tokens, ref.tokens)
-            assert out.facts.handoff.rows_kept + out.facts.handoff.rows_received > 0
+        for case, out in zip(("step loop", "composition"), per_rank):
+            assert torch.equal(out.tokens, ref.tokens), case
+            if case == "composition":  # non-default algorithms: the fixed-batch composition, its hand-off stage
+                assert out.facts.handoff.rows_kept + out.facts.handoff.rows_received > 0
+            else:  # the step loop: every KV row to its DCP owner inside the prefill step
+                assert out.facts.bytes_sent["prefill"] > 0 and out.facts.kv_bytes > 0

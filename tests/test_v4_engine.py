@@ -85,14 +85,14 @@ def test_pcp_and_dcp_match_hf_and_one_device(pcp, dcp):
 
 @pytest.mark.slow
 def test_one_engine_pcp_with_dcp():
-    """PCP 2 and DCP 2 on the same two ranks: the colocated hand-off (tail rows gathered once, each rank
-    keeps the entries it owns)."""
+    """PCP 2 and DCP 2 on the same two ranks: one step-loop engine (each rank keeps the state it owns,
+    placed in the prefill step)."""
     r, cfg, params = model()
     config = gen.pcp_dcp_config(v4, cfg, 2)
     out = gen.pcp_dcp_generate(v4, params, cfg, prompts(r), NEW, config=config)
     check_hf(out, r, with_prompt_logits=False)
     check_one(out)
-    assert out.facts.bytes_sent["handoff"] > 0
+    assert out.facts.bytes_sent["prefill"] > 0 and out.facts.kv_bytes > 0
 
 
 @pytest.mark.slow

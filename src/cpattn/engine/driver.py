@@ -8,8 +8,9 @@ are checked once, before any rank starts (:mod:`cpattn.engine.checks`).
 
 Topologies:
 
-- **colocated** (:func:`generate_on_rank` on a world of ``max(P, N)`` ranks,
-  P and N each 1 or the world size): a size-1 stage runs on every rank
+- **colocated** (:func:`generate_on_rank` on a world of ``max(P, N)`` ranks: the step loop on that
+  world where it runs the layout, as :func:`generate`; else :func:`composed_on_rank`, with P and N each
+  1 or the world size, and for a ``prefix``, a ``pool``, ``on_step`` or other ``algorithms``): a size-1 stage runs on every rank
   alone (replicated), a full-size one over the world; the hand-off moves
   rows inside the world (:func:`cpattn.engine.handoff.exchange`);
 - **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks): world
@@ -146,6 +147,42 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
                      drafter=None, prompt_logits: bool = True, prefix: Prefix | None = None,
                      pool=None, on_step=None) -> Generation:
     """One rank of a run over a real (or simulated) world; call it on every rank (see module doc).
+
+    A colocated run with the default ``algorithms`` and no ``prefix`` / ``pool`` / ``on_step`` goes through
+    the step loop on ``world`` (:func:`cpattn.engine.step_generate.step_generate`, as :func:`generate` does:
+    the same tokens; its facts have no hand-off stage); the rest through :func:`composed_on_rank`, whose
+    arguments these are. Checked before anything runs. Example (every rank of a simulated world):
+
+    >>> import cpattn
+    >>> from cpattn.models import qwen3
+    >>> cfg = qwen3.Qwen3Config.tiny()
+    >>> pre, dec = engine_configs("qwen3", cfg, pcp_size=2, dcp_size=2)
+    >>> outs = cpattn.simulate(2, generate_on_rank, "qwen3", qwen3.init_params(cfg), cfg, [[1, 2, 3]], 3,
+    ...                        prefill=pre, decode=dec)
+    >>> outs[0].tokens.shape, bool((outs[0].tokens == outs[1].tokens).all())
+    (torch.Size([1, 3]), True)
+    """
+    topology = checks.topology(prefill, decode, world.size)
+    if topology != "disaggregated" and prefix is None and pool is None and on_step is None \
+            and algorithms == Algorithms():
+        family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size,
+                             topology)
+        if step_loop_runs(family, cfg, prefill, decode, drafter):
+            from cpattn.engine.step_generate import step_generate  # here: it imports the step loop, which imports this
+
+            return step_generate(family, params, cfg, p.lists(), max_new_tokens, prefill=prefill, decode=decode,
+                                 drafter=drafter, prompt_logits=prompt_logits, world=world)
+    return composed_on_rank(world, model, params, cfg, prompts, max_new_tokens, prefill=prefill, decode=decode,
+                            algorithms=algorithms, drafter=drafter, prompt_logits=prompt_logits, prefix=prefix,
+                            pool=pool, on_step=on_step)
+
+
+def composed_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
+                     prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(),
+                     drafter=None, prompt_logits: bool = True, prefix: Prefix | None = None,
+                     pool=None, on_step=None) -> Generation:
+    """One rank of the fixed-batch composition (prefill stage, hand-off, decode stage; module doc); call it on
+    every rank.
 
     prompts: B token lists; max_new_tokens: N >= 1 greedy tokens per prompt
     (the first from the prefill). prefix: cached KV of each prompt's first
