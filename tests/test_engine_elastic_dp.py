@@ -1,5 +1,6 @@
-"""Elastic CP's data-parallel prefill (cpattn.engine.runner_dp): a step's short fresh chunks run one rank each,
-long ones PCP over the group; tokens stay one-device greedy (tests/test_engine_loop.py's oracle)."""
+"""Elastic CP's data-parallel prefill (cpattn.engine.runner_dp): a step's short chunks run one rank each (a lone
+one too; a chunk with cached context gets it gathered from the DCP shards), long ones PCP over the group;
+tokens stay one-device greedy (tests/ref/greedy.py)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,8 @@ def engine(family, size, min_tokens=MIN, budget=40, heads=None):
 
 
 def dp_eligible(out, min_tokens=MIN):
-    """Rows a step should prefill data-parallel: at least two short chunks without cached context."""
-    rows = [b for b, p in enumerate(out.is_prefill)
-            if p and out.query_lens[b] < min_tokens and out.context_lens[b] == 0]
-    return rows if len(rows) >= 2 else []
+    """Rows a step should prefill data-parallel: every short chunk (with or without cached context)."""
+    return [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] < min_tokens]
 
 
 def check(family, size, reqs, heads=None, **kw):
@@ -87,15 +86,23 @@ def test_dsa_short_prompts_prefill_one_rank_each():
     assert e.runners[0].dp_stats.steps == 1
 
 
-def test_no_dp_for_a_lone_short_prompt_nor_for_chunks_with_context():
-    cfg, _ = model("qwen3")
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_lone_short_prompt_and_chunks_with_context_run_data_parallel(size):
+    """One short prompt per step; then a 12-token prompt cut by a budget of 5 into short chunks that continue
+    their cached context (gathered from the DCP shards onto the rank that computes the chunk); then a prompt
+    sharing whole spans with the first ones (a prefix hit) in a short chunk."""
+    heads = 6 if size == 3 else None
+    cfg, _ = model("qwen3", heads)
     g = torch.Generator().manual_seed(9)
-    # one short prompt per step; then a 12-token prompt cut by a budget of 5 into short chunks with context
-    reqs = [dict(prompt=toks(g, cfg.vocab_size, 4), max_tokens=3, arrive=0),
-            dict(prompt=toks(g, cfg.vocab_size, 12), max_tokens=3, arrive=1)]
-    e, steps, want = check("qwen3", 2, reqs, budget=5, min_tokens=MIN)
-    assert not any(want) and e.runners[0].dp_stats.steps == 0
-    assert any(c > 0 for o, _ in steps for c, p in zip(o.context_lens, o.is_prefill) if p)  # chunks with context ran
+    base = toks(g, cfg.vocab_size, 4 * size)
+    reqs = [dict(prompt=base + toks(g, cfg.vocab_size, 1), max_tokens=3, arrive=0),
+            dict(prompt=toks(g, cfg.vocab_size, 12), max_tokens=3, arrive=1),
+            dict(prompt=base + toks(g, cfg.vocab_size, 3), max_tokens=4, arrive=6)]
+    e, steps, want = check("qwen3", size, reqs, budget=5, min_tokens=MIN, heads=heads)
+    assert e.runners[0].dp_stats.steps == sum(map(bool, want)) >= 4
+    assert any(len(w) == 1 for w in want)  # a lone chunk ran on one rank
+    assert any(o.context_lens[b] > 0 for (o, _), w in zip(steps, want) for b in w)  # with its context gathered
+    assert e.stats.prefix_hit_tokens > 0 and e.stats.blocks_used == 0, e.stats
 
 
 def test_never_threshold_sends_every_fresh_burst_data_parallel():
