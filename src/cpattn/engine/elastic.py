@@ -4,12 +4,13 @@ Static CP prefills every chunk over all P ranks. Below a few thousand tokens
 that is slower than one rank: SGLang measured 15-21% worse TTFT. With
 ``pcp_policy="elastic"`` the step loop compares each prefill chunk with a
 threshold. A chunk of at least ``pcp_min_tokens`` new tokens runs PCP over the
-group. A shorter chunk runs DCP attention, in the same eager call as the
-step's decodes, and attends its cached context without moving it. When a step
-holds two or more short chunks that start their prompt (no cached context),
-they prefill data-parallel instead: each on one rank, balanced by tokens, the
-new KV rows all-gathered to their DCP owners and the last-row logits shared
-(:mod:`cpattn.engine.runner_dp`; ``StepRunner.dp_stats`` counts them). Decode
+group. A shorter chunk prefills data-parallel: each of a step's short chunks
+on one rank (balanced by tokens), its cached context gathered onto that rank,
+the new KV rows sent to their DCP owners and the last-row logits shared
+(:mod:`cpattn.engine.runner_dp`; ``StepRunner.dp_stats`` counts them); the
+step's decodes run DCP as before. Runners with their own caches (hybrid
+models) and PCP wider than the DCP group run short chunks as DCP attention
+with the decodes instead. Decode
 keeps the DCP layout whatever degree the prefill ran at, and the tokens are the
 same either way.
 
