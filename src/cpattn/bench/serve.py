@@ -10,7 +10,8 @@ Starts real ``cpattn serve`` servers (subprocesses on 127.0.0.1, free ports, the
   uniform decode steps);
 - ``pcp2-dcp2``: one engine, PCP 2 + DCP 2 (prefill chunks under PCP, decode under DCP; eager);
 - ``pcp2-dcp2-elastic``: the same with ``--pcp-policy elastic`` (only chunks of at least the planner's
-  break-even run PCP, shorter ones DCP attention);
+  break-even run PCP, shorter ones prefill data-parallel, one rank each) and captured decode steps
+  (FULL_DECODE_ONLY, as it would be served);
 - ``pd-2-2``: P/D in one server, ``--kv-transfer-config`` kv_both: a PCP 2 prefill role hands each
   request's KV through an in-process pool to a DCP 2 decode role.
 
@@ -61,7 +62,7 @@ LAYOUTS = {
     "dcp2": (["--dcp", "2"],),
     "dcp2-graph": (["--dcp", "2", "--compilation-config", GRAPH],),
     "pcp2-dcp2": (["--pcp", "2", "--dcp", "2"],),
-    "pcp2-dcp2-elastic": (["--pcp", "2", "--dcp", "2", "--pcp-policy", "elastic"],),
+    "pcp2-dcp2-elastic": (["--pcp", "2", "--dcp", "2", "--pcp-policy", "elastic", "--compilation-config", GRAPH],),
     "pd-2-2": (["--pcp", "2", "--dcp", "2", "--kv-transfer-config", KV],),
 }
 WORKLOADS = ("mixed", "fixed")
