@@ -13,7 +13,8 @@ together until the decode side holds the prompt's KV in its DCP layout and
 knows the first token:
 
 - ``pcp+dcp a2a``: PCP prefill over P ranks writing the DCP layout of the
-  same ranks with one owner all-to-all (:func:`cpattn.engine.classic.pcp_dcp_generate_on_rank`);
+  same ranks with one owner all-to-all (the fixed-batch composition's hand-off stage,
+  :func:`cpattn.engine.driver.composed_on_rank`);
 - ``pcp+dcp allgather``: the same with an all-gather of the KV instead;
 - ``pcp -> p/d``: PCP prefill on P ranks, then whole blocks sent point to
   point to N = P separate decode ranks (:func:`cpattn.engine.classic.pd_generate_on_rank`).
@@ -93,9 +94,13 @@ def _median_ready(times: list[float]) -> float:
 
 
 def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
-    """Per exchange: median over reps of this rank's start -> ready time, and its exchange bytes."""
+    """Per exchange: median over reps of this rank's start -> ready time, and its exchange bytes, in the
+    fixed-batch composition whose hand-off stage these two schemes are (``driver.composed_on_rank``: the step
+    loop has no hand-off stage, its prefill step writes each row to its owner)."""
     import torch
-    from cpattn.engine.classic import pcp_dcp_config, pcp_dcp_generate_on_rank
+    from cpattn.engine.classic import pcp_dcp_config
+    from cpattn.engine.driver import composed_on_rank
+    from cpattn.engine.options import Algorithms
 
     out = {}
     config = pcp_dcp_config("qwen3", cfg, group.size, block_size=block_size, interleave_size=block_size)
@@ -104,7 +109,8 @@ def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
         for rep in range(reps + 1):  # the first run warms up
             group.all_reduce(torch.zeros(1))
             t0 = time.perf_counter()
-            res = pcp_dcp_generate_on_rank(group, "qwen3", params, cfg, prompts, 1, config=config, exchange=exchange)
+            res = composed_on_rank(group, "qwen3", params, cfg, prompts, 1, prefill=config, decode=config,
+                                   prompt_logits=False, algorithms=Algorithms(handoff=exchange))
             if rep:
                 times.append(time.perf_counter() - t0)
             handoff = res.facts.handoff
