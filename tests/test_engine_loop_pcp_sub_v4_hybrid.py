@@ -120,7 +120,6 @@ def test_drafts_and_prompt_logits_under_a_sub_group(one_device, family):
     """n-gram drafts (k = 2) verified by the DCP decode after a sub-group's prefill; every prompt row's logits
     (DCP rank 0's, handed to every rank) close to one device's; tokens one device's."""
     from cpattn.drafters.ngram import NgramDrafter
-    from cpattn.engine.llm import SamplingParams
 
     cfg, params = model(family)
     v4 = family == "deepseek_v4"
@@ -128,6 +127,15 @@ def test_drafts_and_prompt_logits_under_a_sub_group(one_device, family):
                             enable_chunked_prefill=not v4)
     engine = LLMEngine(family, params, cfg, dcp_size=4, pcp_size=2, block_size=4, num_blocks=16, scheduler=sched,
                        drafter=NgramDrafter(), num_speculative_tokens=2, return_prompt_logits=True)
+    check_drafts_and_prompt_logits(one_device, engine, family)
+
+
+def check_drafts_and_prompt_logits(one_device, engine, family: str) -> None:
+    """Two repetitive prompts through ``engine`` (an n-gram drafter, prompt logits kept): tokens one-device greedy,
+    the prompt logits computed so far within 1e-9 of one device's, drafts proposed, PCP steps run."""
+    from cpattn.engine.llm import SamplingParams
+
+    cfg, params = model(family)
     prompts = [(prompt(5, 3) * 3)[:13], (prompt(4, 5) * 3)[:9]]
     ids = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts]
     got: dict = {}
@@ -142,7 +150,6 @@ def test_drafts_and_prompt_logits_under_a_sub_group(one_device, family):
         assert rows.shape[0] > 0 and torch.allclose(rows, want[-rows.shape[0]:], rtol=1e-9, atol=1e-9), rid
     s = engine.stats
     assert s.pcp_steps > 0 and s.drafted_tokens > 0, s
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen3_next"])

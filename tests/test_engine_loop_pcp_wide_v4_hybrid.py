@@ -24,7 +24,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_loop_cases import check_schedule
-from test_engine_loop_pcp_sub_v4_hybrid import BUDGET, MAX_TOKENS, checked_logits, model, prompt, schedule
+from test_engine_loop_pcp_sub_v4_hybrid import (BUDGET, MAX_TOKENS, check_drafts_and_prompt_logits, checked_logits,
+                                                model, prompt, schedule)
 from test_engine_loop_pcp_sub_v4_hybrid import prefill_calls  # noqa: F401  (the fixture, shared)
 
 from cpattn.config import SchedulerConfig
@@ -124,26 +125,12 @@ def test_drafts_and_prompt_logits_with_pcp_wider_than_dcp(one_device, family, pc
     rows, V4 commits / hybrid state commits only where the state is); every prompt row's logits close to one
     device's; tokens one device's."""
     from cpattn.drafters.ngram import NgramDrafter
-    from cpattn.engine.llm import SamplingParams
 
     cfg, params = model(family)
     engine = engine_of(family, pcp, dcp, num_blocks=32, drafter=NgramDrafter(), num_speculative_tokens=2,
                        return_prompt_logits=True)
     check_layout(engine, family, pcp, dcp)
-    prompts = [(prompt(5, 3) * 3)[:13], (prompt(4, 5) * 3)[:9]]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts]
-    got: dict = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.prompt_logits is not None:
-                got.setdefault(o.request_id, []).append(o.prompt_logits)
-    for rid, p in zip(ids, prompts):
-        assert list(engine.scheduler.requests[rid].output) == one_device.tokens(family, params, cfg, p, MAX_TOKENS)
-        want = one_device(family, params, cfg, [p], 1).prompt_logits  # [L, V]
-        rows = got[rid][-1]  # [m, V] the prompt's last m positions, as computed so far
-        assert rows.shape[0] > 0 and torch.allclose(rows, want[-rows.shape[0]:], rtol=1e-9, atol=1e-9), rid
-    s = engine.stats
-    assert s.pcp_steps > 0 and s.drafted_tokens > 0, s
+    check_drafts_and_prompt_logits(one_device, engine, family)
     engine.step()  # the scheduler reports the finishes: the runners drop the slots
     check_drained(engine, family, pcp, dcp)
 
