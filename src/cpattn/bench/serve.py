@@ -148,7 +148,8 @@ def _workloads(text: str) -> tuple[str, ...]:
 
 
 def parser():
-    p = harness.parser(PROG, __doc__, quick="3 requests per run, rate 4, short prompts (long 256-384), 4-8 output tokens")
+    p = harness.parser(PROG, __doc__, quick="3 requests per run, rate 4, short prompts (long 256-384), 4-8 output "
+                                            "tokens, captured layouts on the eager graph backend (no compiler)")
     p.add_argument("--request-rate", type=_rates, default=None, metavar="R,...",
                    help="request rates (requests/s, Poisson arrivals; inf: all at once) (default 0.5,1,2; --quick 4)")
     p.add_argument("--num-requests", type=cli.positive_int, default=None, metavar="N",
@@ -201,7 +202,19 @@ def settings(a) -> dict:
             "output_len": list(out), "fixed_len": list(fixed), "slo_ttft_ms": a.slo_ttft_ms,
             "slo_tpot_ms": a.slo_tpot_ms, "seed": a.seed, "max_num_seqs": a.max_num_seqs,
             "max_num_batched_tokens": a.max_num_batched_tokens, "executor": a.distributed_executor_backend,
-            "max_model_len": max(long[1] + out[1], fixed[0] + fixed[1], short[1] + out[1]) + 64}
+            "max_model_len": max(long[1] + out[1], fixed[0] + fixed[1], short[1] + out[1]) + 64,
+            "graph_backend": "eager" if q else None}  # --quick: captured layouts replay without a compiler
+
+
+def _graph(flags: list[str], backend: str | None) -> list[str]:
+    """A layout's server flags, its FULL_DECODE_ONLY compilation config naming ``backend`` when one is given.
+
+    >>> _graph(["--dcp", "2", "--compilation-config", GRAPH], "eager")[-1]
+    '{"cudagraph_mode": "FULL_DECODE_ONLY", "backend": "eager"}'
+    """
+    if backend is None:
+        return list(flags)
+    return [f'{GRAPH[:-1]}, "backend": "{backend}"}}' if f == GRAPH else f for f in flags]
 
 
 def workload(name: str, s: dict, seed: int, vocab: int):
@@ -243,7 +256,8 @@ def run(s: dict, progress=None) -> dict:
     try:
         for name in s["layouts"]:
             executor = ["--distributed-executor-backend", s.get("executor", "uni")] if name != "dp2" else []
-            servers[name] = [Server([*flags, *executor], common) for flags in LAYOUTS[name]]
+            servers[name] = [Server([*_graph(flags, s.get("graph_backend")), *executor], common)
+                             for flags in LAYOUTS[name]]
         deadline = time.monotonic() + s.get("server_timeout", 300.0)
         for name, group in servers.items():
             for srv in group:
