@@ -96,23 +96,12 @@ def test_pcp_over_a_sub_group_gives_one_device_greedy_tokens(one_device, prefill
     reqs = schedule(family, pcp)
     steps = check_schedule(engine, reqs, lambda r: one_device.tokens(family, params, cfg, r["prompt"],
                                                                      MAX_TOKENS)[: r["max_tokens"]])
-    s = engine.stats
-    assert any(any(o.is_prefill) and not all(o.is_prefill) for o, _ in steps), "no mixed step ran"
-    prefills = [o for o, _ in steps if any(o.is_prefill)]
-    assert s.preemptions > 0, "the small block pool should force a preemption (recompute)"
-    assert s.pcp_steps == len(prefills) > 0, s
-    if not v4:
-        assert any(p and not d for o in prefills for p, d in zip(o.is_prefill, o.samples)), "no partial chunk ran"
-        assert any(0 < c < 3 for o in prefills for c, p in zip(o.context_lens, o.is_prefill) if p), \
-            "no chunk boundary inside the conv kernel's width"
-    if captured:
-        assert s.replayed_steps > 0 and s.eager_steps > 0, s
-    assert rows[0] > 0
+    check_steps(engine, steps, v4, captured, rows)
     for r in engine.runners:
         assert r.live == 0
     # only the PCP sub-group prefilled: pcp calls per PCP step
     assert {size for _, size in prefill_calls} == {pcp}
-    assert sorted(r for r, _ in prefill_calls) == sorted(list(range(pcp)) * s.pcp_steps)
+    assert sorted(r for r, _ in prefill_calls) == sorted(list(range(pcp)) * engine.stats.pcp_steps)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v4", "qwen3_next"])
@@ -128,6 +117,24 @@ def test_drafts_and_prompt_logits_under_a_sub_group(one_device, family):
     engine = LLMEngine(family, params, cfg, dcp_size=4, pcp_size=2, block_size=4, num_blocks=16, scheduler=sched,
                        drafter=NgramDrafter(), num_speculative_tokens=2, return_prompt_logits=True)
     check_drafts_and_prompt_logits(one_device, engine, family)
+
+
+def check_steps(engine, steps, v4: bool, captured: bool, rows: list[int]) -> None:
+    """What the schedule must have exercised: a mixed step, a preemption, a PCP step per prefill step, for hybrid
+    models a partial chunk and a chunk boundary inside the conv kernel's width, replays when captured, and
+    checked rank logits."""
+    s = engine.stats
+    assert any(any(o.is_prefill) and not all(o.is_prefill) for o, _ in steps), "no mixed step ran"
+    prefills = [o for o, _ in steps if any(o.is_prefill)]
+    assert s.preemptions > 0, "the small block pool should force a preemption (recompute)"
+    assert s.pcp_steps == len(prefills) > 0, s
+    if not v4:
+        assert any(p and not d for o in prefills for p, d in zip(o.is_prefill, o.samples)), "no partial chunk ran"
+        assert any(0 < c < 3 for o in prefills for c, p in zip(o.context_lens, o.is_prefill) if p), \
+            "no chunk boundary inside the conv kernel's width"
+    if captured:
+        assert s.replayed_steps > 0 and s.eager_steps > 0, s
+    assert rows[0] > 0
 
 
 def check_drafts_and_prompt_logits(one_device, engine, family: str) -> None:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_loop_cases import check_schedule
-from test_engine_loop_pcp_sub_v4_hybrid import (BUDGET, MAX_TOKENS, check_drafts_and_prompt_logits, checked_logits,
-                                                model, prompt, schedule)
+from test_engine_loop_pcp_sub_v4_hybrid import (BUDGET, MAX_TOKENS, check_drafts_and_prompt_logits, check_steps,
+                                                checked_logits, model, prompt, schedule)
 from test_engine_loop_pcp_sub_v4_hybrid import prefill_calls  # noqa: F401  (the fixture, shared)
 
 from cpattn.config import SchedulerConfig
@@ -101,22 +101,11 @@ def test_pcp_wider_than_dcp_gives_one_device_greedy_tokens(one_device, prefill_c
     rows = checked_logits(engine)
     steps = check_schedule(engine, schedule(family, pcp), lambda r: one_device.tokens(
         family, params, cfg, r["prompt"], MAX_TOKENS)[: r["max_tokens"]])
-    s = engine.stats
-    assert any(any(o.is_prefill) and not all(o.is_prefill) for o, _ in steps), "no mixed step ran"
-    prefills = [o for o, _ in steps if any(o.is_prefill)]
-    assert s.preemptions > 0, "the small block pool should force a preemption (recompute)"
-    assert s.pcp_steps == len(prefills) > 0, s
-    if not v4:
-        assert any(p and not d for o in prefills for p, d in zip(o.is_prefill, o.samples)), "no partial chunk ran"
-        assert any(0 < c < 3 for o in prefills for c, p in zip(o.context_lens, o.is_prefill) if p), \
-            "no chunk boundary inside the conv kernel's width"
-    if captured:
-        assert s.replayed_steps > 0 and s.eager_steps > 0, s
-    assert rows[0] > 0
+    check_steps(engine, steps, v4, captured, rows)
     check_drained(engine, family, pcp, dcp)
     # every rank of the world prefilled every PCP step, as a PCP group of P
     assert {size for _, size in prefill_calls} == {pcp}
-    assert sorted(r for r, _ in prefill_calls) == sorted(list(range(pcp)) * s.pcp_steps)
+    assert sorted(r for r, _ in prefill_calls) == sorted(list(range(pcp)) * engine.stats.pcp_steps)
 
 
 @pytest.mark.parametrize("family,pcp,dcp", [("deepseek_v4", 3, 2), ("qwen3_next", 3, 2)])
