@@ -124,8 +124,9 @@ def test_gloo_send_recv_split():
 
 
 def test_pd_per_rank_code_runs_on_the_simulated_mesh(one_device):
-    """The P/D path of generate_on_rank (what gloo ranks run) on P + N simulated ranks: world.split makes the
-    two groups, whole blocks move with send / recv; the tokens are one-device greedy's."""
+    """The composition's P/D path of generate_on_rank (what gloo ranks run for a producer of 3 ranks, which the
+    step loop refuses: 8 heads % 3) on P + N simulated ranks: world.split makes the two groups, whole blocks
+    move with send / recv; the tokens are one-device greedy's."""
     from spec_pd_cases import prompts, reference
 
     from cpattn.models.generate import pd_generate_on_rank

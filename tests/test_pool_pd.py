@@ -1,6 +1,11 @@
-"""A KV pool beside P/D: the prefill ranks start from the pool's whole blocks and prefill only the rest, each
-decode rank loads its own cached blocks from the pool and receives only the blocks after them, then stores the
-new whole blocks it owns (each block once).
+"""A KV pool beside P/D.
+
+``driver.generate_on_rank`` runs P/D through the step loop (:mod:`cpattn.engine.step_on_rank`, run_rank's
+``kv_pool``): the producer ranks start from the pool's whole blocks, prefill the rest and store the new whole
+blocks they own; the consumer ranks then load every block they can use from the pool, so no block crosses the
+P/D link (a drafter's hidden rows still do). The fixed-batch composition (``driver.composed_on_rank``, what a
+cached ``prefix`` runs): each decode rank loads its own cached blocks from the pool and receives only the
+blocks after them, then stores the new whole blocks it owns (each block once).
 
 Real LMDB stores in a temporary directory (the embedded default); float64 tiny Qwen3, so tokens must be
 identical to conftest.py's ``one_device`` recompute (a fresh one-device full prefill per token, no engine code)
@@ -41,10 +46,17 @@ def configs(fam, cfg, p, n):
     return driver.engine_configs(fam, cfg, pcp_size=p, dcp_size=n, block_size=BLOCK, interleave_size=BLOCK, pd=True)
 
 
-def run(fam, cfg, params, prompts, p, n, pool=None, prefix=None):
+def run(fam, cfg, params, prompts, p, n, pool=None, prefix=None, fn=driver.generate_on_rank):
+    """``fn`` on P + N simulated ranks: ``generate_on_rank`` (P/D with a pool: the step loop's run_rank,
+    :mod:`cpattn.engine.step_on_rank`; with a prefix: the composition) or ``driver.composed_on_rank``."""
     pre, dec = configs(fam, cfg, p, n)
-    return cpattn.simulate(p + n, driver.generate_on_rank, fam, params, cfg, prompts, NEW, prefill=pre, decode=dec,
-                           pool=pool, prefix=prefix)
+    return cpattn.simulate(p + n, fn, fam, params, cfg, prompts, NEW, prefill=pre, decode=dec, pool=pool,
+                           prefix=prefix)
+
+
+def composed(*args, **kwargs):
+    """:func:`run` through the fixed-batch composition (``driver.composed_on_rank``: its hand-off, its pool)."""
+    return run(*args, **kwargs, fn=driver.composed_on_rank)
 
 
 @pytest.fixture
@@ -75,14 +87,16 @@ def link_bytes(gens, p):
 
 @pytest.mark.parametrize("p,n", [(1, 1), (1, 2), (2, 1), (2, 2)], ids=lambda v: str(v))
 def test_a_warm_pd_run_starts_from_the_pool(one_device, tmp_path, prefilled, p, n):
+    """The composition's pool beside its P/D hand-off (``composed_on_rank``; ``generate_on_rank`` runs P/D
+    through the step loop, test_step_on_rank.py)."""
     fam, cfg, params = tiny()
     pool = PoolSpec(f"lmdb:{tmp_path}", model="qwen3-seed0")
     ref = one_device(fam, params, cfg, COLD, NEW).tokens
-    plain = run(fam, cfg, params, COLD, p, n)
+    plain = composed(fam, cfg, params, COLD, p, n)
     assert torch.equal(plain[0].tokens, ref)
     prefilled.clear()
 
-    cold = run(fam, cfg, params, COLD, p, n, pool)
+    cold = composed(fam, cfg, params, COLD, p, n, pool)
     assert all(torch.equal(g.tokens, ref) for g in cold)
     pre, dec = pool_of(cold, p)
     assert all(f.hit_blocks == (0, 0) for f in pre + dec)
@@ -92,7 +106,7 @@ def test_a_warm_pd_run_starts_from_the_pool(one_device, tmp_path, prefilled, p, 
     assert link_bytes(cold, p) == link_bytes(plain, p)  # 8 blocks: nothing was cached
     prefilled.clear()
 
-    again = run(fam, cfg, params, COLD, p, n, pool)  # the same prompts
+    again = composed(fam, cfg, params, COLD, p, n, pool)  # the same prompts
     assert all(torch.equal(g.tokens, ref) for g in again)
     pre, dec = pool_of(again, p)
     assert all(f.hit_blocks == (4, 2) for f in pre + dec)  # one token of each prompt left to compute
@@ -103,7 +117,7 @@ def test_a_warm_pd_run_starts_from_the_pool(one_device, tmp_path, prefilled, p, 
     assert link_bytes(again, p) == link_bytes(plain, p) * 2 // 8  # 2 of 8 blocks cross the link
     prefilled.clear()
 
-    warm = run(fam, cfg, params, WARM, p, n, pool)  # a shared prefix and a new suffix
+    warm = composed(fam, cfg, params, WARM, p, n, pool)  # a shared prefix and a new suffix
     want = one_device(fam, params, cfg, WARM, NEW).tokens
     assert all(torch.equal(g.tokens, want) for g in warm)
     pre, dec = pool_of(warm, p)
@@ -148,14 +162,16 @@ def test_gloo_pd_with_a_pool(one_device, tmp_path):
         want = one_device(fam, params, cfg, prompts, NEW).tokens
         gens = [r[run_] for r in per_rank]
         assert all(torch.equal(g.tokens, want) for g in gens)
-        assert all(g.facts.pool.hit_blocks == ((0, 0) if run_ == 0 else (4, 2)) for g in gens)
-        assert sum(g.facts.pool.blocks_stored for g in gens[1:]) == (5 if run_ == 0 else 1)
-        assert sum(g.facts.handoff.blocks_received for g in gens[1:]) == (8 if run_ == 0 else 3)  # WARM: 6 - 4 and 3 - 2
+        assert gens[0].facts.pool.hit_blocks == ((0, 0) if run_ == 0 else (4, 2))  # the producer's prefix
+        assert all(g.facts.pool.hit_blocks == (4, 2) for g in gens[1:])  # every usable block, from the pool
+        assert gens[0].facts.pool.blocks_stored == (5 if run_ == 0 else 1)  # the producer stores, each block once
+        assert all(g.facts.pool.blocks_stored == 0 for g in gens[1:])
+        assert sum(g.facts.handoff.blocks_received for g in gens[1:]) == 0  # the pool carried them all
 
 
 def test_a_hidden_state_drafter_across_pd_with_a_pool(one_device, tmp_path):
-    """EAGLE-3 reads the prefill's hidden states: with a warm pool they cover only the prefilled suffix, sent
-    to the decode ranks with the blocks past the prefix; tokens stay the one-device recompute's."""
+    """EAGLE-3 reads the prefill's hidden states: the P/D connector sends them beside the pool's blocks; with a
+    warm pool the producer computes (so sends) none of the cached prefix; tokens stay the one-device recompute's."""
     model, cfg, params = target("qwen3")
     d = head("eagle3")
     ps = prompts("qwen3")
@@ -169,13 +185,18 @@ def test_a_hidden_state_drafter_across_pd_with_a_pool(one_device, tmp_path):
         gens = cpattn.simulate(4, driver.generate_on_rank, model, params, cfg, ps, 8, prefill=pre, decode=dec,
                                drafter=d, pool=pool)
         assert all(torch.equal(g.tokens, ref) for g in gens)
-        assert all(g.facts.pool.hit_blocks == hits for g in gens)
+        assert all(g.facts.pool.hit_blocks == hits for g in gens[:2])  # the producer's prefix
+        assert all(g.facts.pool.hit_blocks == (4, 2) for g in gens[2:])  # the producer stored them first
+        hidden = [g.facts.handoff for g in gens]
+        assert sum(h.bytes_sent for h in hidden[:2]) == sum(h.bytes_received for h in hidden[2:])
+        assert (sum(h.bytes_sent for h in hidden) > 0) == (hits == (0, 0))  # the rows of computed positions only
+        assert sum(h.blocks_received for h in hidden) == 0  # the blocks came from the pool
         assert gens[2].stats.drafted > 0
 
 
 def test_a_dsa_cp_prefill_from_the_pool_across_pd(one_device, tmp_path):
     """DeepSeek-V3.2 (DSA-CP prefill, its indexer keys among the block's columns): the warm P 2 / N 2 run
-    starts from the pool and sends only the blocks past the prefix."""
+    starts from the pool, the producer stores only the new block, and the consumer loads its blocks from it."""
     from cpattn.models import deepseek_v32
 
     fam, cfg = deepseek_v32.FAMILY, deepseek_v32.DeepseekV32Config.tiny()
@@ -183,9 +204,10 @@ def test_a_dsa_cp_prefill_from_the_pool_across_pd(one_device, tmp_path):
     pool = PoolSpec(f"lmdb:{tmp_path}", model="dsa")
     cold = run(fam, cfg, params, COLD, 2, 2, pool)
     warm = run(fam, cfg, params, WARM, 2, 2, pool)
-    for prompts, gens, hits, stored, blocks in ((COLD, cold, (0, 0), 5, 8), (WARM, warm, (4, 2), 1, 3)):
+    for prompts, gens, hits, stored in ((COLD, cold, (0, 0), 5), (WARM, warm, (4, 2), 1)):
         want = one_device(fam, params, cfg, prompts, NEW).tokens
         assert all(torch.equal(g.tokens, want) for g in gens)
-        assert all(g.facts.pool.hit_blocks == hits for g in gens)
-        assert sum(g.facts.pool.blocks_stored for g in gens[2:]) == stored
-        assert sum(g.facts.handoff.blocks_received for g in gens[2:]) == blocks
+        assert all(g.facts.pool.hit_blocks == hits for g in gens[:2])
+        assert all(g.facts.pool.hit_blocks == (4, 2) for g in gens[2:])  # spans of 2 blocks, one token left
+        assert sum(g.facts.pool.blocks_stored for g in gens[:2]) == stored  # by the producer, each block once
+        assert sum(g.facts.handoff.blocks_received for g in gens[2:]) == 0  # none over the link

@@ -17,7 +17,9 @@ knows the first token:
   :func:`cpattn.engine.driver.composed_on_rank`);
 - ``pcp+dcp allgather``: the same with an all-gather of the KV instead;
 - ``pcp -> p/d``: PCP prefill on P ranks, then whole blocks sent point to
-  point to N = P separate decode ranks (:func:`cpattn.engine.classic.pd_generate_on_rank`).
+  point to N = P separate decode ranks (the composition's P/D hand-off,
+  :func:`cpattn.engine.driver.composed_on_rank`: with one new token the step
+  loop's P/D, what ``generate_on_rank`` runs, hands nothing off).
 
 Run: ``cpattn bench spec --quick`` (under a minute) or with
 ``--json out.json`` (``--json -``: only JSON on stdout).
@@ -120,12 +122,13 @@ def pcp_dcp_rank(group, params, cfg, prompts, block_size, reps):
 
 def pd_rank(world, params, cfg, prompts, block_size, reps, pcp_size):
     """Median ready time of this rank over reps (decode ranks: KV placed; prefill ranks: prefill done)."""
-    from cpattn.engine.classic import pd_generate_on_rank
+    from cpattn.engine.classic import pd_configs
+    from cpattn.engine.driver import composed_on_rank  # its hand-off: the step loop hands 1 token's run none
 
+    pre, dec = pd_configs("qwen3", cfg, pcp_size=pcp_size, dcp_size=world.size - pcp_size, block_size=block_size)
     times, last = [], None
     for rep in range(reps + 1):
-        last = pd_generate_on_rank(world, "qwen3", params, cfg, prompts, 1, pcp_size=pcp_size,
-                                   dcp_size=world.size - pcp_size, block_size=block_size)
+        last = composed_on_rank(world, "qwen3", params, cfg, prompts, 1, prefill=pre, decode=dec)
         if rep:
             times.append(last.facts.prefill_s if last.facts.role == "prefill" else last.facts.ttft_s)
     kind = last.facts.role

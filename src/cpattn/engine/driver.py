@@ -6,25 +6,20 @@ engine (its ``pcp_size`` = P) and the decode engine (its ``dcp_size`` = N,
 mode). They may be one config (one engine opting in to PCP with DCP). Both
 are checked once, before any rank starts (:mod:`cpattn.engine.checks`).
 
-Topologies:
+Topologies (each through the step loop where it runs the layout with the default ``algorithms``, no
+``prefix`` and no ``on_step``; else through the fixed-batch composition, :func:`composed_on_rank`):
 
-- **colocated** (:func:`generate_on_rank` on a world of ``max(P, N)`` ranks: the step loop on that
-  world where it runs the layout, as :func:`generate`; else :func:`composed_on_rank`, with P and N each
-  1 or the world size, and for a ``prefix``, a ``pool``, ``on_step`` or other ``algorithms``): a size-1 stage runs on every rank
-  alone (replicated), a full-size one over the world; the hand-off moves
-  rows inside the world (:func:`cpattn.engine.handoff.exchange`);
-- **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks): world
-  ranks ``[0, P)`` prefill, ``[P, P + N)`` decode (two ``world.split``
-  sub-groups), whole KV blocks move point to point (``world.send`` /
-  ``world.recv``), on torch.distributed or a simulated mesh alike; with a
-  KV pool the prefill ranks start from its whole blocks and only the blocks
-  past them cross the P/D link (each decode rank loads its own from the pool);
-- **simulated** (:func:`generate`): the step loop where it can run the layout
-  (:mod:`cpattn.engine.step_generate`: every prompt submitted at step 0 and
-  drained, one engine or a P/D pair); else (:mod:`cpattn.engine.composed`:
-  the layouts :func:`cpattn.engine.step_generate.refusal` names) a mesh of P
-  simulated ranks prefills, the KV travels in memory (rows, or whole blocks for
-  a P/D consumer), a mesh of N simulated ranks decodes; any P and N.
+- **colocated** (:func:`generate_on_rank` on ``max(P, N)`` ranks): the step loop on that world, as
+  :func:`generate`; the composition (also for a ``pool``) runs a size-1 stage on every rank alone, a
+  full-size one over the world, and moves rows inside it (:func:`cpattn.engine.handoff.exchange`);
+- **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks; ranks ``[0, P)`` prefill, ``[P, P + N)``
+  decode): the step loop's P/D (:mod:`cpattn.engine.step_on_rank`: ``run_rank(pd=True)``; the usable whole
+  blocks of each prompt go producer rank to consumer rank, or through a KV pool the producer stores and the
+  consumer loads); the composition's :func:`_disaggregated` sends every whole block point to point
+  (``world.send`` / ``recv``), past those a pool or a whole-block ``prefix`` holds;
+- **simulated** (:func:`generate`): the step loop (:mod:`cpattn.engine.step_generate`: one engine or a P/D
+  pair); else (:mod:`cpattn.engine.composed`, the layouts :func:`cpattn.engine.step_generate.refusal` names)
+  P simulated ranks prefill, the KV travels in memory, N simulated ranks decode; any P and N.
 
 Every rank returns the same :class:`~cpattn.engine.result.Generation`
 (tokens, the logits they came from, prompt logits, speculative counts) with
@@ -148,10 +143,15 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
                      pool=None, on_step=None) -> Generation:
     """One rank of a run over a real (or simulated) world; call it on every rank (see module doc).
 
-    A colocated run with the default ``algorithms`` and no ``prefix`` / ``pool`` / ``on_step`` goes through
-    the step loop on ``world`` (:func:`cpattn.engine.step_generate.step_generate`, as :func:`generate` does:
-    the same tokens; its facts have no hand-off stage); the rest through :func:`composed_on_rank`, whose
-    arguments these are. Checked before anything runs. Example (every rank of a simulated world):
+    With the default ``algorithms``, no ``prefix`` and no ``on_step``, a run goes through the step loop where
+    it can run the layout (:func:`step_loop_runs`), as :func:`generate` does: the same tokens. Colocated
+    without a ``pool``: :func:`cpattn.engine.step_generate.step_generate` on ``world`` (its facts have no
+    hand-off stage). P/D, with or without a ``pool`` or a drafter:
+    :func:`cpattn.engine.step_on_rank.pd_step_on_rank`, :func:`cpattn.engine.run_rank.run_rank` (``pd=True``)
+    over ``world`` (its facts: the P/D connector's blocks, the blocks the consumer can use; with a pool the
+    producer stores and the consumer loads). The rest (other ``algorithms``, a ``prefix``, ``on_step``, a
+    colocated ``pool``, a layout the step loop refuses) through :func:`composed_on_rank`, whose arguments these
+    are. Checked before anything runs. Example (every rank of a simulated world):
 
     >>> import cpattn
     >>> from cpattn.models import qwen3
@@ -163,12 +163,17 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     (torch.Size([1, 3]), True)
     """
     topology = checks.topology(prefill, decode, world.size)
-    if topology != "disaggregated" and prefix is None and pool is None and on_step is None \
-            and algorithms == Algorithms():
+    pd = topology == "disaggregated"
+    if prefix is None and (pool is None or pd) and on_step is None and algorithms == Algorithms():
         family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size,
-                             topology)
+                             topology, pool)
         if step_loop_runs(family, cfg, prefill, decode, drafter):
-            from cpattn.engine.step_generate import step_generate  # here: it imports the step loop, which imports this
+            if pd:  # here: the step loop imports this module
+                from cpattn.engine.step_on_rank import pd_step_on_rank
+
+                return pd_step_on_rank(world, family, params, cfg, p.lists(), max_new_tokens, prefill=prefill,
+                                       decode=decode, drafter=drafter, prompt_logits=prompt_logits, pool=pool)
+            from cpattn.engine.step_generate import step_generate
 
             return step_generate(family, params, cfg, p.lists(), max_new_tokens, prefill=prefill, decode=decode,
                                  drafter=drafter, prompt_logits=prompt_logits, world=world)
@@ -374,10 +379,10 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
     :func:`cpattn.engine.composed.composed` (what follows describes that composition).
 
     The KV moves as request-order rows, each decode rank keeping its own
-    tokens. When the decode engine is a P/D consumer, the run is the
-    torch.distributed run's own per-rank code (:func:`generate_on_rank`'s
-    P/D path) on one simulated world of P + N ranks: whole blocks travel
-    point to point. Checked before any rank starts. Returns decode rank 0's
+    tokens. When the decode engine is a P/D consumer, the run is
+    :func:`composed_on_rank`'s per-rank P/D code (:func:`_disaggregated`) on
+    one simulated world of P + N ranks: whole blocks travel point to point.
+    Checked before any rank starts. Returns decode rank 0's
     :class:`~cpattn.engine.result.Generation` (every rank's tokens are checked equal).
     """
     pcp_size, dcp_size = prefill.parallel.pcp_size, decode.parallel.dcp_size

@@ -101,7 +101,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
              before_step: Callable[[str, LLMEngine], None] | None = None,
              kv_connector=None, return_logits: bool = False,
              return_prompt_logits: bool = False, drafter=None,
-             num_speculative_tokens: int = 0) -> dict[int, RequestOutput]:
+             num_speculative_tokens: int = 0,
+             on_start: Callable[[str, LLMEngine], None] | None = None) -> dict[int, RequestOutput]:
     """The step loop on this rank of ``world`` (module doc): ``{arrival index: final RequestOutput}`` of
     the requests this rank's role finished.
 
@@ -124,10 +125,14 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     graph_mode / graph_backend / capture_sizes: the decoding engine's capture; merge: its DCP merge
         (:data:`cpattn.engine.paged_cache.STEP_MERGES`).
     seed: draws the seed of each arrival that brings none. on_step: called after each step of this
-        rank's engine with (role: "colocated" / "prefill" / "decode", engine, the step's outputs).
+        rank's engine with (role: "colocated" / "prefill" / "decode", engine, the step's outputs); it may
+        stop a request (``engine.abort_request``): the request's output of that step is then its final one
+        (``finished``, ``finish_reason="abort"``), and a producer does not hand it off.
     before_step: called with (role, engine) once the step's requests are added, just before the engine
         steps (a step's time is from here to ``on_step``; every rank of a role calls both hooks each step,
-        so a hook may run a collective over its role's ranks, e.g. a barrier).
+        so a hook may run a collective over its role's ranks, e.g. a barrier). on_start: called once with (role,
+        engine) on every rank, its engine built, before the first step (a collective over ``world`` may run
+        there: a start line for timings).
     return_logits / return_prompt_logits: every engine's (:class:`~cpattn.engine.llm.LLMEngine`, opt-in); under
         P/D the prompt logits stay on the producer ranks (their outputs are handed off, not returned).
     drafter / num_speculative_tokens: speculative decoding on the colocated engine, or under P/D on the
@@ -157,6 +162,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
                                **decode_opts)
     final, first = {}, {}
     try:
+        if on_start is not None:
+            on_start(role, engine)
         for step in range(max_steps):
             if role != "decode":
                 for i, a in enumerate(arrivals):
@@ -177,7 +184,9 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
                 if role == "decode":
                     check_first(o, first)
                 if not o.finished:
-                    continue
+                    if on_step is None or not _aborted(engine, o.request_id):
+                        continue
+                    o = dataclasses.replace(o, finished=True, finish_reason="abort")  # the hook stopped it
                 if role == "prefill" and hands_off(o, sampling[o.request_id]):
                     handed.append((o.request_id, o.token_ids[0]))
                 else:
@@ -190,6 +199,12 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
         raise RuntimeError(f"run_rank: the schedule did not drain in {max_steps} steps; raise max_steps")
     finally:
         engine.close()
+
+
+def _aborted(engine: LLMEngine, request_id) -> bool:
+    """Whether ``engine`` holds ``request_id`` as stopped by an abort."""
+    req = engine.scheduler.requests.get(request_id)
+    return req is not None and req.status == "finished" and req.finish_reason == "abort"
 
 
 def pd_role(world: Group, model, params: dict, cfg: Any, *, pcp_size: int, dcp_size: int = 1, block_size: int = 16,

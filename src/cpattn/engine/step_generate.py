@@ -119,21 +119,38 @@ def _refused_configs(family, cfg, p, n, pd, k, bs, decode, drafter) -> str | Non
     return None
 
 
+def speculative_k(decode: EngineConfig, drafter=None) -> int:
+    """Drafts verified per decode row: the decode config's k with a drafter, else 0."""
+    return decode.speculative.num_speculative_tokens if drafter is not None else 0
+
+
+def batch_scheduler(family: ModelFamily, prompt_lens, max_new_tokens: int, k: int = 0, *,
+                    pd: bool = False) -> SchedulerConfig:
+    """:func:`fixed_batch_scheduler` for ``family`` (DeepSeek-V4: unchunked); ``pd``: prefix caching back on,
+    as the pool tier of the prefix cache carries a P/D hand-off (not for V4 and hybrid models).
+
+    >>> batch_scheduler(get_family("qwen3"), [3, 5], 4, pd=True).enable_prefix_caching
+    True
+    """
+    sched = fixed_batch_scheduler(prompt_lens, max_new_tokens, k, chunked=family.cache != "v4")
+    if pd:
+        sched = dataclasses.replace(sched, enable_prefix_caching=family.cache not in ("v4", "hybrid"))
+    return sched
+
+
 def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_new_tokens: int, *,
                  prefill: EngineConfig, decode: EngineConfig, drafter=None, prompt_logits: bool = True, world=None):
     """The step-loop engine of a driver-style run (module docstring): an LLMEngine or a PDEngine, opted in
     to logits. ``world``: this rank's group (colocated under torchrun / a simulated world), else simulated."""
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
-    k = decode.speculative.num_speculative_tokens if drafter is not None else 0
-    v4 = family.cache == "v4"  # a prompt in one step, no shared blocks (runner_v4.v4_scheduler_config)
-    sched = fixed_batch_scheduler(prompt_lens, max_new_tokens, k, chunked=not v4)
+    k = speculative_k(decode, drafter)
+    pd = decode.kv_transfer.kv_role == "kv_consumer"
+    sched = batch_scheduler(family, prompt_lens, max_new_tokens, k, pd=pd)
     bs = decode.cache.block_size
     comp = decode.compilation
-    if decode.kv_transfer.kv_role == "kv_consumer":  # the pool tier of the prefix cache carries the blocks
+    if pd:  # the pool tier of the prefix cache carries the blocks
         return PDEngine(family, params, cfg, pcp_size=p, dcp_size=n, block_size=bs, kv_connector=PDConnector(),
-                        drafter=drafter, num_speculative_tokens=k,
-                        scheduler=dataclasses.replace(sched, enable_prefix_caching=family.cache not in ("v4",
-                                                                                                    "hybrid")),
+                        drafter=drafter, num_speculative_tokens=k, scheduler=sched,
                         num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
                         capture_sizes=comp.capture_sizes, return_logits=True,
                         return_prompt_logits=prompt_logits)
@@ -154,33 +171,65 @@ def run_batch(engine, prompts, max_new_tokens: int, k: int = 0) -> tuple[list, R
     params = SamplingParams(max_tokens=max_new_tokens + k)
     ids = [engine.add_request(list(p), params) for p in prompts]
     main = getattr(engine, "decode", engine)  # PDEngine: the consumer's counters
-    latest, times, sent, ran = {}, [], [], None
-    spec = dict(steps=0, rows=0, drafted=0, accepted=0, hist=[0] * (k + 1), digest=0)
-    reqs = main.scheduler.requests
+    latest, times, sent = {}, [], []
+    spec = SpecCount(k)
     while engine.has_unfinished():
-        before = {rid: len(r.output) for rid, r in reqs.items() if r.status == "running"}
+        spec.before(main)
         t0 = time.perf_counter()
-        for o in engine.step():
-            latest[o.request_id] = o
-            if not o.finished and len(o.token_ids) >= max_new_tokens:
-                engine.abort_request(o.request_id)
+        keep_latest(engine, engine.step(), latest, max_new_tokens)
         times.append(time.perf_counter() - t0)
         sent.append(main.stats.bytes_sent)
-        ran, prev = main.last_step, ran  # a PDEngine step may not step the consumer: then the same object
-        if ran is not None and ran is not prev:
-            _count(spec, ran[0], before, reqs)
-    s = main.stats
-    runner = main.runners[0]
-    graph = getattr(runner, "graph", None)
+        spec.after(main)  # a PDEngine step may not step the consumer: then nothing is counted
     facts = RunFacts(ttft_s=times[0] if times else 0.0, prefill_s=times[0] if times else 0.0, step_s=tuple(times[1:]),
                      bytes_sent={"prefill": sent[0] if sent else 0, "decode": (sent[-1] - sent[0]) if sent else 0},
-                     kv_bytes=runner.kv_bytes(),
-                     runner=None if graph is None else graph.stats.as_dict())
+                     **runner_facts(main))
     outs = [_cut(latest[i], max_new_tokens) for i in ids]
-    stats = SpecStats(steps=spec["steps"], rows=spec["rows"], drafted=spec["drafted"], accepted=spec["accepted"],
-                      emitted=spec["rows"] + spec["accepted"], graph_steps=s.replayed_steps,
-                      accepted_hist=spec["hist"], draft_digest=spec["digest"])
-    return outs, facts, stats
+    return outs, facts, spec.stats(main)
+
+
+def keep_latest(engine, outs, latest: dict, n: int) -> None:
+    """Keep each of a step's outputs as its request's ``latest``; stop (abort) a request that has ``n`` tokens
+    but asked for more (its k extra drafts' worth)."""
+    for o in outs:
+        latest[o.request_id] = o
+        if not o.finished and len(o.token_ids) >= n:
+            engine.abort_request(o.request_id)
+
+
+def runner_facts(engine: LLMEngine) -> dict:
+    """The :class:`~cpattn.engine.result.RunFacts` fields of a (decoding) engine's runner: ``kv_bytes`` (this
+    rank's cache) and ``runner`` (graph mode: its capture's stats, else None)."""
+    runner = engine.runners[0]
+    graph = getattr(runner, "graph", None)
+    return dict(kv_bytes=runner.kv_bytes(), runner=None if graph is None else graph.stats.as_dict())
+
+
+class SpecCount:
+    """:class:`~cpattn.engine.decode.SpecStats` of an engine's decode steps, counted as the driver counts them
+    (k drafts verified per decode row): call :meth:`before` just before each step, :meth:`after` after it."""
+
+    def __init__(self, k: int = 0) -> None:
+        self.spec = dict(steps=0, rows=0, drafted=0, accepted=0, hist=[0] * (k + 1), digest=0)
+        self._before, self._prev = {}, None
+
+    def before(self, engine: LLMEngine) -> None:
+        """Snapshot each running request's output length (and the engine's last step) before a step."""
+        reqs = engine.scheduler.requests
+        self._before = {rid: len(r.output) for rid, r in reqs.items() if r.status == "running"}
+        self._prev = engine.last_step
+
+    def after(self, engine: LLMEngine) -> None:
+        """Count the step's decode rows, if the engine stepped since :meth:`before`."""
+        ran = engine.last_step
+        if ran is not None and ran is not self._prev:
+            _count(self.spec, ran[0], self._before, engine.scheduler.requests)
+
+    def stats(self, engine: LLMEngine) -> SpecStats:
+        """The counts so far, with the engine's replayed (graph) steps."""
+        s = self.spec
+        return SpecStats(steps=s["steps"], rows=s["rows"], drafted=s["drafted"], accepted=s["accepted"],
+                         emitted=s["rows"] + s["accepted"], graph_steps=engine.stats.replayed_steps,
+                         accepted_hist=s["hist"], draft_digest=s["digest"])
 
 
 def _count(spec: dict, out, before: dict, reqs) -> None:
@@ -232,8 +281,7 @@ def step_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max
     engine = build_engine(family, params, cfg, lens, max_new_tokens, prefill=prefill, decode=decode, drafter=drafter,
                           prompt_logits=prompt_logits, world=world)
     try:
-        k = decode.speculative.num_speculative_tokens if drafter is not None else 0
-        outs, facts, stats = run_batch(engine, prompts, max_new_tokens, k)
+        outs, facts, stats = run_batch(engine, prompts, max_new_tokens, speculative_k(decode, drafter))
     finally:
         engine.close()
     return generation(outs, facts, stats)
