@@ -9,9 +9,10 @@ Starts real ``cpattn serve`` servers (subprocesses on 127.0.0.1, free ports, the
 - ``dcp2-graph``: DCP 2 with ``--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'`` (captured
   uniform decode steps);
 - ``pcp2-dcp2``: one engine, PCP 2 + DCP 2 (prefill chunks under PCP, decode under DCP; eager);
-- ``pcp2-dcp2-elastic``: the same with ``--pcp-policy elastic`` (only chunks of at least the planner's
-  break-even run PCP, shorter ones prefill data-parallel, one rank each) and captured decode steps
-  (FULL_DECODE_ONLY, as it would be served);
+- ``pcp2-dcp2-elastic``: the same with ``--pcp-policy elastic --pcp-min-tokens measure`` (only chunks of at
+  least the threshold the server timed on its ranks at start-up run PCP, shorter ones prefill data-parallel,
+  one rank each; under ``uni``, threads that cannot be timed apart, the planner's break-even) and captured
+  decode steps (FULL_DECODE_ONLY, as it would be served);
 - ``pd-2-2``: P/D in one server, ``--kv-transfer-config`` kv_both: a PCP 2 prefill role hands each
   request's KV through an in-process pool to a DCP 2 decode role.
 
@@ -62,7 +63,8 @@ LAYOUTS = {
     "dcp2": (["--dcp", "2"],),
     "dcp2-graph": (["--dcp", "2", "--compilation-config", GRAPH],),
     "pcp2-dcp2": (["--pcp", "2", "--dcp", "2"],),
-    "pcp2-dcp2-elastic": (["--pcp", "2", "--dcp", "2", "--pcp-policy", "elastic", "--compilation-config", GRAPH],),
+    "pcp2-dcp2-elastic": (["--pcp", "2", "--dcp", "2", "--pcp-policy", "elastic", "--pcp-min-tokens", "measure",
+                           "--compilation-config", GRAPH],),
     "pd-2-2": (["--pcp", "2", "--dcp", "2", "--kv-transfer-config", KV],),
 }
 WORKLOADS = ("mixed", "fixed")
@@ -206,6 +208,19 @@ def settings(a) -> dict:
             "graph_backend": "eager" if q else None}  # --quick: captured layouts replay without a compiler
 
 
+def _executor(flags: list[str], executor: str) -> list[str]:
+    """A layout's server flags under ``executor``: ``uni`` drops ``--pcp-min-tokens measure`` (its ranks are
+    threads of one process, which cannot be timed apart: the planner's break-even then).
+
+    >>> _executor(["--pcp-policy", "elastic", "--pcp-min-tokens", "measure"], "uni")
+    ['--pcp-policy', 'elastic']
+    """
+    if executor != "uni" or "measure" not in flags:
+        return list(flags)
+    i = flags.index("measure")
+    return [*flags[:i - 1], *flags[i + 1:]]
+
+
 def _graph(flags: list[str], backend: str | None) -> list[str]:
     """A layout's server flags, its FULL_DECODE_ONLY compilation config naming ``backend`` when one is given.
 
@@ -256,8 +271,8 @@ def run(s: dict, progress=None) -> dict:
     try:
         for name in s["layouts"]:
             executor = ["--distributed-executor-backend", s.get("executor", "uni")] if name != "dp2" else []
-            servers[name] = [Server([*_graph(flags, s.get("graph_backend")), *executor], common)
-                             for flags in LAYOUTS[name]]
+            servers[name] = [Server([*_graph(_executor(flags, s.get("executor", "uni")), s.get("graph_backend")),
+                                     *executor], common) for flags in LAYOUTS[name]]
         deadline = time.monotonic() + s.get("server_timeout", 300.0)
         for name, group in servers.items():
             for srv in group:

@@ -48,17 +48,22 @@ def pcp_min_tokens(model, cfg: Any, pcp_size: int, profile: str = "cpu") -> int:
     return NEVER if n is None else n
 
 
-def resolve(policy: str, min_tokens: int | None, model, cfg: Any, pcp_size: int) -> int:
+def resolve(policy: str, min_tokens: int | str | None, model, cfg: Any, pcp_size: int, measure=None) -> int:
     """The runner's ``pcp_min_tokens`` for a policy: "always" 0 (every chunk PCP), "elastic" the given
-    ``min_tokens`` or :func:`pcp_min_tokens`."""
+    ``min_tokens``, :func:`pcp_min_tokens` for None, or ``measure()`` for "measure" (the engine's own timing,
+    :mod:`cpattn.engine.elastic_measure`)."""
     if policy not in POLICIES:
         raise ValueError(f"pcp_policy={policy!r}; pass one of {', '.join(POLICIES)}")
-    if min_tokens is not None and (not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0):
-        raise ValueError(f"pcp_min_tokens: saw {min_tokens!r}; expected an int >= 0 (or None: the planner's break-even)")
+    if min_tokens is not None and min_tokens != "measure" and (
+            not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0):
+        raise ValueError(f"pcp_min_tokens: saw {min_tokens!r}; expected an int >= 0, 'measure' (timed on the "
+                         "engine's ranks) or None (the planner's break-even)")
     if pcp_size < 2:  # no PCP group: every chunk runs DCP attention whatever the policy
         return 0
     if policy == "always":
         if min_tokens not in (None, 0):
-            raise ValueError(f"pcp_min_tokens={min_tokens} with pcp_policy='always'; pass pcp_policy='elastic'")
+            raise ValueError(f"pcp_min_tokens={min_tokens!r} with pcp_policy='always'; pass pcp_policy='elastic'")
         return 0
+    if min_tokens == "measure":
+        return measure()
     return min_tokens if min_tokens is not None else pcp_min_tokens(model, cfg, pcp_size)

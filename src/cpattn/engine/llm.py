@@ -53,6 +53,7 @@ from cpattn.engine.blocks import BlockManager
 from cpattn.engine.decode_stage import graph_backend as pick_backend
 from cpattn.engine.drafters import check_drafter
 from cpattn.engine.elastic import resolve as resolve_pcp
+from cpattn.engine.elastic_measure import measure as measure_pcp
 from cpattn.engine.outputs import (CUMULATIVE, EngineStats, RequestOutput, RequestOutputKind, drain,
                                    one_token_outputs, step_outputs)
 from cpattn.engine.driver import engine_configs
@@ -121,7 +122,8 @@ class LLMEngine:
         Eagle3 / DSpark head, which gets the target's hidden states) with ``num_speculative_tokens`` =
         k >= 1 (or the config's); None: plain decode.
     pcp_policy: with ``pcp_size > 1``, "always" (every prefill chunk runs PCP) or "elastic" (only chunks of
-        at least ``pcp_min_tokens`` new tokens; None: the planner's break-even, :mod:`cpattn.engine.elastic`).
+        at least ``pcp_min_tokens`` new tokens; None: the planner's break-even, :mod:`cpattn.engine.elastic`;
+        "measure": timed on ``world`` when the engine is built, :mod:`cpattn.engine.elastic_measure`).
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
     seed: the engine's generator, which gives each request added without a seed its own
         (:mod:`cpattn.engine.sampling`); None: a random one (under torchrun rank 0's, shared).
@@ -142,7 +144,7 @@ class LLMEngine:
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  merge: str = ENGINE_MERGE, drafter=None, num_speculative_tokens: int = 0, kv_pool=None,
                  poison: bool = False, seed: int | None = None, kv_role: str = "kv_both",
-                 pcp_policy: str = "always", pcp_min_tokens: int | None = None, kv_connector=None,
+                 pcp_policy: str = "always", pcp_min_tokens: int | str | None = None, kv_connector=None,
                  return_logits: bool = False, return_prompt_logits: bool = False,
                  hidden_layers: tuple | None = None) -> None:
         family = get_family(model)
@@ -172,7 +174,9 @@ class LLMEngine:
         check_drafter(drafter, k)
         n, pcp = config.parallel.dcp_size, config.parallel.pcp_size
         ranks = check_engine(family, pcp, n, world, kv_pool or kv_connector)  # max(pcp, n): runner_wide's refusals
-        pcp_min = resolve_pcp(pcp_policy, pcp_min_tokens, family, cfg, pcp)
+        pcp_min = resolve_pcp(pcp_policy, pcp_min_tokens, family, cfg, pcp, measure=lambda: measure_pcp(
+            family, params, cfg, world, pcp_size=pcp, dcp_size=n, block_size=config.cache.block_size,
+            interleave_size=config.cache.cp_kv_cache_interleave_size, budget=sched.max_num_batched_tokens))
         block, inter = config.cache.block_size, config.cache.cp_kv_cache_interleave_size
         nb = num_blocks if num_blocks is not None else _default_blocks(sched, block * n)
         self.family, self.config, self.scheduler_config = family, config, sched

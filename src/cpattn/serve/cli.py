@@ -82,9 +82,11 @@ def parser():
     p.add_argument("--pcp-policy", choices=flags.PCP_POLICIES, default="always",
                    help="with --pcp > 1: 'always' runs every prefill chunk PCP; 'elastic' only chunks of at least "
                         "--pcp-min-tokens new tokens, shorter ones DCP attention (default: always)")
-    p.add_argument("--pcp-min-tokens", type=cli.nonnegative_int, default=None, metavar="N",
-                   help="--pcp-policy elastic: the shortest chunk that runs PCP (default: the planner's break-even "
-                        "on this machine)")
+    p.add_argument("--pcp-min-tokens", type=flags.pcp_min_tokens, default=None, metavar="N|measure",
+                   help="--pcp-policy elastic: the shortest chunk that runs PCP; 'measure' times a lone chunk both "
+                        "ways on the server's ranks at start-up (about a second on the embedded model; needs "
+                        "rank processes: --distributed-executor-backend mp or torchrun) (default: the planner's "
+                        "break-even)")
     p.add_argument("--kv-transfer-config", type=flags.kv_transfer_config, default=None, metavar="JSON",
                    help='P/D in this one server, vLLM\'s shape: \'{"kv_connector": "CpattnPoolConnector", '
                         '"kv_role": "kv_both"}\' -- a prefill role on --pcp P ranks (PCP) hands each request\'s KV '
@@ -238,6 +240,10 @@ def check_args(a):
     if a.compilation_config is not None and a.compilation_config["graph_backend"] != "auto":
         cli.check_backend(PROG, "--compilation-config backend", a.compilation_config["graph_backend"])
     a.distributed_executor_backend = check_backend(a)
+    if a.pcp_min_tokens == "measure" and a.distributed_executor_backend == "uni":
+        cli.bad_value(PROG, "--pcp-min-tokens", "--pcp-min-tokens measure with --distributed-executor-backend uni",
+                      "the ranks are timed as processes (threads of one process share its GIL)",
+                      "add --distributed-executor-backend mp, or give --pcp-min-tokens N")
     try:
         return SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                                enable_chunked_prefill=a.enable_chunked_prefill, max_model_len=a.max_model_len)

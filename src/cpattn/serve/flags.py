@@ -139,6 +139,24 @@ KV_TRANSFER_KEYS = ("kv_connector", "kv_role")
 PCP_POLICIES = ("always", "elastic")
 
 
+def pcp_min_tokens(text: str) -> int | str:
+    """``--pcp-min-tokens``: an integer >= 0, or ``measure`` (timed on the server's ranks at start-up,
+    :mod:`cpattn.engine.elastic_measure`).
+
+    >>> pcp_min_tokens("512"), pcp_min_tokens("measure")
+    (512, 'measure')
+    """
+    if text == "measure":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"saw {text!r}; rule: an integer >= 0, or 'measure'")
+    return n
+
+
 def kv_transfer_config(text: str) -> dict:
     """``--kv-transfer-config JSON`` (vLLM's shape) -> ``{"kv_connector", "kv_role"}``.
 
