@@ -6,14 +6,21 @@ with the spread (median / best - 1), and MB/s.
 
 Part 2, the engine: one prompt of ``--prompt-len`` tokens is prefilled cold
 (its whole blocks go to the pool), then a prompt sharing its first 7/8 (in
-whole blocks) is prefilled warm, on one rank and on PCP = 2 gloo ranks, for
-each backend. Cold and warm runs alternate over ``--reps`` rounds, each round
-with a fresh model name (so a round's cold run finds nothing). Reported: TTFT
-cold and warm (best and spread), their ratio, bytes stored per rank, and the
-time the warm run spent loading the prefix vs the time the cold run spent
-computing it (the whole cold TTFT minus the warm one's compute of the new tail
-is not measured separately: the prefix's recompute is the cold-minus-warm TTFT
-plus the load).
+whole blocks) is prefilled warm, on one rank and on PCP = DCP = 2 gloo ranks
+(one engine; the step loop takes a pool only where every rank holds KV), for
+each backend, through ``driver.generate_on_rank``: the step loop, the pool its
+prefix cache's second tier (:mod:`cpattn.engine.step_on_rank`). Cold and warm
+runs alternate over ``--reps`` rounds, each round with a fresh model name (so a
+round's cold run finds nothing). Reported: TTFT cold and warm (best and
+spread), their ratio, the blocks the warm run found, bytes stored per rank
+(each DCP rank stores the blocks it holds), and the time the warm run spent
+fetching its prefix from the pool (``load_ms``: lookups and loads at admission)
+vs the time the cold run spent storing (``store_ms``: reading its whole blocks
+out of the cache and writing them), both measured around the pool connector's
+tier (:class:`~cpattn.engine.step_on_rank_hooks.TimedPool`), slowest rank's,
+best round. The step loop stores in the step that computed the blocks, so the
+cold TTFT includes ``store_ms`` and the warm one ``load_ms`` (and the store
+of its new tail): the prefix's recompute is about cold - warm + load - store.
 
 Run: ``cpattn bench pool --quick`` (under a minute) or ``cpattn bench pool``.
 """
@@ -40,13 +47,14 @@ def ttft_model(hidden: int, layers: int):
 
 
 def pool_rank(group, params, cfg, prompts: dict, spec: str, reps: int, pcp: int) -> list[dict]:
-    """Per round: cold then warm TTFT on this rank (the slowest rank's is taken by the caller), pool facts."""
+    """Per round: cold then warm TTFT on this rank (the slowest rank's is taken by the caller), pool facts
+    (``generate_on_rank``'s: the step loop's pool connector, its fetch and store seconds timed)."""
     import torch
     from cpattn.engine import driver
     from cpattn.engine.pooling import PoolSpec
 
-    pre, dec = driver.engine_configs("qwen3", cfg, pcp_size=pcp, dcp_size=1, block_size=BLOCK,
-                                     interleave_size=BLOCK)
+    pre, dec = driver.engine_configs("qwen3", cfg, pcp_size=pcp, dcp_size=pcp, block_size=BLOCK,
+                                     interleave_size=BLOCK)  # PCP = DCP: every rank holds its blocks
     out = []
     for rep in range(reps + 1):  # round 0 warms kernels, links and the store up; it is not reported
         row = {}

@@ -10,8 +10,9 @@ Topologies (each through the step loop where it runs the layout with the default
 ``prefix`` and no ``on_step``; else through the fixed-batch composition, :func:`composed_on_rank`):
 
 - **colocated** (:func:`generate_on_rank` on ``max(P, N)`` ranks): the step loop on that world, as
-  :func:`generate`; the composition (also for a ``pool``) runs a size-1 stage on every rank alone, a
-  full-size one over the world, and moves rows inside it (:func:`cpattn.engine.handoff.exchange`);
+  :func:`generate` (with a KV ``pool`` and ``P <= N``: :mod:`cpattn.engine.step_on_rank`); the composition
+  (also for a ``pool`` with ``P > N``) runs a size-1 stage on every rank alone, a full-size one over the
+  world, and moves rows inside it (:func:`cpattn.engine.handoff.exchange`);
 - **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks; ranks ``[0, P)`` prefill, ``[P, P + N)``
   decode): the step loop's P/D (:mod:`cpattn.engine.step_on_rank`: ``run_rank(pd=True)``; the usable whole
   blocks of each prompt go producer rank to consumer rank, or through a KV pool the producer stores and the
@@ -49,7 +50,7 @@ from cpattn.comm.sim import SimMesh, simulate
 from cpattn.config import EngineConfig
 from cpattn.engine import checks
 from cpattn.engine.batch import Prompts
-from cpattn.engine.decode import DecodeOut
+from cpattn.engine.decode import DecodeOut, SpecStats
 from cpattn.engine.decode_stage import drafter_hidden, hidden_layers, new_shard, run_decode
 from cpattn.engine.drafters import TargetHidden, check_drafter
 from cpattn.models.family import ModelFamily, get_family, param_dtype
@@ -145,12 +146,14 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
 
     With the default ``algorithms``, no ``prefix`` and no ``on_step``, a run goes through the step loop where
     it can run the layout (:func:`step_loop_runs`), as :func:`generate` does: the same tokens. Colocated
-    without a ``pool``: :func:`cpattn.engine.step_generate.step_generate` on ``world`` (its facts have no
-    hand-off stage). P/D, with or without a ``pool`` or a drafter:
-    :func:`cpattn.engine.step_on_rank.pd_step_on_rank`, :func:`cpattn.engine.run_rank.run_rank` (``pd=True``)
-    over ``world`` (its facts: the P/D connector's blocks, the blocks the consumer can use; with a pool the
-    producer stores and the consumer loads). The rest (other ``algorithms``, a ``prefix``, ``on_step``, a
-    colocated ``pool``, a layout the step loop refuses) through :func:`composed_on_rank`, whose arguments these
+    without a ``pool``: :func:`cpattn.engine.step_generate.step_generate` on ``world`` (no hand-off in its
+    facts). P/D (with or without a ``pool`` or a drafter), and colocated with a ``pool`` and ``P <= N``:
+    :func:`cpattn.engine.step_on_rank.step_on_rank`, :func:`cpattn.engine.run_rank.run_rank` over ``world``
+    (colocated, the pool is the prefix cache's second tier: whole spans of ``block_size * N`` tokens loaded at
+    admission, every whole block computed -- decoded tokens' too -- stored, prompt logits of the computed
+    positions; P/D, the producer stores, the consumer loads). The rest (other ``algorithms``, a ``prefix``,
+    ``on_step``, a colocated ``pool`` with ``P > N``: the engine refuses a KV connector on ranks that hold no
+    blocks; a layout the step loop refuses) through :func:`composed_on_rank`, whose arguments these
     are. Checked before anything runs. Example (every rank of a simulated world):
 
     >>> import cpattn
@@ -164,15 +167,16 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     """
     topology = checks.topology(prefill, decode, world.size)
     pd = topology == "disaggregated"
-    if prefix is None and (pool is None or pd) and on_step is None and algorithms == Algorithms():
+    wide_pool = pool is not None and not pd and prefill.parallel.pcp_size > decode.parallel.dcp_size
+    if prefix is None and not wide_pool and on_step is None and algorithms == Algorithms():
         family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size,
                              topology, pool)
         if step_loop_runs(family, cfg, prefill, decode, drafter):
-            if pd:  # here: the step loop imports this module
-                from cpattn.engine.step_on_rank import pd_step_on_rank
+            if pd or pool is not None:  # here: the step loop imports this module
+                from cpattn.engine.step_on_rank import step_on_rank
 
-                return pd_step_on_rank(world, family, params, cfg, p.lists(), max_new_tokens, prefill=prefill,
-                                       decode=decode, drafter=drafter, prompt_logits=prompt_logits, pool=pool)
+                return step_on_rank(world, family, params, cfg, p.lists(), max_new_tokens, prefill=prefill,
+                                    decode=decode, drafter=drafter, prompt_logits=prompt_logits, pool=pool)
             from cpattn.engine.step_generate import step_generate
 
             return step_generate(family, params, cfg, p.lists(), max_new_tokens, prefill=prefill, decode=decode,
@@ -242,8 +246,7 @@ def composed_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     return _generation(out.first_logits, dec, out.prompt_logits, run)
 
 
-def _open_pool(pool, family, cfg, params, decode_cfg: EngineConfig):
-    """(open pool or None, whether this call opened it)."""
+def _open_pool(pool, family, cfg, params, decode_cfg: EngineConfig):  # (open pool or None, whether opened here)
     return open_for_run(pool, family, cfg, params, decode_cfg.cache.block_size)  # keyed by the weights' digest
 
 
@@ -356,8 +359,6 @@ def _disaggregated(world, family, params, cfg, p: Prompts, max_new_tokens, prefi
     tokens, logits = world.all_reduce(tokens), world.all_reduce(logits)  # decode rank 0's, on every rank
     if mine is not None and not torch.equal(mine, tokens):
         raise RuntimeError(f"DCP rank {dg.rank} generated different tokens than rank 0; the ranks diverged")
-    from cpattn.engine.decode import SpecStats
-
     return Generation(tokens, logits, plogits, dec_stats or SpecStats(), run)
 
 
