@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_pool import tiny  # the same tiny float64 Qwen3 and DeepSeek-V3.2
 
 import cpattn
 from cpattn.comm.launch import spawn
@@ -21,7 +22,6 @@ from cpattn.engine import driver, pooling
 from cpattn.engine.kv_rows import row_width
 from cpattn.engine.pd_engine import memory_pool
 from cpattn.engine.pooling import PoolSpec
-from cpattn.models import deepseek_v32, qwen3
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::cpattn.config.GuideCompatWarning")]
@@ -39,14 +39,6 @@ HITS = (4, 2)  # whole spans under DCP 1 and 2 alike (a span: BLOCK * N tokens),
 LAYOUTS = [(1, 1), (1, 2), (2, 2)]
 
 
-def tiny(name):
-    if name == "qwen3":
-        cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-        fam = qwen3.FAMILY
-    else:
-        fam, cfg = deepseek_v32.FAMILY, deepseek_v32.DeepseekV32Config.tiny()
-    return fam, cfg, fam.init_params(cfg, seed=0, std=0.3, dtype=torch.float64)
 
 
 def configs(fam, cfg, p, n):

@@ -52,18 +52,17 @@ class _TimedTier:
         self.tier, self.load_s, self.store_s = tier, 0.0, 0.0
 
     def fetch(self, *args):
-        t0 = time.perf_counter()
-        try:
-            return self.tier.fetch(*args)
-        finally:
-            self.load_s += time.perf_counter() - t0
+        return self._timed("fetch", "load_s", args)
 
     def store(self, *args):
+        return self._timed("store", "store_s", args)
+
+    def _timed(self, method: str, seconds: str, args: tuple):
         t0 = time.perf_counter()
         try:
-            return self.tier.store(*args)
+            return getattr(self.tier, method)(*args)
         finally:
-            self.store_s += time.perf_counter() - t0
+            setattr(self, seconds, getattr(self, seconds) + time.perf_counter() - t0)
 
     def __getattr__(self, name):
         return getattr(self.tier, name)
