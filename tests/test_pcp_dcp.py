@@ -153,12 +153,12 @@ def test_on_gloo_ranks(reference):
     cases = [(pcp_dcp_generate_on_rank, args, {"config": pcp_dcp_config("qwen3", cfg, 4, interleave_size=2),
                                                "exchange": "a2a"}),
              # two engines on the same ranks: PCP prefill engine -> DCP decode engine with a drafter
-             (driver.generate_on_rank, args, {"prefill": pre, "decode": dec, "drafter": NgramDrafter(),
+             (driver.composed_on_rank, args, {"prefill": pre, "decode": dec, "drafter": NgramDrafter(),
                                               "algorithms": Algorithms(dcp_merge="a2a", handoff="allgather")})]
     for per_rank in spawn(4, pcp_dcp_cases, cases):
         for case, out in zip(("step loop", "composition"), per_rank):
             assert torch.equal(out.tokens, ref.tokens), case
-            if case == "composition":  # non-default algorithms: the fixed-batch composition, its hand-off stage
+            if case == "composition":  # called directly: the fixed-batch composition, its hand-off stage
                 assert out.facts.handoff.rows_kept + out.facts.handoff.rows_received > 0
             else:  # the step loop: every KV row to its DCP owner inside the prefill step
                 assert out.facts.bytes_sent["prefill"] > 0 and out.facts.kv_bytes > 0

@@ -148,15 +148,20 @@ def test_one_token_is_the_producers():
 
 
 def test_what_still_runs_the_composition():
-    """Other algorithms (and a prefix, on_step) keep the fixed-batch composition: every block, the partial last
-    one too, crosses the link; the step loop sends the usable ones. The same tokens."""
+    """Other algorithms run the step loop too (the usable blocks cross the link); the fixed-batch composition
+    (what a prefix or on_step still gets, called here directly) sends every block, the partial last one too.
+    The same tokens."""
     cfg, params = tiny_float64("qwen3", seed=2)
     prompts = batch(cfg.vocab_size)
     pre, dec = configs("qwen3", cfg, 1, 1)
     step = on_ranks("qwen3", params, cfg, prompts, 3, 1, 1, pre, dec)
-    old = on_ranks("qwen3", params, cfg, prompts, 3, 1, 1, pre, dec, algorithms=Algorithms(pcp_method="allgather"))
-    assert torch.equal(step[0].tokens, old[0].tokens) and torch.equal(step[1].tokens, old[1].tokens)
-    assert step[1].facts.handoff.blocks_received == sum(usable_blocks(len(q), BLOCK, 1) for q in prompts)
+    other = on_ranks("qwen3", params, cfg, prompts, 3, 1, 1, pre, dec, algorithms=Algorithms(pcp_method="allgather"))
+    old = cpattn.simulate(2, driver.composed_on_rank, "qwen3", params, cfg, prompts, 3, prefill=pre, decode=dec,
+                          algorithms=Algorithms(pcp_method="allgather"))
+    for gens in (other, old):
+        assert torch.equal(step[0].tokens, gens[0].tokens) and torch.equal(step[1].tokens, gens[1].tokens)
+    usable = sum(usable_blocks(len(q), BLOCK, 1) for q in prompts)
+    assert step[1].facts.handoff.blocks_received == other[1].facts.handoff.blocks_received == usable
     assert old[1].facts.handoff.blocks_received == sum(-(-len(q) // BLOCK) for q in prompts)
 
 

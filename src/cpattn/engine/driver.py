@@ -6,8 +6,8 @@ engine (its ``pcp_size`` = P) and the decode engine (its ``dcp_size`` = N,
 mode). They may be one config (one engine opting in to PCP with DCP). Both
 are checked once, before any rank starts (:mod:`cpattn.engine.checks`).
 
-Topologies (each through the step loop where it runs the layout with the default ``algorithms``, no
-``prefix`` and no ``on_step``; else through the fixed-batch composition, :func:`composed_on_rank`):
+Topologies (each through the step loop where it runs the layout, under any ``algorithms``, with no ``prefix`` and
+no ``on_step``; else through the fixed-batch composition, :func:`composed_on_rank`):
 
 - **colocated** (:func:`generate_on_rank` on ``max(P, N)`` ranks): the step loop on that world, as
   :func:`generate` (with a KV ``pool`` and ``P <= N``: :mod:`cpattn.engine.step_on_rank`); the composition
@@ -139,22 +139,23 @@ def _prepare(model, params, cfg, prompts, max_new_tokens, prefill_cfg, decode_cf
 
 
 def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
-                     prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(),
+                     prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms | None = None,
                      drafter=None, prompt_logits: bool = True, prefix: Prefix | None = None,
                      pool=None, on_step=None) -> Generation:
     """One rank of a run over a real (or simulated) world; call it on every rank (see module doc).
 
-    With the default ``algorithms``, no ``prefix`` and no ``on_step``, a run goes through the step loop where
-    it can run the layout (:func:`step_loop_runs`), as :func:`generate` does: the same tokens. Colocated
-    without a ``pool``: :func:`cpattn.engine.step_generate.step_generate` on ``world`` (no hand-off in its
-    facts). P/D (with or without a ``pool`` or a drafter), and colocated with a ``pool`` and ``P <= N``:
-    :func:`cpattn.engine.step_on_rank.step_on_rank`, :func:`cpattn.engine.run_rank.run_rank` over ``world``
-    (colocated, the pool is the prefix cache's second tier: whole spans of ``block_size * N`` tokens loaded at
-    admission, every whole block computed -- decoded tokens' too -- stored, prompt logits of the computed
-    positions; P/D, the producer stores, the consumer loads). The rest (other ``algorithms``, a ``prefix``,
-    ``on_step``, a colocated ``pool`` with ``P > N``: the engine refuses a KV connector on ranks that hold no
-    blocks; a layout the step loop refuses) through :func:`composed_on_rank`, whose arguments these
-    are. Checked before anything runs. Example (every rank of a simulated world):
+    With no ``prefix`` and no ``on_step``, a run goes through the step loop where it can run the layout
+    (:func:`step_loop_runs`), as :func:`generate` does (the same tokens; its engines run exactly ``algorithms``,
+    None: their own choices). Colocated without a ``pool``: :func:`cpattn.engine.step_generate.step_generate` on
+    ``world`` (no hand-off in its facts). P/D (with or without a ``pool`` or a drafter), and colocated with a
+    ``pool`` and ``P <= N``: :func:`cpattn.engine.step_on_rank.step_on_rank`, :func:`cpattn.engine.run_rank.run_rank`
+    over ``world`` (colocated, the pool is the prefix cache's second tier: whole spans of ``block_size * N`` tokens
+    loaded at admission, every whole block computed -- decoded tokens' too -- stored, prompt logits of the computed
+    positions; P/D, the producer stores, the consumer loads). The rest (a ``prefix``, ``on_step``, a colocated
+    ``pool`` with ``P > N``: the engine refuses a KV connector on ranks that hold no blocks; a layout the step
+    loop refuses) through :func:`composed_on_rank` (``algorithms`` None: ``Algorithms()``), whose arguments
+    these are; a caller measuring its hand-off stage (``facts.handoff``) calls it. Checked before anything runs.
+    Example (every rank of a simulated world):
 
     >>> import cpattn
     >>> from cpattn.models import qwen3
@@ -168,7 +169,7 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     topology = checks.topology(prefill, decode, world.size)
     pd = topology == "disaggregated"
     wide_pool = pool is not None and not pd and prefill.parallel.pcp_size > decode.parallel.dcp_size
-    if prefix is None and not wide_pool and on_step is None and algorithms == Algorithms():
+    if prefix is None and not wide_pool and on_step is None:
         family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size,
                              topology, pool)
         if step_loop_runs(family, cfg, prefill, decode, drafter):
@@ -176,14 +177,15 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
                 from cpattn.engine.step_on_rank import step_on_rank
 
                 return step_on_rank(world, family, params, cfg, p.lists(), max_new_tokens, prefill=prefill,
-                                    decode=decode, drafter=drafter, prompt_logits=prompt_logits, pool=pool)
+                                    decode=decode, drafter=drafter, prompt_logits=prompt_logits, pool=pool,
+                                    algorithms=algorithms)
             from cpattn.engine.step_generate import step_generate
 
             return step_generate(family, params, cfg, p.lists(), max_new_tokens, prefill=prefill, decode=decode,
-                                 drafter=drafter, prompt_logits=prompt_logits, world=world)
+                                 drafter=drafter, prompt_logits=prompt_logits, world=world, algorithms=algorithms)
     return composed_on_rank(world, model, params, cfg, prompts, max_new_tokens, prefill=prefill, decode=decode,
-                            algorithms=algorithms, drafter=drafter, prompt_logits=prompt_logits, prefix=prefix,
-                            pool=pool, on_step=on_step)
+                            algorithms=algorithms or Algorithms(), drafter=drafter, prompt_logits=prompt_logits,
+                            prefix=prefix, pool=pool, on_step=on_step)
 
 
 def composed_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
@@ -371,19 +373,16 @@ def step_loop_runs(family: ModelFamily, cfg: Any, prefill: EngineConfig, decode:
 
 
 def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
-             prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(), drafter=None,
+             prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms | None = None, drafter=None,
              prompt_logits: bool = True) -> Generation:
     """A run on simulated meshes: P ranks prefill, the KV travels in memory, N ranks decode (any P, N).
 
     Runs through the step loop (:func:`cpattn.engine.step_generate.step_generate`: every prompt submitted at
-    step 0, drained) where it can (:func:`step_loop_runs`), else through
-    :func:`cpattn.engine.composed.composed` (what follows describes that composition).
-
-    The KV moves as request-order rows, each decode rank keeping its own
-    tokens. When the decode engine is a P/D consumer, the run is
-    :func:`composed_on_rank`'s per-rank P/D code (:func:`_disaggregated`) on
-    one simulated world of P + N ranks: whole blocks travel point to point.
-    Checked before any rank starts. Returns decode rank 0's
+    step 0, drained; its engines run exactly ``algorithms``, None: their own choices) where it can
+    (:func:`step_loop_runs`), else through :func:`cpattn.engine.composed.composed` (``algorithms`` None:
+    ``Algorithms()``): the KV moves as request-order rows, each decode rank keeping its own tokens; a P/D
+    consumer's run is :func:`composed_on_rank`'s per-rank P/D code (:func:`_disaggregated`) on one simulated
+    world of P + N ranks, whole blocks point to point. Checked before any rank starts. Returns decode rank 0's
     :class:`~cpattn.engine.result.Generation` (every rank's tokens are checked equal).
     """
     pcp_size, dcp_size = prefill.parallel.pcp_size, decode.parallel.dcp_size
@@ -393,8 +392,8 @@ def generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_
         from cpattn.engine.step_generate import step_generate  # here: it imports the step loop, which imports this
 
         return step_generate(family, params, cfg, p.lists(), max_new_tokens, prefill=prefill, decode=decode,
-                             drafter=drafter, prompt_logits=prompt_logits)
+                             drafter=drafter, prompt_logits=prompt_logits, algorithms=algorithms)
     from cpattn.engine.composed import composed
 
-    return composed(family, params, cfg, p, max_new_tokens, prefill=prefill, decode=decode, algorithms=algorithms,
-                    drafter=drafter, prompt_logits=prompt_logits)
+    return composed(family, params, cfg, p, max_new_tokens, prefill=prefill, decode=decode,
+                    algorithms=algorithms or Algorithms(), drafter=drafter, prompt_logits=prompt_logits)

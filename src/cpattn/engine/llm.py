@@ -38,7 +38,6 @@ Example
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
@@ -58,27 +57,15 @@ from cpattn.engine.outputs import (CUMULATIVE, EngineStats, RequestOutput, Reque
                                    one_token_outputs, step_outputs)
 from cpattn.engine.driver import engine_configs
 from cpattn.engine.connector import Side, from_args as connector_args
+from cpattn.engine.options import Algorithms, engine_algorithms
 from cpattn.engine.proposer import Proposer
 from cpattn.engine.returns import Returns
 from cpattn.engine.runner import StepResult, StepRunner
 from cpattn.engine.runner_wide import check_engine
-from cpattn.engine.sampling import SamplingParams
+from cpattn.engine.sampling import SamplingParams, engine_seed as _engine_seed
 from cpattn.engine.scheduler import ModelOutput, Scheduler
 from cpattn.models.family import ModelFamily, get_family
 from cpattn.dcp.layer_merges import ENGINE_MERGE
-
-
-def _engine_seed(seed: int | None, world: Group | None) -> int:
-    """The engine generator's seed: ``seed``, or a random one (under torchrun rank 0's, all-reduced so
-    every rank draws the same request seeds)."""
-    if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed: saw {seed!r}; expected an int or None")
-        return seed & ((1 << 63) - 1)
-    drawn = secrets.randbits(62)
-    if world is None or world.size == 1:
-        return drawn
-    return int(world.all_reduce(torch.tensor([drawn if world.rank == 0 else 0], dtype=torch.int64))[0])
 
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -97,13 +84,11 @@ class LLMEngine:
     model, params, cfg: a family (or its name), its weights, its config.
     config: the engine's :class:`~cpattn.config.EngineConfig` (DCP size, PCP size: 1..the DCP size, more for paged
         families: PCP over ``pcp_size`` ranks, the decodes DCP over the first ``dcp_size``, :mod:`~.runner_wide`;
-        block and interleave sizes, graph mode); None: built from ``dcp_size`` / ``pcp_size`` (> 1: one
-        engine with PCP + DCP, a step's prefill chunks run PCP over the first ``pcp_size`` ranks of the DCP
-        group, the decodes DCP over all of them; for DeepSeek-V4 and hybrid models too) / ``block_size`` /
-        ``interleave_size`` /
-        ``graph_mode`` / ``graph_backend`` ("auto": a compiler where the group can be traced) /
-        ``capture_sizes`` by
-        :func:`cpattn.engine.driver.engine_configs`.
+        block and interleave sizes, graph mode); None: built from ``dcp_size`` / ``pcp_size`` (> 1: one engine with
+        PCP + DCP, a step's prefill chunks run PCP over the first ``pcp_size`` ranks of the DCP group, the decodes
+        DCP over all of them; for DeepSeek-V4 and hybrid models too) / ``block_size`` / ``interleave_size`` /
+        ``graph_mode`` / ``graph_backend`` ("auto": a compiler where the group can be traced) / ``capture_sizes``
+        by :func:`cpattn.engine.driver.engine_configs`.
     scheduler: the :class:`~cpattn.config.SchedulerConfig` (budget, request cap, chunking, prefix caching).
     world: this rank's group under torchrun (every rank builds the engine and calls the same methods
         in the same order); None: a simulated mesh of ``max(dcp_size, pcp_size)`` threads in this process.
@@ -125,6 +110,11 @@ class LLMEngine:
         at least ``pcp_min_tokens`` new tokens; None: the planner's break-even, :mod:`cpattn.engine.elastic`;
         "measure": timed on ``world`` when the engine is built, :mod:`cpattn.engine.elastic_measure`).
     merge: the DCP merge of the attention step. poison: NaN-fill blocks as they are handed out.
+    algorithms: None (the runners choose: PCP "ring", "allgather" for a chunk with cached context), or an
+        :class:`~cpattn.engine.options.Algorithms` every runner uses exactly (``engine.algorithms``): the DCP merge
+        is its ``dcp_merge`` (a non-default ``merge`` that disagrees is a ValueError); what each runner honours:
+        :class:`~cpattn.engine.runner.StepRunner` (DSA: no ``pcp_method``, one all-gather merge), hybrid likewise
+        (no DSA), DeepSeek-V4 none (:class:`~cpattn.engine.runner_v4.V4StepRunner`).
     seed: the engine's generator, which gives each request added without a seed its own
         (:mod:`cpattn.engine.sampling`); None: a random one (under torchrun rank 0's, shared).
     return_logits / return_prompt_logits: opt-in, off by default (no cost then): each RequestOutput also
@@ -146,14 +136,14 @@ class LLMEngine:
                  poison: bool = False, seed: int | None = None, kv_role: str = "kv_both",
                  pcp_policy: str = "always", pcp_min_tokens: int | str | None = None, kv_connector=None,
                  return_logits: bool = False, return_prompt_logits: bool = False,
-                 hidden_layers: tuple | None = None) -> None:
+                 hidden_layers: tuple | None = None, algorithms: Algorithms | None = None) -> None:
         family = get_family(model)
+        merge, algorithms = engine_algorithms(algorithms, merge)  # checked before anything is built
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role={kv_role!r}; pass one of {', '.join(KV_ROLES)} (vLLM's kv_transfer_config roles)")
         if config is None:
             config = engine_configs(family, cfg, dcp_size=dcp_size, pcp_size=pcp_size, one_engine=pcp_size > 1,
-                                    block_size=block_size,
-                                    interleave_size=interleave_size, graph_mode=graph_mode,
+                                    block_size=block_size, interleave_size=interleave_size, graph_mode=graph_mode,
                                     graph_backend=graph_backend, capture_sizes=capture_sizes,
                                     num_speculative_tokens=num_speculative_tokens,
                                     speculative_method=getattr(drafter, "method", None))[1]
@@ -179,7 +169,7 @@ class LLMEngine:
             interleave_size=config.cache.cp_kv_cache_interleave_size, budget=sched.max_num_batched_tokens))
         block, inter = config.cache.block_size, config.cache.cp_kv_cache_interleave_size
         nb = num_blocks if num_blocks is not None else _default_blocks(sched, block * n)
-        self.family, self.config, self.scheduler_config = family, config, sched
+        self.family, self.config, self.scheduler_config, self.algorithms = family, config, sched, algorithms
         self.connector = connector_args(kv_pool, kv_connector)  # the scheduler's second tier (cpattn.engine.connector)
         layers = hidden_layers if drafter is None else drafter.hidden_layers  # the target hidden rows kept
         if self.connector is not None:
@@ -223,7 +213,7 @@ class LLMEngine:
                         max_model_len=self.max_model_len, merge=merge, capture=capture,
                         capture_sizes=list(sizes) if sizes else None, max_num_seqs=sched.max_num_seqs,
                         num_speculative_tokens=k, pcp_size=pcp, poison=poison, **extra,
-                        hidden_layers=layers)
+                        hidden_layers=layers, algorithms=algorithms)
 
         self._groups = groups
         self.runners = run_ranks(self._mesh, groups, runner, what="LLMEngine") if len(groups) > 1 \

@@ -164,7 +164,7 @@ class PDEngine:
         :class:`~cpattn.engine.connector.KVConnector` (``PDConnector()``: blocks handed over directly).
     graph_mode / graph_backend / capture_sizes: the consumer's decode capture (the producer runs eagerly,
         as a step with a prefill chunk does). seed: draws the seed of each request that brings none,
-        given to both roles so their first tokens agree. num_blocks / poison / merge: as
+        given to both roles so their first tokens agree. num_blocks / poison / merge / algorithms: as
         :class:`~cpattn.engine.llm.LLMEngine`, per role.
     return_logits / return_prompt_logits: as :class:`~cpattn.engine.llm.LLMEngine` (opt-in): the consumer's
         logits of every output token, the producer's prompt logits (on the consumer's outputs once handed off).
@@ -181,7 +181,7 @@ class PDEngine:
                  graph_backend: str = "auto", capture_sizes=None, num_blocks: int | None = None,
                  poison: bool = False, merge: str = ENGINE_MERGE, seed: int = 0, kv_connector=None,
                  return_logits: bool = False, return_prompt_logits: bool = False, drafter=None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, algorithms=None) -> None:
         family = get_family(model)
         v4 = family.backend.name == "v4"  # no per-token blocks: its whole state goes over (connector_v4)
         hybrid = family.cache == "hybrid"  # blocks + linear states, which no pool holds (connector_hybrid)
@@ -211,7 +211,7 @@ class PDEngine:
         kv_connector = hidden_carrier(kv_connector, family, drafter)
         connector = kv_connector.linked(MemoryLink(dcp_size))
         common = dict(block_size=block_size, interleave_size=block_size, scheduler=sched, kv_connector=connector,
-                      num_blocks=num_blocks, poison=poison, merge=merge)
+                      num_blocks=num_blocks, poison=poison, merge=merge, algorithms=algorithms)
         with warnings.catch_warnings():  # the one-engine PCP + DCP warning's own fix is this P/D pair
             warnings.simplefilter("ignore", GuideCompatWarning)
             self.prefill = LLMEngine(family, params, cfg, dcp_size=pcp_size, pcp_size=pcp_size, kv_role="kv_producer",

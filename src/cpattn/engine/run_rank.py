@@ -101,7 +101,7 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
              before_step: Callable[[str, LLMEngine], None] | None = None,
              kv_connector=None, return_logits: bool = False,
              return_prompt_logits: bool = False, drafter=None,
-             num_speculative_tokens: int = 0,
+             num_speculative_tokens: int = 0, algorithms=None,
              on_start: Callable[[str, LLMEngine], None] | None = None) -> dict[int, RequestOutput]:
     """The step loop on this rank of ``world`` (module doc): ``{arrival index: final RequestOutput}`` of
     the requests this rank's role finished.
@@ -123,7 +123,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
         producer rank to consumer rank over ``world`` (``PoolConnector(pool) + PDConnector()``: the
         blocks found in the pool are not sent).
     graph_mode / graph_backend / capture_sizes: the decoding engine's capture; merge: its DCP merge
-        (:data:`cpattn.engine.paged_cache.STEP_MERGES`).
+        (:data:`cpattn.engine.paged_cache.STEP_MERGES`). algorithms: every engine's (colocated, P/D producer and
+        consumer: :class:`~cpattn.engine.llm.LLMEngine`'s ``algorithms``; None: the runners' own choices).
     seed: draws the seed of each arrival that brings none. on_step: called after each step of this
         rank's engine with (role: "colocated" / "prefill" / "decode", engine, the step's outputs); it may
         stop a request (``engine.abort_request``): the request's output of that step is then its final one
@@ -145,7 +146,8 @@ def run_rank(world: Group, model, params: dict, cfg: Any, arrivals: Sequence[Arr
     last = max((a.step for a in arrivals), default=0)
     connector = connector_args(kv_pool, kv_connector)
     common = dict(block_size=block_size, scheduler=scheduler, num_blocks=num_blocks, poison=poison,
-                  kv_connector=connector, return_logits=return_logits, return_prompt_logits=return_prompt_logits)
+                  kv_connector=connector, return_logits=return_logits, return_prompt_logits=return_prompt_logits,
+                  algorithms=algorithms)
     decode_opts = dict(graph_mode=graph_mode, graph_backend=graph_backend, capture_sizes=capture_sizes, merge=merge,
                        drafter=drafter, num_speculative_tokens=num_speculative_tokens)
     if not pd:
@@ -217,7 +219,7 @@ def pd_role(world: Group, model, params: dict, cfg: Any, *, pcp_size: int, dcp_s
     target hidden rows a drafter that reads them needs, :func:`~cpattn.engine.pd_engine.producer_hidden`).
     ``kv_connector``: the connector both roles bind (None: :class:`~cpattn.engine.connector_pd.PDConnector`,
     blocks rank to rank over ``world``);
-    ``common``: scheduler, num_blocks, poison (as :class:`~cpattn.engine.llm.LLMEngine`).
+    ``common``: scheduler, num_blocks, poison, algorithms (as :class:`~cpattn.engine.llm.LLMEngine`; both roles).
 
     >>> import cpattn
     >>> from cpattn.models import qwen3

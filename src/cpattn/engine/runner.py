@@ -148,6 +148,12 @@ class StepRunner:
     dcp_size: None (the DCP group is ``group``), or N < ``group.size`` with ``pcp_size = group.size``: ``group``
         is the engine's world, its first N ranks the DCP group (``runner.group``, None on the others, which
         hold no cache and take DCP rank 0's step outputs; ``runner.world``: the world): :mod:`~.runner_wide`.
+    algorithms: None (``pcp_method`` as above), or exactly these (``runner.algorithms``, no "auto"): their
+        ``pcp_method`` (GQA / MLA chunks under PCP; a DSA chunk runs DSA-CP), ``dsa_split`` (a DSA model's PCP
+        split) and ``handoff`` (rows to their DCP owners: a PCP step's whose chunks all end their prompts -- else
+        the rows are all-gathered, kept for the next chunk -- and short chunks' under elastic CP);
+        ``merge`` is still the DCP merge (:class:`~cpattn.engine.llm.LLMEngine` passes ``algorithms.dcp_merge``;
+        a DSA layer merges with one all-gather whatever it is).
 
     ``runner.prompt_logits = True`` (off by default): each step also hands back every prefill row's logits
     (``StepResult.chunk_logits``; under PCP the prefill then gathers all its rows' logits, and short chunks
@@ -163,17 +169,17 @@ class StepRunner:
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "auto",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0,
-                 dcp_size: int | None = None) -> None:
+                 dcp_size: int | None = None, algorithms: Algorithms | None = None) -> None:
         self.family, self.params, self.cfg = get_family(model), params, cfg
         # the engine's world, its DCP group (the first dcp_size ranks; None on the others: runner_wide)
         self.world, self.dcp_size, group = runner_wide.dcp_of(group, dcp_size, pcp_size)
         self.group = group
         self.pcp_size, self._auto_pcp = check_pcp_size(pcp_size, self.world, "StepRunner", sub_group=True), \
-            pcp_method == "auto"
+            pcp_method == "auto" and algorithms is None
         # the group a step's PCP chunks run over: the world, or its first pcp_size ranks (every rank splits)
         w = self.world
         self.pcp_group = w if self.pcp_size in (1, w.size) else w.split(range(self.pcp_size))
-        self.algorithms = Algorithms(pcp_method="ring" if self._auto_pcp else pcp_method)
+        self.algorithms = algorithms or Algorithms(pcp_method="ring" if self._auto_pcp else pcp_method)
         self.pcp_min_tokens = pcp_min_tokens
         if not self.family.backend.per_token_kv and self.family.cache not in self.other_caches:
             what = {"hybrid": "paged KV plus per-request linear-attention states",

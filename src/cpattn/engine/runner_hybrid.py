@@ -155,7 +155,9 @@ class HybridStepRunner(StepRunner):
     (``pcp_size > 1``: prefill chunks run PCP, see the module doc; ``num_speculative_tokens`` = k: decode rows of
     1 + k tokens verified with per-position states, see the module doc; ``hidden_layers``: the hidden states
     a drafter reads, in ``StepResult.hidden`` as StepRunner gives them; ``connector``: the engine's bound KV
-    connector, whose ``stage`` / ``take`` a P/D pair's hybrid connector has, see the module doc).
+    connector, whose ``stage`` / ``take`` a P/D pair's hybrid connector has, see the module doc; ``algorithms``:
+    as StepRunner's, ``pcp_method`` for the attention layers' PCP and ``handoff`` for the PCP rows, ``dsa_split``
+    unused: no DSA layer).
 
     ``live``: requests holding a slot; ``states``: the slots' linear-layer states.
     """
@@ -167,7 +169,7 @@ class HybridStepRunner(StepRunner):
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
                  hidden_layers: tuple | None = None, poison: bool = False, pcp_min_tokens: int = 0,
-                 connector=None, dcp_size: int | None = None) -> None:
+                 connector=None, dcp_size: int | None = None, algorithms=None) -> None:
         family = get_family(model)
         if family.cache != "hybrid":
             raise ValueError(f"HybridStepRunner runs families declaring cache='hybrid'; {family.name} declares "
@@ -178,7 +180,8 @@ class HybridStepRunner(StepRunner):
         super().__init__(group, family, params, cfg, num_blocks=num_blocks, block_size=block_size,
                          max_model_len=max_model_len, interleave_size=interleave_size, merge=merge, capture=None,
                          max_num_seqs=max_num_seqs, pcp_size=pcp_size if self._wide(group, dcp_size) else 1,
-                         pcp_method=pcp_method, poison=poison, pcp_min_tokens=pcp_min_tokens, dcp_size=dcp_size)
+                         pcp_method=pcp_method, poison=poison, pcp_min_tokens=pcp_min_tokens, dcp_size=dcp_size,
+                         algorithms=algorithms)
         self.connector = connector  # the engine's bound KV connector (P/D: connector_hybrid), or None
         self.pcp_size = check_pcp_size(pcp_size, self.world, "HybridStepRunner", sub_group=True)  # not StepRunner's:
         self.pcp_group = pcp_group(self.world, self.pcp_size)  # the chunks' PCP: runner_hybrid_pcp.pcp_chunks

@@ -176,6 +176,8 @@ def _sample(out: SchedulerOutput, rows: list[int], logits: torch.Tensor, chosen:
 class V4StepRunner:
     """One rank's V4 model runner (module docstring); the arguments of :class:`~cpattn.engine.runner.StepRunner`.
 
+    ``algorithms`` (``runner.algorithms``) change nothing here: V4's prefill has one PCP method and no DSA split,
+    its decode merges with one all-gather (``merge`` unused too), its state is handed on by the collect.
     ``live``: requests holding a slot; ``graph``: the captured decode runner (``capture`` given) or None.
     ``runner.prompt_logits = True`` (off by default): each step also hands back every prompt row's logits
     of the prompts it prefilled (``StepResult.chunk_logits``; none for a state a P/D producer handed over).
@@ -194,7 +196,7 @@ class V4StepRunner:
                  capture: str | None = None, capture_sizes=None, max_num_seqs: int = 8,
                  num_speculative_tokens: int = 0, pcp_size: int = 1, pcp_method: str = "ring",
                  hidden_layers: tuple | None = None, poison: bool = False, connector=None,
-                 dcp_size: int | None = None) -> None:
+                 dcp_size: int | None = None, algorithms: Algorithms | None = None) -> None:
         self.connector = connector  # the engine's bound KV connector (V4 P/D: connector_v4), or None
         # the engine's world, its DCP group (the first dcp_size ranks; None on the others, no state: runner_wide)
         self.world, self.dcp_size, group = dcp_of(group, dcp_size, pcp_size)
@@ -205,7 +207,7 @@ class V4StepRunner:
                              f"cache={self.family.cache!r}: use cpattn.engine.runner.StepRunner")
         self.hidden_layers = None if hidden_layers is None else tuple(hidden_layers)
         self.pcp_size = check_pcp_size(pcp_size, self.world, "V4StepRunner", sub_group=True)
-        self.algorithms = Algorithms(pcp_method=pcp_method)
+        self.algorithms = algorithms or Algorithms(pcp_method=pcp_method)  # a V4 run is the same whatever they are
         self.prefill_group = prefill_group(self.world, self.pcp_size)  # None outside a PCP sub-group (runner_v4_pcp)
         role = getattr(getattr(connector, "side", None), "role", None)
         if 1 < self.pcp_size < self.dcp_size and role == "kv_producer":

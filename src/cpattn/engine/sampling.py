@@ -63,11 +63,13 @@ Example
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from cpattn.comm.group import Group
 from cpattn.engine.outputs import RequestOutputKind
 
 _MASK = (1 << 64) - 1
@@ -363,6 +365,19 @@ def reference_verify(p: Sequence[Sequence[float]], drafts: Sequence[int], u_acce
         return out
     out.append(reference_sample(p[len(drafts)], u_resample[len(drafts)]))
     return out
+
+
+def engine_seed(seed: int | None, world: Group | None) -> int:
+    """The engine generator's seed (``LLMEngine(seed=...)``): ``seed``, or a random one (under torchrun rank 0's,
+    all-reduced so every rank draws the same request seeds)."""
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed: saw {seed!r}; expected an int or None")
+        return seed & ((1 << 63) - 1)
+    drawn = secrets.randbits(62)
+    if world is None or world.size == 1:
+        return drawn
+    return int(world.all_reduce(torch.tensor([drawn if world.rank == 0 else 0], dtype=torch.int64))[0])
 
 
 __all__ = ["SamplingParams", "choose", "draw", "sampled_positions", "probs", "reference_probs", "reference_sample", "reference_verify",

@@ -139,9 +139,11 @@ def batch_scheduler(family: ModelFamily, prompt_lens, max_new_tokens: int, k: in
 
 
 def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_new_tokens: int, *,
-                 prefill: EngineConfig, decode: EngineConfig, drafter=None, prompt_logits: bool = True, world=None):
+                 prefill: EngineConfig, decode: EngineConfig, drafter=None, prompt_logits: bool = True, world=None,
+                 algorithms: Algorithms | None = None):
     """The step-loop engine of a driver-style run (module docstring): an LLMEngine or a PDEngine, opted in
-    to logits. ``world``: this rank's group (colocated under torchrun / a simulated world), else simulated."""
+    to logits. ``world``: this rank's group (colocated under torchrun / a simulated world), else simulated.
+    ``algorithms``: every engine's (:class:`~cpattn.engine.llm.LLMEngine`; None: the runners' own choices)."""
     p, n = prefill.parallel.pcp_size, decode.parallel.dcp_size
     k = speculative_k(decode, drafter)
     pd = decode.kv_transfer.kv_role == "kv_consumer"
@@ -153,14 +155,14 @@ def build_engine(family: ModelFamily, params: dict, cfg: Any, prompt_lens, max_n
                         drafter=drafter, num_speculative_tokens=k, scheduler=sched,
                         num_blocks=_blocks(sched, bs, 1), graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
                         capture_sizes=comp.capture_sizes, return_logits=True,
-                        return_prompt_logits=prompt_logits)
+                        return_prompt_logits=prompt_logits, algorithms=algorithms)
     with warnings.catch_warnings():  # PCP + DCP in one engine: the driver's pair checked the guide's rules
         warnings.simplefilter("ignore", GuideCompatWarning)
         return LLMEngine(family, params, cfg, world=world, dcp_size=n, pcp_size=p, block_size=bs,
                          interleave_size=decode.cache.cp_kv_cache_interleave_size, graph_mode=comp.graph_mode,
                          graph_backend=comp.graph_backend, capture_sizes=comp.capture_sizes, scheduler=sched,
                          num_blocks=_blocks(sched, bs, n), drafter=drafter, num_speculative_tokens=k,
-                         return_logits=True, return_prompt_logits=prompt_logits)
+                         return_logits=True, return_prompt_logits=prompt_logits, algorithms=algorithms)
 
 
 def run_batch(engine, prompts, max_new_tokens: int, k: int = 0) -> tuple[list, RunFacts, SpecStats]:
@@ -269,17 +271,18 @@ def generation(outs, facts: RunFacts, stats: SpecStats) -> Generation:
 
 
 def step_generate(model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
-                  prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms = Algorithms(), drafter=None,
+                  prefill: EngineConfig, decode: EngineConfig, algorithms: Algorithms | None = None, drafter=None,
                   prompt_logits: bool = True, world=None) -> Generation:
     """:func:`cpattn.engine.driver.generate` through the step loop (module docstring): B prompts,
     ``max_new_tokens`` greedy tokens each; returns tokens [B, N], logits [B, N, V], prompt_logits [T, V]
     (None with ``prompt_logits=False``), stats, facts.
-    ``algorithms``: accepted for the driver's signature; the step loop picks its own (``pcp_method`` auto).
+    ``algorithms``: every engine runs exactly these (:class:`~cpattn.engine.llm.LLMEngine`: the PCP method, DSA
+    split, hand-off of the PCP rows to their DCP owners, DCP merge); None: the step loop's own (``pcp_method`` auto).
     ``world``: run on this rank's group (every rank calls it; colocated only)."""
     family = get_family(model)
     lens = [len(p) for p in prompts]
     engine = build_engine(family, params, cfg, lens, max_new_tokens, prefill=prefill, decode=decode, drafter=drafter,
-                          prompt_logits=prompt_logits, world=world)
+                          prompt_logits=prompt_logits, world=world, algorithms=algorithms)
     try:
         outs, facts, stats = run_batch(engine, prompts, max_new_tokens, speculative_k(decode, drafter))
     finally:

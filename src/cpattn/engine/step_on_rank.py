@@ -100,7 +100,7 @@ from cpattn.models.family import ModelFamily, get_family, param_dtype
 
 def step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
                  prefill: EngineConfig, decode: EngineConfig, drafter=None, prompt_logits: bool = True,
-                 pool=None) -> Generation:
+                 pool=None, algorithms=None) -> Generation:
     """This rank of a fixed batch through run_rank (module doc); call it on every rank of the world.
 
     prompts: B token lists; max_new_tokens: N greedy tokens each. prefill / decode: the run's two configs
@@ -111,6 +111,7 @@ def step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any,
     ranks (with a pool ``P <= N``: every rank of the engine holds its blocks). drafter: the decoding engine's
     (under P/D one reading hidden states gets the producer's rows). pool: a
     :class:`~cpattn.engine.pooling.PoolSpec` (opened on every rank, released at the end) or an open pool.
+    algorithms: every engine's (:func:`~cpattn.engine.run_rank.run_rank`; None: the runners' own choices).
     Returns tokens [B, N], logits [B, N, V] (every rank), prompt_logits [T, V] (the computed positions;
     P/D: producer ranks), stats, facts.
     """
@@ -130,7 +131,7 @@ def step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any,
             warnings.simplefilter("ignore", GuideCompatWarning)
         final = run_rank(world, family, params, cfg, arrivals, pd=pd, pcp_size=p, dcp_size=n, block_size=bs,
                          scheduler=sched, kv_connector=None if pool is None else TimedPool(pool),
-                         graph_mode=comp.graph_mode, graph_backend=comp.graph_backend,
+                         graph_mode=comp.graph_mode, graph_backend=comp.graph_backend, algorithms=algorithms,
                          capture_sizes=comp.capture_sizes, drafter=drafter, num_speculative_tokens=k,
                          return_logits=True, return_prompt_logits=prompt_logits and (not pd or world.rank < p),
                          on_start=batch.start, before_step=batch.before, on_step=batch.after, **layout)
@@ -159,11 +160,11 @@ def step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any,
 
 def pd_step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
                     prefill: EngineConfig, decode: EngineConfig, drafter=None, prompt_logits: bool = True,
-                    pool=None) -> Generation:
+                    pool=None, algorithms=None) -> Generation:
     """:func:`step_on_rank` of a P/D pair (the P/D entry, kept): ``decode`` must be a ``kv_consumer`` config
     (:func:`~cpattn.engine.driver.engine_configs` with ``pd=True``) and the world ``P + N`` ranks."""
     if decode.kv_transfer.kv_role != "kv_consumer":
         raise ValueError(f"pd_step_on_rank: the decode config's kv_role is {decode.kv_transfer.kv_role!r}; pass a P/D "
                          "pair (engine_configs(..., pd=True)) or call step_on_rank for a colocated run")
     return step_on_rank(world, model, params, cfg, prompts, max_new_tokens, prefill=prefill, decode=decode,
-                        drafter=drafter, prompt_logits=prompt_logits, pool=pool)
+                        drafter=drafter, prompt_logits=prompt_logits, pool=pool, algorithms=algorithms)
