@@ -1,4 +1,5 @@
-"""Elastic CP in the step loop: chunks of at least ``pcp_min_tokens`` new tokens run PCP, shorter ones DCP
+"""Elastic CP in the step loop: chunks of at least ``pcp_min_tokens`` new tokens (or whose context makes their
+attention as large: :func:`cpattn.engine.elastic.runs_pcp`) run PCP, shorter ones DCP
 attention with the decodes; tokens stay one-device greedy (tests/test_engine_loop.py's oracle) either way."""
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def test_short_chunks_skip_pcp_and_tokens_stay_exact(family):
         ids, steps = run_schedule(e, reqs)
         assert {i: list(e.scheduler.requests[r].output) for i, r in ids.items()} == \
                {i: expected(ONE_DEVICE, family, r) for i, r in enumerate(reqs)}
-        chunks = [[q for q, p in zip(o.query_lens, o.is_prefill) if p] for o, _ in steps]
+        chunks = [[(q, c) for q, c, p in zip(o.query_lens, o.context_lens, o.is_prefill) if p] for o, _ in steps]
         runs[policy] = (e.stats.pcp_steps, chunks)
     always, chunks = runs["always"]
     assert always == sum(bool(c) for c in chunks)  # every step with a chunk ran PCP
     elastic, chunks = runs["elastic"]
-    assert elastic == sum(any(q >= 8 for q in c) for c in chunks)  # only steps with a long chunk
+    # only steps with a long chunk: 8 new tokens, or as many query-key pairs as a fresh 8-token chunk
+    assert elastic == sum(any(q >= 8 or q * (2 * c + q) >= 64 for q, c in s) for s in chunks)
+    assert any(q < 8 and q * (2 * c + q) >= 64 for s in chunks for q, c in s)  # a long prompt's short last chunk
     assert 0 < elastic < sum(bool(c) for c in chunks)
 
 

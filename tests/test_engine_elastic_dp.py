@@ -41,8 +41,13 @@ def engine(family, size, min_tokens=MIN, budget=40, heads=None):
 
 
 def dp_eligible(out, min_tokens=MIN):
-    """Rows a step should prefill data-parallel: every short chunk (with or without cached context)."""
-    return [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] < min_tokens]
+    """Rows a step should prefill data-parallel: every short chunk, with or without cached context -- short:
+    fewer than ``min_tokens`` new tokens, and fewer query-key pairs (new x (context + new / 2)) than a fresh
+    ``min_tokens``-token chunk's."""
+    def short(q, c):
+        return q < min_tokens and 2 * q * c + q * q < min_tokens ** 2
+
+    return [b for b, p in enumerate(out.is_prefill) if p and short(out.query_lens[b], out.context_lens[b])]
 
 
 def check(family, size, reqs, heads=None, **kw):

@@ -14,6 +14,10 @@ with the decodes instead. Decode
 keeps the DCP layout whatever degree the prefill ran at, and the tokens are the
 same either way.
 
+A chunk that continues cached context counts its attention too (:func:`runs_pcp`): it runs PCP when its
+query-key pairs reach a fresh threshold-length chunk's, so a long prompt's last chunk, short after a full
+one, stays under PCP with its kept context instead of gathering that context onto one rank.
+
 The threshold is the planner's break-even for attention on this machine
 (:func:`cpattn.plan.breakeven.bench_break_even` over the model's head shape
 with the ``cpu`` profile, which is the calibrated one once ``cpattn plan
@@ -46,6 +50,20 @@ def pcp_min_tokens(model, cfg: Any, pcp_size: int, profile: str = "cpu") -> int:
     n = bench_break_even(get_profile(profile), heads=m.num_attention_heads, kv_heads=m.num_kv_heads,
                          head_dim=head_dim, pcp=pcp_size)
     return NEVER if n is None else n
+
+
+def runs_pcp(new: int, context: int, min_tokens: int) -> bool:
+    """Whether a prefill chunk of ``new`` tokens after ``context`` cached ones runs PCP under the threshold
+    ``min_tokens``: it has ``min_tokens`` new tokens, or its attention (``new * (context + new / 2)`` query-key
+    pairs) is at least a fresh ``min_tokens``-token chunk's (``min_tokens ** 2 / 2``). So a long prompt's last,
+    shorter chunk stays under PCP (its context is long), and a short prompt after a cached prefix does not.
+
+    >>> runs_pcp(1024, 0, 1024), runs_pcp(952, 2048, 1024), runs_pcp(200, 64, 1024), runs_pcp(100, 2000, 1024)
+    (True, True, False, False)
+    >>> runs_pcp(1, 0, 0), runs_pcp(8191, 1 << 20, NEVER)
+    (True, False)
+    """
+    return new >= min_tokens or new * (2 * context + new) >= min_tokens * min_tokens
 
 
 def resolve(policy: str, min_tokens: int | str | None, model, cfg: Any, pcp_size: int, measure=None) -> int:

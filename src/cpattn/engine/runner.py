@@ -61,6 +61,7 @@ import torch
 
 from cpattn.comm.group import Group
 from cpattn.engine.decode import decode_step, step_fields
+from cpattn.engine.elastic import runs_pcp
 from cpattn.engine.options import Algorithms
 from cpattn.engine.paged_cache import PagedShard
 from cpattn.engine.sampling import choose, sampled_positions
@@ -241,6 +242,13 @@ class StepRunner:
             return dataclasses.replace(res, chunk_logits=self.chunk_logits)
         return self._execute(out)
 
+    def pcp_rows(self, out: SchedulerOutput) -> list[int]:
+        """The prefill rows of ``out`` that run PCP (with ``pcp_size > 1``; elastic CP: :func:`~.elastic.runs_pcp`)."""
+        if self.pcp_size == 1:
+            return []
+        m = self.pcp_min_tokens
+        return [b for b, p in enumerate(out.is_prefill) if p and runs_pcp(out.query_lens[b], out.context_lens[b], m)]
+
     def _execute(self, out: SchedulerOutput) -> StepResult:
         dp = [] if self.prompt_logits else runner_dp.dp_rows(self, out)  # elastic CP: short chunks one rank each
         if dp:
@@ -256,8 +264,7 @@ class StepRunner:
         if not out.req_ids:
             return StepResult({}, {}, False, 0)
         sent, t0 = self._sent(), time.perf_counter()
-        pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
-            if self.pcp_size > 1 else []
+        pre = self.pcp_rows(out)
         if pre:  # long chunks under PCP, then the decodes and short chunks (a mixed step: eager)
             dec = [b for b in range(len(out.req_ids)) if b not in set(pre)]
             chunks = rows_of(out, pre)

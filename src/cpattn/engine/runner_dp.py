@@ -1,6 +1,7 @@
 """Data-parallel prefill of short chunks under elastic CP: each short prompt runs on one rank, at the same time.
 
-With ``pcp_policy="elastic"`` a chunk shorter than ``pcp_min_tokens`` does not pay for PCP. Run as DCP
+With ``pcp_policy="elastic"`` a chunk shorter than ``pcp_min_tokens`` (counting its context's attention:
+:func:`~cpattn.engine.elastic.runs_pcp`) does not pay for PCP. Run as DCP
 attention with the step's decodes, every rank would compute every one of its tokens (and merge partial
 attention each layer). Instead the group splits a step's short chunks, one rank each -- a lone one too
 (then one rank computes it while the others wait: on the 2-core test machine a lone 64-256-token prompt's
@@ -98,8 +99,8 @@ def dp_rows(runner, out: SchedulerOutput) -> list[int]:
         return []
     if getattr(runner, "world", runner.group) is not runner.group:  # PCP wider than DCP: short chunks join the decodes
         return []
-    return [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] < runner.pcp_min_tokens
-            and not out.draft_tokens[b]]
+    pcp = set(runner.pcp_rows(out))
+    return [b for b, p in enumerate(out.is_prefill) if p and b not in pcp and not out.draft_tokens[b]]
 
 
 def execute_with_dp(runner, out: SchedulerOutput, dp: list[int]):

@@ -286,8 +286,7 @@ class HybridStepRunner(StepRunner):
     def _run(self, out: SchedulerOutput) -> StepResult:
         """The step's rows through the model: long prefill chunks under PCP (with ``pcp_size > 1``), the rest
         through the DCP step."""
-        pre = [b for b, p in enumerate(out.is_prefill) if p and out.query_lens[b] >= self.pcp_min_tokens] \
-            if self.pcp_size > 1 else []
+        pre = self.pcp_rows(out)
         if pre:  # the long chunks under PCP, then the decodes and short chunks through the DCP step
             super().execute(rows_of(out, []))  # the fresh blocks' poisoning (and chunk_logits = {} if kept)
             sent, t0 = self._sent(), time.perf_counter()
