@@ -149,7 +149,7 @@ def test_one_token_is_the_producers():
 
 def test_what_still_runs_the_composition():
     """Other algorithms run the step loop too (the usable blocks cross the link); the fixed-batch composition
-    (what a prefix or on_step still gets, called here directly) sends every block, the partial last one too.
+    (what a given prefix still gets, called here directly) sends every block, the partial last one too.
     The same tokens."""
     cfg, params = tiny_float64("qwen3", seed=2)
     prompts = batch(cfg.vocab_size)
@@ -182,3 +182,34 @@ def test_an_on_step_abort_returns_the_last_output():
     got, whole = cut[1][0], full[1][0]
     assert got.finished and got.finish_reason == "abort" and len(got.token_ids) == 2
     assert got.token_ids == whole.token_ids[:2] and cut[1][1] == full[1][1]
+
+
+@pytest.mark.parametrize("pd", [False, True])
+def test_on_step_reports_each_decode_step_through_the_step_loop(pd, one_device, monkeypatch):
+    """``generate_on_rank(on_step=)``: the step loop (the composition is never called), ``on_step(steps so far)``
+    after each decoding step on every decoding rank (1, 2, ..., N - 1: the first token is the prefill's), the
+    tokens one device's; colocated DCP 2 and P/D 1 -> 2."""
+    cfg, params = tiny_float64("qwen3", seed=2)
+    prompts = batch(cfg.vocab_size)
+    if pd:
+        pre, dec = configs("qwen3", cfg, 1, 2)
+    else:
+        pre, dec = driver.engine_configs("qwen3", cfg, dcp_size=2, block_size=BLOCK)
+
+    def refused(*_, **__):
+        raise AssertionError("composed_on_rank ran")
+
+    monkeypatch.setattr(driver, "composed_on_rank", refused)
+    seen: dict[int, list[int]] = {}
+
+    def run(group):
+        calls = seen.setdefault(group.rank, [])
+        return driver.generate_on_rank(group, "qwen3", params, cfg, prompts, 5, prefill=pre, decode=dec,
+                                       on_step=calls.append)
+
+    gens = cpattn.simulate(3 if pd else 2, run)
+    want = one_device("qwen3", params, cfg, prompts, 5).tokens
+    assert all(torch.equal(g.tokens, want) for g in gens)
+    decoding = [1, 2] if pd else [0, 1]
+    assert {r: seen.get(r, []) for r in range(len(gens))} == \
+        {r: [1, 2, 3, 4] if r in decoding else [] for r in range(len(gens))}

@@ -6,11 +6,11 @@ engine (its ``pcp_size`` = P) and the decode engine (its ``dcp_size`` = N,
 mode). They may be one config (one engine opting in to PCP with DCP). Both
 are checked once, before any rank starts (:mod:`cpattn.engine.checks`).
 
-Topologies (each through the step loop where it runs the layout, under any ``algorithms``, with no ``prefix`` and
-no ``on_step``; else through the fixed-batch composition, :func:`composed_on_rank`):
+Topologies (each through the step loop where it runs the layout, under any ``algorithms`` and ``on_step``, with
+no ``prefix``; else through the fixed-batch composition, :func:`composed_on_rank`):
 
 - **colocated** (:func:`generate_on_rank` on ``max(P, N)`` ranks): the step loop on that world, as
-  :func:`generate` (with a KV ``pool`` and ``P <= N``: :mod:`cpattn.engine.step_on_rank`); the composition
+  :func:`generate` (with ``on_step`` or a KV ``pool`` and ``P <= N``: :mod:`cpattn.engine.step_on_rank`); the composition
   (also for a ``pool`` with ``P > N``) runs a size-1 stage on every rank alone, a full-size one over the
   world, and moves rows inside it (:func:`cpattn.engine.handoff.exchange`);
 - **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks; ranks ``[0, P)`` prefill, ``[P, P + N)``
@@ -144,14 +144,15 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
                      pool=None, on_step=None) -> Generation:
     """One rank of a run over a real (or simulated) world; call it on every rank (see module doc).
 
-    With no ``prefix`` and no ``on_step``, a run goes through the step loop where it can run the layout
+    With no ``prefix``, a run goes through the step loop where it can run the layout
     (:func:`step_loop_runs`), as :func:`generate` does (the same tokens; its engines run exactly ``algorithms``,
-    None: their own choices). Colocated without a ``pool``: :func:`cpattn.engine.step_generate.step_generate` on
-    ``world`` (no hand-off in its facts). P/D (with or without a ``pool`` or a drafter), and colocated with a
-    ``pool`` and ``P <= N``: :func:`cpattn.engine.step_on_rank.step_on_rank`, :func:`cpattn.engine.run_rank.run_rank`
+    None: their own choices). Colocated without a ``pool`` or ``on_step``: :func:`cpattn.engine.step_generate.step_generate` on
+    ``world`` (no hand-off in its facts). P/D (with or without a ``pool`` or a drafter), colocated with a
+    ``pool`` and ``P <= N`` or with ``on_step`` (called with the decode steps so far after each decoding step):
+    :func:`cpattn.engine.step_on_rank.step_on_rank`, :func:`cpattn.engine.run_rank.run_rank`
     over ``world`` (colocated, the pool is the prefix cache's second tier: whole spans of ``block_size * N`` tokens
     loaded at admission, every whole block computed -- decoded tokens' too -- stored, prompt logits of the computed
-    positions; P/D, the producer stores, the consumer loads). The rest (a ``prefix``, ``on_step``, a colocated
+    positions; P/D, the producer stores, the consumer loads). The rest (a ``prefix``, a colocated
     ``pool`` with ``P > N``: the engine refuses a KV connector on ranks that hold no blocks; a layout the step
     loop refuses) through :func:`composed_on_rank` (``algorithms`` None: ``Algorithms()``), whose arguments
     these are; a caller measuring its hand-off stage (``facts.handoff``) calls it. Checked before anything runs.
@@ -169,16 +170,16 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     topology = checks.topology(prefill, decode, world.size)
     pd = topology == "disaggregated"
     wide_pool = pool is not None and not pd and prefill.parallel.pcp_size > decode.parallel.dcp_size
-    if prefix is None and not wide_pool and on_step is None:
+    if prefix is None and not wide_pool:
         family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size,
                              topology, pool)
         if step_loop_runs(family, cfg, prefill, decode, drafter):
-            if pd or pool is not None:  # here: the step loop imports this module
+            if pd or pool is not None or on_step is not None:  # here: the step loop imports this module
                 from cpattn.engine.step_on_rank import step_on_rank
 
                 return step_on_rank(world, family, params, cfg, p.lists(), max_new_tokens, prefill=prefill,
                                     decode=decode, drafter=drafter, prompt_logits=prompt_logits, pool=pool,
-                                    algorithms=algorithms)
+                                    algorithms=algorithms, on_step=on_step)
             from cpattn.engine.step_generate import step_generate
 
             return step_generate(family, params, cfg, p.lists(), max_new_tokens, prefill=prefill, decode=decode,

@@ -100,7 +100,7 @@ from cpattn.models.family import ModelFamily, get_family, param_dtype
 
 def step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any, prompts, max_new_tokens: int, *,
                  prefill: EngineConfig, decode: EngineConfig, drafter=None, prompt_logits: bool = True,
-                 pool=None, algorithms=None) -> Generation:
+                 pool=None, algorithms=None, on_step=None) -> Generation:
     """This rank of a fixed batch through run_rank (module doc); call it on every rank of the world.
 
     prompts: B token lists; max_new_tokens: N greedy tokens each. prefill / decode: the run's two configs
@@ -112,6 +112,8 @@ def step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any,
     (under P/D one reading hidden states gets the producer's rows). pool: a
     :class:`~cpattn.engine.pooling.PoolSpec` (opened on every rank, released at the end) or an open pool.
     algorithms: every engine's (:func:`~cpattn.engine.run_rank.run_rank`; None: the runners' own choices).
+    on_step: called with the decode steps so far after each step of the decoding engine that decoded (on the
+    ranks that decode; progress, as the fixed-batch composition's decode calls it).
     Returns tokens [B, N], logits [B, N, V] (every rank), prompt_logits [T, V] (the computed positions;
     P/D: producer ranks), stats, facts.
     """
@@ -122,7 +124,7 @@ def step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any,
     # prefix caching on where the pool (or the P/D hand-off) is the prefix cache's second tier
     sched = batch_scheduler(family, [len(q) for q in prompts], max_new_tokens, k, pd=pd or pool is not None)
     comp = decode.compilation
-    batch = RankBatch(world, b, max_new_tokens, k)
+    batch = RankBatch(world, b, max_new_tokens, k, on_step)
     layout = dict(num_blocks=_blocks(sched, bs, 1)) if pd else \
         dict(interleave_size=decode.cache.cp_kv_cache_interleave_size, num_blocks=_blocks(sched, bs, n))
     arrivals = [Arrival(list(q), SamplingParams(max_tokens=max_new_tokens + k)) for q in prompts]

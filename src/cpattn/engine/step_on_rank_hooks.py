@@ -88,10 +88,11 @@ class TimedPool(PoolConnector):
 
 class RankBatch:
     """run_rank's hooks on this rank for a fixed batch of ``b`` requests of ``n`` tokens, ``k`` drafts per
-    decode row (module doc); :meth:`facts` once the run ended."""
+    decode row (module doc); ``on_step(decode steps so far)`` after each step that decoded; :meth:`facts` once
+    the run ended."""
 
-    def __init__(self, world: Group, b: int, n: int, k: int) -> None:
-        self.world, self.b, self.n, self.spec = world, b, n, SpecCount(k)
+    def __init__(self, world: Group, b: int, n: int, k: int, on_step=None) -> None:
+        self.world, self.b, self.n, self.spec, self.on_step = world, b, n, SpecCount(k), on_step
         self.latest, self.prompt, self.hits, self.times = {}, {}, {}, []
         self.stats, self.ttft, self.engine, self.role, self.prev, self.sent_first = None, 0.0, None, None, None, 0
 
@@ -121,8 +122,11 @@ class RankBatch:
             if role == "prefill" and o.finished:
                 self.ttft = now - self.t0  # the producer's last first token so far
         if role in DECODING:
+            steps = self.spec.spec["steps"]
             self.spec.after(engine)
             self.stats = self.spec.stats(engine)
+            if self.on_step is not None and self.stats.steps > steps:  # a step that decoded: progress
+                self.on_step(self.stats.steps)
 
     def pool_facts(self, family, cfg, params, block_size: int) -> PoolFacts:
         """What this rank's pool connector did (an empty PoolFacts without one): whole blocks a pool gave each
