@@ -159,16 +159,20 @@ def test_elastic_short_chunks_run_dcp_with_the_decodes(one_device):
 
 
 def test_refusals_name_the_layout(tmp_path):
-    """A KV connector needs every rank's blocks; a world of another size; StepRunner's own dcp_size check
-    (DeepSeek-V4 and hybrid runners take this layout too: tests/test_engine_loop_pcp_wide_v4_hybrid.py)."""
+    """A P/D connector needs every rank's blocks (a pool alone works: tests/test_step_on_rank_pool.py); a world
+    of another size; StepRunner's own dcp_size check (DeepSeek-V4 and hybrid runners take this layout too:
+    tests/test_engine_loop_pcp_wide_v4_hybrid.py)."""
     from cpattn.comm.sim import SimMesh
+    from cpattn.engine.connector import PoolConnector
+    from cpattn.engine.connector_pd import PDConnector
     from cpattn.engine.pooling import PoolSpec
     from cpattn.engine.runner import StepRunner
 
     cfg, params = model("qwen3")
-    with pytest.raises(ValueError, match="a KV connector .* needs every rank to hold its blocks"):
-        LLMEngine("qwen3", params, cfg, dcp_size=1, pcp_size=2, block_size=4, interleave_size=4,
-                  kv_pool=PoolSpec(f"lmdb:{tmp_path}"))
+    for connector in (PDConnector(), PoolConnector(PoolSpec(f"lmdb:{tmp_path}")) + PDConnector()):
+        with pytest.raises(ValueError, match="a P/D connector hands a producer rank's blocks to a consumer rank"):
+            LLMEngine("qwen3", params, cfg, dcp_size=1, pcp_size=2, block_size=4, interleave_size=4,
+                      kv_connector=connector)
     with pytest.raises(ValueError, match="world: a group of 2 ranks, but the config's max.pcp_size, dcp_size. is 4"):
         LLMEngine("qwen3", params, cfg, dcp_size=2, pcp_size=4, world=SimMesh(2).groups()[0])
     with pytest.raises(ValueError, match="pass dcp_size in 1..1 with pcp_size=1"):

@@ -151,7 +151,7 @@ def test_a_kv_connector_with_pcp_wider_than_dcp_stays_refused():
 
     for family in ("deepseek_v4", "qwen3_next"):
         cfg, params = model(family)
-        with pytest.raises(ValueError, match="pcp_size=3 with dcp_size=2: a KV connector .* needs every rank"):
+        with pytest.raises(ValueError, match="pcp_size=3 with dcp_size=2: a P/D connector hands a producer rank"):
             engine_of(family, 3, 2, kv_connector=PDConnector())
 
 

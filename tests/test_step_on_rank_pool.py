@@ -36,9 +36,7 @@ WARM = [S + [50, 51, 52, 53, 54], S[:8] + [55, 56, 57]]  # 21 tokens: 4 shared b
 # 2 decoded: 13 computed)
 COLD_STORED, WARM_STORED = 6, 2
 HITS = (4, 2)  # whole spans under DCP 1 and 2 alike (a span: BLOCK * N tokens), one prompt token left
-LAYOUTS = [(1, 1), (1, 2), (2, 2)]
-
-
+LAYOUTS = [(1, 1), (1, 2), (2, 2), (2, 1)]  # (P, N); P > N: the ranks past N hold no blocks
 
 
 def configs(fam, cfg, p, n):
@@ -66,12 +64,14 @@ def computed_rows(want, prompts, hits):
 
 
 def check(gens, want, prompts, hits, stored, block_bytes):
+    n = sum(g.facts.kv_bytes > 0 for g in gens)  # the DCP ranks (PCP wider than DCP: the first N of them)
+    assert all(g.facts.kv_bytes > 0 for g in gens[:n]) and all(g.facts.pool.blocks_stored == 0 for g in gens[n:])
     for g in gens:
         assert torch.equal(g.tokens, want.tokens)
         assert torch.allclose(g.logits, want.logits, **TOL)
         assert torch.allclose(g.prompt_logits, computed_rows(want, prompts, hits), **TOL)
         f = g.facts
-        assert f.role == "both" and f.ttft_s > 0 and len(f.step_s) == NEW - 1 and f.kv_bytes > 0
+        assert f.role == "both" and f.ttft_s > 0 and len(f.step_s) == NEW - 1
         assert f.pool.hit_blocks == hits
         assert f.pool.blocks_loaded == sum(hits) and f.pool.bytes_loaded == sum(hits) * block_bytes  # every rank
         assert f.pool.bytes_stored == f.pool.blocks_stored * block_bytes
@@ -103,18 +103,16 @@ def test_cold_then_warm_through_one_pool(one_device, no_composition, tmp_path, n
     assert not pooling._OPEN
 
 
-def test_pcp_over_more_ranks_than_dcp_keeps_the_composition(one_device, monkeypatch):
-    """PCP 2 / DCP 1 with a pool: the step loop's engine refuses a KV connector on a rank holding no KV, so the
-    fixed-batch composition runs it (the same tokens; it stores prompt blocks only)."""
+def test_a_pd_connector_with_pcp_wider_than_dcp_is_refused():
+    """PCP 2 / DCP 1 takes a pool (above) but not a P/D connector: it hands a producer rank's blocks to a
+    consumer rank, and rank 1 holds none. One line, before any step."""
+    from cpattn.engine.connector_pd import PDConnector
+    from cpattn.engine.llm import LLMEngine
+
     fam, cfg, params = tiny("qwen3")
-    calls = []
-    real = driver.composed_on_rank
-    monkeypatch.setattr(driver, "composed_on_rank", lambda *a, **k: calls.append(1) or real(*a, **k))
-    pool = memory_pool(fam, cfg, params, BLOCK)
-    gens = run(fam, cfg, params, COLD, 2, 1, pool)
-    assert len(calls) == 2 and all(torch.equal(g.tokens, one_device(fam, params, cfg, COLD, NEW).tokens)
-                                   for g in gens)
-    assert sum(g.facts.pool.blocks_stored for g in gens) == 5
+    with pytest.raises(RuntimeError, match="a P/D connector hands a producer rank's blocks to a consumer rank"):
+        cpattn.simulate(2, lambda g: LLMEngine(fam, params, cfg, world=g, pcp_size=2, dcp_size=1, block_size=BLOCK,
+                                               kv_connector=PDConnector()))
 
 
 def cold_then_warm(group, fam, params, cfg, spec):

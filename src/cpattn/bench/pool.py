@@ -6,8 +6,8 @@ with the spread (median / best - 1), and MB/s.
 
 Part 2, the engine: one prompt of ``--prompt-len`` tokens is prefilled cold
 (its whole blocks go to the pool), then a prompt sharing its first 7/8 (in
-whole blocks) is prefilled warm, on one rank and on PCP = DCP = 2 gloo ranks
-(one engine; the step loop takes a pool only where every rank holds KV), for
+whole blocks) is prefilled warm, on one rank and on PCP = 2 gloo ranks (one
+engine, DCP 1: rank 1 computes its share of each chunk and holds no KV), for
 each backend, through ``driver.generate_on_rank``: the step loop, the pool its
 prefix cache's second tier (:mod:`cpattn.engine.step_on_rank`). Cold and warm
 runs alternate over ``--reps`` rounds, each round with a fresh model name (so a
@@ -53,8 +53,8 @@ def pool_rank(group, params, cfg, prompts: dict, spec: str, reps: int, pcp: int)
     from cpattn.engine import driver
     from cpattn.engine.pooling import PoolSpec
 
-    pre, dec = driver.engine_configs("qwen3", cfg, pcp_size=pcp, dcp_size=pcp, block_size=BLOCK,
-                                     interleave_size=BLOCK)  # PCP = DCP: every rank holds its blocks
+    pre, dec = driver.engine_configs("qwen3", cfg, pcp_size=pcp, dcp_size=1, block_size=BLOCK,
+                                     interleave_size=BLOCK)
     out = []
     for rep in range(reps + 1):  # round 0 warms kernels, links and the store up; it is not reported
         row = {}

@@ -10,8 +10,8 @@ Topologies (each through the step loop where it runs the layout, under any ``alg
 no ``prefix``; else through the fixed-batch composition, :func:`composed_on_rank`):
 
 - **colocated** (:func:`generate_on_rank` on ``max(P, N)`` ranks): the step loop on that world, as
-  :func:`generate` (with ``on_step`` or a KV ``pool`` and ``P <= N``: :mod:`cpattn.engine.step_on_rank`); the composition
-  (also for a ``pool`` with ``P > N``) runs a size-1 stage on every rank alone, a full-size one over the
+  :func:`generate` (with ``on_step`` or a KV ``pool``: :mod:`cpattn.engine.step_on_rank`); the composition
+  runs a size-1 stage on every rank alone, a full-size one over the
   world, and moves rows inside it (:func:`cpattn.engine.handoff.exchange`);
 - **disaggregated** (:func:`generate_on_rank` on ``P + N`` ranks; ranks ``[0, P)`` prefill, ``[P, P + N)``
   decode): the step loop's P/D (:mod:`cpattn.engine.step_on_rank`: ``run_rank(pd=True)``; the usable whole
@@ -148,13 +148,12 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     (:func:`step_loop_runs`), as :func:`generate` does (the same tokens; its engines run exactly ``algorithms``,
     None: their own choices). Colocated without a ``pool`` or ``on_step``: :func:`cpattn.engine.step_generate.step_generate` on
     ``world`` (no hand-off in its facts). P/D (with or without a ``pool`` or a drafter), colocated with a
-    ``pool`` and ``P <= N`` or with ``on_step`` (called with the decode steps so far after each decoding step):
+    ``pool`` or with ``on_step`` (called with the decode steps so far after each decoding step):
     :func:`cpattn.engine.step_on_rank.step_on_rank`, :func:`cpattn.engine.run_rank.run_rank`
     over ``world`` (colocated, the pool is the prefix cache's second tier: whole spans of ``block_size * N`` tokens
     loaded at admission, every whole block computed -- decoded tokens' too -- stored, prompt logits of the computed
-    positions; P/D, the producer stores, the consumer loads). The rest (a ``prefix``, a colocated
-    ``pool`` with ``P > N``: the engine refuses a KV connector on ranks that hold no blocks; a layout the step
-    loop refuses) through :func:`composed_on_rank` (``algorithms`` None: ``Algorithms()``), whose arguments
+    positions; P/D, the producer stores, the consumer loads). The rest (a ``prefix``, a layout the step loop
+    refuses) through :func:`composed_on_rank` (``algorithms`` None: ``Algorithms()``), whose arguments
     these are; a caller measuring its hand-off stage (``facts.handoff``) calls it. Checked before anything runs.
     Example (every rank of a simulated world):
 
@@ -169,8 +168,7 @@ def generate_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: 
     """
     topology = checks.topology(prefill, decode, world.size)
     pd = topology == "disaggregated"
-    wide_pool = pool is not None and not pd and prefill.parallel.pcp_size > decode.parallel.dcp_size
-    if prefix is None and not wide_pool:
+    if prefix is None:
         family, p = _prepare(model, params, cfg, prompts, max_new_tokens, prefill, decode, drafter, world.size,
                              topology, pool)
         if step_loop_runs(family, cfg, prefill, decode, drafter):

@@ -13,8 +13,10 @@ ids that refer to no storage there) stays in step: preemption by recompute, late
 
 N = 1 is PCP prefill with one-rank decode. The runners that keep their own caches run it the same way: DeepSeek-V4
 (:mod:`cpattn.engine.runner_v4_pcp`: its state on the first N ranks only) and hybrid models
-(:mod:`cpattn.engine.runner_hybrid_pcp`: KV rows and linear states on the first N ranks only). KV connectors (a
-pool tier, P/D) are not offered this layout (:func:`check_engine`).
+(:mod:`cpattn.engine.runner_hybrid_pcp`: KV rows and linear states on the first N ranks only). A KV pool as the
+prefix cache's second tier works here (every rank's scheduler looks the same spans up; the DCP ranks write the
+loaded blocks and store their own, the others hold none, so store none); a P/D connector is not offered this
+layout (:func:`check_engine`: it hands a producer rank's blocks to a consumer rank).
 
 >>> import cpattn
 >>> cpattn.simulate(3, lambda g: (lambda w, n, d: (w.size, n, d and d.size))(*dcp_of(g, 2, 3)))
@@ -24,6 +26,7 @@ pool tier, P/D) are not offered this layout (:func:`check_engine`).
 from __future__ import annotations
 
 from cpattn.comm.group import Group
+from cpattn.engine.connector import KVConnector, MultiConnector, PoolConnector
 from cpattn.engine.runner_pcp import from_rank0
 
 
@@ -60,16 +63,20 @@ def step_from_rank0(world: Group, res: tuple | None, hidden_layers: tuple | None
 
 def check_engine(family, pcp_size: int, dcp_size: int, world: Group | None, connector) -> int:
     """The number of ranks an LLMEngine of this layout runs on (``max(pcp_size, dcp_size)``); a ValueError for
-    what it refuses: ``pcp_size > dcp_size`` with a KV connector, or a ``world`` of another size.
+    what it refuses: ``pcp_size > dcp_size`` with a KV connector other than a pool tier (P/D), or a ``world``
+    of another size. ``connector``: the engine's ``kv_pool`` (a spec or an open pool) or ``kv_connector``.
 
     >>> from cpattn.models.family import get_family
     >>> check_engine(get_family("qwen3"), 4, 2, None, None), check_engine(get_family("deepseek_v4"), 3, 2, None, None)
     (4, 3)
     """
     p, n = pcp_size, dcp_size
-    if p > n and connector is not None:
-        raise ValueError(f"pcp_size={p} with dcp_size={n}: a KV connector (pool tier, P/D) needs every rank to hold "
-                         f"its blocks; pass pcp_size=1..{n}")
+    members = getattr(connector, "connectors", (connector,)) if isinstance(connector, MultiConnector) else (connector,)
+    hands_off = any(isinstance(c, KVConnector) and not isinstance(c, PoolConnector) for c in members)
+    if p > n and hands_off:
+        raise ValueError(f"pcp_size={p} with dcp_size={n}: a P/D connector hands a producer rank's blocks to a "
+                         f"consumer rank, so every rank must hold its blocks; pass pcp_size=1..{n} (a KV pool "
+                         "alone works with this layout)")
     ranks = max(p, n)
     if world is not None and world.size != ranks:
         raise ValueError(f"world: a group of {world.size} ranks, but the config's max(pcp_size, dcp_size) is "

@@ -2,7 +2,7 @@
 
 What :func:`cpattn.engine.driver.generate_on_rank` runs, under torchrun / gloo or on the simulated mesh alike,
 for a P/D pair (a ``kv_consumer`` decode config on a world of ``P + N`` ranks) and for a colocated run with a
-KV pool (``pool``: on a world of ``max(P, N)`` ranks, ``P <= N``). The run is
+KV pool (``pool``: on a world of ``max(P, N)`` ranks). The run is
 :func:`~cpattn.engine.run_rank.run_rank`, the layout picked from the decode config:
 
 - **P/D** (``pd=True``): world ranks ``0 .. P-1`` are the producer engine (PCP over them), ranks
@@ -108,7 +108,7 @@ def step_on_rank(world: Group, model: ModelFamily | str, params: dict, cfg: Any,
     ``decode.parallel.dcp_size``, the block size (and colocated, the interleave size: a pool over DCP ranks
     needs ``interleave_size = block_size``), the decode's graph mode and speculative k. A ``kv_consumer``
     decode config (``pd=True``) is a P/D pair on ``P + N`` ranks; else one colocated engine on ``max(P, N)``
-    ranks (with a pool ``P <= N``: every rank of the engine holds its blocks). drafter: the decoding engine's
+    ranks (with ``P > N`` the ranks past N hold no blocks: they look spans up as the others do, write and store none). drafter: the decoding engine's
     (under P/D one reading hidden states gets the producer's rows). pool: a
     :class:`~cpattn.engine.pooling.PoolSpec` (opened on every rank, released at the end) or an open pool.
     algorithms: every engine's (:func:`~cpattn.engine.run_rank.run_rank`; None: the runners' own choices).
