@@ -87,14 +87,19 @@ def test_qwen3_dcp(one_device, seen, algo):
     assert (seen["merge"], seen["pcp"], seen["handoff"]) == ({algo.dcp_merge}, set(), set())
 
 
-@pytest.mark.parametrize("algo", [Algorithms(pcp_method="allgather", handoff="allgather", dcp_merge="local_a2a"),
-                                  Algorithms(pcp_method="ring", handoff="a2a", dcp_merge="local_ag")], ids=ids)
-def test_qwen3_pcp_dcp(one_device, seen, algo):
-    cfg, params = tiny_float64("qwen3", seed=1)
+PCP_DCP = [("qwen3", 1, Algorithms(pcp_method="allgather", handoff="allgather", dcp_merge="local_a2a")),
+           ("qwen3", 1, Algorithms(pcp_method="ring", handoff="a2a", dcp_merge="local_ag")),
+           ("deepseek_v3", 3, Algorithms(pcp_method="allgather", handoff="allgather", dcp_merge="a2a")),  # MLA
+           ("deepseek_v3", 3, Algorithms(pcp_method="ring", dcp_merge="ag_rs"))]
+
+
+@pytest.mark.parametrize("family,seed,algo", PCP_DCP, ids=lambda v: ids(v) if isinstance(v, Algorithms) else str(v))
+def test_pcp_dcp(one_device, seen, family, seed, algo):
+    cfg, params = tiny_float64(family, seed=seed)
     ps = prompts(cfg.vocab_size)
-    pre, dec = driver.engine_configs("qwen3", cfg, pcp_size=2, dcp_size=2)
-    out = driver.generate("qwen3", params, cfg, ps, NEW, prefill=pre, decode=dec, algorithms=algo)
-    assert torch.equal(out.tokens, oracle(one_device, "qwen3", params, cfg, ps))
+    pre, dec = driver.engine_configs(family, cfg, pcp_size=2, dcp_size=2)
+    out = driver.generate(family, params, cfg, ps, NEW, prefill=pre, decode=dec, algorithms=algo)
+    assert torch.equal(out.tokens, oracle(one_device, family, params, cfg, ps))
     assert (seen["pcp"], seen["handoff"], seen["merge"]) == ({algo.pcp_method}, {algo.handoff}, {algo.dcp_merge})
 
 
@@ -124,17 +129,6 @@ def test_deepseek_v32(one_device, seen, split):
     assert torch.equal(out.tokens, oracle(one_device, "deepseek_v32", params, cfg, ps))
     assert (seen["split"], seen["handoff"]) == ({split}, {algo.handoff})
     assert seen["pcp"] == set()  # a DSA chunk runs DSA-CP, which has no pcp_method
-
-
-@pytest.mark.parametrize("algo", [Algorithms(pcp_method="allgather", handoff="allgather", dcp_merge="a2a"),
-                                  Algorithms(pcp_method="ring", dcp_merge="ag_rs")], ids=["allgather", "ring"])
-def test_deepseek_v3(one_device, seen, algo):
-    cfg, params = tiny_float64("deepseek_v3", seed=3)
-    ps = prompts(cfg.vocab_size)
-    pre, dec = driver.engine_configs("deepseek_v3", cfg, pcp_size=2, dcp_size=2)
-    out = driver.generate("deepseek_v3", params, cfg, ps, NEW, prefill=pre, decode=dec, algorithms=algo)
-    assert torch.equal(out.tokens, oracle(one_device, "deepseek_v3", params, cfg, ps))
-    assert (seen["pcp"], seen["handoff"], seen["merge"]) == ({algo.pcp_method}, {algo.handoff}, {algo.dcp_merge})
 
 
 def test_pd_pair(one_device, seen):
