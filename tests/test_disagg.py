@@ -98,9 +98,9 @@ def test_config_rules():
 
 @pytest.mark.slow
 def test_on_gloo_ranks(reference):
-    """One world of 4 gloo processes: P=2 -> N=2 (plain, through the step loop's run_rank; speculative with
-    another DCP merge, through the composition), then P=3 -> N=1 (the composition: a producer of 3 ranks is an
-    engine the step loop refuses, 8 heads % 3)."""
+    """One world of 4 gloo processes: P=2 -> N=2 (plain, and speculative with another DCP merge: both through
+    the step loop's run_rank), then P=3 -> N=1 (the composition: a producer of 3 ranks is an engine the step loop
+    refuses, 8 heads % 3)."""
     from cpattn.engine.connector_pd import usable_blocks
 
     model, params, cfg, ref = reference("qwen3")
@@ -109,7 +109,7 @@ def test_on_gloo_ranks(reference):
              (args, {"pcp_size": 2, "dcp_size": 2, "block_size": 2, "drafter": NgramDrafter(),
                      "num_speculative_tokens": 3, "dcp_merge": "a2a"}),
              (args, {"pcp_size": 3, "dcp_size": 1, "block_size": 4})]
-    step_loop = [True, False, False]
+    step_loop = [True, True, False]
     per_rank = spawn(4, pd_cases, cases)
     for c, (_, kw) in enumerate(cases):
         p, bs = kw["pcp_size"], kw["block_size"]
